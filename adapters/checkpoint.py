@@ -1,0 +1,90 @@
+"""Save and load a fine-tuned Speculative Streaming model as plain files.
+
+    <dir>/streamfuse.json        what the model is: base model, StreamConfig, LoRA settings
+    <dir>/lora/                  the peft adapter (safetensors) - shareable across tasks on one base
+    <dir>/streams.safetensors    stream-identifier embeddings, f_eta and the pruning head
+    <dir>/tokenizer/             the tokenizer the model was trained with
+Loading never unpickles: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .base_model import load_base_model
+from .config import LoraSettings, StreamConfig
+from .model import SpeculativeStreamingLM
+
+MANIFEST = "streamfuse.json"
+FORMAT_VERSION = 1
+
+
+def extra_state(model: SpeculativeStreamingLM) -> dict[str, torch.Tensor]:
+    """The non-LoRA trainable tensors (streams and pruning head)."""
+    state = {f"stream_init.{k}": v for k, v in model.stream_init.state_dict().items()}
+    state.update({f"pruning_head.{k}": v for k, v in model.pruning_head.state_dict().items()})
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, base_model: str, lora: LoraSettings, info: dict | None = None) -> None:
+    """Write atomically: a temp folder beside the target, renamed into place when complete."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
+    try:
+        model.model.save_pretrained(staging / "lora")
+        save_file(extra_state(model), str(staging / "streams.safetensors"))
+        tokenizer.save_pretrained(staging / "tokenizer")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "base_model": base_model,
+            "streams": asdict(model.config),
+            "lora": {**asdict(lora), "target_modules": list(lora.target_modules)},
+            "info": info or {},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {directory} is not a streamfuse checkpoint (run export/build.py)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
+            f"{FORMAT_VERSION}: rebuild the checkpoint with this version"
+        )
+    return manifest
+
+
+def load_checkpoint(directory: Path, base_model: str | None = None):
+    """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    base, _ = load_base_model(base_model or manifest["base_model"])
+    peft_model = PeftModel.from_pretrained(base, directory / "lora")
+    model = SpeculativeStreamingLM(peft_model, StreamConfig.from_dict(manifest["streams"]))
+    state = load_file(str(directory / "streams.safetensors"))
+    missing = set(extra_state(model)) ^ set(state)
+    if missing:
+        raise ValueError(f"{directory / 'streams.safetensors'} does not match the config: tensors {sorted(missing)}")
+    model.stream_init.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("stream_init.")})
+    model.pruning_head.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("pruning_head.")})
+    tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
+    return model.eval(), tokenizer, manifest

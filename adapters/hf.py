@@ -1,0 +1,81 @@
+"""The only file that knows Hugging Face module names and calling conventions.
+
+Speculative Streaming drives the base model's own decoder layers (so LoRA wrapped by peft
+applies unchanged) with explicit masks, positions and key/value providers. Supporting another
+architecture means teaching `decoder_parts` where its modules are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Families whose decoder layers take (hidden, attention_mask, position_embeddings,
+# past_key_values) and whose attention calls past_key_values.update(k, v, layer_idx).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    embed: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module
+    hidden_size: int
+    vocab_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The underlying transformers model of a peft model (LoRA layers stay in place)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def decoder_parts(model: nn.Module) -> DecoderParts:
+    base = unwrap_peft(model)
+    config = base.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model_type {config.model_type!r} is not supported yet (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); add its module names to adapters/hf.py"
+        )
+    inner = base.model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return DecoderParts(
+        embed=inner.embed_tokens,
+        layers=inner.layers,
+        norm=inner.norm,
+        lm_head=base.lm_head,
+        rotary=inner.rotary_emb,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+    )
+
+
+def call_layer(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    key_values: object,
+) -> torch.Tensor:
+    """Run one HF decoder layer. hidden [B, T, H]; mask additive [B, 1, T, K]; key_values has
+    update(k, v, layer_idx) -> (all_k, all_v) as HF attention expects of a cache."""
+    return layer(
+        hidden,
+        attention_mask=mask,
+        position_embeddings=position_embeddings,
+        past_key_values=key_values,
+    )

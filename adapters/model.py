@@ -1,0 +1,134 @@
+"""SpeculativeStreamingLM: a Hugging Face causal LM with speculative streams fused in.
+
+The forward pass is explicit: token ids, positions, an additive mask, past key/values and the
+anchor tokens at which streams are inserted all come in as arguments; hidden states and the
+new main-stream key/values come out. Nothing is stored on the module between calls.
+
+    main tokens ─► layers [0, N-N_s) ─► (pruning head reads layer l) ─► insert streams at anchors
+                ─► layers [N-N_s, N) over [main ; streams] with the multi-stream mask ─► norm
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import hf
+from .config import StreamConfig
+from .msa import StepKeyValues, multi_stream_mask
+from .pruning import PruningHead
+from .streams import StreamInit
+
+KeyValues = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StreamingOutput:
+    hidden: torch.Tensor  # [B, T, H] final-normed main-stream states
+    stream_hidden: torch.Tensor | None  # [B, A, gamma, H] final-normed stream states at the anchors
+    pruning_hidden: torch.Tensor | None  # [B, T, H] final-normed early-exit states of the pruning head
+    new_key_values: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [B, kv_heads, T, d], main tokens only
+
+
+class SpeculativeStreamingLM(nn.Module):
+    """Wraps a (possibly peft-wrapped) HF causal LM; adds streams and the pruning head."""
+
+    def __init__(self, model: nn.Module, config: StreamConfig, max_positions: int = 4096):
+        super().__init__()
+        self.model = model
+        self.config = config
+        self.parts = hf.decoder_parts(model)
+        config.validate(self.parts.num_layers)
+        self.stream_init = StreamInit(config, self.parts.hidden_size)
+        self.pruning_head = PruningHead(self.parts.hidden_size, config.pruning_rank)
+        self.split = config.first_msa_layer(self.parts.num_layers)
+        self.pruning_layer = config.pruning_layer_index(self.parts.num_layers)
+        self.rotation_step = (
+            config.value_rotation_step(max_positions) if config.stream_init == "value_rotation" else None
+        )
+
+    @property
+    def num_streams(self) -> int:
+        return self.config.num_streams
+
+    def extra_parameters(self) -> dict[str, int]:
+        """Parameters Speculative Streaming adds on top of the base model and its LoRA."""
+        streams = sum(p.numel() for p in self.stream_init.parameters())
+        pruning = sum(p.numel() for p in self.pruning_head.parameters())
+        return {"streams": streams, "pruning_head": pruning, "total": streams + pruning}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Shared LM head: [..., H] final-normed states -> [..., V]."""
+        return self.parts.lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        past_key_values: KeyValues | None = None,
+        anchors: torch.Tensor | None = None,
+        with_pruning: bool = False,
+    ) -> StreamingOutput:
+        """input_ids, position_ids [B, T]; mask [B, 1, T, P + T] additive over (past, current);
+        anchors [B, A] indices of main tokens that get gamma streams each (None: streams off)."""
+        parts = self.parts
+        hidden = parts.embed(input_ids)
+        rope = parts.rotary(hidden, position_ids)
+        key_values = StepKeyValues(parts.num_layers, input_ids.shape[1], past_key_values)
+        pruning_hidden = None
+        for index in range(self.split):
+            if with_pruning and index == self.pruning_layer:
+                pruning_hidden = self._early_exit(hidden)
+            hidden = hf.call_layer(parts.layers[index], hidden, mask, rope, key_values)
+        if with_pruning and self.pruning_layer == self.split:
+            pruning_hidden = self._early_exit(hidden)
+        if anchors is None:
+            hidden = self._run_layers(range(self.split, parts.num_layers), hidden, mask, rope, key_values)
+            return StreamingOutput(parts.norm(hidden), None, pruning_hidden, key_values.new)
+        main, streams = self._run_streams(hidden, position_ids, mask, anchors, key_values)
+        return StreamingOutput(parts.norm(main), parts.norm(streams), pruning_hidden, key_values.new)
+
+    def _early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Detached: the pruning head learns from next-token loss without steering the main model.
+        return self.parts.norm(self.pruning_head(hidden.detach()))
+
+    def _run_layers(self, indices, hidden, mask, rope, key_values) -> torch.Tensor:
+        for index in indices:
+            hidden = hf.call_layer(self.parts.layers[index], hidden, mask, rope, key_values)
+        return hidden
+
+    def _run_streams(self, hidden, position_ids, mask, anchors, key_values):
+        """Insert streams at the anchors, run the MSA layers, split main and stream states."""
+        batch, tokens, size = hidden.shape
+        gamma, num_anchors = self.num_streams, anchors.shape[1]
+        anchor_hidden = torch.gather(hidden, 1, anchors[:, :, None].expand(batch, num_anchors, size))
+        streams = self.stream_init(anchor_hidden).reshape(batch, num_anchors * gamma, size)
+        offsets = torch.arange(1, gamma + 1, device=anchors.device)
+        # Stream j of the token at position p predicts token p + 1 + j, so it sits at position p + j.
+        stream_positions = (torch.gather(position_ids, 1, anchors)[:, :, None] + offsets).reshape(batch, -1)
+        combined = torch.cat([hidden, streams], dim=1)
+        rope = self.parts.rotary(combined, torch.cat([position_ids, stream_positions], dim=1))
+        if self.rotation_step is not None:
+            key_values.value_angles = (offsets * self.rotation_step).repeat(num_anchors).float()
+        msa_mask = multi_stream_mask(mask, anchors, gamma)
+        combined = self._run_layers(range(self.split, self.parts.num_layers), combined, msa_mask, rope, key_values)
+        return combined[:, :tokens], combined[:, tokens:].reshape(batch, num_anchors, gamma, size)
+
+
+def causal_mask(padding: torch.Tensor, dtype: torch.dtype = torch.float32, past: int = 0) -> torch.Tensor:
+    """Additive causal mask [B, 1, T, past + T] from a [B, T] 1/0 padding mask (1 = real token).
+
+    Padded keys are masked; padded query rows still see earlier tokens so they never go NaN.
+    """
+    batch, tokens = padding.shape
+    keys = past + tokens
+    query_pos = torch.arange(tokens, device=padding.device)[:, None] + past
+    allowed = torch.arange(keys, device=padding.device)[None, :] <= query_pos  # [T, K]
+    key_valid = torch.cat([padding.new_ones(batch, past), padding], dim=1).bool()  # [B, K]
+    allowed = allowed[None] & key_valid[:, None, :]
+    mask = torch.zeros(batch, 1, tokens, keys, dtype=dtype, device=padding.device)
+    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)

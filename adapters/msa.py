@@ -1,0 +1,91 @@
+"""Multi-stream attention (paper eq. 1-2) as a layout, a mask, and a key/value provider.
+
+An MSA layer is the base decoder layer run over [main tokens ; stream tokens] with a mask:
+- main row t sees exactly what the base model lets it see (past cache + its own mask row), and
+  never a stream column, so the main stream computes exactly the base model's function;
+- stream (a, j), inserted at main token anchors[a], sees what that main token sees, plus the
+  streams (a, i <= j) of the same anchor (eq. 2).
+Stream keys/values exist only inside the call: `StepKeyValues` hands main-token K/V out for
+caching and drops the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def masked_value(dtype: torch.dtype) -> float:
+    """Additive mask value: the dtype's most negative number (-inf would turn empty rows into NaN)."""
+    return torch.finfo(dtype).min
+
+
+def stream_block(num_anchors: int, num_streams: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[A*g, A*g] additive mask among stream tokens, laid out anchor-major: 0 where both tokens
+    belong to the same anchor and the key's stream index <= the query's, else masked."""
+    anchor = torch.arange(num_anchors, device=device).repeat_interleave(num_streams)
+    stream = torch.arange(num_streams, device=device).repeat(num_anchors)
+    allowed = (anchor[:, None] == anchor[None, :]) & (stream[None, :] <= stream[:, None])
+    block = torch.full(allowed.shape, masked_value(dtype), dtype=dtype, device=device)
+    return block.masked_fill(allowed, 0.0)
+
+
+def multi_stream_mask(main_mask: torch.Tensor, anchors: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """Extend the main-stream mask to main + stream tokens.
+
+    main_mask: [B, 1, T, K] additive (K = past + T key columns).
+    anchors:   [B, A] indices into the T main tokens where streams are inserted.
+    returns:   [B, 1, T + A*g, K + A*g].
+    """
+    batch, _, tokens, keys = main_mask.shape
+    num_anchors = anchors.shape[1]
+    width = num_anchors * num_streams
+    fill = masked_value(main_mask.dtype)
+    main_rows = torch.cat([main_mask, main_mask.new_full((batch, 1, tokens, width), fill)], dim=-1)
+    index = anchors[:, None, :, None].expand(batch, 1, num_anchors, keys)
+    anchor_rows = torch.gather(main_mask, 2, index).repeat_interleave(num_streams, dim=2)
+    block = stream_block(num_anchors, num_streams, main_mask.dtype, main_mask.device)
+    stream_rows = torch.cat([anchor_rows, block.expand(batch, 1, width, width)], dim=-1)
+    return torch.cat([main_rows, stream_rows], dim=2)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StepKeyValues:
+    """Key/value provider for one forward pass, passed to HF attention as `past_key_values`.
+
+    past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache. It is read, never
+    written: the K/V of this call's first `main_len` tokens are collected in `new` for the caller
+    to commit. value_angles ([S] radians, one per stream token) rotates stream values (eq. 7).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        main_len: int,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        value_angles: torch.Tensor | None = None,
+    ):
+        self.main_len = main_len
+        self.past = past
+        self.value_angles = value_angles
+        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new[layer_idx] = (keys[:, :, : self.main_len], values[:, :, : self.main_len])
+        if self.value_angles is not None and values.shape[2] > self.main_len:
+            values = torch.cat([values[:, :, : self.main_len], self._rotate(values[:, :, self.main_len :])], dim=2)
+        if self.past is not None:
+            past_keys, past_values = self.past[layer_idx]
+            keys = torch.cat([past_keys, keys], dim=2)
+            values = torch.cat([past_values, values], dim=2)
+        return keys, values
+
+    def _rotate(self, values: torch.Tensor) -> torch.Tensor:
+        """Rotate each stream token's value pairs by its angle: V e^{i eps n} (appendix B)."""
+        angles = self.value_angles.to(values.dtype)[:, None]  # [S, 1]
+        return values * angles.cos() + rotate_half(values) * angles.sin()

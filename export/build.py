@@ -1,0 +1,189 @@
+"""python export/build.py --task dialogsum: fine-tune and evaluate a Speculative Streaming model.
+
+Stages (each one reuses its output when rerun with the same settings):
+  data      load the task's splits and tokenize them in the chat format
+  train     the SS model (LoRA + streams + pruning head, eq. 5) and the next-token-only LoRA
+            baseline; resumable snapshots every few steps
+  evaluate  zero-shot base, LoRA baseline and SS model on the test split (greedy), stream
+            accuracy on validation; eval.json goes into the SS checkpoint
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, Python would put export/ first on sys.path, where data.py, config.py and
+# train.py would shadow same-named top-level modules of other packages.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint  # noqa: E402
+from streamfuse.adapters.lora import add_lora  # noqa: E402
+from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
+from streamfuse.export import report  # noqa: E402
+from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
+from streamfuse.export.data import encode, prompt_text  # noqa: E402
+from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
+from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
+from streamfuse.export.train import train  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="dialogsum", choices=sorted(TASKS), help="task to fine-tune on")
+    parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
+                        help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                        help="smoke: minutes, tests the pipeline; cpu: ~1 h on 2 cores; paper: the paper's recipe, GPU")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")
+    parser.add_argument("--work-dir", type=Path, default=Path("checkpoints"),
+                        help="where checkpoints, snapshots and eval results go (default: checkpoints/)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
+    parser.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test examples")
+    parser.add_argument("--epochs", type=float, default=None, help="override the preset's epochs")
+    parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
+    parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> BuildConfig:
+    config = preset(args.preset)
+    data, training = config.data, config.train
+    if args.train_limit is not None:
+        data = dataclasses.replace(data, train_limit=args.train_limit)
+    if args.test_limit is not None:
+        data = dataclasses.replace(data, test_limit=args.test_limit)
+    if args.epochs is not None:
+        training = dataclasses.replace(training, epochs=args.epochs)
+    return dataclasses.replace(config, data=data, train=training)
+
+
+class Build:
+    def __init__(self, args: argparse.Namespace, config: BuildConfig):
+        self.args, self.config = args, config
+        self.task = get_task(args.task)
+        self.run_dir = args.work_dir / f"{self.task.name}-{config.preset}"
+        _, self.tokenizer = load_base_model(args.base_model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+    # --- data -----------------------------------------------------------------------------
+    def load_data(self) -> None:
+        data = self.config.data
+        self.train_examples = self.task.load("train", self.args.data_dir, data.train_limit)
+        self.validation = self.task.load("validation", self.args.data_dir, data.validation_limit)
+        self.test = self.task.load("test", self.args.data_dir, data.test_limit)
+        self.train_items = [self._encode(ex) for ex in self.train_examples]
+        self.validation_items = [self._encode(ex) for ex in self.validation]
+        self.test_prompts = [prompt_text(self.task, self.tokenizer, ex, data.max_source_tokens) for ex in self.test]
+        tokens = sum(len(item.input_ids) for item in self.train_items)
+        print(f"[data] {self.task.name}: {len(self.train_items)} train ({tokens} tokens), "
+              f"{len(self.validation_items)} validation, {len(self.test)} test", flush=True)
+
+    def _encode(self, example):
+        return encode(self.task, self.tokenizer, example, self.config.data.max_source_tokens, self.config.data.max_target_tokens)
+
+    # --- train ----------------------------------------------------------------------------
+    def ensure_trained(self, name: str, with_streams: bool) -> Path:
+        directory = self.run_dir / name
+        key = self.config.training_key(self.task.name, self.args.base_model) + ("-ss" if with_streams else "-lora")
+        if (directory / "streamfuse.json").is_file() and read_manifest(directory)["info"].get("training_key") == key:
+            print(f"[train] reusing {directory} (same settings)", flush=True)
+            return directory
+        base, _ = load_base_model(self.args.base_model)
+        model = SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
+        result = train(model, self.train_items, self.config.train, self.run_dir / f"{name}-{key}.snapshot",
+                       self.pad_id, with_streams, name)
+        info = {"training_key": key, "task": self.task.name, "preset": self.config.preset, "with_streams": with_streams,
+                "train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
+                "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses,
+                "extra_parameters": model.extra_parameters(), "config": self.config.as_dict()}
+        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora, info)
+        _remove_tree(self.run_dir / f"{name}-{key}.snapshot")
+        print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
+        return directory
+
+    # --- evaluate -------------------------------------------------------------------------
+    def cached(self, label: str, key: str, compute) -> dict:
+        path = self.run_dir / "eval" / f"{label}.json"
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                print(f"[eval] reusing {path}", flush=True)
+                return stored["result"]
+        result = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
+        tmp.replace(path)
+        return result
+
+    def eval_key(self, checkpoint_key: str) -> str:
+        return json.dumps([checkpoint_key, dataclasses.asdict(self.config.eval), self.config.data.test_limit,
+                           self.config.data.validation_limit, self.config.data.max_source_tokens])
+
+    def quality(self, model, label: str) -> dict:
+        ev = self.config.eval
+        return task_quality(model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label)
+
+    def evaluate_checkpoint(self, directory: Path, label: str, with_streams: bool) -> dict:
+        key = read_manifest(directory)["info"]["training_key"]
+
+        def compute() -> dict:
+            model, _, _ = load_checkpoint(directory, self.args.base_model)
+            result = {"test": self.quality(model.model, label)}
+            if with_streams:
+                result["stream_accuracy"] = stream_accuracy(model, self.validation_items, self.pad_id, self.config.eval.top_k)
+            return result
+
+        return self.cached(label, self.eval_key(key), compute)
+
+    def evaluate_zero_shot(self) -> dict:
+        def compute() -> dict:
+            base, _ = load_base_model(self.args.base_model)
+            return {"test": self.quality(base, "zero-shot")}
+
+        return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config = build_config(args)
+    build = Build(args, config)
+    build.load_data()
+    ss_dir = build.ensure_trained("ss", with_streams=True)
+    baseline_dir = None if args.skip_baseline else build.ensure_trained("lora_baseline", with_streams=False)
+    results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
+    if baseline_dir is not None:
+        results["lora_baseline"] = build.evaluate_checkpoint(baseline_dir, "lora_baseline", with_streams=False)
+    if not args.skip_zero_shot:
+        results["zero_shot"] = build.evaluate_zero_shot()
+    summary = report.summarise(build, ss_dir, baseline_dir, results)
+    report.write_json(ss_dir / "eval.json", summary)
+    report.write_json(build.run_dir / "eval.json", summary)
+    print(report.markdown(summary), flush=True)
+    print(f"[done] eval.json written to {ss_dir / 'eval.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

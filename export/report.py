@@ -1,0 +1,98 @@
+"""eval.json and the printed tables of a build: quality, stream accuracy, parameters, bars."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from streamfuse.adapters.base_model import resolve_base_model
+from streamfuse.adapters.checkpoint import read_manifest
+
+LABELS = {"zero_shot": "zero-shot base", "lora_baseline": "LoRA baseline (next-token)", "ss": "Speculative Streaming"}
+
+
+def medusa_parameters(hidden: int, vocab: int, heads: int) -> int:
+    """Medusa heads as the paper counts them: one residual block (h^2 + h) and one LM head (h*v) each."""
+    return heads * (hidden * hidden + hidden + hidden * vocab)
+
+
+def summarise(build, ss_dir: Path, baseline_dir: Path | None, results: dict) -> dict:
+    from transformers import AutoConfig
+
+    base_config = AutoConfig.from_pretrained(resolve_base_model(build.args.base_model))
+    ss_info = read_manifest(ss_dir)["info"]
+    gamma = build.config.streams.num_streams
+    training = {"ss": {k: ss_info[k] for k in ("train_seconds", "train_tokens", "optimizer_steps", "final_losses")}}
+    if baseline_dir is not None:
+        info = read_manifest(baseline_dir)["info"]
+        training["lora_baseline"] = {k: info[k] for k in ("train_seconds", "train_tokens", "optimizer_steps", "final_losses")}
+    summary = {
+        "task": build.task.name,
+        "preset": build.config.preset,
+        "base_model": build.args.base_model,
+        "headline_metrics": list(build.task.headline_metrics),
+        "test_examples": len(build.test),
+        "validation_examples": len(build.validation_items),
+        "streams": {"gamma": gamma, "msa_layers": build.config.streams.msa_layers},
+        "quality": {name: result["test"]["scores"] for name, result in results.items()},
+        "samples": {name: result["test"]["samples"] for name, result in results.items()},
+        "stream_accuracy": results["ss"].get("stream_accuracy", {}),
+        "extra_parameters": {
+            **ss_info["extra_parameters"],
+            "medusa_same_gamma": medusa_parameters(base_config.hidden_size, base_config.vocab_size, gamma),
+        },
+        "training": training,
+    }
+    summary["bars"] = bars(summary)
+    return summary
+
+
+def bars(summary: dict) -> list[dict]:
+    """The acceptance bars of the build issue, evaluated on this run's numbers."""
+    quality, checks = summary["quality"], []
+    metric = "rougeLsum" if "rougeLsum" in quality["ss"] else summary["headline_metrics"][-1]
+    ss = quality["ss"][metric]
+    if "lora_baseline" in quality:
+        limit = quality["lora_baseline"][metric] - 1.0
+        checks.append({"bar": f"SS {metric} >= LoRA baseline - 1.0", "value": ss, "limit": limit, "pass": ss >= limit})
+    if "zero_shot" in quality:
+        limit = quality["zero_shot"][metric] + 5.0
+        checks.append({"bar": f"SS {metric} >= zero-shot + 5.0", "value": ss, "limit": limit, "pass": ss >= limit})
+    stream1 = summary["stream_accuracy"].get("stream_1", {}).get("top1")
+    if stream1 is not None:
+        checks.append({"bar": "stream-1 top-1 accuracy >= 40%", "value": stream1, "limit": 40.0, "pass": stream1 >= 40.0})
+    return checks
+
+
+def markdown(summary: dict) -> str:
+    metrics = sorted({m for scores in summary["quality"].values() for m in scores})
+    lines = [f"## {summary['task']} ({summary['preset']} preset): test split, {summary['test_examples']} examples, greedy", "",
+             "| model | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
+    for name in ("zero_shot", "lora_baseline", "ss"):
+        if name in summary["quality"]:
+            scores = summary["quality"][name]
+            lines.append(f"| {LABELS[name]} | " + " | ".join(f"{scores[m]:.2f}" for m in metrics) + " |")
+    accuracy = summary["stream_accuracy"]
+    if accuracy:
+        top_key = next(k for k in next(iter(accuracy.values())) if k.startswith("top") and k != "top1")
+        lines += ["", f"Teacher-forced accuracy on {summary['validation_examples']} validation examples (answer tokens):", "",
+                  f"| predictor | top-1 % | {top_key} % | tokens |", "|---|---:|---:|---:|"]
+        for name, row in accuracy.items():
+            lines.append(f"| {name} | {row['top1']:.1f} | {row[top_key]:.1f} | {row['tokens']} |")
+    extra = summary["extra_parameters"]
+    lines += ["", f"Extra parameters (besides LoRA): streams {extra['streams']:,} + pruning head {extra['pruning_head']:,} "
+              f"= {extra['total']:,}; Medusa heads for the same gamma would add {extra['medusa_same_gamma']:,}."]
+    for name, info in summary["training"].items():
+        lines.append(f"Training {LABELS[name]}: {info['train_seconds'] / 60:.1f} min, {info['train_tokens']:,} tokens, "
+                     f"{info['optimizer_steps']} steps.")
+    lines += ["", "| bar | value | limit | |", "|---|---:|---:|---|"]
+    for check in summary["bars"]:
+        lines.append(f"| {check['bar']} | {check['value']:.2f} | {check['limit']:.2f} | {'PASS' if check['pass'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

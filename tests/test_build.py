@@ -1,0 +1,32 @@
+"""export/build.py end to end on a tiny base model and tiny DialogSum-format data."""
+
+import json
+
+from conftest import write_tiny_dialogsum
+
+from streamfuse.export import build
+
+
+def run_build(base, data, work, *extra):
+    return build.main(["--task", "dialogsum", "--preset", "smoke", "--base-model", str(base),
+                       "--data-dir", str(data), "--work-dir", str(work), *extra])
+
+
+def test_build_trains_evaluates_and_reuses(tiny_base_dir, tmp_path, capsys):
+    data = write_tiny_dialogsum(tmp_path / "data")
+    assert run_build(tiny_base_dir, data, tmp_path / "work") == 0
+    run_dir = tmp_path / "work" / "dialogsum-smoke"
+    summary = json.loads((run_dir / "ss" / "eval.json").read_text())
+    assert set(summary["quality"]) == {"ss", "lora_baseline", "zero_shot"}
+    assert set(summary["quality"]["ss"]) == {"rouge1", "rouge2", "rougeL", "rougeLsum"}
+    assert set(summary["stream_accuracy"]) == {"main", "pruning_head", "stream_1", "stream_2", "stream_3"}
+    assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
+    assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 32 * 8
+    assert not list(run_dir.glob("*.snapshot")), "snapshots are removed once a checkpoint is saved"
+    out = capsys.readouterr().out
+    assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
+
+    # A rerun with the same settings trains and evaluates nothing.
+    assert run_build(tiny_base_dir, data, tmp_path / "work") == 0
+    out = capsys.readouterr().out
+    assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 3

