@@ -70,6 +70,16 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
+def update_info(directory: Path, **fields) -> None:
+    """Add metadata to a checkpoint's manifest without touching its weights (atomic rewrite)."""
+    path = Path(directory) / MANIFEST
+    manifest = read_manifest(directory)
+    manifest["info"].update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)
+
+
 def load_checkpoint(directory: Path, base_model: str | None = None):
     """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode."""
     from peft import PeftModel

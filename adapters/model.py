@@ -10,7 +10,6 @@ new main-stream key/values come out. Nothing is stored on the module between cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,19 +17,33 @@ from torch import nn
 
 from . import hf
 from .config import StreamConfig
-from .msa import StepKeyValues, multi_stream_mask
+from .msa import KeyValues, StepKeyValues, multi_stream_mask
 from .pruning import PruningHead
 from .streams import StreamInit
-
-KeyValues = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
 
 @dataclass
 class StreamingOutput:
     hidden: torch.Tensor  # [B, T, H] final-normed main-stream states
     stream_hidden: torch.Tensor | None  # [B, A, gamma, H] final-normed stream states at the anchors
     pruning_hidden: torch.Tensor | None  # [B, T, H] final-normed early-exit states of the pruning head
-    new_key_values: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [B, kv_heads, T, d], main tokens only
+    key_values: KeyValues  # the provider used; StepKeyValues.new holds this call's main-token K/V
+
+    @property
+    def new_key_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer [B, kv_heads, T, d] K/V of this call's main tokens (StepKeyValues only)."""
+        return self.key_values.new
+
+
+@dataclass
+class LowerState:
+    """The main stream after layers [0, N - N_s), ready for forward_upper."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    key_values: KeyValues
+    pruning_hidden: torch.Tensor | None  # [B, T, H] final-normed early-exit states
 
 
 class SpeculativeStreamingLM(nn.Module):
@@ -69,16 +82,23 @@ class SpeculativeStreamingLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         mask: torch.Tensor,
-        past_key_values: KeyValues | None = None,
+        key_values: KeyValues | None = None,
         anchors: torch.Tensor | None = None,
         with_pruning: bool = False,
     ) -> StreamingOutput:
         """input_ids, position_ids [B, T]; mask [B, 1, T, P + T] additive over (past, current);
+        key_values: where past K/V come from and this call's go (default: no past, collect new);
         anchors [B, A] indices of main tokens that get gamma streams each (None: streams off)."""
+        return self.forward_upper(self.forward_lower(input_ids, position_ids, mask, key_values, with_pruning), anchors)
+
+    def forward_lower(self, input_ids, position_ids, mask, key_values=None, with_pruning=False) -> "LowerState":
+        """Main stream through layers [0, N - N_s); the pruning head reads its layer on the way.
+        Callers that prune a tree draft decide the anchors between this and forward_upper."""
         parts = self.parts
         hidden = parts.embed(input_ids)
         rope = parts.rotary(hidden, position_ids)
-        key_values = StepKeyValues(parts.num_layers, input_ids.shape[1], past_key_values)
+        if key_values is None:
+            key_values = StepKeyValues(parts.num_layers, input_ids.shape[1])
         pruning_hidden = None
         for index in range(self.split):
             if with_pruning and index == self.pruning_layer:
@@ -86,11 +106,16 @@ class SpeculativeStreamingLM(nn.Module):
             hidden = hf.call_layer(parts.layers[index], hidden, mask, rope, key_values)
         if with_pruning and self.pruning_layer == self.split:
             pruning_hidden = self._early_exit(hidden)
+        return LowerState(hidden, position_ids, mask, rope, key_values, pruning_hidden)
+
+    def forward_upper(self, lower: "LowerState", anchors: torch.Tensor | None = None) -> StreamingOutput:
+        """Layers [N - N_s, N): plain when anchors is None, else multi-stream over main + streams."""
+        parts, top = self.parts, range(self.split, self.parts.num_layers)
         if anchors is None:
-            hidden = self._run_layers(range(self.split, parts.num_layers), hidden, mask, rope, key_values)
-            return StreamingOutput(parts.norm(hidden), None, pruning_hidden, key_values.new)
-        main, streams = self._run_streams(hidden, position_ids, mask, anchors, key_values)
-        return StreamingOutput(parts.norm(main), parts.norm(streams), pruning_hidden, key_values.new)
+            hidden = self._run_layers(top, lower.hidden, lower.mask, lower.rope, lower.key_values)
+            return StreamingOutput(parts.norm(hidden), None, lower.pruning_hidden, lower.key_values)
+        main, streams = self._run_streams(lower.hidden, lower.position_ids, lower.mask, anchors, lower.key_values)
+        return StreamingOutput(parts.norm(main), parts.norm(streams), lower.pruning_hidden, lower.key_values)
 
     def _early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
         # Detached: the pruning head learns from next-token loss without steering the main model.

@@ -55,37 +55,54 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class StepKeyValues:
+class KeyValues:
     """Key/value provider for one forward pass, passed to HF attention as `past_key_values`.
 
-    past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache. It is read, never
-    written: the K/V of this call's first `main_len` tokens are collected in `new` for the caller
-    to commit. value_angles ([S] radians, one per stream token) rotates stream values (eq. 7).
+    HF attention hands over the keys/values of all rows of the call: the first `main_len` rows
+    are main-stream tokens, the rest (MSA layers only) are stream tokens. Subclasses decide where
+    main-token K/V live (`_store`); stream K/V never leave the call. value_angles ([S] radians,
+    one per stream token, set by the model for value-rotation streams) rotates stream values
+    (appendix B, eq. 7).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        main_len: int,
-        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        value_angles: torch.Tensor | None = None,
-    ):
+    def __init__(self, main_len: int):
         self.main_len = main_len
-        self.past = past
-        self.value_angles = value_angles
-        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.value_angles: torch.Tensor | None = None
+
+    def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep this call's main-token K/V [B, kv_heads, main_len, d]; return past + them."""
+        raise NotImplementedError
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.new[layer_idx] = (keys[:, :, : self.main_len], values[:, :, : self.main_len])
-        if self.value_angles is not None and values.shape[2] > self.main_len:
-            values = torch.cat([values[:, :, : self.main_len], self._rotate(values[:, :, self.main_len :])], dim=2)
-        if self.past is not None:
-            past_keys, past_values = self.past[layer_idx]
-            keys = torch.cat([past_keys, keys], dim=2)
-            values = torch.cat([past_values, values], dim=2)
-        return keys, values
+        main = self.main_len
+        all_keys, all_values = self._store(layer_idx, keys[:, :, :main], values[:, :, :main])
+        if keys.shape[2] == main:
+            return all_keys, all_values
+        stream_values = values[:, :, main:]
+        if self.value_angles is not None:
+            stream_values = self._rotate(stream_values)
+        return torch.cat([all_keys, keys[:, :, main:]], dim=2), torch.cat([all_values, stream_values], dim=2)
 
     def _rotate(self, values: torch.Tensor) -> torch.Tensor:
         """Rotate each stream token's value pairs by its angle: V e^{i eps n} (appendix B)."""
         angles = self.value_angles.to(values.dtype)[:, None]  # [S, 1]
         return values * angles.cos() + rotate_half(values) * angles.sin()
+
+
+class StepKeyValues(KeyValues):
+    """Functional K/V: past comes in as tensors (read only), this call's main K/V go to `new`.
+
+    past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache.
+    """
+
+    def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        super().__init__(main_len)
+        self.past = past
+        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def _store(self, layer, keys, values):
+        self.new[layer] = (keys, values)
+        if self.past is None:
+            return keys, values
+        past_keys, past_values = self.past[layer]
+        return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)

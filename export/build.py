@@ -26,12 +26,12 @@ import os  # noqa: E402
 import torch  # noqa: E402
 
 from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint  # noqa: E402
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info  # noqa: E402
 from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
 from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
-from streamfuse.export.data import encode, prompt_text  # noqa: E402
+from streamfuse.export.data import encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.train import train  # noqa: E402
@@ -97,14 +97,17 @@ class Build:
     def ensure_trained(self, name: str, with_streams: bool) -> Path:
         directory = self.run_dir / name
         key = self.config.training_key(self.task.name, self.args.base_model) + ("-ss" if with_streams else "-lora")
+        prompt = prompt_format(self.task, self.config.data.max_source_tokens).to_dict()
         if (directory / "streamfuse.json").is_file() and read_manifest(directory)["info"].get("training_key") == key:
             print(f"[train] reusing {directory} (same settings)", flush=True)
+            if read_manifest(directory)["info"].get("prompt") != prompt:
+                update_info(directory, prompt=prompt)  # checkpoints from before the prompt was recorded
             return directory
         base, _ = load_base_model(self.args.base_model)
         model = SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
         result = train(model, self.train_items, self.config.train, self.run_dir / f"{name}-{key}.snapshot",
                        self.pad_id, with_streams, name)
-        info = {"training_key": key, "task": self.task.name, "preset": self.config.preset, "with_streams": with_streams,
+        info = {"training_key": key, "task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
                 "train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
                 "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses,
                 "extra_parameters": model.extra_parameters(), "config": self.config.as_dict()}

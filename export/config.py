@@ -29,6 +29,9 @@ class TrainConfig:
     main_weight: float = 1.0  # alpha_0 of eq. 5
     stream_weight: float = 0.1  # alpha_j of eq. 5 (0 gives the next-token "LoRA baseline")
     pruning_weight: float = 1.0
+    # Stream-identifier embeddings start tiny next to a residual stream of RMS ~10-20; at the
+    # LoRA learning rate they would barely move, leaving streams near-copies of the main stream.
+    stream_lr_scale: float = 20.0
     mixed_precision: str = "no"  # "bf16" on GPUs
     save_every: int = 25  # optimizer steps between resumable snapshots
     seed: int = 0
@@ -84,7 +87,7 @@ PRESETS: dict[str, BuildConfig] = {
     # The default of `make build`: about an hour on a 2-core CPU, with a real gain.
     "cpu": BuildConfig(
         preset="cpu",
-        streams=StreamConfig(num_streams=3, msa_layers=4),
+        streams=StreamConfig(num_streams=3, msa_layers=8),
         lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
         data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
         train=TrainConfig(epochs=2.0, learning_rate=5e-4, grad_accumulation=4),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from streamfuse.export.tasks.base import Example, Task
+from streamfuse.runtime.prompt import PromptFormat
 
 IGNORE = -100  # label of tokens that carry no loss (the prompt)
 
@@ -20,17 +21,14 @@ class Encoded:
     prompt_len: int
 
 
-def truncate_source(tokenizer, text: str, max_tokens: int) -> str:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+def prompt_format(task: Task, max_source_tokens: int) -> PromptFormat:
+    """The task's prompt as data: recorded in checkpoints so the runtime formats inputs the same way."""
+    return PromptFormat(task.instruction_template, task.source_template, max_source_tokens)
 
 
 def prompt_text(task: Task, tokenizer, example: Example, max_source_tokens: int) -> str:
     """The chat-formatted prompt, ending where the assistant's answer starts."""
-    source = truncate_source(tokenizer, example.source, max_source_tokens)
-    clipped = Example(example.id, source, example.references)
-    messages = [{"role": "user", "content": task.instruction(clipped)}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt_format(task, max_source_tokens).render(tokenizer, example.source)
 
 
 def encode(task: Task, tokenizer, example: Example, max_source_tokens: int, max_target_tokens: int) -> Encoded:

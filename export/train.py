@@ -48,6 +48,16 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _parameter_groups(model: SpeculativeStreamingLM, config: TrainConfig) -> list[dict]:
+    """LoRA at the base rate; stream embeddings and the (detached) pruning head at stream_lr_scale
+    times it: both are small, freshly initialised heads that would barely move otherwise."""
+    stream_ids = {id(p) for p in [*model.stream_init.parameters(), *model.pruning_head.parameters()]}
+    params = list(_trainable(model).values())
+    streams = [p for p in params if id(p) in stream_ids]
+    rest = [p for p in params if id(p) not in stream_ids]
+    return [{"params": rest}, {"params": streams, "lr": config.learning_rate * config.stream_lr_scale}]
+
+
 class Snapshot:
     """Resumable training state in one folder, replaced atomically on every save."""
 
@@ -100,7 +110,7 @@ def train(
     config.validate()
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accumulation, mixed_precision=config.mixed_precision)
     torch.manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(list(_trainable(model).values()), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(_parameter_groups(model, config), lr=config.learning_rate, weight_decay=config.weight_decay)
     micro_per_epoch = math.ceil(len(items) / config.micro_batch)
     total_micro = math.ceil(config.epochs * micro_per_epoch)
     # accelerate steps a prepared scheduler once per process at each sync, so count all micro-batches.

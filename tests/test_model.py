@@ -7,6 +7,7 @@ from conftest import make_tiny_llama
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM, causal_mask
+from streamfuse.adapters.msa import StepKeyValues
 
 
 def inputs(batch=2, tokens=9, seed=1):
@@ -80,7 +81,7 @@ def test_past_key_values_continue_a_prefix_exactly_like_one_pass():
     whole = model(ids, positions, mask)
     prefix = model(ids[:, :6], positions[:, :6], causal_mask(torch.ones(1, 6, dtype=torch.long)))
     rest = model(ids[:, 6:], positions[:, 6:], causal_mask(torch.ones(1, 3, dtype=torch.long), past=6),
-                 past_key_values=prefix.new_key_values)
+                 key_values=StepKeyValues(4, 3, past=prefix.new_key_values))
     torch.testing.assert_close(rest.hidden, whole.hidden[:, 6:], atol=1e-5, rtol=0)
     assert rest.new_key_values[0][0].shape == (1, 2, 3, 8)  # only the 3 new main tokens come back
 

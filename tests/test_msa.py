@@ -65,7 +65,8 @@ def test_step_key_values_keeps_only_main_tokens():
 def test_value_rotation_turns_only_stream_values():
     values = torch.randn(1, 1, 4, 8)
     angles = torch.tensor([0.5, 1.0])
-    kv = StepKeyValues(num_layers=1, main_len=2, value_angles=angles)
+    kv = StepKeyValues(num_layers=1, main_len=2)
+    kv.value_angles = angles
     _, rotated = kv.update(torch.randn(1, 1, 4, 8), values, 0)
     assert torch.equal(rotated[:, :, :2], values[:, :, :2])
     # A rotation keeps each (x_i, x_{i+d/2}) pair's norm and turns it by the stream's angle.

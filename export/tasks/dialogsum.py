@@ -25,6 +25,8 @@ class DialogSum(Task):
     name = "dialogsum"
     hub_id = "knkarthick/dialogsum"
     headline_metrics = ("rouge1", "rougeLsum")
+    instruction_template = "Summarize the following dialogue in a few sentences.\n\n{source}"
+    source_template = "{dialogue}"
     data_help = (
         "  dialogsum.train.jsonl, dialogsum.dev.jsonl: one JSON object per line with fields "
         "fname, dialogue, summary\n"
@@ -50,8 +52,6 @@ class DialogSum(Task):
         examples = [Example(row.text("id"), row.text("dialogue"), (row.text("summary"),)) for row in rows]
         return _merge_references(examples) if split == "test" else examples
 
-    def instruction(self, example: Example) -> str:
-        return f"Summarize the following dialogue in a few sentences.\n\n{example.source}"
 
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         return rouge(predictions, references)

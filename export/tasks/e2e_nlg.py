@@ -60,6 +60,11 @@ class E2ENLG(Task):
     # offline; if it is gone, load() raises DataError naming the local files).
     hub_revision = "refs/convert/parquet"
     headline_metrics = ("rouge1", "rougeLsum")
+    instruction_template = (
+        "Write a short restaurant description in natural English that mentions every "
+        "attribute of this meaning representation.\n\n{source}"
+    )
+    source_template = "{mr}"
     data_help = (
         f"  {DEV_FILE}: CSV with header columns mr, ref (one row per reference; used for train/validation)\n"
         f"  {TEST_FILE}: CSV with header columns mr, ref (several rows per MR; used for test)"
@@ -83,11 +88,6 @@ class E2ENLG(Task):
         prefix = f"e2e-{split}"
         return _per_row(pairs, prefix) if split == "train" else _per_mr(pairs, prefix)
 
-    def instruction(self, example: Example) -> str:
-        return (
-            "Write a short restaurant description in natural English that mentions every "
-            f"attribute of this meaning representation.\n\n{example.source}"
-        )
 
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         return rouge(predictions, references)

@@ -36,6 +36,11 @@ class SQLContext(Task):
     name = "sqlcontext"
     hub_id = "b-mc2/sql-create-context"
     headline_metrics = ("exact_match",)
+    instruction_template = (
+        "Write the SQL query that answers the question, using only the tables in the schema. "
+        "Reply with the query only.\n\n{source}"
+    )
+    source_template = "Schema: {context}\nQuestion: {question}"
     data_help = (
         f"  {LOCAL_FILES[0]}: one JSON object per line with fields question, context "
         "(the CREATE TABLE statements), answer (the SQL query)\n"
@@ -70,11 +75,6 @@ class SQLContext(Task):
         ]
         return [examples[i] for i in split_bounds(len(examples))[split]]
 
-    def instruction(self, example: Example) -> str:
-        return (
-            "Write the SQL query that answers the question, using only the tables in the schema. "
-            f"Reply with the query only.\n\n{example.source}"
-        )
 
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         return exact_match(predictions, references)

@@ -1,0 +1,128 @@
+"""PyTorch backend (CPU and CUDA): eager SpeculativeStreamingLM with a preallocated KV cache."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Sequence
+
+import torch
+
+from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.runtime.backends.base import PruneConfig, StepOutput
+from streamfuse.runtime.kv_cache import KVCache
+from streamfuse.runtime.tree import TreeSpec
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: SpeculativeStreamingLM, device: str = "cpu"):
+        self.model = model.to(device).eval().requires_grad_(False)  # inference only: no autograd state
+        self.device = device
+        self.num_streams = model.num_streams
+        self.vocab_size = model.parts.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        self.cache: KVCache | None = None
+        self._tree_masks: dict[str, torch.Tensor] = {}
+
+    def reset(self, capacity: int) -> None:
+        parts = self.model.parts
+        if self.cache is None or self.cache.capacity < capacity:
+            self.cache = KVCache(parts.num_layers, parts.num_kv_heads, parts.head_dim, capacity, self.dtype, self.device)
+        self.cache.reset()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
+        count = len(token_ids)
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        positions = torch.arange(count, device=self.device)[None]
+        mask = self._mask(torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
+        anchors = torch.tensor([[count - 1]], device=self.device) if with_streams else None
+        out = self.model(ids, positions, mask, self.cache.writer(count), anchors=anchors)
+        self.cache.commit(range(count))
+        streams = out.stream_hidden
+        return StepOutput(
+            self.model.logits(out.hidden[0, -1:]).float(),
+            (lambda node: self._head(streams[0, 0])) if with_streams else None,
+        )
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
+             prune: PruneConfig | None = None) -> StepOutput:
+        count = len(tokens)
+        depths = torch.tensor(tree.depths if tree else [0], device=self.device)
+        ids = torch.tensor([list(tokens)], device=self.device)
+        positions = (self.cache.length + depths)[None]
+        visible = self._tree_visibility(tree) if tree else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        lower = self.model.forward_lower(ids, positions, self._mask(visible), self.cache.writer(count),
+                                         with_pruning=prune is not None)
+        kept = self._prune(lower.pruning_hidden[0], tokens, tree, prune) if prune is not None else None
+        anchors = None
+        if with_streams:
+            nodes = [n for n in range(count) if kept is None or kept[n]]
+            anchors = torch.tensor([nodes], device=self.device)
+            slot = {node: index for index, node in enumerate(nodes)}
+        out = self.model.forward_upper(lower, anchors)
+        streams = out.stream_hidden
+        return StepOutput(
+            self.model.logits(out.hidden[0]).float(),
+            (lambda node: self._head(streams[0, slot[node]])) if with_streams else None,
+            kept,
+        )
+
+    def commit(self, nodes: Sequence[int]) -> None:
+        self.cache.commit(list(nodes))
+
+    def peak_memory_bytes(self) -> int | None:
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+
+    # --- helpers ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stream logits on demand: only the last accepted node's gamma rows ever pay the LM head."""
+        return self.model.logits(hidden).float()
+
+    def _tree_visibility(self, tree: TreeSpec) -> torch.Tensor:
+        key = tree.hash()
+        if key not in self._tree_masks:
+            self._tree_masks[key] = tree.ancestor_mask.to(self.device)
+        return self._tree_masks[key]
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """[T, T] visibility among the new tokens -> additive [1, 1, T, past + T]; past all visible."""
+        count, past = visible.shape[0], self.cache.length
+        mask = torch.zeros(1, 1, count, past + count, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, past:] = mask[0, 0, :, past:].masked_fill(~visible, torch.finfo(self.dtype).min)
+        return mask
+
+    def _prune(self, early_hidden: torch.Tensor, tokens: Sequence[int], tree: TreeSpec, prune: PruneConfig) -> list[bool]:
+        """Transition probability parent -> child from the early-exit head at the parent."""
+        probs = torch.softmax(self.model.logits(early_hidden).float(), dim=-1)
+        parents = torch.tensor(tree.parents[1:], device=probs.device)
+        child_tokens = torch.tensor(list(tokens[1:]), device=probs.device)
+        transition = [1.0] + probs[parents, child_tokens].tolist()
+        return keep_nodes(tree, transition, prune)
+
+
+def keep_nodes(tree: TreeSpec, transition: Sequence[float], prune: PruneConfig) -> list[bool]:
+    """Nodes that survive pruning; always ancestor-closed, the root always kept."""
+    score = [1.0] * tree.num_nodes
+    kept = [True] * tree.num_nodes
+    for node in range(1, tree.num_nodes):
+        parent = tree.parents[node]
+        score[node] = score[parent] * transition[node]
+        below = prune.threshold is not None and transition[node] < prune.threshold
+        kept[node] = kept[parent] and not below
+    if prune.budget is not None:
+        # Path probability only falls along a path, so the best-scoring nodes form a closed subtree
+        # (ties broken towards shallower, earlier nodes, which are ancestors).
+        ranked = sorted((n for n in range(1, tree.num_nodes) if kept[n]), key=lambda n: (-score[n], n))
+        allowed = set(ranked[: prune.budget])
+        kept = [n == 0 or (kept[n] and n in allowed) for n in range(tree.num_nodes)]
+        for node in range(1, tree.num_nodes):
+            kept[node] = kept[node] and kept[tree.parents[node]]
+    return kept

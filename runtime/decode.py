@@ -1,0 +1,127 @@
+"""Speculative Streaming decoding: prefill, then verify-and-speculate steps.
+
+    prefill(prompt, streams at its last token) -> root = target token, drafts = stream top-k
+    loop: step(tree of root + drafts) -> accept a path -> commit its K/V
+          -> emit accepted drafts + correction -> drafts from the streams of the last accepted node
+One model call per step; the correction token becomes the next tree's root.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from streamfuse.runtime.accept import accept
+from streamfuse.runtime.backends.base import Backend, PruneConfig
+from streamfuse.runtime.emitter import Emitter, StopRules
+from streamfuse.runtime.sampling import SamplingConfig, choose
+from streamfuse.runtime.trace import RunRecord, StepRecord, Trace
+from streamfuse.runtime.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    tokens: list[int]  # newly emitted tokens (accepted drafts, then the correction)
+    accepted_drafts: int  # how many of them came from the draft
+    drafted: list[int]  # the tokens of the draft's top-1 chain that was verified
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stop_reason: str
+    run: RunRecord
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None) -> int:
+    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows."""
+    return prompt_len + rules.max_new_tokens + (tree.num_nodes if tree else 1)
+
+
+def draft_tokens(tree: TreeSpec, root: int, stream_logits: torch.Tensor) -> list[int]:
+    """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token."""
+    top = [stream_logits[d].topk(width).indices.tolist() for d, width in enumerate(tree.widths)]
+    return [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
+
+
+def generate_speculative(
+    backend: Backend,
+    prompt_ids: Sequence[int],
+    tree: TreeSpec,
+    rules: StopRules,
+    sampling: SamplingConfig = SamplingConfig(),
+    trace: Trace | None = None,
+    run_id: str = "0",
+    on_step: Callable[[StepEvent], None] | None = None,
+    prune: PruneConfig | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    seed: int = 0,
+) -> GenerationResult:
+    check_prompt(prompt_ids, backend.vocab_size)
+    tree.check_streams(backend.num_streams)
+    trace = trace or Trace(enabled=False)
+    run = trace.start_run(run_id, len(prompt_ids))
+    generator = torch.Generator().manual_seed(seed)
+    emitter = Emitter(rules, decode)
+    started = time.perf_counter()
+    backend.reset(required_capacity(len(prompt_ids), rules, tree))
+    with trace.span(run, "prefill"):
+        out = backend.prefill(prompt_ids, with_streams=True)
+        root = choose(out.main_logits[0], sampling, generator)
+        streams = out.stream_logits(0)
+    run.model_calls = 1
+    notify(on_step, emitter.emit([root]), 0, [])
+    while not emitter.done:
+        with trace.span(run, "host"):
+            tokens = draft_tokens(tree, root, streams)
+        with trace.span(run, "forward"):
+            out = backend.step(tokens, tree, with_streams=True, prune=prune)
+        with trace.span(run, "accept"):
+            result = accept(tree, tokens, lambda n: choose(out.main_logits[n], sampling, generator), out.kept)
+        with trace.span(run, "cache"):
+            backend.commit(result.path)
+        with trace.span(run, "host"):
+            streams = out.stream_logits(result.path[-1])
+            drafts = [tokens[n] for n in result.path[1:]]
+            emitted = emitter.emit(drafts + [result.correction])
+            root = result.correction
+        run.model_calls += 1
+        kept = sum(out.kept) if out.kept is not None else tree.num_nodes
+        run.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path)))
+        notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
+    return finish_run(run, emitter, backend, started)
+
+
+def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
+    """Tokens of the all-rank-0 path below the root (what a chain draft would have proposed)."""
+    chain, node = [], 0
+    while True:
+        child = next((c for c in tree.children[node] if tree.ranks[c] == 0), None)
+        if child is None:
+            return chain
+        chain.append(tokens[child])
+        node = child
+
+
+def notify(on_step, tokens: list[int], accepted: int, drafted: list[int]) -> None:
+    if on_step is not None and tokens:
+        on_step(StepEvent(tokens, accepted, drafted))
+
+
+def finish_run(run: RunRecord, emitter: Emitter, backend: Backend, started: float) -> GenerationResult:
+    run.seconds = time.perf_counter() - started
+    run.new_tokens = len(emitter.tokens)
+    run.stop_reason = emitter.stop_reason
+    run.peak_memory_bytes = backend.peak_memory_bytes()
+    return GenerationResult(emitter.tokens, emitter.stop_reason, run)

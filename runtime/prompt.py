@@ -1,0 +1,42 @@
+"""How a task turns an input row into the model's prompt; stored in checkpoints and artifacts.
+
+The exporter and the runtime share this, so text a user sends at run time is formatted exactly
+as the training data was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    instruction_template: str  # user message, with "{source}" where the source text goes
+    source_template: str  # builds the source from an input row's fields, e.g. "{dialogue}"
+    max_source_tokens: int  # the source is cut to this many tokens, as in training
+
+    def fill_source(self, row: dict, where: str = "input row") -> str:
+        """The source text of a JSON row: its "source" field, else the task's fields."""
+        if isinstance(row.get("source"), str):
+            return row["source"]
+        try:
+            return self.source_template.format(**row)
+        except KeyError as missing:
+            raise ValueError(f"{where}: lacks field {missing}; this task's rows need "
+                             f"{self.source_template!r} fields or a 'source' field") from None
+
+    def render(self, tokenizer, source: str) -> str:
+        """Chat-formatted prompt text ending where the assistant's answer starts."""
+        ids = tokenizer(source, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_source_tokens:
+            source = tokenizer.decode(ids[: self.max_source_tokens])
+        message = self.instruction_template.replace("{source}", source)
+        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PromptFormat":
+        return cls(**data)

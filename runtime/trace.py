@@ -1,0 +1,91 @@
+"""Decode traces: what each generation did, step by step, for the profiler and benchmarks.
+
+Schema "streamfuse.trace/1" (JSON):
+    {"schema": "streamfuse.trace/1",
+     "meta": {"backend": str, "device": str, "method": "ss"|"ar", "num_streams": int,
+              "tree": {...TreeSpec.to_dict()} | null, "threads": int, ...free-form...},
+     "runs": [{"id": str, "prompt_tokens": int, "new_tokens": int, "model_calls": int,
+               "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null,
+               "spans": {"prefill": s, "forward": s, "accept": s, "cache": s, "host": s},
+               "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
+                          "tokens": int}]}]}
+model_calls counts the prefill: plain decoding of n tokens makes n calls (prefill + n - 1).
+accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
+tokens = d + 1 (the accepted drafts plus the main stream's correction token).
+A disabled Trace costs one attribute check per span.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = "streamfuse.trace/1"
+SPANS = ("prefill", "forward", "accept", "cache", "host")
+
+
+@dataclass
+class StepRecord:
+    tree_nodes: int
+    kept_nodes: int
+    accepted_depth: int
+    tokens: int
+
+
+@dataclass
+class RunRecord:
+    id: str
+    prompt_tokens: int
+    new_tokens: int = 0
+    model_calls: int = 0
+    seconds: float = 0.0
+    stop_reason: str = ""
+    peak_memory_bytes: int | None = None
+    spans: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+class Trace:
+    """Collects RunRecords; `span(name)` times a phase of the current run."""
+
+    def __init__(self, enabled: bool = True, **meta):
+        self.enabled = enabled
+        self.meta = meta
+        self.runs: list[RunRecord] = []
+
+    def start_run(self, run_id: str, prompt_tokens: int) -> RunRecord:
+        run = RunRecord(run_id, prompt_tokens)
+        if self.enabled:
+            self.runs.append(run)
+        return run
+
+    @contextmanager
+    def span(self, run: RunRecord, name: str):
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            run.spans[name] += time.perf_counter() - start
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "meta": self.meta, "runs": [asdict(run) for run in self.runs]}
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+
+
+def load_trace(path: Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a {SCHEMA} trace (schema: {data.get('schema')!r}); regenerate it with this streamfuse")
+    return data

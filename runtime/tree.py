@@ -1,0 +1,158 @@
+"""Static tree drafts as data (paper 3.2.2, A.1; Medusa-style paths).
+
+Node 0 is the root: the main stream's correction token. Every other node is written as its
+path from the root, a tuple of candidate ranks: (0, 1) is "the top-1 token of stream 1, then
+the top-2 token of stream 2". A node at depth d always takes its token from stream d, so the
+full top-k tree of the paper is every path of length 1..gamma with ranks < k
+(1 + sum_g k^g nodes). Nodes are ordered by (depth, path), so parents precede children.
+All buffers are built once; the additive tree mask is a constant of the tree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    paths: tuple[Path, ...]  # non-root nodes, each as its rank path from the root
+
+    def __post_init__(self):
+        paths = tuple(tuple(int(r) for r in p) for p in self.paths)
+        ordered = tuple(sorted(set(paths), key=lambda p: (len(p), p)))
+        if len(ordered) != len(paths):
+            raise ValueError("tree paths contain duplicates")
+        for path in ordered:
+            if not path or min(path) < 0:
+                raise ValueError(f"tree path {path} must be a non-empty tuple of ranks >= 0")
+            if len(path) > 1 and path[:-1] not in set(ordered):
+                raise ValueError(f"tree path {path} has no parent {path[:-1]}: every prefix must be a node too")
+        object.__setattr__(self, "paths", ordered)
+
+    @classmethod
+    def full(cls, gamma: int, k: int) -> "TreeSpec":
+        """The paper's tree: top-k of each of gamma streams, every combination."""
+        if gamma < 1 or k < 1:
+            raise ValueError(f"gamma and k must be >= 1, got gamma={gamma}, k={k}")
+        return cls(tuple(p for depth in range(1, gamma + 1) for p in itertools.product(range(k), repeat=depth)))
+
+    @classmethod
+    def chain(cls, gamma: int) -> "TreeSpec":
+        """A single path of the top-1 token of each stream (k = 1)."""
+        return cls.full(gamma, 1)
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeSpec":
+        """'gamma=3,k=2', or a JSON list of paths ('[[0],[1],[0,0]]'), or a path to such a JSON file."""
+        text = text.strip()
+        if text.startswith("["):
+            return cls(tuple(tuple(p) for p in json.loads(text)))
+        if "=" in text:
+            fields = dict(item.split("=", 1) for item in text.split(","))
+            unknown = set(fields) - {"gamma", "k"}
+            if unknown or set(fields) != {"gamma", "k"}:
+                raise ValueError(f"tree {text!r}: expected 'gamma=G,k=K' or a JSON list of paths")
+            return cls.full(int(fields["gamma"]), int(fields["k"]))
+        from pathlib import Path as FilePath
+
+        file = FilePath(text)
+        if not file.is_file():
+            raise ValueError(f"tree {text!r}: not 'gamma=G,k=K', a JSON list of paths, nor an existing JSON file")
+        return cls(tuple(tuple(p) for p in json.loads(file.read_text())))
+
+    # --- derived buffers ---------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return 1 + len(self.paths)
+
+    @cached_property
+    def depth(self) -> int:
+        """gamma: the deepest stream the tree uses."""
+        return max((len(p) for p in self.paths), default=0)
+
+    @cached_property
+    def node_paths(self) -> tuple[Path, ...]:
+        return ((),) + self.paths
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return [len(p) for p in self.node_paths]
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        """Candidate rank of each node within its stream's top-k (root: 0)."""
+        return [p[-1] if p else 0 for p in self.node_paths]
+
+    @cached_property
+    def parents(self) -> list[int]:
+        index = {p: i for i, p in enumerate(self.node_paths)}
+        return [-1] + [index[p[:-1]] for p in self.paths]
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                kids[parent].append(node)
+        return kids
+
+    @cached_property
+    def widths(self) -> list[int]:
+        """top-k needed from stream d (index d-1): one more than the largest rank at depth d."""
+        return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[T, T] bool: node i may attend to node j iff j is i or an ancestor of i (EAGLE-style,
+        derived from parents)."""
+        mask = torch.eye(self.num_nodes, dtype=torch.bool)
+        for node in range(1, self.num_nodes):
+            mask[node] |= mask[self.parents[node]]
+        return mask
+
+    @cached_property
+    def retrieve_paths(self) -> torch.Tensor:
+        """[leaves, depth + 1] node indices from the root to each leaf, padded with -1."""
+        leaves = [n for n in range(self.num_nodes) if not self.children[n]]
+        rows = []
+        for leaf in leaves:
+            chain = [leaf]
+            while self.parents[chain[-1]] >= 0:
+                chain.append(self.parents[chain[-1]])
+            chain.reverse()
+            rows.append(chain + [-1] * (self.depth + 1 - len(chain)))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def additive_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[T, T] additive mask (0 where visible, dtype min elsewhere)."""
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=dtype)
+        return mask.masked_fill(~self.ancestor_mask, torch.finfo(dtype).min)
+
+    # --- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"paths": [list(p) for p in self.paths], "num_nodes": self.num_nodes, "depth": self.depth,
+                "hash": self.hash()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TreeSpec":
+        tree = cls(tuple(tuple(p) for p in data["paths"]))
+        if "hash" in data and data["hash"] != tree.hash():
+            raise ValueError(f"tree hash {data['hash']} does not match its paths ({tree.hash()}): the manifest was edited")
+        return tree
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps([list(p) for p in self.paths]).encode()).hexdigest()[:16]
+
+    def check_streams(self, num_streams: int) -> None:
+        """A tree deeper than the model's stream count has no drafts for its deep nodes."""
+        if self.depth > num_streams:
+            raise ValueError(f"tree depth {self.depth} needs {self.depth} streams but the model has {num_streams}; "
+                             f"use a tree with gamma <= {num_streams}")

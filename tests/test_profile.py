@@ -1,0 +1,169 @@
+"""tools/profile.py on hand-made traces whose metrics are worked out by hand below (no model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamfuse.runtime.trace import SCHEMA
+from streamfuse.tools.profile import PLOTS, main, profile_files, profile_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step(nodes: int, kept: int, depth: int) -> dict:
+    return {"tree_nodes": nodes, "kept_nodes": kept, "accepted_depth": depth, "tokens": depth + 1}
+
+
+def run(run_id: str, calls: int, tokens: int, seconds: float, steps: list[dict], peak: int | None = None,
+        **spans: float) -> dict:
+    return {"id": run_id, "prompt_tokens": 5, "new_tokens": tokens, "model_calls": calls, "seconds": seconds,
+            "stop_reason": "eos", "peak_memory_bytes": peak,
+            "spans": {"prefill": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
+            "steps": steps}
+
+
+def trace(method: str, runs: list[dict], tree_depth: int | None = None) -> dict:
+    tree = {"paths": [], "num_nodes": 0, "depth": tree_depth, "hash": "x"} if tree_depth else None
+    return {"schema": SCHEMA, "runs": runs,
+            "meta": {"backend": "test", "device": "cpu", "method": method, "num_streams": 4, "tree": tree}}
+
+
+def ss_trace() -> dict:
+    """Two runs, 4 verify steps with accepted depths 2, 3 | 0, 1 on a depth-4 tree.
+
+    Each run: 1 prefill + 2 verify calls = 3 calls; tokens 1 (prefill) + sum(depth + 1):
+    run a: 1 + 3 + 4 = 8, run b: 1 + 1 + 2 = 4.
+    """
+    return trace("ss", [
+        run("a", 3, 8, 2.0, [step(4, 3, 2), step(5, 4, 3)], peak=1000, prefill=0.5, forward=1.0, accept=0.2,
+            cache=0.1),
+        run("b", 3, 4, 2.0, [step(4, 2, 0), step(4, 3, 1)], peak=None, prefill=0.5, forward=1.0, accept=0.3,
+            cache=0.2),
+    ], tree_depth=4)
+
+
+def ar_trace() -> dict:
+    """Plain decoding: n tokens in n calls (prefill gives the first); no steps recorded."""
+    return trace("ar", [run("a", 8, 8, 6.0, [], prefill=1.0, forward=4.4),
+                        run("c", 5, 5, 3.0, [], prefill=1.0, forward=2.0)])
+
+
+def test_call_reduction_and_throughput():
+    metrics = profile_trace(ss_trace())
+    assert (metrics["runs"], metrics["model_calls"], metrics["new_tokens"]) == (2, 6, 12)
+    assert metrics["seconds"] == 4.0
+    assert metrics["call_reduction"] == 2.0  # 12 tokens / 6 calls
+    assert metrics["tokens_per_s"] == 3.0
+    assert metrics["peak_memory_bytes"] == 1000  # run b's null is skipped
+
+
+def test_plain_decoding_has_cr_one_and_no_depths():
+    metrics = profile_trace(ar_trace())
+    assert metrics["call_reduction"] == 1.0
+    assert metrics["steps"] == 0
+    assert metrics["mean_tokens_per_step"] is None and metrics["tree_utilisation"] is None
+    assert metrics["acceptance_per_depth"] == [] and metrics["tokens_per_call_histogram"] == {}
+    assert metrics["peak_memory_bytes"] is None
+    # no steps: verify calls = model_calls - 1 per run = 7 + 4
+    assert metrics["forward_latency_s"] == pytest.approx(6.4 / 11)
+
+
+def test_ar_with_depth_zero_steps():
+    steps = [step(1, 1, 0)] * 3
+    metrics = profile_trace(trace("ar", [run("a", 4, 4, 1.0, steps, forward=0.6)]))
+    assert metrics["call_reduction"] == 1.0
+    assert metrics["mean_tokens_per_step"] == 1.0 and metrics["mean_accepted_depth"] == 0.0
+    assert metrics["acceptance_per_depth"] == []
+    assert metrics["tree_utilisation"] == 1.0 and metrics["pruned_fraction"] == 0.0
+    assert metrics["forward_latency_s"] == pytest.approx(0.2)
+
+
+def test_acceptance_per_depth_and_stream():
+    metrics = profile_trace(ss_trace())
+    assert metrics["mean_tokens_per_step"] == 2.5  # (3 + 4 + 1 + 2) / 4
+    assert metrics["mean_accepted_depth"] == 1.5
+    rows = metrics["acceptance_per_depth"]
+    assert [r["depth"] for r in rows] == [r["stream"] for r in rows] == [1, 2, 3, 4]  # depth 4 from meta.tree
+    assert [r["steps_reaching"] for r in rows] == [3, 2, 1, 0]
+    assert [r["acceptance"] for r in rows] == [0.75, 0.5, 0.25, 0.0]
+    assert [r["conditional_acceptance"] for r in rows] == pytest.approx([3 / 4, 2 / 3, 1 / 2, 0.0])
+    assert metrics["tokens_per_call_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+
+
+def test_utilisation_and_pruning():
+    metrics = profile_trace(ss_trace())
+    # accepted path nodes (depth + 1): 3, 4, 1, 2 = 10 over tree nodes 4, 5, 4, 4 = 17
+    assert metrics["tree_utilisation"] == pytest.approx(10 / 17)
+    assert metrics["mean_step_utilisation"] == pytest.approx((3 / 4 + 4 / 5 + 1 / 4 + 2 / 4) / 4)
+    # pruned: 1, 1, 2, 1
+    assert metrics["mean_pruned_nodes"] == 1.25
+    assert metrics["pruned_fraction"] == pytest.approx(5 / 17)
+
+
+def test_time_split():
+    metrics = profile_trace(ss_trace())
+    split = metrics["time_split"]
+    assert split["total_seconds"] == 4.0
+    seconds = {name: s["seconds"] for name, s in split["spans"].items()}
+    fractions = {name: s["fraction"] for name, s in split["spans"].items()}
+    assert seconds == pytest.approx({"prefill": 1.0, "forward": 2.0, "accept": 0.5, "cache": 0.3, "host": 0.0,
+                                     "other": 0.2})
+    assert fractions == pytest.approx({"prefill": 0.25, "forward": 0.5, "accept": 0.125, "cache": 0.075,
+                                       "host": 0.0, "other": 0.05})
+    assert metrics["forward_latency_s"] == 0.5  # 2.0 s over 4 verify steps
+    assert metrics["prefill_per_run_s"] == 0.5
+
+
+def test_baseline_matches_only_shared_run_ids():
+    base = profile_trace(ss_trace(), ar_trace())["baseline"]
+    # shared id: "a" only (b is not in the baseline, c not in the trace)
+    assert (base["matched_runs"], base["runs"], base["baseline_runs"]) == (1, 2, 2)
+    assert (base["model_calls"], base["baseline_model_calls"]) == (3, 8)
+    assert base["measured_call_ratio"] == pytest.approx(8 / 3)
+    assert base["speedup"] == 3.0  # 6.0 s / 2.0 s
+    assert profile_trace(ss_trace())["baseline"] is None
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cli_writes_report(tmp_path, capsys):
+    trace_path = write(tmp_path / "ss.json", ss_trace())
+    base_path = write(tmp_path / "ar.json", ar_trace())
+    out = tmp_path / "report"
+    assert main([str(trace_path), "--baseline", str(base_path), "--out", str(out)]) == 0
+    assert "CR 2" in capsys.readouterr().out
+    metrics = json.loads((out / "profile.json").read_text())
+    assert metrics["call_reduction"] == 2.0 and metrics["baseline"]["speedup"] == 3.0
+    markdown = (out / "profile.md").read_text()
+    assert "call_reduction" in markdown and "1 run ids matched" in markdown
+    for name in PLOTS.values():
+        assert f"({name})" in markdown
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    assert not list(out.glob("*.tmp"))
+
+
+def test_script_mode_on_ar_trace(tmp_path):
+    """Run as a file: tools/ must not shadow the stdlib `profile`; AR traces plot 'no data' panels."""
+    trace_path = write(tmp_path / "ar.json", ar_trace())
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "profile.py"), str(trace_path),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert all((tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC for name in PLOTS.values())
+
+
+def test_wrong_schema_names_the_file(tmp_path, capsys):
+    bad = write(tmp_path / "old_trace.json", {"schema": "streamfuse.trace/0", "runs": []})
+    with pytest.raises(ValueError, match="old_trace.json"):
+        profile_files(bad)
+    assert main([str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "old_trace.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
