@@ -80,8 +80,11 @@ def update_info(directory: Path, **fields) -> None:
     tmp.replace(path)
 
 
-def load_checkpoint(directory: Path, base_model: str | None = None):
-    """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode."""
+def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False):
+    """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode.
+
+    merge_lora folds the adapter into the base weights: same function, no per-projection LoRA
+    matmuls at inference (the runtime's choice); unmerged keeps the adapter trainable."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
@@ -89,7 +92,8 @@ def load_checkpoint(directory: Path, base_model: str | None = None):
     manifest = read_manifest(directory)
     base, _ = load_base_model(base_model or manifest["base_model"])
     peft_model = PeftModel.from_pretrained(base, directory / "lora")
-    model = SpeculativeStreamingLM(peft_model, StreamConfig.from_dict(manifest["streams"]))
+    inner = peft_model.merge_and_unload() if merge_lora else peft_model
+    model = SpeculativeStreamingLM(inner, StreamConfig.from_dict(manifest["streams"]))
     state = load_file(str(directory / "streams.safetensors"))
     missing = set(extra_state(model)) ^ set(state)
     if missing:

@@ -28,6 +28,7 @@ class DecoderParts:
     vocab_size: int
     num_kv_heads: int
     head_dim: int
+    max_positions: int
 
     @property
     def num_layers(self) -> int:
@@ -61,6 +62,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         vocab_size=config.vocab_size,
         num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim,
+        max_positions=config.max_position_embeddings,
     )
 
 

@@ -22,8 +22,3 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
-
-
-def merged_copy(model: nn.Module) -> nn.Module:
-    """A plain HF model with LoRA folded into the base weights (for export)."""
-    return model.merge_and_unload()

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import hf
 from .config import StreamConfig
-from .msa import KeyValues, StepKeyValues, multi_stream_mask
+from .msa import KeyValues, StepKeyValues, multi_stream_mask, stream_block
 from .pruning import PruningHead
 from .streams import StreamInit
 
@@ -116,6 +116,28 @@ class SpeculativeStreamingLM(nn.Module):
             return StreamingOutput(parts.norm(hidden), None, lower.pruning_hidden, lower.key_values)
         main, streams = self._run_streams(lower.hidden, lower.position_ids, lower.mask, anchors, lower.key_values)
         return StreamingOutput(parts.norm(main), parts.norm(streams), lower.pruning_hidden, lower.key_values)
+
+    def forward_streams(self, anchor_hidden: torch.Tensor, anchor_positions: torch.Tensor,
+                        past_mask: torch.Tensor, key_values: KeyValues) -> torch.Tensor:
+        """Streams alone through the MSA layers, once their anchors' main K/V are in the past.
+
+        Stream (a, j) attends to what anchor a sees plus streams (a, <= j) (eq. 2), so with a's
+        ancestors and a itself already cached this equals the fused pass, at gamma tokens per
+        anchor instead of gamma per tree node. anchor_hidden [B, A, H] are the anchors' main
+        states at layer N - N_s; past_mask [B, 1, A, P] what each anchor sees of the past;
+        key_values provides the past (main_len 0: nothing new is stored). -> [B, A, gamma, H]."""
+        batch, num_anchors, size = anchor_hidden.shape
+        gamma = self.num_streams
+        streams = self.stream_init(anchor_hidden).reshape(batch, num_anchors * gamma, size)
+        offsets = torch.arange(1, gamma + 1, device=anchor_hidden.device)
+        positions = (anchor_positions[:, :, None] + offsets).reshape(batch, -1)
+        block = stream_block(num_anchors, gamma, past_mask.dtype, past_mask.device).expand(batch, 1, -1, -1)
+        mask = torch.cat([past_mask.repeat_interleave(gamma, dim=2), block], dim=-1)
+        if self.rotation_step is not None:
+            key_values.value_angles = (offsets * self.rotation_step).repeat(num_anchors).float()
+        rope = self.parts.rotary(streams, positions)
+        streams = self._run_layers(range(self.split, self.parts.num_layers), streams, mask, rope, key_values)
+        return self.parts.norm(streams).reshape(batch, num_anchors, gamma, size)
 
     def _early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
         # Detached: the pruning head learns from next-token loss without steering the main model.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from streamfuse.runtime.backends.base import Backend
-from streamfuse.runtime.decode import GenerationResult, StepEvent, finish_run, notify, check_prompt, required_capacity
+from streamfuse.runtime.decode import GenerationResult, StepEvent, check_prompt, finish_run, notify, required_capacity
 from streamfuse.runtime.emitter import Emitter, StopRules
 from streamfuse.runtime.sampling import SamplingConfig, choose
 from streamfuse.runtime.trace import Trace
@@ -31,7 +31,7 @@ def generate_autoregressive(
     generator = torch.Generator().manual_seed(seed)
     emitter = Emitter(rules, decode)
     started = time.perf_counter()
-    backend.reset(required_capacity(len(prompt_ids), rules, None))
+    backend.reset(required_capacity(len(prompt_ids), rules, None, backend.max_positions))
     with trace.span(run, "prefill"):
         token = choose(backend.prefill(prompt_ids, with_streams=False).main_logits[0], sampling, generator)
     run.model_calls = 1

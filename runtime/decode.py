@@ -44,9 +44,15 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None) -> int:
-    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows."""
-    return prompt_len + rules.max_new_tokens + (tree.num_nodes if tree else 1)
+def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None, max_positions: int) -> int:
+    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows.
+    Checked before any work, so a run never stops half-way for lack of context."""
+    needed = prompt_len + rules.max_new_tokens + (tree.num_nodes if tree else 1)
+    if needed > max_positions:
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + draft tree "
+                         f"{tree.num_nodes if tree else 1} exceeds the model's context of {max_positions} positions; "
+                         f"shorten the prompt or lower max_new_tokens")
+    return needed
 
 
 def draft_tokens(tree: TreeSpec, root: int, stream_logits: torch.Tensor) -> list[int]:
@@ -75,7 +81,7 @@ def generate_speculative(
     generator = torch.Generator().manual_seed(seed)
     emitter = Emitter(rules, decode)
     started = time.perf_counter()
-    backend.reset(required_capacity(len(prompt_ids), rules, tree))
+    backend.reset(required_capacity(len(prompt_ids), rules, tree, backend.max_positions))
     with trace.span(run, "prefill"):
         out = backend.prefill(prompt_ids, with_streams=True)
         root = choose(out.main_logits[0], sampling, generator)

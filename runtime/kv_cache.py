@@ -37,7 +37,7 @@ class KVCache:
     def writer(self, main_len: int) -> "CacheWriter":
         if self.length + main_len > self.capacity:
             raise CapacityError(f"KV cache full: {self.length} committed + {main_len} new > capacity {self.capacity}; "
-                                f"raise the capacity (--kv-capacity) or lower max_new_tokens")
+                                f"reset the backend with a larger capacity or lower max_new_tokens")
         self.pending = main_len
         return CacheWriter(self, main_len)
 

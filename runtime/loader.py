@@ -40,6 +40,6 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu") -> Loaded:
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
-    model, tokenizer, manifest = load_checkpoint(artifact)
+    model, tokenizer, manifest = load_checkpoint(artifact, merge_lora=True)
     prompt = manifest["info"].get("prompt")
     return Loaded(TorchBackend(model, device), tokenizer, manifest["info"], PromptFormat.from_dict(prompt) if prompt else None)

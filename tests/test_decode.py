@@ -20,8 +20,9 @@ from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
 
-def backend_for(seed: int, vocab: int = 97, gamma: int = 3, msa_layers: int = 2) -> TorchBackend:
-    return TorchBackend(SpeculativeStreamingLM(make_tiny_llama(seed, vocab=vocab), StreamConfig(gamma, msa_layers)))
+def backend_for(seed: int, vocab: int = 97, gamma: int = 3, msa_layers: int = 2, schedule: str = "fused") -> TorchBackend:
+    model = SpeculativeStreamingLM(make_tiny_llama(seed, vocab=vocab), StreamConfig(gamma, msa_layers))
+    return TorchBackend(model, stream_schedule=schedule)
 
 
 class OracleDrafts:
@@ -32,7 +33,7 @@ class OracleDrafts:
         self.inner, self.oracle, self.noise = inner, oracle, noise
         self.rng = random.Random(seed)
         self.name, self.device = inner.name, inner.device
-        self.num_streams, self.vocab_size = inner.num_streams, inner.vocab_size
+        self.num_streams, self.vocab_size, self.max_positions = inner.num_streams, inner.vocab_size, inner.max_positions
         self.prompt_len = 0
 
     def reset(self, capacity):
@@ -75,9 +76,10 @@ trees = st.one_of(
 @settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), tree=trees, noise=st.sampled_from([0.0, 0.3, 1.0]),
-       prompt_len=st.integers(1, 12), prune=st.sampled_from([None, PruneConfig(budget=3), PruneConfig(threshold=0.02)]))
-def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, prune):
-    backend = backend_for(seed % 7)
+       prompt_len=st.integers(1, 12), prune=st.sampled_from([None, PruneConfig(budget=3), PruneConfig(threshold=0.02)]),
+       schedule=st.sampled_from(["fused", "deferred"]))
+def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, prune, schedule):
+    backend = backend_for(seed % 7, schedule=schedule)
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     rules = StopRules(max_new_tokens=24, stop_token_ids=(5,))
     plain = generate_autoregressive(backend, prompt, rules)
@@ -89,7 +91,7 @@ def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, p
 
 
 def test_oracle_drafts_cut_model_calls_by_the_tree_depth():
-    backend = backend_for(3)
+    backend = backend_for(3, schedule="deferred")
     rules = StopRules(max_new_tokens=30)
     plain = generate_autoregressive(backend, [1, 2, 3], rules)
     trace = Trace()
@@ -101,10 +103,11 @@ def test_oracle_drafts_cut_model_calls_by_the_tree_depth():
     assert trace.runs[0].spans["forward"] > 0
 
 
-def test_seeded_sampling_matches_plain_sampling_token_for_token():
+@pytest.mark.parametrize("schedule", ["fused", "deferred"])
+def test_seeded_sampling_matches_plain_sampling_token_for_token(schedule):
     """Each emitted token costs exactly one draw from the target in both loops, so with one seed
     speculative sampling reproduces plain sampling."""
-    backend = backend_for(11)
+    backend = backend_for(11, schedule=schedule)
     sampling = SamplingConfig(temperature=0.9, top_k=20, top_p=0.95)
     rules = StopRules(max_new_tokens=20)
     for seed in range(4):
@@ -171,6 +174,14 @@ def test_bad_prompts_are_clear_errors(prompt, message):
         generate_speculative(backend_for(0), prompt, TreeSpec.full(2, 2), StopRules(4))
 
 
+def test_prompt_longer_than_the_context_is_a_clear_error():
+    backend = backend_for(0)  # max_position_embeddings 256
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        generate_speculative(backend, [1] * 250, TreeSpec.full(2, 2), StopRules(4))
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        generate_autoregressive(backend, [1] * 200, StopRules(60))
+
+
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         StopRules(0)
@@ -190,3 +201,12 @@ def test_stop_strings_stop_at_the_same_token():
     b = generate_speculative(OracleDrafts(backend, plain.token_ids, 0.0, 1), [7, 8], TreeSpec.chain(3), rules, decode=decode)
     assert a.token_ids == b.token_ids == plain.token_ids[: len(a.token_ids)]
     assert a.stop_reason == b.stop_reason == "stop_string" and len(a.token_ids) <= 7
+
+
+def test_real_stream_drafts_are_identical_under_both_schedules():
+    """Not only the output: the drafted trees (hence acceptance and call counts) match too."""
+    runs = []
+    for schedule in ("fused", "deferred"):
+        result = generate_speculative(backend_for(4, schedule=schedule), [3, 1, 4, 1, 5], TreeSpec.full(3, 2), StopRules(30))
+        runs.append((result.token_ids, [(s.accepted_depth, s.tokens) for s in result.run.steps]))
+    assert runs[0] == runs[1]

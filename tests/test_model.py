@@ -100,3 +100,16 @@ def test_extra_parameter_count_matches_the_paper_formula():
 def test_bad_stream_config_is_rejected_with_the_field_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(**{"msa_layers": 2, **kwargs}))
+
+
+@torch.no_grad()
+def test_deferred_streams_equal_fused_streams():
+    """Streams run after their anchor's K/V are cached see exactly what the fused pass shows them."""
+    model = SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(num_streams=3, msa_layers=2))
+    ids, positions, mask = inputs(batch=1)
+    fused = model(ids, positions, mask, anchors=torch.tensor([[5]]))
+    prefix = model.forward_lower(ids[:, :6], positions[:, :6], mask[:, :, :6, :6])
+    cached = model.forward_upper(prefix).key_values.new
+    deferred = model.forward_streams(prefix.hidden[:, 5:6], torch.tensor([[5]]), torch.zeros(1, 1, 1, 6),
+                                     StepKeyValues(4, 0, past=cached))
+    torch.testing.assert_close(deferred[0, 0], fused.stream_hidden[0, 0], atol=1e-5, rtol=0)

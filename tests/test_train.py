@@ -97,6 +97,11 @@ def test_checkpoint_round_trip(tiny_base_dir, tmp_path):
     torch.testing.assert_close(b.hidden, a.hidden)
     torch.testing.assert_close(b.stream_hidden, a.stream_hidden)
     torch.testing.assert_close(b.pruning_hidden, a.pruning_hidden)
+    merged, _, _ = load_checkpoint(tmp_path / "ckpt", merge_lora=True)
+    with torch.no_grad():
+        c = forward_batch(merged, batch, True)
+    torch.testing.assert_close(c.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c.stream_hidden, a.stream_hidden, atol=1e-5, rtol=1e-5)
 
 
 def items_for_roundtrip():

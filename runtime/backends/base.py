@@ -39,6 +39,7 @@ class Backend(Protocol):
     device: str
     num_streams: int
     vocab_size: int
+    max_positions: int  # the model's context length
 
     def reset(self, capacity: int) -> None:
         """Empty the KV cache and make room for `capacity` positions."""

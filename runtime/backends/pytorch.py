@@ -7,23 +7,50 @@ from collections.abc import Sequence
 
 import torch
 
+from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.base import PruneConfig, StepOutput
 from streamfuse.runtime.kv_cache import KVCache
 from streamfuse.runtime.tree import TreeSpec
 
 
+STREAM_SCHEDULES = ("fused", "deferred")
+
+
 class TorchBackend:
+    """stream_schedule "fused": streams ride along every tree node in the one forward pass (the
+    paper's schedule; best where a pass is memory-bound). "deferred": the pass verifies only, and
+    after the commit the streams of the last accepted node alone run through the N_s MSA layers
+    (same outputs, far less compute; best on CPUs). Call stream_logits only after commit."""
+
     name = "torch"
 
-    def __init__(self, model: SpeculativeStreamingLM, device: str = "cpu"):
+    def __init__(self, model: SpeculativeStreamingLM, device: str = "cpu", stream_schedule: str = "fused"):
+        if stream_schedule not in STREAM_SCHEDULES:
+            raise ValueError(f"stream_schedule must be one of {STREAM_SCHEDULES}, got {stream_schedule!r}")
+        self.stream_schedule = stream_schedule
         self.model = model.to(device).eval().requires_grad_(False)  # inference only: no autograd state
         self.device = device
         self.num_streams = model.num_streams
         self.vocab_size = model.parts.vocab_size
+        self.max_positions = model.parts.max_positions
         self.dtype = next(model.parameters()).dtype
         self.cache: KVCache | None = None
         self._tree_masks: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def with_random_weights(cls, base_model: str, streams: StreamConfig, device: str = "cpu",
+                            dtype: torch.dtype = torch.float32) -> "TorchBackend":
+        """Same architecture as `base_model` (a config is enough), random weights: step latency
+        depends on shapes only, so it can be measured where the weights cannot travel."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from streamfuse.adapters.base_model import resolve_base_model
+
+        config = AutoConfig.from_pretrained(resolve_base_model(base_model))
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return cls(SpeculativeStreamingLM(model, streams), device)
 
     def reset(self, capacity: int) -> None:
         parts = self.model.parts
@@ -39,14 +66,13 @@ class TorchBackend:
         ids = torch.tensor([list(token_ids)], device=self.device)
         positions = torch.arange(count, device=self.device)[None]
         mask = self._mask(torch.ones(count, count, dtype=torch.bool, device=self.device).tril())
-        anchors = torch.tensor([[count - 1]], device=self.device) if with_streams else None
-        out = self.model(ids, positions, mask, self.cache.writer(count), anchors=anchors)
+        fused = with_streams and self.stream_schedule == "fused"
+        anchors = torch.tensor([[count - 1]], device=self.device) if fused else None
+        lower = self.model.forward_lower(ids, positions, mask, self.cache.writer(count))
+        out = self.model.forward_upper(lower, anchors)
         self.cache.commit(range(count))
-        streams = out.stream_hidden
-        return StepOutput(
-            self.model.logits(out.hidden[0, -1:]).float(),
-            (lambda node: self._head(streams[0, 0])) if with_streams else None,
-        )
+        return StepOutput(self.model.logits(out.hidden[0, -1:]).float(),
+                          self._stream_source(out, lower.hidden[:, -1:], [0]) if with_streams else None)
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -59,18 +85,11 @@ class TorchBackend:
         lower = self.model.forward_lower(ids, positions, self._mask(visible), self.cache.writer(count),
                                          with_pruning=prune is not None)
         kept = self._prune(lower.pruning_hidden[0], tokens, tree, prune) if prune is not None else None
-        anchors = None
-        if with_streams:
-            nodes = [n for n in range(count) if kept is None or kept[n]]
-            anchors = torch.tensor([nodes], device=self.device)
-            slot = {node: index for index, node in enumerate(nodes)}
-        out = self.model.forward_upper(lower, anchors)
-        streams = out.stream_hidden
-        return StepOutput(
-            self.model.logits(out.hidden[0]).float(),
-            (lambda node: self._head(streams[0, slot[node]])) if with_streams else None,
-            kept,
-        )
+        nodes = [n for n in range(count) if kept is None or kept[n]]
+        fused = with_streams and self.stream_schedule == "fused"
+        out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
+        return StepOutput(self.model.logits(out.hidden[0]).float(),
+                          self._stream_source(out, lower.hidden, nodes) if with_streams else None, kept)
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
@@ -81,9 +100,25 @@ class TorchBackend:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _stream_source(self, out, lower_hidden: torch.Tensor, nodes: list[int]):
+        """node -> [gamma, V] stream logits, computed on demand for the last accepted node only
+        (so only gamma rows ever pay the LM head). lower_hidden [1, T, H] holds each node's main
+        state at layer N - N_s; nodes are the ones that got fused streams, in order."""
+        if self.stream_schedule == "fused":
+            slot = {node: index for index, node in enumerate(nodes)}
+            return lambda node: self._head(out.stream_hidden[0, slot[node]])
+        return lambda node: self._head(self._deferred_streams(lower_hidden[:, node : node + 1]))
+
+    @torch.inference_mode()
+    def _deferred_streams(self, anchor_hidden: torch.Tensor) -> torch.Tensor:
+        """Streams of the node just committed last: its ancestors and itself are the cache now."""
+        past = self.cache.length
+        position = torch.tensor([[past - 1]], device=self.device)
+        mask = torch.zeros(1, 1, 1, past, dtype=self.dtype, device=self.device)
+        return self.model.forward_streams(anchor_hidden, position, mask, self.cache.writer(0))[0, 0]
+
     @torch.inference_mode()
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stream logits on demand: only the last accepted node's gamma rows ever pay the LM head."""
         return self.model.logits(hidden).float()
 
     def _tree_visibility(self, tree: TreeSpec) -> torch.Tensor:

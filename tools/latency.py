@@ -1,0 +1,98 @@
+"""python -m streamfuse.tools.latency: per-call latency of a plain step vs a tree step.
+
+Step latency depends on shapes, not weights, so this builds the base model's architecture with
+random weights (a config.json is enough) and times, interleaved: one plain decode step, and one
+verify-and-speculate step per tree, at a given context length. Multiply a tree's latency ratio
+by the call reduction measured with trained weights to project a speed-up on this device.
+
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.latency --gamma 3 --msa-layers 8 \
+        --trees "gamma=3,k=1;gamma=3,k=2;[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]" --device cpu --threads 2
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
+from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
+    parser.add_argument("--gamma", type=int, default=3, help="number of streams")
+    parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
+    parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
+    parser.add_argument("--context", type=int, default=384, help="tokens already in the KV cache")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per configuration (interleaved)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def timed(backend: TorchBackend, call) -> float:
+    if backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    call()
+    if backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
+    """Name -> a zero-argument call doing one step of that kind (scratch rows, never committed)."""
+    calls = {"plain": lambda: backend.step([1], None, with_streams=False).main_logits.argmax(-1)}
+    for tree in trees:
+        def ss_step(tree=tree):
+            out = backend.step([1] * tree.num_nodes, tree, with_streams=True)
+            out.main_logits.argmax(-1)
+            out.stream_logits(0).topk(max(tree.widths))  # the host needs one node's stream top-k
+        calls[f"tree {tree.num_nodes} nodes {tree.to_dict()['paths'] if tree.num_nodes <= 8 else tree.hash()}"] = ss_step
+    return calls
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
+    backend = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
+                                               args.device, getattr(torch, args.dtype))
+    backend.reset(args.context + max(t.num_nodes for t in trees) + 1)
+    backend.prefill(list(range(1, args.context + 1)), with_streams=False)
+    calls = step_calls(backend, trees)
+    samples = {name: [] for name in calls}
+    for rep in range(args.reps + 3):
+        for name, call in calls.items():  # interleaved: every configuration sees the same conditions
+            seconds = timed(backend, call)
+            if rep >= 3:
+                samples[name].append(seconds)
+    plain = statistics.median(samples["plain"])
+    rows = [{"config": name, "median_ms": 1000 * statistics.median(v), "ratio_to_plain": statistics.median(v) / plain}
+            for name, v in samples.items()]
+    meta = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
+            "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg(),
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+    print(json.dumps(meta))
+    for row in rows:
+        print(f"{row['config']:<70} {row['median_ms']:8.2f} ms  x{row['ratio_to_plain']:.2f}")
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
