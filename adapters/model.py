@@ -21,6 +21,7 @@ from .msa import KeyValues, StepKeyValues, multi_stream_mask, stream_block
 from .pruning import PruningHead
 from .streams import StreamInit
 
+
 @dataclass
 class StreamingOutput:
     hidden: torch.Tensor  # [B, T, H] final-normed main-stream states
@@ -49,7 +50,7 @@ class LowerState:
 class SpeculativeStreamingLM(nn.Module):
     """Wraps a (possibly peft-wrapped) HF causal LM; adds streams and the pruning head."""
 
-    def __init__(self, model: nn.Module, config: StreamConfig, max_positions: int = 4096):
+    def __init__(self, model: nn.Module, config: StreamConfig):
         super().__init__()
         self.model = model
         self.config = config
@@ -60,7 +61,7 @@ class SpeculativeStreamingLM(nn.Module):
         self.split = config.first_msa_layer(self.parts.num_layers)
         self.pruning_layer = config.pruning_layer_index(self.parts.num_layers)
         self.rotation_step = (
-            config.value_rotation_step(max_positions) if config.stream_init == "value_rotation" else None
+            config.value_rotation_step(self.parts.max_positions) if config.stream_init == "value_rotation" else None
         )
 
     @property
@@ -128,16 +129,24 @@ class SpeculativeStreamingLM(nn.Module):
         key_values provides the past (main_len 0: nothing new is stored). -> [B, A, gamma, H]."""
         batch, num_anchors, size = anchor_hidden.shape
         gamma = self.num_streams
-        streams = self.stream_init(anchor_hidden).reshape(batch, num_anchors * gamma, size)
-        offsets = torch.arange(1, gamma + 1, device=anchor_hidden.device)
-        positions = (anchor_positions[:, :, None] + offsets).reshape(batch, -1)
+        streams, positions = self._stream_tokens(anchor_hidden, anchor_positions, key_values)
         block = stream_block(num_anchors, gamma, past_mask.dtype, past_mask.device).expand(batch, 1, -1, -1)
         mask = torch.cat([past_mask.repeat_interleave(gamma, dim=2), block], dim=-1)
-        if self.rotation_step is not None:
-            key_values.value_angles = (offsets * self.rotation_step).repeat(num_anchors).float()
         rope = self.parts.rotary(streams, positions)
         streams = self._run_layers(range(self.split, self.parts.num_layers), streams, mask, rope, key_values)
         return self.parts.norm(streams).reshape(batch, num_anchors, gamma, size)
+
+    def _stream_tokens(self, anchor_hidden, anchor_positions, key_values):
+        """Eq. 3 at the anchors -> (stream states [B, A*g, H], positions [B, A*g]), anchor-major.
+        Stream j of the token at position p predicts token p + 1 + j, so it sits at position p + j.
+        Value-rotation streams also get their angles on the key/value provider (eq. 7)."""
+        batch, num_anchors, size = anchor_hidden.shape
+        offsets = torch.arange(1, self.num_streams + 1, device=anchor_hidden.device)
+        streams = self.stream_init(anchor_hidden).reshape(batch, num_anchors * self.num_streams, size)
+        positions = (anchor_positions[:, :, None] + offsets).reshape(batch, -1)
+        if self.rotation_step is not None:
+            key_values.value_angles = (offsets * self.rotation_step).repeat(num_anchors).float()
+        return streams, positions
 
     def _early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
         # Detached: the pruning head learns from next-token loss without steering the main model.
@@ -153,14 +162,9 @@ class SpeculativeStreamingLM(nn.Module):
         batch, tokens, size = hidden.shape
         gamma, num_anchors = self.num_streams, anchors.shape[1]
         anchor_hidden = torch.gather(hidden, 1, anchors[:, :, None].expand(batch, num_anchors, size))
-        streams = self.stream_init(anchor_hidden).reshape(batch, num_anchors * gamma, size)
-        offsets = torch.arange(1, gamma + 1, device=anchors.device)
-        # Stream j of the token at position p predicts token p + 1 + j, so it sits at position p + j.
-        stream_positions = (torch.gather(position_ids, 1, anchors)[:, :, None] + offsets).reshape(batch, -1)
+        streams, stream_positions = self._stream_tokens(anchor_hidden, torch.gather(position_ids, 1, anchors), key_values)
         combined = torch.cat([hidden, streams], dim=1)
         rope = self.parts.rotary(combined, torch.cat([position_ids, stream_positions], dim=1))
-        if self.rotation_step is not None:
-            key_values.value_angles = (offsets * self.rotation_step).repeat(num_anchors).float()
         msa_mask = multi_stream_mask(mask, anchors, gamma)
         combined = self._run_layers(range(self.split, self.parts.num_layers), combined, msa_mask, rope, key_values)
         return combined[:, :tokens], combined[:, tokens:].reshape(batch, num_anchors, gamma, size)

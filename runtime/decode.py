@@ -97,8 +97,9 @@ def generate_speculative(
             result = accept(tree, tokens, lambda n: choose(out.main_logits[n], sampling, generator), out.kept)
         with trace.span(run, "cache"):
             backend.commit(result.path)
-        with trace.span(run, "host"):
+        with trace.span(run, "streams"):
             streams = out.stream_logits(result.path[-1])
+        with trace.span(run, "host"):
             drafts = [tokens[n] for n in result.path[1:]]
             emitted = emitter.emit(drafts + [result.correction])
             root = result.correction

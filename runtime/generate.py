@@ -19,7 +19,7 @@ from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.base import PruneConfig
 from streamfuse.runtime.decode import GenerationResult, generate_speculative
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import BACKENDS, Loaded, load
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
     parser.add_argument("--method", choices=("ss", "ar"), default="ss", help="ss: speculative streaming; ar: plain decoding")
     parser.add_argument("--backend", choices=BACKENDS, default="torch", help="execution engine")
+    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
+                        help="fused: streams ride along every tree node in one pass (memory-bound devices); "
+                             "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--tree", default=DEFAULT_TREE, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file")
     parser.add_argument("--prune-threshold", type=float, default=None, help="prune tree nodes whose early-exit transition probability is below this")
@@ -144,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = settings_from(args)
-    loaded = load(args.artifact, args.backend, args.device)
+    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
     as_task = args.task is not None
-    if as_task and (loaded.prompt is None or loaded.info.get("task") != args.task):
+    if as_task and loaded.info.get("task") != args.task:
         raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "
                          f"use that task name or drop --task")
+    if as_task and loaded.prompt is None:
+        raise SystemExit(f"--task {args.task}: {args.artifact} records no prompt format; rerun export/build.py "
+                         f"(it adds it without retraining) or pass plain prompts without --task")
     settings = DecodeSettings(settings.method, settings.tree,
                               StopRules(settings.rules.max_new_tokens, loaded.stop_token_ids, settings.rules.stop_strings),
                               settings.sampling, settings.prune, settings.seed)

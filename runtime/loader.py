@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfuse.runtime.backends.base import Backend
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.prompt import PromptFormat
 
 BACKENDS = ("torch",)
@@ -27,7 +27,7 @@ class Loaded:
         return (self.tokenizer.eos_token_id,)
 
 
-def load(artifact: Path, backend: str = "torch", device: str = "cpu") -> Loaded:
+def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused") -> Loaded:
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available; choose one of {', '.join(BACKENDS)}")
@@ -42,4 +42,4 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu") -> Loaded:
 
     model, tokenizer, manifest = load_checkpoint(artifact, merge_lora=True)
     prompt = manifest["info"].get("prompt")
-    return Loaded(TorchBackend(model, device), tokenizer, manifest["info"], PromptFormat.from_dict(prompt) if prompt else None)
+    return Loaded(TorchBackend(model, device, stream_schedule), tokenizer, manifest["info"], PromptFormat.from_dict(prompt) if prompt else None)

@@ -6,12 +6,14 @@ Schema "streamfuse.trace/1" (JSON):
               "tree": {...TreeSpec.to_dict()} | null, "threads": int, ...free-form...},
      "runs": [{"id": str, "prompt_tokens": int, "new_tokens": int, "model_calls": int,
                "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null,
-               "spans": {"prefill": s, "forward": s, "accept": s, "cache": s, "host": s},
+               "spans": {"prefill": s, "forward": s, "streams": s, "accept": s, "cache": s, "host": s},
                "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
                           "tokens": int}]}]}
 model_calls counts the prefill: plain decoding of n tokens makes n calls (prefill + n - 1).
 accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
 tokens = d + 1 (the accepted drafts plus the main stream's correction token).
+"streams" is the stream logits of the last accepted node (with deferred streams: their own pass
+through the MSA layers); "host" is what the host does between calls (drafting, emitting).
 A disabled Trace costs one attribute check per span.
 """
 
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA = "streamfuse.trace/1"
-SPANS = ("prefill", "forward", "accept", "cache", "host")
+SPANS = ("prefill", "forward", "streams", "accept", "cache", "host")
 
 
 @dataclass

@@ -23,6 +23,8 @@ def test_build_trains_evaluates_and_reuses(tiny_base_dir, tmp_path, capsys):
     assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
     assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 32 * 8
     assert not list(run_dir.glob("*.snapshot")), "snapshots are removed once a checkpoint is saved"
+    manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
+    assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
 

@@ -112,10 +112,10 @@ def test_time_split():
     assert split["total_seconds"] == 4.0
     seconds = {name: s["seconds"] for name, s in split["spans"].items()}
     fractions = {name: s["fraction"] for name, s in split["spans"].items()}
-    assert seconds == pytest.approx({"prefill": 1.0, "forward": 2.0, "accept": 0.5, "cache": 0.3, "host": 0.0,
-                                     "other": 0.2})
-    assert fractions == pytest.approx({"prefill": 0.25, "forward": 0.5, "accept": 0.125, "cache": 0.075,
-                                       "host": 0.0, "other": 0.05})
+    assert seconds == pytest.approx({"prefill": 1.0, "forward": 2.0, "streams": 0.0, "accept": 0.5, "cache": 0.3,
+                                     "host": 0.0, "other": 0.2})
+    assert fractions == pytest.approx({"prefill": 0.25, "forward": 0.5, "streams": 0.0, "accept": 0.125,
+                                       "cache": 0.075, "host": 0.0, "other": 0.05})
     assert metrics["forward_latency_s"] == 0.5  # 2.0 s over 4 verify steps
     assert metrics["prefill_per_run_s"] == 0.5
 

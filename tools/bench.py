@@ -29,7 +29,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import DecodeSettings, prompt_ids, read_requests, run  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS, load  # noqa: E402
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
 from streamfuse.runtime.backends.base import PruneConfig  # noqa: E402
 from streamfuse.runtime.sampling import SamplingConfig  # noqa: E402
 from streamfuse.runtime.trace import Trace  # noqa: E402
@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-file", type=Path, required=True, help="JSON lines with the task's fields")
     parser.add_argument("--limit", type=int, default=100, help="number of inputs")
     parser.add_argument("--backend", choices=BACKENDS, default="torch")
+    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
+                        help="fused: streams ride along every tree node in one pass (memory-bound devices); "
+                             "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="fixed torch CPU threads")
     parser.add_argument("--tree", default="gamma=3,k=2", help="draft tree: 'gamma=G,k=K' or a JSON list of paths")
@@ -92,7 +95,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}, "
         f"load average {m['load_average_start'][0]:.2f} at start / {m['load_average_end'][0]:.2f} at end; "
-        f"torch {m['torch']}. Tree {cfg['tree']} ({cfg['tree_nodes']} nodes), max {cfg['max_new_tokens']} new tokens.",
+        f"torch {m['torch']}. Tree {cfg['tree']} ({cfg['tree_nodes']} nodes), {cfg['stream_schedule']} streams, "
+        f"max {cfg['max_new_tokens']} new tokens.",
         "",
         "| metric | value |", "|---|---:|",
         f"| call reduction CR (tokens / SS model calls, prefill counted) | {s['call_reduction']:.2f} |",
@@ -120,7 +124,7 @@ def measure(loaded, ids, settings, trace, run_id) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load(args.artifact, args.backend, args.device)
+    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
     tree = TreeSpec.parse(args.tree)
     pruning = args.prune_threshold is not None or args.prune_budget is not None
     prune = PruneConfig(args.prune_threshold, args.prune_budget) if pruning else None
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine(), "command": "python -m streamfuse.tools.bench " + " ".join(argv or sys.argv[1:]),
               "settings": {"task": args.task, "backend": args.backend, "device": args.device, "tree": args.tree,
                            "tree_nodes": tree.num_nodes, "max_new_tokens": args.max_new_tokens,
+                           "stream_schedule": args.stream_schedule,
                            "prune": {"threshold": args.prune_threshold, "budget": args.prune_budget} if prune else None}}
     rows = []
     for index, request in enumerate(tqdm(requests, desc="bench", unit="input", dynamic_ncols=True)):

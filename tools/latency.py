@@ -36,6 +36,7 @@ def parse_args(argv):
     parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
     parser.add_argument("--context", type=int, default=384, help="tokens already in the KV cache")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per configuration (interleaved)")
+    parser.add_argument("--stream-schedule", choices=("fused", "deferred"), default="fused")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
@@ -60,7 +61,7 @@ def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
         def ss_step(tree=tree):
             out = backend.step([1] * tree.num_nodes, tree, with_streams=True)
             out.main_logits.argmax(-1)
-            out.stream_logits(0).topk(max(tree.widths))  # the host needs one node's stream top-k
+            out.stream_logits(0).topk(max(tree.widths))  # one node's streams, as after a commit
         calls[f"tree {tree.num_nodes} nodes {tree.to_dict()['paths'] if tree.num_nodes <= 8 else tree.hash()}"] = ss_step
     return calls
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
     backend = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                               args.device, getattr(torch, args.dtype))
+                                               args.device, getattr(torch, args.dtype), args.stream_schedule)
     backend.reset(args.context + max(t.num_nodes for t in trees) + 1)
     backend.prefill(list(range(1, args.context + 1)), with_streams=False)
     calls = step_calls(backend, trees)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     rows = [{"config": name, "median_ms": 1000 * statistics.median(v), "ratio_to_plain": statistics.median(v) / plain}
             for name, v in samples.items()]
     meta = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
-            "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg(),
+            "gamma": args.gamma, "msa_layers": args.msa_layers, "stream_schedule": args.stream_schedule, "load_average": os.getloadavg(),
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
     print(json.dumps(meta))
     for row in rows:

@@ -10,6 +10,10 @@ import torch
 
 from streamfuse.runtime.tree import TreeSpec
 
+# When streams run: "fused" in the verify pass at every tree node (the paper; memory-bound devices),
+# "deferred" after the commit for the last accepted node only (same outputs; compute-bound CPUs).
+STREAM_SCHEDULES = ("fused", "deferred")
+
 
 @dataclass(frozen=True)
 class PruneConfig:

@@ -9,12 +9,11 @@ import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.base import PruneConfig, StepOutput
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput
 from streamfuse.runtime.kv_cache import KVCache
 from streamfuse.runtime.tree import TreeSpec
 
 
-STREAM_SCHEDULES = ("fused", "deferred")
 
 
 class TorchBackend:
@@ -40,7 +39,7 @@ class TorchBackend:
 
     @classmethod
     def with_random_weights(cls, base_model: str, streams: StreamConfig, device: str = "cpu",
-                            dtype: torch.dtype = torch.float32) -> "TorchBackend":
+                            dtype: torch.dtype = torch.float32, stream_schedule: str = "fused") -> "TorchBackend":
         """Same architecture as `base_model` (a config is enough), random weights: step latency
         depends on shapes only, so it can be measured where the weights cannot travel."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -50,7 +49,7 @@ class TorchBackend:
         config = AutoConfig.from_pretrained(resolve_base_model(base_model))
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(SpeculativeStreamingLM(model, streams), device)
+        return cls(SpeculativeStreamingLM(model, streams), device, stream_schedule)
 
     def reset(self, capacity: int) -> None:
         parts = self.model.parts
