@@ -61,6 +61,41 @@ def draft_tokens(tree: TreeSpec, root: int, stream_logits: torch.Tensor) -> list
     return [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
 
 
+@dataclass
+class DecodeRun:
+    """What one generation carries through its loop (speculative or plain)."""
+
+    backend: Backend
+    trace: Trace
+    record: RunRecord
+    generator: torch.Generator
+    emitter: Emitter
+    started: float
+
+    @classmethod
+    def begin(cls, backend: Backend, prompt_ids: Sequence[int], rules: StopRules, tree: TreeSpec | None,
+              trace: Trace | None, run_id: str, decode, seed: int) -> "DecodeRun":
+        """Validate the request, then reset the backend; nothing runs before the checks pass."""
+        check_prompt(prompt_ids, backend.vocab_size)
+        capacity = required_capacity(len(prompt_ids), rules, tree, backend.max_positions)
+        trace = trace or Trace(enabled=False)
+        run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids)), torch.Generator().manual_seed(seed),
+                  Emitter(rules, decode), time.perf_counter())
+        backend.reset(capacity)
+        return run
+
+    def span(self, name: str):
+        return self.trace.span(self.record, name)
+
+    def finish(self) -> GenerationResult:
+        record, emitter = self.record, self.emitter
+        record.seconds = time.perf_counter() - self.started
+        record.new_tokens = len(emitter.tokens)
+        record.stop_reason = emitter.stop_reason
+        record.peak_memory_bytes = self.backend.peak_memory_bytes()
+        return GenerationResult(emitter.tokens, emitter.stop_reason, record)
+
+
 def generate_speculative(
     backend: Backend,
     prompt_ids: Sequence[int],
@@ -74,40 +109,35 @@ def generate_speculative(
     decode: Callable[[Sequence[int]], str] | None = None,
     seed: int = 0,
 ) -> GenerationResult:
-    check_prompt(prompt_ids, backend.vocab_size)
     tree.check_streams(backend.num_streams)
-    trace = trace or Trace(enabled=False)
-    run = trace.start_run(run_id, len(prompt_ids))
-    generator = torch.Generator().manual_seed(seed)
-    emitter = Emitter(rules, decode)
-    started = time.perf_counter()
-    backend.reset(required_capacity(len(prompt_ids), rules, tree, backend.max_positions))
-    with trace.span(run, "prefill"):
+    run = DecodeRun.begin(backend, prompt_ids, rules, tree, trace, run_id, decode, seed)
+    target = lambda logits: choose(logits, sampling, run.generator)  # noqa: E731
+    with run.span("prefill"):
         out = backend.prefill(prompt_ids, with_streams=True)
-        root = choose(out.main_logits[0], sampling, generator)
+        root = target(out.main_logits[0])
         streams = out.stream_logits(0)
-    run.model_calls = 1
-    notify(on_step, emitter.emit([root]), 0, [])
-    while not emitter.done:
-        with trace.span(run, "host"):
+    run.record.model_calls = 1
+    notify(on_step, run.emitter.emit([root]), 0, [])
+    while not run.emitter.done:
+        with run.span("host"):
             tokens = draft_tokens(tree, root, streams)
-        with trace.span(run, "forward"):
+        with run.span("forward"):
             out = backend.step(tokens, tree, with_streams=True, prune=prune)
-        with trace.span(run, "accept"):
-            result = accept(tree, tokens, lambda n: choose(out.main_logits[n], sampling, generator), out.kept)
-        with trace.span(run, "cache"):
+        with run.span("accept"):
+            result = accept(tree, tokens, lambda n: target(out.main_logits[n]), out.kept)
+        with run.span("cache"):
             backend.commit(result.path)
-        with trace.span(run, "streams"):
+        with run.span("streams"):
             streams = out.stream_logits(result.path[-1])
-        with trace.span(run, "host"):
+        with run.span("host"):
             drafts = [tokens[n] for n in result.path[1:]]
-            emitted = emitter.emit(drafts + [result.correction])
+            emitted = run.emitter.emit(drafts + [result.correction])
             root = result.correction
-        run.model_calls += 1
+        run.record.model_calls += 1
         kept = sum(out.kept) if out.kept is not None else tree.num_nodes
-        run.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path)))
+        run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path)))
         notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
-    return finish_run(run, emitter, backend, started)
+    return run.finish()
 
 
 def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
@@ -124,11 +154,3 @@ def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
 def notify(on_step, tokens: list[int], accepted: int, drafted: list[int]) -> None:
     if on_step is not None and tokens:
         on_step(StepEvent(tokens, accepted, drafted))
-
-
-def finish_run(run: RunRecord, emitter: Emitter, backend: Backend, started: float) -> GenerationResult:
-    run.seconds = time.perf_counter() - started
-    run.new_tokens = len(emitter.tokens)
-    run.stop_reason = emitter.stop_reason
-    run.peak_memory_bytes = backend.peak_memory_bytes()
-    return GenerationResult(emitter.tokens, emitter.stop_reason, run)
