@@ -22,6 +22,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -96,23 +97,24 @@ class Build:
     # --- train ----------------------------------------------------------------------------
     def ensure_trained(self, name: str, with_streams: bool) -> Path:
         directory = self.run_dir / name
-        key = self.config.training_key(self.task.name, self.args.base_model) + ("-ss" if with_streams else "-lora")
+        key = self.config.training_key(self.task.name, self.args.base_model, with_streams)
         prompt = prompt_format(self.task, self.config.data.max_source_tokens).to_dict()
-        if (directory / "streamfuse.json").is_file() and read_manifest(directory)["info"].get("training_key") == key:
+        existing = read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
+        if existing.get("training_key") == key:
             print(f"[train] reusing {directory} (same settings)", flush=True)
-            if read_manifest(directory)["info"].get("prompt") != prompt:
+            if existing.get("prompt") != prompt:
                 update_info(directory, prompt=prompt)  # checkpoints from before the prompt was recorded
             return directory
         base, _ = load_base_model(self.args.base_model)
         model = SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
         result = train(model, self.train_items, self.config.train, self.run_dir / f"{name}-{key}.snapshot",
                        self.pad_id, with_streams, name)
-        info = {"training_key": key, "task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
-                "train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
+        info = {"training_key": key, "task": self.task.name, "prompt": prompt, "preset": self.config.preset,
+                "with_streams": with_streams, "train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
                 "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses,
                 "extra_parameters": model.extra_parameters(), "config": self.config.as_dict()}
         save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora, info)
-        _remove_tree(self.run_dir / f"{name}-{key}.snapshot")
+        shutil.rmtree(self.run_dir / f"{name}-{key}.snapshot", ignore_errors=True)
         print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
         return directory
 
@@ -157,12 +159,6 @@ class Build:
             return {"test": self.quality(base, "zero-shot")}
 
         return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

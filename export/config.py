@@ -61,14 +61,20 @@ class BuildConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def training_key(self, task: str, base_model: str) -> str:
-        """Hash of everything that determines the trained weights: a checkpoint is reused
-        only when this matches."""
-        payload = {"task": task, "base": base_model, "streams": asdict(self.streams), "lora": asdict(self.lora),
-                   "data": asdict(self.data), "train": asdict(self.train)}
-        payload["data"].pop("test_limit")
-        payload["data"].pop("validation_limit")
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    def training_key(self, task: str, base_model: str, with_streams: bool) -> str:
+        """Hash of everything that determines the trained weights: a checkpoint is reused only
+        when this matches. The next-token baseline ignores the stream settings."""
+        payload = {"task": task, "base": base_model, "lora": asdict(self.lora), "data": asdict(self.data),
+                   "train": asdict(self.train)}
+        for field_name in ("test_limit", "validation_limit"):
+            payload["data"].pop(field_name)
+        if with_streams:
+            payload["streams"] = asdict(self.streams)
+        else:
+            for field_name in ("stream_weight", "pruning_weight", "stream_lr_scale"):
+                payload["train"].pop(field_name)
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        return digest + ("-ss" if with_streams else "-lora")
 
     def as_dict(self) -> dict:
         return asdict(self)

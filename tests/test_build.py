@@ -32,3 +32,16 @@ def test_build_trains_evaluates_and_reuses(tiny_base_dir, tmp_path, capsys):
     assert run_build(tiny_base_dir, data, tmp_path / "work") == 0
     out = capsys.readouterr().out
     assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 3
+
+
+def test_baseline_checkpoint_key_ignores_stream_settings():
+    from dataclasses import replace
+
+    from streamfuse.export.config import preset
+
+    cpu = preset("cpu")
+    other = replace(cpu, streams=replace(cpu.streams, num_streams=4), train=replace(cpu.train, stream_weight=0.5))
+    assert cpu.training_key("dialogsum", "m", with_streams=False) == other.training_key("dialogsum", "m", with_streams=False)
+    assert cpu.training_key("dialogsum", "m", with_streams=True) != other.training_key("dialogsum", "m", with_streams=True)
+    longer = replace(cpu, train=replace(cpu.train, epochs=3.0))
+    assert cpu.training_key("dialogsum", "m", with_streams=False) != longer.training_key("dialogsum", "m", with_streams=False)
