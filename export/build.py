@@ -48,11 +48,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")
     parser.add_argument("--work-dir", type=Path, default=Path("checkpoints"),
-                        help="where checkpoints, snapshots and eval results go (default: checkpoints/)")
+                        help="where checkpoints, snapshots and eval results go (default: checkpoints/); a run with "
+                             "changed settings replaces <work-dir>/<task>-<preset>/ss, so give experiments their own")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     parser.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test examples")
     parser.add_argument("--epochs", type=float, default=None, help="override the preset's epochs")
+    parser.add_argument("--gamma", type=int, default=None, help="override the preset's number of streams")
+    parser.add_argument("--msa-layers", type=int, default=None, help="override the preset's N_s (multi-stream layers)")
+    parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
     return parser.parse_args(argv)
@@ -67,7 +71,14 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
         data = dataclasses.replace(data, test_limit=args.test_limit)
     if args.epochs is not None:
         training = dataclasses.replace(training, epochs=args.epochs)
-    return dataclasses.replace(config, data=data, train=training)
+    if args.stream_weight is not None:
+        training = dataclasses.replace(training, stream_weight=args.stream_weight)
+    streams = config.streams
+    if args.gamma is not None:
+        streams = dataclasses.replace(streams, num_streams=args.gamma)
+    if args.msa_layers is not None:
+        streams = dataclasses.replace(streams, msa_layers=args.msa_layers)
+    return dataclasses.replace(config, data=data, train=training, streams=streams)
 
 
 class Build:

@@ -45,3 +45,10 @@ def test_baseline_checkpoint_key_ignores_stream_settings():
     assert cpu.training_key("dialogsum", "m", with_streams=True) != other.training_key("dialogsum", "m", with_streams=True)
     longer = replace(cpu, train=replace(cpu.train, epochs=3.0))
     assert cpu.training_key("dialogsum", "m", with_streams=False) != longer.training_key("dialogsum", "m", with_streams=False)
+
+
+def test_stream_overrides_reach_the_config():
+    config = build.build_config(build.parse_args(["--preset", "smoke", "--gamma", "2", "--msa-layers", "3",
+                                                  "--stream-weight", "0.5", "--epochs", "2"]))
+    assert (config.streams.num_streams, config.streams.msa_layers) == (2, 3)
+    assert (config.train.stream_weight, config.train.epochs) == (0.5, 2.0)
