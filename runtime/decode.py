@@ -136,7 +136,8 @@ def generate_speculative(
         run.record.model_calls += 1
         kept = sum(out.kept) if out.kept is not None else tree.num_nodes
         run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path)))
-        notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
+        if on_step is not None:  # the top-1 chain is only for the callback, not the hot path
+            notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
     return run.finish()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from streamfuse.runtime.autoregressive import generate_autoregressive
-from streamfuse.runtime.backends.base import PruneConfig
+from streamfuse.runtime.backends.base import PruneConfig, prune_config
 from streamfuse.runtime.decode import GenerationResult, generate_speculative
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, load
@@ -134,20 +134,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def settings_from(args: argparse.Namespace) -> DecodeSettings:
-    prune = None
-    if args.prune_threshold is not None or args.prune_budget is not None:
-        prune = PruneConfig(args.prune_threshold, args.prune_budget)
-    return DecodeSettings(args.method, TreeSpec.parse(args.tree), StopRules(args.max_new_tokens, stop_strings=tuple(args.stop)),
-                          SamplingConfig(args.temperature, args.top_k, args.top_p), prune, args.seed)
+def settings_from(args: argparse.Namespace, stop_token_ids: tuple[int, ...]) -> DecodeSettings:
+    rules = StopRules(args.max_new_tokens, stop_token_ids, tuple(args.stop))
+    return DecodeSettings(args.method, TreeSpec.parse(args.tree), rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
+                          prune_config(args.prune_threshold, args.prune_budget), args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = settings_from(args)
+    StopRules(args.max_new_tokens)  # reject bad limits before the (slow) model load
     loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
+    settings = settings_from(args, loaded.stop_token_ids)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:
         raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "
@@ -155,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     if as_task and loaded.prompt is None:
         raise SystemExit(f"--task {args.task}: {args.artifact} records no prompt format; rerun export/build.py "
                          f"(it adds it without retraining) or pass plain prompts without --task")
-    settings = DecodeSettings(settings.method, settings.tree,
-                              StopRules(settings.rules.max_new_tokens, loaded.stop_token_ids, settings.rules.stop_strings),
-                              settings.sampling, settings.prune, settings.seed)
     requests = [Request("0", args.prompt)] if args.prompt is not None else read_requests(args.input_file, loaded, as_task, args.limit)
     trace = Trace(enabled=args.trace is not None, backend=loaded.backend.name, device=args.device, method=settings.method,
                   num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method == "ss" else None,

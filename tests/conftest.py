@@ -99,3 +99,24 @@ def tiny_base_dir(tmp_path):
     make_tiny_llama().save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny SS checkpoint fine-tuned for nothing, with a dialogsum prompt record, plus tiny data."""
+    from streamfuse.adapters.checkpoint import save_checkpoint
+    from streamfuse.adapters.config import LoraSettings, StreamConfig
+    from streamfuse.adapters.lora import add_lora
+    from streamfuse.adapters.model import SpeculativeStreamingLM
+    from streamfuse.runtime.prompt import PromptFormat
+
+    prompt = PromptFormat("summarize {source}", "{dialogue}", 64)
+    root = tmp_path_factory.mktemp("gen")
+    base = root / "base"
+    make_tiny_llama().save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(), LoraSettings(rank=4)), StreamConfig(3, 2))
+    save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(base), LoraSettings(rank=4),
+                    {"task": "dialogsum", "prompt": prompt.to_dict()})
+    write_tiny_dialogsum(root / "data")
+    return root

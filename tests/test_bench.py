@@ -2,12 +2,10 @@
 
 import json
 
-from test_generate import checkpoint  # noqa: F401  (module fixture: a tiny checkpoint + data)
-
 from streamfuse.tools import bench
 
 
-def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):  # noqa: F811
+def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
     out = tmp_path / "bench"
     code = bench.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file",
                        str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "3", "--warmup", "1",

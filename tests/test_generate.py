@@ -3,29 +3,8 @@
 import json
 
 import pytest
-from conftest import make_tiny_llama, make_tiny_tokenizer, write_tiny_dialogsum
 
-from streamfuse.adapters.checkpoint import save_checkpoint
-from streamfuse.adapters.config import LoraSettings, StreamConfig
-from streamfuse.adapters.lora import add_lora
-from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime import generate
-from streamfuse.runtime.prompt import PromptFormat
-
-PROMPT = PromptFormat("summarize {source}", "{dialogue}", 64)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gen")
-    base = root / "base"
-    make_tiny_llama().save_pretrained(base)
-    make_tiny_tokenizer().save_pretrained(base)
-    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(), LoraSettings(rank=4)), StreamConfig(3, 2))
-    save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(base), LoraSettings(rank=4),
-                    {"task": "dialogsum", "prompt": PROMPT.to_dict()})
-    write_tiny_dialogsum(root / "data")
-    return root
 
 
 def run_cli(capsys, *argv):

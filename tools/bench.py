@@ -30,7 +30,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import DecodeSettings, prompt_ids, read_requests, run  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.backends.base import PruneConfig  # noqa: E402
+from streamfuse.runtime.backends.base import prune_config  # noqa: E402
 from streamfuse.runtime.sampling import SamplingConfig  # noqa: E402
 from streamfuse.runtime.trace import Trace  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
     tree = TreeSpec.parse(args.tree)
-    pruning = args.prune_threshold is not None or args.prune_budget is not None
-    prune = PruneConfig(args.prune_threshold, args.prune_budget) if pruning else None
+    prune = prune_config(args.prune_threshold, args.prune_budget)
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
     ss = DecodeSettings("ss", tree, rules, SamplingConfig(), prune, 0)
     ar = replace(ss, method="ar")

@@ -31,6 +31,11 @@ class PruneConfig:
             raise ValueError(f"prune budget must be >= 0, got {self.budget}")
 
 
+def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | None:
+    """CLI flags -> PruneConfig, or None when neither is given (no pruning)."""
+    return None if threshold is None and budget is None else PruneConfig(threshold, budget)
+
+
 @dataclass
 class StepOutput:
     main_logits: torch.Tensor  # [T, V] target logits after each input token (prefill: last token only)
