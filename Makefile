@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,onnx,executorch,coreml,data
+EXTRAS ?= dev,onnx,executorch,coreml,data,app
 ARGS ?=
 
 .PHONY: build test venv clean

@@ -26,7 +26,8 @@ def stream_block(num_anchors: int, num_streams: int, dtype: torch.dtype, device=
     belong to the same anchor and the key's stream index <= the query's, else masked."""
     anchor = torch.arange(num_anchors, device=device).repeat_interleave(num_streams)
     stream = torch.arange(num_streams, device=device).repeat(num_anchors)
-    allowed = (anchor[:, None] == anchor[None, :]) & (stream[None, :] <= stream[:, None])
+    # logical_and, not `&`: Core ML's converter knows the former only.
+    allowed = torch.logical_and(anchor[:, None] == anchor[None, :], stream[None, :] <= stream[:, None])
     block = torch.full(allowed.shape, masked_value(dtype), dtype=dtype, device=device)
     return block.masked_fill(allowed, 0.0)
 

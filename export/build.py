@@ -1,4 +1,5 @@
-"""python export/build.py --task dialogsum: fine-tune and evaluate a Speculative Streaming model.
+"""python export/build.py --task dialogsum: fine-tune, evaluate, export and profile a Speculative
+Streaming model.
 
 Stages (each one reuses its output when rerun with the same settings):
   data      load the task's splits and tokenize them in the chat format
@@ -6,6 +7,10 @@ Stages (each one reuses its output when rerun with the same settings):
             baseline; resumable snapshots every few steps
   evaluate  zero-shot base, LoRA baseline and SS model on the test split (greedy), stream
             accuracy on validation; eval.json goes into the SS checkpoint
+  export    static-shape graphs (fixed tree mask, static KV cache) for ExecuTorch (.pte, XNNPACK),
+            ONNX and Core ML (.mlpackage), LoRA merged, into one self-describing artifact folder
+  verify    each backend that runs here against torch eager: greedy tokens and step outputs
+  profile   SS vs plain decoding on test inputs with the artifact: speed-up, CR, time split
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_
 from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
+from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
 from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
+from streamfuse.export.profiling import profile_artifact  # noqa: E402
 from streamfuse.export.train import train  # noqa: E402
+from streamfuse.runtime.artifact import Artifact  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +67,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
+    parser.add_argument("--backends", default="torch,executorch,onnx,coreml",
+                        help="comma-separated export targets among torch, executorch, onnx, coreml ('' skips export)")
+    parser.add_argument("--tree", default="gamma=3,k=2", help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
+                        "a JSON list of paths, or a JSON file of paths")
+    parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")
+    parser.add_argument("--context", type=int, default=768, help="KV capacity of the exported graphs (positions)")
+    parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per exported prefill call")
+    parser.add_argument("--parity-prompts", type=int, default=20, help="test inputs for the backend parity check")
+    parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
+    parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
     return parser.parse_args(argv)
+
+
+def export_config(args: argparse.Namespace) -> ExportConfig:
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    config = ExportConfig(backends, args.tree, args.context, args.prefill_chunk, args.quantize,
+                          parity_prompts=args.parity_prompts)
+    config.validate()
+    return config
 
 
 def build_config(args: argparse.Namespace) -> BuildConfig:
@@ -164,6 +190,30 @@ class Build:
 
         return self.cached(label, self.eval_key(key), compute)
 
+    # --- export, verify, profile ----------------------------------------------------------
+    def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:
+        out = self.args.out or Path("artifacts") / self.task.name
+        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
+        info = {"preset": self.config.preset, "eval": summary}
+        ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info).build()
+        return out
+
+    def profile(self, artifact: Path, backends: tuple[str, ...]) -> dict | None:
+        """SS vs plain on the first --profile-limit test inputs, with the fastest backend built here."""
+        limit = self.args.profile_limit
+        backend = next((RUNS_HERE[b] for b in ("executorch", "onnx") if b in backends), "torch")
+        manifest = Artifact.open(artifact).manifest
+        stored = manifest.get("profile")
+        if stored and stored.get("limit") == limit and stored.get("backend_choice") == backend:
+            print(f"[profile] reusing the profile in {artifact / 'manifest.json'}", flush=True)
+            return stored
+        sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
+        result = profile_artifact(artifact, backend, sources, self.config.eval.max_new_tokens, self.args.threads,
+                                  artifact.parent / f"{artifact.name}-profile")
+        result.update(limit=limit, backend_choice=backend)
+        update_manifest(artifact, profile=result)
+        return result
+
     def evaluate_zero_shot(self) -> dict:
         def compute() -> dict:
             base, _ = load_base_model(self.args.base_model)
@@ -178,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = build_config(args)
+    export = export_config(args)  # bad export flags fail before hours of training
     build = Build(args, config)
     build.load_data()
     ss_dir = build.ensure_trained("ss", with_streams=True)
@@ -192,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(build.run_dir / "eval.json", summary)
     print(report.markdown(summary), flush=True)
     print(f"[done] eval.json written to {ss_dir / 'eval.json'}", flush=True)
+    if [b for b in export.backends if b != "torch"]:
+        artifact = build.export(ss_dir, export, summary)
+        print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)
+        if args.profile_limit > 0:
+            build.profile(artifact, export.backends)
+            print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
+        print(f"[done] artifact: {artifact}", flush=True)
     return 0
 
 

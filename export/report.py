@@ -96,3 +96,39 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def artifact_markdown(manifest: dict) -> str:
+    """Files, sizes, export times and parity of an exported artifact."""
+    lines = [f"## Artifact: tree {manifest['tree']['num_nodes']} nodes, KV capacity {manifest['graphs']['capacity']}, "
+             f"prefill chunk {manifest['graphs']['prefill_chunk']}", "",
+             "| backend | files | MiB | export s | SS == torch eager | SS == own plain | step outputs in tolerance |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for backend, files in manifest["files"].items():
+        size = sum(entry["bytes"] for entry in files.values()) / 2**20
+        parity = manifest["parity"].get(backend)
+        checks = (f"{parity['ss_equals_torch_eager']}/{parity['prompts']} | {parity['ss_equals_own_plain']}/"
+                  f"{parity['plain_prompts']} | {'yes' if parity['within_tolerance'] else 'NO'}"
+                  if parity else "not run here | | ")
+        names = ", ".join(sorted({entry['path'].split('/')[0] for entry in files.values()}))
+        lines.append(f"| {backend} | {names} | {size:.0f} | {manifest['export_seconds'][backend]:.0f} | {checks} |")
+    return "\n".join(lines)
+
+
+def profile_markdown(manifest: dict) -> str:
+    result = manifest.get("profile")
+    if not result:
+        return "No profile in the manifest."
+    bench, profile = result["bench"], result["profile"]
+    depth = " / ".join(f"{row['acceptance'] * 100:.1f} %" for row in profile.get("acceptance_per_depth", []))
+    return "\n".join([
+        f"## Profile: {bench['backend']}, {bench['inputs']} test inputs, greedy, {bench['threads']} threads, "
+        f"load {bench['load_average'][0]:.2f} -> {bench['load_average'][1]:.2f}", "",
+        "| metric | value |", "|---|---:|",
+        f"| SS output != plain output (inputs) | {bench['parity_mismatches']} |",
+        f"| call reduction CR (new tokens / SS calls, prefill counted) | {bench['call_reduction']:.2f} |",
+        f"| acceptance per depth | {depth} |",
+        f"| speed-up, total time (plain / SS) | {bench['speedup_total_time']:.2f}x |",
+        f"| tokens/s median, plain / SS | {bench['ar_tokens_per_s_median']:.1f} / {bench['ss_tokens_per_s_median']:.1f} |",
+        f"| peak process memory | {bench['peak_memory_bytes'] / 2**20:.0f} MiB |",
+    ])

@@ -107,7 +107,8 @@ def result_record(request: Request, loaded: Loaded, result: GenerationResult, se
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="checkpoint folder made by export/build.py")
+    parser.add_argument("--artifact", type=Path, required=True,
+                        help="exported artifact (artifacts/<task>) or fine-tuned checkpoint folder made by export/build.py")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one input: a user message, or the task's source text with --task")
     source.add_argument("--input-file", type=Path, help="JSON lines, one input per line")
@@ -119,7 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="fused: streams ride along every tree node in one pass (memory-bound devices); "
                              "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--tree", default=DEFAULT_TREE, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file")
+    parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file "
+                        f"(default: the artifact's tree, else {DEFAULT_TREE})")
     parser.add_argument("--prune-threshold", type=float, default=None, help="prune tree nodes whose early-exit transition probability is below this")
     parser.add_argument("--prune-budget", type=int, default=None, help="keep at most this many non-root tree nodes (by path probability)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
@@ -134,9 +136,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def settings_from(args: argparse.Namespace, stop_token_ids: tuple[int, ...]) -> DecodeSettings:
-    rules = StopRules(args.max_new_tokens, stop_token_ids, tuple(args.stop))
-    return DecodeSettings(args.method, TreeSpec.parse(args.tree), rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
+def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
+    """--tree, else the tree the artifact was exported for, else the default."""
+    if text is not None:
+        return TreeSpec.parse(text)
+    return loaded.tree if loaded.tree is not None else TreeSpec.parse(DEFAULT_TREE)
+
+
+def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
+    rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
+    return DecodeSettings(args.method, choose_tree(args.tree, loaded), rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
                           prune_config(args.prune_threshold, args.prune_budget), args.seed)
 
 
@@ -145,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     StopRules(args.max_new_tokens)  # reject bad limits before the (slow) model load
-    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
-    settings = settings_from(args, loaded.stop_token_ids)
+    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads)
+    settings = settings_from(args, loaded)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:
         raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "

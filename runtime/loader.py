@@ -1,7 +1,9 @@
 """Artifact folder -> backend, tokenizer and what the runtime must know about the model.
 
-Today the PyTorch backend loads fine-tuned checkpoints (export/build.py output); exported
-artifacts (manifest.json with .pte / .onnx / .mlpackage files) plug in through the same call.
+Two kinds of folder load:
+- an exported artifact (manifest.json; export/build.py --backends ...): any backend it was built
+  for, plus torch from its adapter/ folder;
+- a fine-tuned checkpoint (streamfuse.json; the train stage's output): the torch backend.
 """
 
 from __future__ import annotations
@@ -9,10 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamfuse.runtime.artifact import MANIFEST, Artifact
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.runtime.tree import TreeSpec
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
+# backend name -> the key of its files in the artifact manifest
+ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 
 
 @dataclass
@@ -21,25 +27,57 @@ class Loaded:
     tokenizer: object
     info: dict  # the checkpoint's training info (task, preset, ...)
     prompt: PromptFormat | None  # the task's prompt format, when the model was fine-tuned on one
+    tree: TreeSpec | None = None  # the tree an exported artifact's step graph was built for
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.eos_token_id,)
 
 
-def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused") -> Loaded:
+def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused",
+         threads: int | None = None) -> Loaded:
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available; choose one of {', '.join(BACKENDS)}")
     if not artifact.is_dir():
-        raise FileNotFoundError(f"{artifact} is not a folder: pass a checkpoint made by export/build.py "
-                                f"(e.g. checkpoints/dialogsum-cpu/ss)")
+        raise FileNotFoundError(f"{artifact} is not a folder: pass an artifact or checkpoint made by export/build.py "
+                                f"(e.g. artifacts/dialogsum or checkpoints/dialogsum-cpu/ss)")
+    if (artifact / MANIFEST).is_file():
+        return _load_artifact(Artifact.open(artifact), backend, device, stream_schedule, threads)
     if not (artifact / "streamfuse.json").is_file():
-        raise FileNotFoundError(f"{artifact} has no streamfuse.json: the torch backend loads checkpoints made by "
-                                f"export/build.py (e.g. checkpoints/dialogsum-cpu/ss)")
+        raise FileNotFoundError(f"{artifact} has neither manifest.json (an exported artifact) nor streamfuse.json (a "
+                                f"checkpoint): build one with `python export/build.py --task dialogsum`")
+    if backend != "torch":
+        raise ValueError(f"{artifact} is a checkpoint, which only the torch backend runs; export it for {backend} "
+                         f"with `python export/build.py --backends {ARTIFACT_FILES[backend]}` and pass the artifact")
+    return _load_checkpoint(artifact, device, stream_schedule)
+
+
+def _load_checkpoint(folder: Path, device: str, stream_schedule: str, tree: TreeSpec | None = None) -> Loaded:
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
-    model, tokenizer, manifest = load_checkpoint(artifact, merge_lora=True)
+    model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
     prompt = manifest["info"].get("prompt")
-    return Loaded(TorchBackend(model, device, stream_schedule), tokenizer, manifest["info"], PromptFormat.from_dict(prompt) if prompt else None)
+    return Loaded(TorchBackend(model, device, stream_schedule), tokenizer, manifest["info"],
+                  PromptFormat.from_dict(prompt) if prompt else None, tree)
+
+
+def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None) -> Loaded:
+    if backend == "torch":
+        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact.tree)
+    from streamfuse.runtime.backends.sessions import CoreMLSession, ExecuTorchSession, OnnxRuntimeSession
+    from streamfuse.runtime.backends.static_graph import StaticGraphBackend
+
+    files = artifact.backend_files(ARTIFACT_FILES[backend])
+    if backend == "executorch":
+        session = ExecuTorchSession(files["program"], threads)
+    elif backend == "onnxruntime":
+        session = OnnxRuntimeSession({name: path for name, path in files.items() if name != "weights"}, threads=threads)
+    else:
+        session = CoreMLSession(files["package"])
+    manifest = artifact.manifest
+    prompt = manifest.get("prompt")
+    return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
+                  {"task": manifest.get("task"), **manifest.get("info", {})},
+                  PromptFormat.from_dict(prompt) if prompt else None, artifact.tree)

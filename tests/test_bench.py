@@ -1,8 +1,14 @@
-"""tools/bench.py on a tiny checkpoint: interleaved runs, parity, report files."""
+"""tools/bench.py on a tiny checkpoint: interleaved runs, parity, backends, peers, ROUGE, report files."""
 
+import importlib.util
 import json
+from pathlib import Path
 
-from streamfuse.tools import bench
+import pytest
+import torch
+
+from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.tools import bench, bench_data, quality
 
 
 def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
@@ -21,3 +27,123 @@ def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
     for name in ("ss", "ar"):
         trace = json.loads((out / f"trace_{name}.json").read_text())
         assert len(trace["runs"]) == 3  # warm-up runs are not traced
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(checkpoint, out, *extra):
+    return bench.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--limit", "2", "--warmup", "1",
+                       "--max-new-tokens", "6", "--threads", "1", "--out", str(out), *extra])
+
+
+def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatch):
+    real = importlib.util.find_spec  # llama-cpp-python "not installed": its peer is skipped, not fatal
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    out = tmp_path / "bench"
+    code = run_bench(checkpoint, out, "--split", "test", "--data-dir", str(checkpoint / "data"),
+                     "--methods", "ar,ss", "--peers", "hf,llamacpp_f32")
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    rows = {r["name"]: r for r in report["table"]}
+    assert list(rows) == ["ar/torch", "ss/torch", "hf"]
+    assert report["settings"]["data"].endswith("dialogsum.test.jsonl")
+    assert report["summary"]["parity_mismatches"] == 0 and report["summary"]["peer_mismatches"] == {"hf": 0}
+    assert "llama-cpp-python" in report["skipped"]["llamacpp_f32"]
+    ar, ss, hf = rows["ar/torch"], rows["ss/torch"], rows["hf"]
+    assert ar["call_reduction"] == ar["mean_accepted_tokens"] == ar["speedup_total_time"] == 1.0
+    calls = sum(r["ss"]["model_calls"] for r in report["rows"])
+    assert ss["call_reduction"] == ss["new_tokens"] / calls and ss["mean_accepted_tokens"] >= 1.0
+    assert ss["mismatches"] == 0 and ss["baseline"] == "ar/torch" and hf["baseline"] == "ar/torch"
+    assert hf["call_reduction"] is None and hf["precision"] == "fp32" and hf["model"] == "fine-tuned"
+    for row in rows.values():
+        assert row["inputs"] == 2 and row["tokens_per_s_median"] > 0 and 0 < row["ttft_s_median"] < 10
+        assert set(row["rouge"]) >= {"rouge1", "rougeLsum"} and 0 <= row["rouge"]["rouge1"] <= 100
+    assert rows["ar/torch"]["rouge"] == rows["ss/torch"]["rouge"] == rows["hf"]["rouge"]  # the same outputs
+    machine = report["machine"]
+    assert machine["omp_wait_policy"] == "PASSIVE" and {"torch", "transformers"} <= set(machine["versions"])
+    assert len(machine["load_average_start"]) == len(machine["load_average_end"]) == 3
+    for png in ("tokens_per_s.png", "speedup.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    text = (out / "bench.md").read_text()
+    assert "| ss/torch | fp32 |" in text and "Skipped peer llamacpp_f32" in text
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave nothing behind
+
+
+@pytest.fixture(scope="module")
+def onnx_artifact(checkpoint, tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (12, 20)]
+    out = tmp_path_factory.mktemp("bench-export") / "artifact"
+    config = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    ArtifactBuilder(checkpoint / "ckpt", out, config, prompts, 16, {}).build()
+    return out
+
+
+def test_backends_each_against_their_own_ar(checkpoint, onnx_artifact, tmp_path):
+    out = tmp_path / "bench"
+    code = bench.main(["--artifact", str(onnx_artifact), "--task", "dialogsum", "--input-file",
+                       str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "1",
+                       "--max-new-tokens", "8", "--threads", "1", "--backends", "torch,onnxruntime",
+                       "--repeats", "2", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert [r["name"] for r in report["table"]] == ["ar/torch", "ss/torch", "ar/onnxruntime", "ss/onnxruntime"]
+    assert [(r["id"], r["backend"]) for r in report["rows"]] == [
+        ("test_0", "torch"), ("test_0", "onnxruntime"), ("test_1", "torch"), ("test_1", "onnxruntime")]
+    assert all(r["same_tokens"] and len(r["ss"]["seconds_repeats"]) == 2 for r in report["rows"])
+    onnx = {r["name"]: r for r in report["table"]}["ss/onnxruntime"]
+    assert onnx["baseline"] == "ar/onnxruntime" and onnx["precision"] == "fp32" and onnx["speedup_total_time"] > 0
+    assert report["summary"]["parity_mismatches"] == 0 and report["summary"]["primary_backend"] == "torch"
+    for name in ("trace_ss.json", "trace_ar.json", "trace_ss_onnxruntime.json", "trace_ar_onnxruntime.json"):
+        assert len(json.loads((out / name).read_text())["runs"]) == 2
+    assert json.loads((out / "trace_ss_onnxruntime.json").read_text())["meta"]["backend"].startswith("onnxruntime")
+
+
+def test_task_files_and_e2e_csv_grouping(checkpoint, tmp_path, monkeypatch):
+    assert bench_data.SHARED_DATA_ROOT == Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data
+    monkeypatch.setattr(bench_data, "SHARED_DATA_ROOT", tmp_path / "nowhere")
+    monkeypatch.setenv("STREAMFUSE_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="dialogsum.test.jsonl not found"):
+        bench_data.task_file("dialogsum", "test")
+    assert bench_data.task_file("dialogsum", "test", checkpoint / "data") == checkpoint / "data" / "dialogsum.test.jsonl"
+    with pytest.raises(FileNotFoundError, match="known: dialogsum/train"):
+        bench_data.task_file("sqlcontext", "test")
+    (tmp_path / "e2e_nlg").mkdir()
+    (tmp_path / "e2e_nlg" / "testset_w_refs.csv").write_text('mr,ref\n"name[A], food[B]",A serves B.\n'
+                                                             'other,Other.\n"name[A], food[B]",B at A.\n')
+    path = bench_data.task_file("e2e_nlg", "test")
+    inputs = bench_data.read_inputs(path, PromptFormat("{source}", "{mr}", 64), None)
+    assert inputs == [bench_data.BenchInput("e2e-test-0", "name[A], food[B]", ("A serves B.", "B at A.")),
+                      bench_data.BenchInput("e2e-test-1", "other", ("Other.",))]
+
+
+def test_rouge_takes_the_best_reference_and_splits_sentences():
+    assert quality.split_sentences("Mr. Smith came. He left!  Then") == ["Mr. Smith came.", "He left!", "Then"]
+    scores = quality.rouge(["the cat sat"], [("a dog ran", "the cat sat")])
+    assert scores["rouge1"] == scores["rougeLsum"] == 100.0
+    assert quality.rouge(["x"], [()]) is None
+
+
+def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
+    from dataclasses import replace
+
+    from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, Request
+    from streamfuse.runtime.loader import load
+    from streamfuse.runtime.sampling import SamplingConfig
+    from streamfuse.runtime.trace import Trace
+    from streamfuse.runtime.tree import TreeSpec
+
+    loaded = load(checkpoint / "ckpt")
+    ss = DecodeSettings("ss", TreeSpec.parse(DEFAULT_TREE), StopRules(6, loaded.stop_token_ids), SamplingConfig(), None, 0)
+    traces = {"ss": Trace(method="ss"), "ar": Trace(method="ar")}
+    requests = [Request(str(i), "a b c") for i in range(3)]
+    rows = bench.interleaved(loaded, requests, ss, replace(ss, method="ar"), traces, warmup=1)
+    assert [r["id"] for r in rows] == ["1", "2"] and all(r["same_tokens"] for r in rows)
+    assert len(traces["ss"].runs) == len(traces["ar"].runs) == 2
+    summary = bench.summarise(rows)
+    assert summary["inputs"] == 2 and summary["parity_mismatches"] == 0 and summary["ar_ttft_s_median"] > 0

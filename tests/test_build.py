@@ -12,9 +12,11 @@ def run_build(base, data, work, *extra):
                        "--data-dir", str(data), "--work-dir", str(work), *extra])
 
 
-def test_build_trains_evaluates_and_reuses(tiny_base_dir, tmp_path, capsys):
+def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, capsys):
     data = write_tiny_dialogsum(tmp_path / "data")
-    assert run_build(tiny_base_dir, data, tmp_path / "work") == 0
+    export = ["--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
+              "--out", str(tmp_path / "artifact")]
+    assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"
     summary = json.loads((run_dir / "ss" / "eval.json").read_text())
     assert set(summary["quality"]) == {"ss", "lora_baseline", "zero_shot"}
@@ -27,11 +29,17 @@ def test_build_trains_evaluates_and_reuses(tiny_base_dir, tmp_path, capsys):
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
+    artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
+    assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
+    assert "| onnx |" in out and "call reduction CR" in out
+    assert not list(tmp_path.glob(".artifact.partial-*")), "the staging folder is renamed into place"
 
-    # A rerun with the same settings trains and evaluates nothing.
-    assert run_build(tiny_base_dir, data, tmp_path / "work") == 0
+    # A rerun with the same settings trains, evaluates, exports and profiles nothing.
+    assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     out = capsys.readouterr().out
     assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 3
+    assert "[export] reusing" in out and "[profile] reusing" in out
 
 
 def test_baseline_checkpoint_key_ignores_stream_settings():

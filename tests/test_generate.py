@@ -37,7 +37,7 @@ def test_plain_prompt_and_bad_inputs(checkpoint, capsys, tmp_path):
         generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(bad)])
     with pytest.raises(SystemExit, match="fine-tuned for 'dialogsum'"):
         generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "e2e_nlg", "--prompt", "x"])
-    with pytest.raises(FileNotFoundError, match="no streamfuse.json"):
+    with pytest.raises(FileNotFoundError, match="neither manifest.json .* nor streamfuse.json"):
         generate.main(["--artifact", str(tmp_path), "--prompt", "x"])
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate.main(["--artifact", str(checkpoint / "ckpt"), "--prompt", "x", "--max-new-tokens", "0"])

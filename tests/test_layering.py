@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "runtime": {"runtime", "adapters"},
     "adapters": {"adapters"},
-    "export": {"export", "adapters", "runtime"},
+    "export": {"export", "adapters", "runtime", "tools"},  # the build profiles its artifact
     "tools": {"tools", "runtime"},
     "apps": {"apps", "runtime"},
 }

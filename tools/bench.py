@@ -1,12 +1,17 @@
-"""python -m streamfuse.tools.bench: Speculative Streaming vs plain decoding, interleaved.
+"""python -m streamfuse.tools.bench: methods x backends x peers on a task split, interleaved.
 
-Each input runs both methods back to back on the same backend (the order alternates per input,
-so drift and thermal effects hit both alike), checks that the speculative tokens equal the plain
-ones, and records time, calls and tokens. Figures are medians and same-run ratios; the machine,
-threads and load average are written next to them.
+For each input, every backend runs plain decoding (AR) and Speculative Streaming (SS) back to back
+(order alternating per input) and every peer runs once, the order of backends and peers rotating per
+input, so drift and background load hit every row alike. SS tokens must equal AR tokens on the same
+backend (parity); peers are compared with streamfuse AR on torch. The table gives per row: tokens/s,
+speed-up vs AR on the same backend, call reduction CR, mean accepted tokens, TTFT, ROUGE against the
+task's references, memory; the machine, versions, threads and load average go beside it.
+Writes bench.json, bench.md, tokens_per_s.png, speedup.png and decode traces (trace_<method>.json for
+the first backend, trace_<method>_<backend>.json for the others) into --out.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.bench --artifact checkpoints/dialogsum-cpu/ss \
-        --task dialogsum --input-file ../shared/data/dialogsum/dialogsum.test.jsonl --limit 100 --threads 2
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.bench --artifact artifacts/dialogsum \
+        --task dialogsum --split test --limit 100 --backends torch,executorch,onnxruntime \
+        --peers hf,hf_pld,llamacpp_f32,llamacpp_f32_pld --threads 2 --out bench/dialogsum-matrix
 """
 
 from __future__ import annotations
@@ -16,45 +21,75 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spin-waiting threads distort CPU timings
 
 import argparse  # noqa: E402
-import json  # noqa: E402
+import importlib.metadata  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DecodeSettings, prompt_ids, read_requests, run  # noqa: E402
+from streamfuse.runtime.generate import DecodeSettings, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.backends.base import prune_config  # noqa: E402
-from streamfuse.runtime.sampling import SamplingConfig  # noqa: E402
-from streamfuse.runtime.trace import Trace  # noqa: E402
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+from streamfuse.tools import bench_report  # noqa: E402
+from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
+from streamfuse.tools.bench_matrix import Engine, Matrix, pair, process_peak_rss, run_matrix  # noqa: E402
+from streamfuse.tools.bench_setup import load_engines, load_peers  # noqa: E402
+from streamfuse.tools.bench_summary import matched_precision, table  # noqa: E402
+from streamfuse.tools.peers import PEERS  # noqa: E402
+
+METHODS = ("ar", "ss")
+VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltools", "transformers", "llama-cpp-python")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="checkpoint folder made by export/build.py")
+    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (any backend it was built for) "
+                        "or checkpoint folder (torch only) made by export/build.py")
     parser.add_argument("--task", required=True, help="task the model was fine-tuned for (formats the inputs)")
-    parser.add_argument("--input-file", type=Path, required=True, help="JSON lines with the task's fields")
-    parser.add_argument("--limit", type=int, default=100, help="number of inputs")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch")
+    parser.add_argument("--split", default=None, help="task split (train, validation, test): finds the task's file "
+                        "in --data-dir, $STREAMFUSE_DATA_DIR/<task> or ../shared/data/<task>")
+    parser.add_argument("--input-file", type=Path, default=None, help="JSON lines (or E2E CSV) with the task's fields; "
+                        "overrides --split")
+    parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files (or a <task>/ subfolder)")
+    parser.add_argument("--limit", type=int, default=100, help="number of timed inputs (the first N of the file)")
+    parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: --backend)")
+    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="one backend (kept for old commands)")
+    parser.add_argument("--methods", default="ar,ss", help="streamfuse methods: 'ar,ss' or 'ar' (AR is every speed-up's baseline)")
+    parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
                         help="fused: streams ride along every tree node in one pass (memory-bound devices); "
                              "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2, help="fixed torch CPU threads")
-    parser.add_argument("--tree", default="gamma=3,k=2", help="draft tree: 'gamma=G,k=K' or a JSON list of paths")
+    parser.add_argument("--threads", type=int, default=2, help="fixed threads for torch, onnxruntime and llama.cpp "
+                        "(ExecuTorch sizes its own thread pool)")
+    parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K' or a JSON list of paths "
+                        "(default: the artifact's tree, else gamma=3,k=2)")
     parser.add_argument("--prune-threshold", type=float, default=None)
     parser.add_argument("--prune-budget", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed inputs run first")
-    parser.add_argument("--out", type=Path, default=Path("bench"), help="folder for bench.json, bench.md and traces")
-    return parser.parse_args(argv)
+    parser.add_argument("--warmup", type=int, default=2, help="inputs run once, untimed, by every row first")
+    parser.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (0: longest prompt + new tokens, rounded up)")
+    parser.add_argument("--out", type=Path, default=Path("bench"), help="folder for bench.json, bench.md, plots and traces")
+    args = parser.parse_args(argv)
+    args.backends = [b for b in (args.backends or args.backend).split(",") if b]
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.peers = [p for p in args.peers.split(",") if p]
+    if bad := [b for b in args.backends if b not in BACKENDS]:
+        parser.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    if bad := [p for p in args.peers if p not in PEERS]:
+        parser.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
+    if "ar" not in args.methods or set(args.methods) - set(METHODS):
+        parser.error(f"--methods {','.join(args.methods)}: use 'ar' or 'ar,ss' (AR is the baseline of every speed-up)")
+    if args.input_file is None and args.split is None:
+        parser.error("pass --split (with --task) or --input-file")
+    if args.repeats < 1 or args.limit < 1:
+        parser.error("--repeats and --limit must be >= 1")
+    return args
 
 
 def machine() -> dict:
@@ -63,12 +98,19 @@ def machine() -> dict:
     if info.is_file():
         names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")]
         cpu = names[0] if names else cpu
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_average_start": os.getloadavg()}
+            "versions": versions, "load_average_start": os.getloadavg()}
 
 
 def summarise(rows: list[dict]) -> dict:
+    """SS vs AR on one backend (rows of `interleaved`): the build's profile stage uses this shape."""
     ar_s = sum(r["ar"]["seconds"] for r in rows)
     ss_s = sum(r["ss"]["seconds"] for r in rows)
     tokens = sum(r["ss"]["new_tokens"] for r in rows)
@@ -88,78 +130,71 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
-def markdown(report: dict) -> str:
-    s, m, cfg = report["summary"], report["machine"], report["settings"]
-    return "\n".join([
-        f"## {cfg['task']}: SS vs plain decoding, {cfg['backend']} {cfg['device']}, {s['inputs']} inputs, greedy",
-        "",
-        f"Machine: {m['cpu']}, {m['threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}, "
-        f"load average {m['load_average_start'][0]:.2f} at start / {m['load_average_end'][0]:.2f} at end; "
-        f"torch {m['torch']}. Tree {cfg['tree']} ({cfg['tree_nodes']} nodes), {cfg['stream_schedule']} streams, "
-        f"max {cfg['max_new_tokens']} new tokens.",
-        "",
-        "| metric | value |", "|---|---:|",
-        f"| call reduction CR (tokens / SS model calls, prefill counted) | {s['call_reduction']:.2f} |",
-        f"| mean tokens per verify step | {s['ss_mean_tokens_per_step']:.2f} |",
-        f"| wall-clock speed-up (total AR time / total SS time) | {s['speedup_total_time']:.2f}x |",
-        f"| wall-clock speed-up (median per input) | {s['speedup_median_per_input']:.2f}x |",
-        f"| AR tokens/s (median) | {s['ar_tokens_per_s_median']:.1f} |",
-        f"| SS tokens/s (median) | {s['ss_tokens_per_s_median']:.1f} |",
-        f"| time to first token AR / SS (median, s) | {s['ar_ttft_s_median']:.3f} / {s['ss_ttft_s_median']:.3f} |",
-        f"| SS output != AR output (inputs) | {s['parity_mismatches']} |",
-        f"| peak process memory | {s['peak_memory_bytes'] / 2**20:.0f} MiB |",
-        "",
-        f"Command: `{report['command']}`",
-    ])
+def interleaved(loaded, requests, ss: DecodeSettings, ar: DecodeSettings, traces: dict, warmup: int) -> list[dict]:
+    """SS and AR per input on one backend, back to back, order alternating; the first `warmup` inputs untimed."""
+    engine = Engine(loaded, {"ar": ar, "ss": ss}, traces)
+    rows = []
+    for index, request in enumerate(tqdm(requests, desc="bench", unit="input", dynamic_ncols=True)):
+        ids = prompt_ids(loaded, request.text, True)
+        warm = index < warmup
+        results = pair(engine, ids, request.id, index % 2 == 1, not warm)
+        if not warm:
+            rows.append({"id": request.id, "prompt_tokens": len(ids), **results,
+                         "same_tokens": results["ss"]["token_ids"] == results["ar"]["token_ids"]})
+    return rows
 
 
-def measure(loaded, ids, settings, trace, run_id) -> dict:
-    result = run(loaded, ids, settings, trace, run_id)
-    record = result.run
-    return {"seconds": record.seconds, "new_tokens": record.new_tokens, "model_calls": record.model_calls,
-            "prefill_s": record.spans["prefill"], "step_tokens": [s.tokens for s in record.steps],
-            "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
+def headline(rows: list[dict], rows_table: list[dict], primary: str, methods: list[str]) -> dict:
+    """The old SS-vs-AR summary of the first backend, plus parity over all backends and the peer comparisons."""
+    first = [r for r in rows if r["backend"] == primary]
+    summary = summarise(first) if "ss" in methods else {"inputs": len(first)}
+    summary.update(primary_backend=primary, parity_mismatches=sum(not r.get("same_tokens", True) for r in rows),
+                   peer_mismatches={r["name"]: r["mismatches"] for r in rows_table if r["kind"] == "peer"},
+                   matched_precision=matched_precision(rows_table), peak_memory_bytes=process_peak_rss())
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule)
-    tree = TreeSpec.parse(args.tree)
-    prune = prune_config(args.prune_threshold, args.prune_budget)
-    rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
-    ss = DecodeSettings("ss", tree, rules, SamplingConfig(), prune, 0)
-    ar = replace(ss, method="ar")
-    meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
-                threads=args.threads)
-    traces = {"ss": Trace(method="ss", tree=tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}
-    requests = list(read_requests(args.input_file, loaded, True, args.limit + args.warmup))
-    report = {"machine": machine(), "command": "python -m streamfuse.tools.bench " + " ".join(argv or sys.argv[1:]),
-              "settings": {"task": args.task, "backend": args.backend, "device": args.device, "tree": args.tree,
-                           "tree_nodes": tree.num_nodes, "max_new_tokens": args.max_new_tokens,
-                           "stream_schedule": args.stream_schedule,
-                           "prune": {"threshold": args.prune_threshold, "budget": args.prune_budget} if prune else None}}
-    rows = []
-    for index, request in enumerate(tqdm(requests, desc="bench", unit="input", dynamic_ncols=True)):
-        ids = prompt_ids(loaded, request.text, True)
-        warm = index < args.warmup
-        order = ("ar", "ss") if index % 2 == 0 else ("ss", "ar")
-        results = {}
-        for method in order:
-            settings = ss if method == "ss" else ar
-            results[method] = measure(loaded, ids, settings, Trace(enabled=False) if warm else traces[method], request.id)
-        if not warm:
-            rows.append({"id": request.id, "prompt_tokens": len(ids), **results,
-                         "same_tokens": results["ss"]["token_ids"] == results["ar"]["token_ids"]})
+    StopRules(args.max_new_tokens)  # reject a bad limit before the (slow) model loads
+    data = args.input_file or task_file(args.task, args.split, args.data_dir)
+    info: dict[str, dict] = {}
+    report = {"machine": machine(), "command": "python -m streamfuse.tools.bench " + " ".join(argv or sys.argv[1:])}
+    matrix = Matrix(load_engines(args, info), {}, None, args.max_new_tokens, args.repeats)
+    primary = matrix.engines[args.backends[0]].loaded
+    if primary.info.get("task") != args.task or primary.prompt is None:
+        raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {primary.info.get('task')!r} "
+                         f"(prompt format recorded: {primary.prompt is not None})")
+    inputs = read_inputs(data, primary.prompt, args.limit)
+    skipped = {}
+    if args.peers:
+        torch_engine = matrix.engines.get("torch")
+        matrix.peer_loaded = torch_engine.loaded if torch_engine else load(args.artifact, "torch", "cpu", threads=args.threads)
+        matrix.peers, skipped = load_peers(args, matrix.peer_loaded, inputs, info)
+    try:
+        rows, peer_rows = run_matrix(matrix, inputs, args.warmup)
+    finally:
+        for runner in matrix.peers.values():
+            runner.close()
     report["machine"]["load_average_end"] = os.getloadavg()
-    report["summary"] = summarise(rows)
-    report["rows"] = rows
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, trace in traces.items():
-        trace.save(args.out / f"trace_{name}.json")
-    (args.out / "bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "bench.md").write_text(markdown(report) + "\n")
-    print(markdown(report))
+    report["settings"] = {
+        "task": args.task, "split": args.split, "data": str(data), "backends": args.backends, "methods": args.methods,
+        "peers": list(matrix.peers), "device": args.device, "threads": args.threads, "stream_schedule": args.stream_schedule,
+        "trees": {b: e.settings["ar"].tree.to_dict()["paths"] for b, e in matrix.engines.items()},
+        "tree_nodes": {b: e.settings["ar"].tree.num_nodes for b, e in matrix.engines.items()},
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "prune": {"threshold": args.prune_threshold, "budget": args.prune_budget}}
+    report["skipped"] = skipped
+    report["peer_info"] = {name: runner.info() for name, runner in matrix.peers.items()}
+    report["table"] = table(rows, peer_rows, inputs, args.methods, info)
+    report["summary"] = headline(rows, report["table"], args.backends[0], args.methods)
+    report["rows"], report["peer_rows"] = rows, peer_rows
+    for backend, engine in matrix.engines.items():
+        for method, trace in engine.traces.items():
+            trace.save(args.out / (f"trace_{method}.json" if backend == args.backends[0] else f"trace_{method}_{backend}.json"))
+    bench_report.write_report(report, args.out)
+    print(bench_report.markdown(report))
     return 0 if report["summary"]["parity_mismatches"] == 0 else 1
 
 

@@ -4,41 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 
-from rouge_score import rouge_scorer
-
-ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-
-# rougeLsum scores the union LCS over *sentences*, which rouge_score reads as
-# "\n"-separated lines. Its own splitter needs nltk's punkt data, which is not
-# available offline, so a small regex splitter is used instead.
-_SENTENCE_END = re.compile(r"""[.!?]+["')\]]*\s+""")
-# A period after these does not end a sentence ("Mr. Smith", "e.g. this").
-_ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "no"})
-
-
-def split_sentences(text: str) -> list[str]:
-    """Sentences of *text*: existing line breaks, then ./!/? followed by space."""
-    sentences = []
-    for line in text.splitlines():
-        start = 0
-        for match in _SENTENCE_END.finditer(line):
-            candidate = line[start : match.end()].strip()
-            if candidate.split()[-1].rstrip(".").lower() in _ABBREVIATIONS:
-                continue
-            sentences.append(candidate)
-            start = match.end()
-        tail = line[start:].strip()
-        if tail:
-            sentences.append(tail)
-    return sentences
-
-
-@lru_cache(maxsize=1)
-def _scorer() -> rouge_scorer.RougeScorer:
-    # Building the scorer loads the Porter stemmer; do it once per process.
-    return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+# One ROUGE recipe for the build and the benchmark (tools/quality.py): RougeScorer with the
+# stemmer, best reference per example, rougeLsum over regex-split sentences (nltk is offline).
+from streamfuse.tools.quality import ROUGE_KEYS, split_sentences  # noqa: F401  (re-exported for the tasks)
+from streamfuse.tools.quality import rouge as _best_reference_rouge
 
 
 def _check_lengths(predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> None:
@@ -53,14 +23,7 @@ def _check_lengths(predictions: Sequence[str], references: Sequence[tuple[str, .
 def rouge(predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
     """ROUGE-1/2/L/Lsum F1 x100, best reference per example and metric, averaged."""
     _check_lengths(predictions, references)
-    totals = dict.fromkeys(ROUGE_KEYS, 0.0)
-    for prediction, refs in zip(predictions, references):
-        targets = ["\n".join(split_sentences(ref)) for ref in refs]
-        # score_multi keeps, per metric, the reference with the highest F1.
-        scores = _scorer().score_multi(targets, "\n".join(split_sentences(prediction)))
-        for key in ROUGE_KEYS:
-            totals[key] += scores[key].fmeasure
-    return {key: 100.0 * total / len(predictions) for key, total in totals.items()}
+    return _best_reference_rouge(predictions, references)
 
 
 def normalize_sql(query: str) -> str:

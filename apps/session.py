@@ -1,0 +1,153 @@
+"""What the demo does, without Qt: load an artifact, run one generation, report it step by step.
+
+The worker thread calls these; tests call them directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamfuse.apps.markup import Segment, SegmentBuilder
+from streamfuse.apps.stats import RunStats
+from streamfuse.runtime.decode import StepEvent
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, choose_tree, prompt_ids, run
+from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.sampling import SamplingConfig
+
+BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum, ~1 h on 2 cores) or "
+              "`python export/build.py --task dialogsum --preset smoke` (minutes), then open "
+              "checkpoints/dialogsum-<preset>/ss.")
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str  # DecodeSettings.method
+    label: str
+    drafts: bool  # uses a draft tree, so the tree setting applies
+
+
+# The decoding methods runtime.generate.run knows; a new one needs only a row here.
+METHODS = (
+    Method("ar", "AR: plain decoding", drafts=False),
+    Method("ss", "SS: speculative streaming", drafts=True),
+)
+
+
+def method_named(key: str) -> Method:
+    for method in METHODS:
+        if method.key == key:
+            return method
+    raise ValueError(f"unknown method {key!r}; choose one of {', '.join(m.key for m in METHODS)}")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    artifact: Path
+    backend: str = "torch"
+    stream_schedule: str = "fused"  # a load-time choice of the backend
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    method: str
+    text: str  # the dialogue (task source) or a plain user message
+    tree: str = ""  # "gamma=G,k=K" or JSON paths; "": the artifact's tree, else DEFAULT_TREE
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class Cancelled(Exception):
+    """Raised from the step callback to leave the decode loop between two steps."""
+
+
+Update = Callable[[list[Segment], RunStats], None]
+
+
+class Session:
+    """Holds the loaded artifact; loading again with the same request reuses it."""
+
+    def __init__(self):
+        self.loaded: Loaded | None = None
+        self.request: LoadRequest | None = None
+
+    def load(self, request: LoadRequest) -> Loaded:
+        if request != self.request:
+            self.loaded, self.request = None, None  # free the old model before loading the next
+            self.loaded = load(request.artifact, request.backend, request.device, request.stream_schedule)
+            self.request = request
+        return self.loaded
+
+    def warm_up(self) -> None:
+        """A few tokens per method: a fresh model's first calls are slow (allocations, lazy
+        initialisation), and would otherwise be charged to whichever pane runs first."""
+        loaded = self._loaded()
+        streams = loaded.backend.num_streams
+        # Static graphs take only the tree they were exported for; a checkpoint takes any that fits its streams.
+        tree = "" if loaded.tree is not None else f"gamma={min(3, streams)},k=2"
+        for method in METHODS:
+            if method.drafts and not streams:
+                continue  # a model without streams can still decode plainly
+            self.generate(GenerationRequest(method.key, "Hello.", tree, max_new_tokens=4), lambda *_: None,
+                          threading.Event())
+
+    def default_tree(self) -> str:
+        """What an empty tree setting means for the loaded artifact."""
+        tree = self._loaded().tree
+        return DEFAULT_TREE if tree is None else f"the artifact's tree ({tree.num_nodes} nodes, depth {tree.depth})"
+
+    def describe(self) -> str:
+        if self.loaded is None:
+            return "no artifact"
+        info, backend = self.loaded.info, self.loaded.backend
+        task = info.get("task", "no task")
+        preset = f", preset {info['preset']}" if "preset" in info else ""
+        return (f"{self.request.artifact.name} ({task}{preset}): {backend.name} backend, {backend.num_streams} streams, "
+                f"{self.request.stream_schedule} streams schedule")
+
+    def settings(self, request: GenerationRequest) -> DecodeSettings:
+        method_named(request.method)
+        rules = StopRules(request.max_new_tokens, self._loaded().stop_token_ids)
+        return DecodeSettings(request.method, choose_tree(request.tree or None, self._loaded()), rules,
+                              SamplingConfig(request.temperature), None, request.seed)
+
+    def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
+        """Run one generation; `on_update(new_segments, stats)` after every model call.
+        Setting `stop` ends it after the current step (stop_reason "stopped")."""
+        loaded = self._loaded()
+        settings = self.settings(request)
+        if not request.text.strip():
+            raise ValueError("the input is empty: paste a dialogue or pick an example")
+        # Task artifacts were fine-tuned on a prompt format: format the text as in training.
+        ids = prompt_ids(loaded, request.text, as_task=loaded.prompt is not None)
+        builder = SegmentBuilder(lambda tokens: loaded.tokenizer.decode(tokens, skip_special_tokens=True))
+        stats = RunStats(request.method)
+        started = time.perf_counter()
+
+        def on_step(event: StepEvent) -> None:
+            stats.add(event, time.perf_counter() - started)
+            on_update(builder.add(event), stats)
+            if stop.is_set():
+                raise Cancelled
+
+        if stop.is_set():
+            stats.stop_reason = "stopped"
+            return stats
+        try:
+            result = run(loaded, ids, settings, on_step=on_step)
+        except Cancelled:
+            stats.stop_reason = "stopped"
+            return stats
+        stats.finish(result.run)
+        return stats
+
+    def _loaded(self) -> Loaded:
+        if self.loaded is None:
+            raise RuntimeError(f"no artifact is open. {BUILD_HINT}")
+        return self.loaded

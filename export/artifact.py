@@ -1,0 +1,254 @@
+"""Write an exported artifact (format: runtime/artifact.py) from a fine-tuned checkpoint.
+
+Stages run in a staging folder beside the target, each leaving a marker when complete, so an
+interrupted build resumes where it stopped; the folder is renamed into place only when every
+backend is exported and verified, so a half-built artifact never loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
+from streamfuse.export import graph
+from streamfuse.export.verify import EagerSession, backend_parity, eager_tokens
+from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, file_digest
+from streamfuse.runtime.backends.pytorch import TorchBackend
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.tree import TreeSpec
+
+BACKENDS = ("torch", "executorch", "onnx", "coreml")
+RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
+VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
+             "coremltools", "streamfuse")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    backends: tuple[str, ...] = BACKENDS
+    tree: str = "gamma=3,k=2"
+    capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
+    prefill_chunk: int = 64
+    quantize: str = "none"  # ExecuTorch weights: none | int8 | 8da4w
+    coreml_precision: str = "float16"
+    parity_prompts: int = 20
+
+    def validate(self) -> None:
+        unknown = set(self.backends) - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+        from streamfuse.export.to_executorch import QUANTIZATIONS
+
+        if self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
+        graph.GraphShapes(self.capacity, self.prefill_chunk, TreeSpec.parse(self.tree))
+
+    def key(self, training_key: str) -> str:
+        payload = {"schema": SCHEMA, "training": training_key, **asdict(self)}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for package in VERSIONED:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+class ArtifactBuilder:
+    def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
+                 max_new_tokens: int, info: dict):
+        config.validate()
+        self.checkpoint, self.out, self.config = Path(checkpoint), Path(out), config
+        self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
+        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"))
+        self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
+        self._model = None
+        self._expected = None
+
+    def existing(self) -> dict | None:
+        """The manifest of a finished artifact with the same settings, if there is one."""
+        if (self.out / MANIFEST).is_file():
+            manifest = Artifact.open(self.out).manifest
+            if manifest.get("build_key") == self.key:
+                return manifest
+        return None
+
+    def build(self) -> dict:
+        if (manifest := self.existing()) is not None:
+            print(f"[export] reusing {self.out} (same checkpoint and settings)", flush=True)
+            return manifest
+        (self.staging / "done").mkdir(parents=True, exist_ok=True)
+        self._stage("common", self._copy_common)
+        files, parity, seconds = {}, {}, {}
+        for backend in tqdm([b for b in self.config.backends if b != "torch"], desc="export", unit="backend"):
+            done = self._stage(backend, lambda b=backend: self._export(b))
+            files[backend], seconds[backend] = done["files"], done["seconds"]
+            if backend in RUNS_HERE:
+                parity[backend] = self._stage(f"parity-{backend}", lambda b=backend: self._parity(b, files[b]))
+        manifest = self._manifest(files, parity, seconds)
+        (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        shutil.rmtree(self.staging / "done")
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        self.staging.rename(self.out)
+        return manifest
+
+    # --- stages -----------------------------------------------------------------------------
+    def _stage(self, name: str, run) -> dict:
+        marker = self.staging / "done" / f"{name}.json"
+        if marker.is_file():
+            print(f"[export] {name}: done earlier, reusing", flush=True)
+            return json.loads(marker.read_text())
+        start = time.perf_counter()
+        result = run() or {}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(marker)
+        print(f"[export] {name}: {result['seconds']:.0f} s", flush=True)
+        return result
+
+    def _copy_common(self) -> dict:
+        _, tokenizer, _ = self.model_and_tokenizer()
+        for name in ("tokenizer", "adapter"):
+            shutil.rmtree(self.staging / name, ignore_errors=True)
+        tokenizer.save_pretrained(self.staging / "tokenizer")
+        shutil.copytree(self.checkpoint, self.staging / "adapter",
+                        ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
+        return {}
+
+    def _export(self, backend: str) -> dict:
+        model, _, _ = self.model_and_tokenizer()
+        shapes = self.shapes()
+        if backend == "executorch":
+            from streamfuse.export.to_executorch import export_pte, quantize_weights
+
+            if self.config.quantize != "none":
+                model = copy.deepcopy(model)
+                quantize_weights(model, self.config.quantize)
+            modules = graph.graph_modules(model, shapes)
+            target = self.staging / "model.pte"
+            export_pte(modules, graph.example_inputs(model, shapes), target.with_suffix(".tmp"))
+            target.with_suffix(".tmp").replace(target)
+            return {"files": {"program": self._entry(target)}}
+        modules, inputs = graph.graph_modules(model, shapes), graph.example_inputs(model, shapes)
+        if backend == "onnx":
+            from streamfuse.export.to_onnx import WEIGHTS_FILE, export_onnx
+
+            folder = self.staging / "onnx"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            names = export_onnx(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, folder)
+            entries = {method: self._entry(folder / name) for method, name in names.items()}
+            return {"files": {**entries, "weights": self._entry(folder / WEIGHTS_FILE)}}
+        from streamfuse.export.to_coreml import export_mlpackage, spec_signature
+
+        target = self.staging / "model.mlpackage"
+        export_mlpackage(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, target, self.config.coreml_precision)
+        return {"files": {"package": self._entry(target)}, "spec": spec_signature(target)}
+
+    def _parity(self, backend: str, files: dict) -> dict:
+        from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
+
+        paths = {name: self.staging / entry["path"] for name, entry in files.items()}
+        if backend == "executorch":
+            session = ExecuTorchSession(paths["program"])
+        else:
+            session = OnnxRuntimeSession({k: v for k, v in paths.items() if k != "weights"})
+        model, tokenizer, _ = self.model_and_tokenizer()
+        reference = EagerSession(graph.graph_modules(model, self.shapes()))
+        result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
+                                self.rules())
+        if self.config.quantize != "none" and backend == "executorch":
+            result["note"] = f"weights quantized ({self.config.quantize}): tokens may differ from fp32 eager"
+        print(f"[verify] {backend}: SS == torch eager on {result['ss_equals_torch_eager']}/{result['prompts']} "
+              f"prompts; SS == own plain on {result['ss_equals_own_plain']}/{result['plain_prompts']}; step outputs "
+              f"within tolerance: {result['within_tolerance']}", flush=True)
+        return result
+
+    # --- shared state -----------------------------------------------------------------------
+    def model_and_tokenizer(self):
+        if self._model is None:
+            model, tokenizer, manifest = load_checkpoint(self.checkpoint, merge_lora=True)
+            self._model = (model.eval().requires_grad_(False), tokenizer, manifest)
+        return self._model
+
+    def shapes(self) -> graph.GraphShapes:
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, TreeSpec.parse(self.config.tree))
+
+    def graph_spec(self):
+        from streamfuse.runtime.backends.static_graph import GraphSpec
+
+        model, shapes = self.model_and_tokenizer()[0], self.shapes()
+        parts = model.parts
+        return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                         shapes.capacity, shapes.prefill_chunk, shapes.tree)
+
+    def rules(self) -> StopRules:
+        return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
+
+    def expected_tokens(self) -> list[list[int]]:
+        if self._expected is None:
+            eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred")
+            self._expected = eager_tokens(eager, self.shapes().tree, self.prompts, self.rules())
+        return self._expected
+
+    def _entry(self, path: Path) -> dict:
+        return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
+
+    def _manifest(self, files: dict, parity: dict, seconds: dict) -> dict:
+        model, tokenizer, checkpoint = self.model_and_tokenizer()
+        parts, shapes = model.parts, self.shapes()
+        modules = graph.graph_modules(model, shapes)
+        return {
+            "schema": SCHEMA,
+            "build_key": self.key,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "task": checkpoint["info"].get("task"),
+            "prompt": checkpoint["info"].get("prompt"),
+            "model": {"base_model": checkpoint["base_model"], "num_layers": parts.num_layers,
+                      "hidden_size": parts.hidden_size, "num_kv_heads": parts.num_kv_heads, "head_dim": parts.head_dim,
+                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions, "lora_merged": True},
+            "streams": checkpoint["streams"],
+            "tree": shapes.tree.to_dict(),
+            "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "dtype": "float32",
+                       "stream_schedule": "deferred", "quantize": {"executorch": self.config.quantize},
+                       "coreml_precision": self.config.coreml_precision,
+                       "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
+            "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
+                          "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],
+                          "capacity": shapes.capacity, "dtype": "float32", "owner": "host"},
+            "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                          "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
+            "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key")},
+            "files": files,
+            "export_seconds": seconds,
+            "parity": parity,
+            "info": self.info,
+            "versions": versions(),
+        }
+
+
+def update_manifest(artifact: Path, **fields) -> None:
+    """Add results (eval, profile) to a finished artifact's manifest (atomic rewrite)."""
+    path = Path(artifact) / MANIFEST
+    manifest = Artifact.open(artifact).manifest
+    manifest.update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)

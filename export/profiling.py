@@ -1,0 +1,37 @@
+"""The build's last stage: decode test inputs with the artifact, SS and plain interleaved, and
+profile where the speed-up comes from (tools/bench.py's loop, tools/profile.py's report)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import DecodeSettings, Request
+from streamfuse.runtime.loader import load
+from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.trace import Trace
+from streamfuse.tools import bench, profile
+
+
+def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,
+                     threads: int | None, out: Path) -> dict:
+    """sources: (id, task source text). Writes traces + profile report under `out`; returns the
+    bench summary and the profile metrics (without per-run rows)."""
+    loaded = load(artifact, backend, threads=threads)
+    rules = StopRules(max_new_tokens, loaded.stop_token_ids)
+    ss = DecodeSettings("ss", loaded.tree, rules, SamplingConfig(), None, 0)
+    ar = replace(ss, method="ar")
+    meta = dict(backend=loaded.backend.name, device="cpu", num_streams=loaded.backend.num_streams, threads=threads)
+    traces = {"ss": Trace(method="ss", tree=loaded.tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}
+    load_start = os.getloadavg()[0]
+    rows = bench.interleaved(loaded, [Request(i, text) for i, text in sources], ss, ar, traces, warmup=1)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, trace in traces.items():
+        trace.save(out / f"trace_{name}.json")
+    metrics = profile.profile_files(out / "trace_ss.json", out / "trace_ar.json")
+    profile.write_report(metrics, out / "profile")
+    summary = bench.summarise(rows)
+    summary.update(backend=loaded.backend.name, threads=threads, load_average=[load_start, os.getloadavg()[0]])
+    return {"bench": summary, "profile": {k: v for k, v in metrics.items() if k not in ("runs", "meta")}}

@@ -1,0 +1,44 @@
+"""ExecuTorch: one multi-method .pte (prefill, decode, step, streams) lowered to XNNPACK.
+
+Methods share their weights: the XNNPACK delegate stores constants in the program's named data
+by content, so four methods cost one copy of the model. Optional weight quantization (torchao)
+runs before export: int8 (dynamic int8 activations, int8 weights per channel) or 8da4w (int8
+dynamic activations, int4 weights in groups of 32), both lowered to XNNPACK's quantized kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "8da4w")
+
+
+def quantize_weights(model: nn.Module, scheme: str) -> None:
+    """In place: replace the linear layers' weights by torchao's quantized tensors."""
+    if scheme == "none":
+        return
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    # The Intx config leaves quantize/dequantize patterns that XNNPACK fuses into its kernels
+    # (Int8DynamicActivationInt8WeightConfig lowers to aten._int_mm, which XNNPACK does not take).
+    if scheme == "int8":
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    elif scheme == "8da4w":
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    else:
+        raise ValueError(f"quantization {scheme!r} is not one of {QUANTIZATIONS}")
+    quantize_(model, config)
+
+
+def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path) -> None:
+    """Lower all methods into one .pte at `path` (the caller writes into a staging folder)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    programs = {name: torch.export.export(module, inputs[name], strict=False) for name, module in modules.items()}
+    lowered = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+    Path(path).write_bytes(lowered.to_executorch().buffer)

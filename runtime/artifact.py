@@ -1,0 +1,113 @@
+"""The exported artifact's contract: manifest.json, read and checked before anything runs.
+
+    <artifact>/manifest.json   schema, model dims, tree, graphs (methods, shapes), KV layout,
+                               tokenizer, files (bytes + sha256), parity, eval, versions
+    <artifact>/tokenizer/      the tokenizer the model was trained with
+    <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
+                               and what other tasks on the same base share
+    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams
+    <artifact>/onnx/           <method>.onnx + weights.bin (shared by all four)
+    <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
+The runtime owns this format; export/ writes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamfuse.runtime.backends.static_graph import GraphSpec
+from streamfuse.runtime.tree import TreeSpec
+
+SCHEMA = "streamfuse.artifact/1"
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    pass
+
+
+def file_digest(path: Path) -> dict:
+    """bytes + sha256 of a file, or of a folder's files in sorted order (.mlpackage)."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+                size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, path: Path) -> "Artifact":
+        path = Path(path)
+        file = path / MANIFEST
+        if not file.is_file():
+            raise ArtifactError(f"{file} not found: {path} is not an exported artifact (build one with "
+                                f"`python export/build.py --task dialogsum`)")
+        try:
+            manifest = json.loads(file.read_text())
+        except json.JSONDecodeError as error:
+            raise ArtifactError(f"{file} is not valid JSON ({error}); rebuild the artifact") from None
+        if manifest.get("schema") != SCHEMA:
+            raise ArtifactError(f"{file} has schema {manifest.get('schema')!r}; this streamfuse reads {SCHEMA!r}: "
+                                f"rebuild the artifact with this version (export/build.py)")
+        return cls(path, manifest)
+
+    @property
+    def tree(self) -> TreeSpec:
+        return TreeSpec.from_dict(self.manifest["tree"])
+
+    def graph_spec(self) -> GraphSpec:
+        model, graphs = self.manifest["model"], self.manifest["graphs"]
+        return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
+                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.tree)
+
+    def backend_files(self, backend: str) -> dict[str, Path]:
+        """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""
+        entries = self.manifest["files"].get(backend)
+        if entries is None:
+            built = ", ".join(sorted(self.manifest["files"])) or "none"
+            raise ArtifactError(f"{self.path} has no {backend} model (built: {built}); rebuild with "
+                                f"export/build.py --backends ...,{backend}")
+        paths = {}
+        for name, entry in entries.items():
+            file = self.path / entry["path"]
+            if not file.exists():
+                raise ArtifactError(f"{file} is missing: the artifact is incomplete; rebuild it with export/build.py")
+            found = file_digest(file)
+            if found["bytes"] != entry["bytes"]:
+                raise ArtifactError(f"{file} has {found['bytes']} bytes, the manifest says {entry['bytes']}: the file "
+                                    f"is truncated or replaced; copy the artifact again or rebuild it")
+            if found["sha256"] != entry["sha256"]:
+                raise ArtifactError(f"{file} does not match its sha256 in the manifest: the file is corrupted; copy "
+                                    f"the artifact again or rebuild it")
+            paths[name] = file
+        return paths
+
+    def load_tokenizer(self):
+        """The artifact's tokenizer, checked against the model's vocabulary and the recorded hash."""
+        from transformers import AutoTokenizer
+
+        info = self.manifest["tokenizer"]
+        folder = self.path / info["path"]
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        vocab = self.manifest["model"]["vocab_size"]
+        if len(tokenizer) > vocab:
+            raise ArtifactError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                                f"{vocab}: this tokenizer belongs to another model; restore the artifact's tokenizer/")
+        if file_digest(folder / "tokenizer.json")["sha256"] != info["sha256"]:
+            raise ArtifactError(f"{folder / 'tokenizer.json'} differs from the tokenizer the model was exported with; "
+                                f"restore the artifact's tokenizer/ folder or rebuild the artifact")
+        return tokenizer

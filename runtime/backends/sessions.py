@@ -1,0 +1,88 @@
+"""Sessions: run one exported method on one engine. Each imports its engine only when used, so
+a missing optional package is a clear error naming the extra to install."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+
+class MissingBackend(RuntimeError):
+    pass
+
+
+def _require(module: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise MissingBackend(f"{module} is not installed ({error.msg}); install it with "
+                             f"`pip install 'streamfuse[{extra}]'`") from None
+
+
+class ExecuTorchSession:
+    """The .pte through ExecuTorch's Python runtime (XNNPACK kernels on CPU)."""
+
+    def __init__(self, pte: Path, threads: int | None = None):
+        runtime = _require("executorch.runtime", "executorch")
+        from executorch.extension.pybindings import portable_lib
+
+        # XNNPACK sizes its own pool from the CPU count; set it so --threads means the same on every backend.
+        portable_lib._unsafe_reset_threadpool(threads or torch.get_num_threads())
+        program = runtime.Runtime.get().load_program(Path(pte))
+        self.methods = {name: program.load_method(name) for name in program.method_names}
+        self.name = "executorch:xnnpack"
+
+    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.methods[method].execute(inputs))
+
+
+PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
+                       "CPUExecutionProvider")
+
+
+class OnnxRuntimeSession:
+    """One InferenceSession per method; the provider is the best available one, named in the trace."""
+
+    def __init__(self, graphs: dict[str, Path], provider: str | None = None, threads: int | None = None):
+        ort = _require("onnxruntime", "onnx")
+        available = ort.get_available_providers()
+        if provider is not None and provider not in available:
+            raise MissingBackend(f"onnxruntime provider {provider} is not available here (available: "
+                                 f"{', '.join(available)}); GPU providers need the onnxruntime-gpu package")
+        provider = provider or next(p for p in PROVIDER_PREFERENCE if p in available)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.sessions = {name: ort.InferenceSession(str(path), options, providers=[provider])
+                         for name, path in graphs.items()}
+        self.inputs = {name: [i.name for i in s.get_inputs()] for name, s in self.sessions.items()}
+        self.name = f"onnxruntime:{provider}"
+
+    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        feed = {name: tensor.numpy() for name, tensor in zip(self.inputs[method], inputs)}
+        return [torch.from_numpy(out) for out in self.sessions[method].run(None, feed)]
+
+
+class CoreMLSession:
+    """The multifunction .mlpackage on the Neural Engine (macOS only)."""
+
+    def __init__(self, package: Path, compute_units: str = "ALL"):
+        if platform.system() != "Darwin":
+            raise MissingBackend(f"Core ML models run on macOS only (this is {platform.system()}); copy the artifact "
+                                 f"to a Mac, or use --backend executorch / onnxruntime here")
+        ct = _require("coremltools", "coreml")
+        units = getattr(ct.ComputeUnit, compute_units)
+        self.models = {name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
+                       for name in ("prefill", "decode", "step", "streams")}
+        self.inputs = {name: [i.name for i in m.get_spec().description.input] for name, m in self.models.items()}
+        self.outputs = {name: [o.name for o in m.get_spec().description.output] for name, m in self.models.items()}
+        self.name = f"coreml:{compute_units.lower()}"
+
+    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        feed = {name: (t.int() if t.dtype == torch.long else t).numpy() for name, t in zip(self.inputs[method], inputs)}
+        result = self.models[method].predict(feed)
+        return [torch.from_numpy(result[name]).float() for name in self.outputs[method]]

@@ -1,0 +1,127 @@
+"""The backend for exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML).
+
+The graphs are pure functions (see the artifact's manifest, "methods"); this class owns what
+they leave to the host: the KV cache [L, kv_heads, C, d], chunked prefill, committing the
+accepted tree nodes' rows, and running the streams of the last accepted node after the commit.
+A `Session` is the only engine-specific part: it runs one named method on a list of tensors.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from streamfuse.runtime.backends.base import PruneConfig, StepOutput
+from streamfuse.runtime.kv_cache import CapacityError
+from streamfuse.runtime.tree import TreeSpec
+
+
+class Session(Protocol):
+    name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
+
+    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run one exported method; outputs in the manifest's order."""
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What the host must know about the exported graphs (from the artifact manifest)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_streams: int
+    capacity: int  # KV rows the graphs attend over
+    prefill_chunk: int
+    tree: TreeSpec  # the one tree the step graph was built for
+
+
+class StaticGraphBackend:
+    """Backend protocol over a Session. Streams always run deferred (the graphs' schedule)."""
+
+    stream_schedule = "deferred"
+
+    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu"):
+        self.session = session
+        self.spec = spec
+        self.name = session.name
+        self.device = device
+        self.num_streams = spec.num_streams
+        self.vocab_size = spec.vocab_size
+        self.max_positions = spec.capacity  # the artifact's context: a run must fit its static cache
+        shape = (spec.num_layers, spec.num_kv_heads, spec.capacity, spec.head_dim)
+        self.keys = torch.zeros(shape)
+        self.values = torch.zeros(shape)
+        self.length = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reset(self, capacity: int) -> None:
+        if capacity > self.spec.capacity:
+            raise CapacityError(f"a run needs {capacity} KV positions but the artifact was exported with capacity "
+                                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --context")
+        self.length = 0
+        self._pending = None
+
+    def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
+        chunk = self.spec.prefill_chunk
+        tokens = list(token_ids)
+        for start in range(0, len(tokens), chunk):
+            piece = tokens[start : start + chunk]
+            ids = torch.tensor([piece + [0] * (chunk - len(piece))])  # pad rows come last: causal, never seen
+            logits, anchor, new_keys, new_values = self.session.run(
+                "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
+            self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
+        return StepOutput(logits.float(), self._stream_source(anchor) if with_streams else None)
+
+    def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
+             prune: PruneConfig | None = None) -> StepOutput:
+        if prune is not None:
+            raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
+        if tree is not None and tree.hash() != self.spec.tree.hash():
+            raise ValueError(f"the artifact's step graph was exported for tree {self.spec.tree.to_dict()['paths']} "
+                             f"(hash {self.spec.tree.hash()}), not {tree.hash()}: omit --tree to use it, or rebuild "
+                             f"the artifact with export/build.py --tree")
+        method = "step" if tree is not None else "decode"
+        if len(tokens) != (tree.num_nodes if tree is not None else 1):
+            raise ValueError(f"{method} takes {tree.num_nodes if tree else 1} tokens, got {len(tokens)}")
+        if self.length + len(tokens) > self.spec.capacity:
+            raise CapacityError(f"KV cache full: {self.length} committed + {len(tokens)} new > capacity {self.spec.capacity}")
+        logits, anchors, new_keys, new_values = self.session.run(
+            method, [torch.tensor([list(tokens)]), self._length(), self.keys, self.values])
+        self._pending = (new_keys, new_values)
+        source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
+        return StepOutput(logits.float(), source)
+
+    def commit(self, nodes: Sequence[int]) -> None:
+        if self._pending is None:
+            raise RuntimeError("commit without a step")
+        new_keys, new_values = self._pending
+        index = torch.tensor(list(nodes), dtype=torch.long)
+        self._store(new_keys.index_select(2, index), new_values.index_select(2, index))
+        self._pending = None
+
+    def peak_memory_bytes(self) -> int | None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _length(self) -> torch.Tensor:
+        return torch.tensor([self.length], dtype=torch.long)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        count = keys.shape[2]
+        self.keys[:, :, self.length : self.length + count] = keys
+        self.values[:, :, self.length : self.length + count] = values
+        self.length += count
+
+    def _stream_source(self, anchor: torch.Tensor):
+        return lambda node: self._streams(anchor)
+
+    def _streams(self, anchor: torch.Tensor) -> torch.Tensor:
+        """Call after the commit: the anchor node's K/V must be in the cache (it is the last row)."""
+        (logits,) = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
+        return logits.float()

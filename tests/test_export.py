@@ -1,0 +1,204 @@
+"""Export to ExecuTorch / ONNX / Core ML on a tiny model: parity, the artifact contract, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+from streamfuse.runtime.artifact import Artifact, ArtifactError
+from streamfuse.runtime.autoregressive import generate_autoregressive
+from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.kv_cache import CapacityError
+from streamfuse.runtime.loader import load
+from streamfuse.runtime.tree import TreeSpec
+
+pytest.importorskip("executorch", reason="the executorch extra is not installed")
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+pytest.importorskip("coremltools", reason="the coreml extra is not installed")
+
+CONFIG = ExportConfig(tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (count,), generator=generator).tolist()
+    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "artifact"
+    ArtifactBuilder(checkpoint / "ckpt", out, CONFIG, prompts(4), 24, {}).build()
+    return out
+
+
+def manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_build_records_parity_for_backends_that_run_here(artifact):
+    parity = manifest(artifact)["parity"]
+    assert set(parity) == {"executorch", "onnx"}
+    for result in parity.values():
+        assert result["ss_equals_torch_eager"] == result["prompts"] == 4
+        assert result["ss_equals_own_plain"] == result["plain_prompts"]
+        assert result["within_tolerance"], result["max_abs_diff"]
+        assert set(result["max_abs_diff"]) >= {"step.logits", "streams.stream_logits", "prefill.new_keys"}
+
+
+@pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
+def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
+    loaded = load(artifact, backend)
+    eager = load(artifact, "torch", stream_schedule="deferred")
+    tree = loaded.tree
+    assert tree == TreeSpec.parse(CONFIG.tree) and eager.tree == tree
+    rules = StopRules(30)
+    for ids in prompts(6, seed=1):
+        expected = generate_autoregressive(eager.backend, ids, rules).token_ids
+        assert generate_speculative(loaded.backend, ids, tree, rules).token_ids == expected
+        assert generate_autoregressive(loaded.backend, ids, rules).token_ids == expected
+    assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
+
+
+def test_prefill_spanning_several_chunks_matches_eager(artifact):
+    loaded, eager = load(artifact, "onnxruntime"), load(artifact, "torch")
+    ids = prompts(1, seed=2)[0] * 3  # > 2 chunks of 16
+    assert len(ids) > 2 * CONFIG.prefill_chunk
+    exported = loaded.backend
+    exported.reset(len(ids) + 16)
+    eager.backend.reset(len(ids) + 16)
+    got = exported.prefill(ids, with_streams=True)
+    want = eager.backend.prefill(ids, with_streams=True)
+    torch.testing.assert_close(got.main_logits, want.main_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.stream_logits(0), want.stream_logits(0), atol=1e-4, rtol=1e-4)
+
+
+def test_manifest_describes_the_graphs(artifact):
+    data = manifest(artifact)
+    assert data["schema"] == "streamfuse.artifact/1"
+    assert data["tree"]["hash"] == TreeSpec.parse(CONFIG.tree).hash()
+    assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
+    step = data["graphs"]["methods"]["step"]
+    assert step["inputs"][0] == {"name": "ids", "shape": [1, 15], "dtype": "int64"}
+    assert step["outputs"][0]["shape"] == [15, data["model"]["vocab_size"]]
+    assert data["graphs"]["methods"]["streams"]["outputs"][0]["shape"] == [3, data["model"]["vocab_size"]]
+    assert {"torch", "executorch", "onnx", "coremltools"} <= set(data["versions"])
+
+
+def test_coreml_package_has_the_four_functions_with_static_shapes(artifact):
+    from streamfuse.export.to_coreml import spec_signature
+
+    data = manifest(artifact)
+    spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
+    assert set(spec) == {"prefill", "decode", "step", "streams"}
+    for method, signature in data["graphs"]["methods"].items():
+        want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
+        assert spec[method]["inputs"] == want
+        assert spec[method]["outputs"] == [o["name"] for o in signature["outputs"]]
+
+
+def test_onnx_graphs_share_one_weights_file(artifact):
+    import onnx
+
+    folder = artifact / "onnx"
+    referenced = 0
+    for method in ("prefill", "decode", "step", "streams"):
+        model = onnx.load(str(folder / f"{method}.onnx"), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
+        referenced += sum(int(e.value) for t in external for e in t.external_data if e.key == "length")
+    assert referenced > 2 * (folder / "weights.bin").stat().st_size  # four graphs, one copy of the weights
+
+
+def copy_of(artifact, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(artifact, target)
+    return target
+
+
+def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
+    broken = copy_of(artifact, tmp_path)
+    pte = broken / "model.pte"
+    pte.write_bytes(pte.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match="model.pte has .* bytes.*truncated"):
+        load(broken, "executorch")
+    weights = broken / "onnx" / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="weights.bin does not match its sha256"):
+        load(broken, "onnxruntime")
+
+
+def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, tmp_path):
+    broken = copy_of(artifact, tmp_path)
+    data = manifest(broken)
+    data["schema"] = "streamfuse.artifact/0"
+    (broken / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="schema 'streamfuse.artifact/0'.*rebuild"):
+        load(broken, "onnxruntime")
+    data["schema"] = "streamfuse.artifact/1"
+    (broken / "manifest.json").write_text(json.dumps(data))
+    tokenizer = json.loads((broken / "tokenizer" / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]  # another tokenizer of the same size: two words swap ids
+    first, second = list(vocab)[5:7]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (broken / "tokenizer" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ArtifactError, match="tokenizer.json differs"):
+        load(broken, "onnxruntime")
+
+
+def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
+    loaded = load(artifact, "onnxruntime")
+    with pytest.raises(ValueError, match="exported for tree .* omit --tree"):
+        generate_speculative(loaded.backend, [5, 6, 7], TreeSpec.chain(3), StopRules(8))
+    with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
+        generate_speculative(loaded.backend, [5] * 100, loaded.tree, StopRules(20))
+    with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
+        loaded.backend.reset(129)
+    with pytest.raises(MissingBackend, match="macOS only"):
+        load(artifact, "coreml")
+    with pytest.raises(ValueError, match="only the torch backend runs"):
+        load(checkpoint / "ckpt", "executorch")
+
+
+def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "artifact"
+    config = ExportConfig(backends=("torch", "onnx", "coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    original = ArtifactBuilder._export
+
+    def crash_on_coreml(self, backend):
+        if backend == "coreml":
+            raise KeyboardInterrupt("interrupted")
+        return original(self, backend)
+
+    monkeypatch.setattr(ArtifactBuilder, "_export", crash_on_coreml)
+    with pytest.raises(KeyboardInterrupt):
+        ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(2), 16, {}).build()
+    assert not out.exists()
+    with pytest.raises(FileNotFoundError):
+        load(out, "onnxruntime")
+    monkeypatch.setattr(ArtifactBuilder, "_export", original)
+    capsys.readouterr()
+    ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(2), 16, {}).build()
+    printed = capsys.readouterr().out
+    assert "onnx: done earlier, reusing" in printed and "parity-onnx: done earlier, reusing" in printed
+    assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml"}
+    assert not list(tmp_path.glob(".artifact.partial-*"))
+
+
+def test_int8_executorch_stays_lossless_against_its_own_plain_decoding(checkpoint, tmp_path):
+    config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize="int8", parity_prompts=3)
+    out = tmp_path / "int8"
+    data = ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(3), 24, {}).build()
+    assert data["graphs"]["quantize"]["executorch"] == "int8"
+    assert data["parity"]["executorch"]["ss_equals_own_plain"] == 3
+    loaded = load(out, "executorch")
+    for ids in prompts(4, seed=3):
+        rules = StopRules(24)
+        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
+        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain

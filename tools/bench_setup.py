@@ -1,0 +1,75 @@
+"""What the benchmark runs: every backend and peer loaded up front, each labelled with its precision
+and the resident memory its loading added (all models share one process, so the process peak says
+little per row)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from streamfuse.runtime.artifact import MANIFEST
+from streamfuse.runtime.backends.base import prune_config
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import DecodeSettings, choose_tree, prompt_ids
+from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.trace import Trace
+from streamfuse.tools.bench_data import BenchInput
+from streamfuse.tools.bench_matrix import Engine, current_rss
+from streamfuse.tools.peers import PEERS, PeerContext, build_peers
+from streamfuse.tools.peers_gguf import QUANTS
+
+
+def backend_precision(artifact: Path, backend: str) -> str:
+    """fp32 unless the artifact's manifest records quantized ExecuTorch weights or a Core ML precision."""
+    manifest = artifact / MANIFEST
+    graphs = json.loads(manifest.read_text()).get("graphs", {}) if manifest.is_file() else {}
+    if backend == "executorch" and graphs.get("quantize", {}).get("executorch", "none") != "none":
+        return graphs["quantize"]["executorch"]
+    if backend == "coreml":
+        return {"float16": "fp16", "float32": "fp32"}.get(graphs.get("coreml_precision"), "fp16")
+    return "fp32"
+
+
+def peer_precision(name: str) -> str:
+    quant = next((q for q in QUANTS if f"_{q}" in name), "f32")  # hf* peers run the fp32 torch model
+    return "fp32" if quant == "f32" else quant
+
+
+def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
+    """Every backend loaded up front (the RSS each adds is recorded), with its settings and traces."""
+    out = {}
+    for backend in args.backends:
+        before = current_rss()
+        loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
+        info[backend] = {"precision": backend_precision(args.artifact, backend), "model": "fine-tuned",
+                         "load_rss_bytes": current_rss() - before}
+        tree = choose_tree(args.tree, loaded)
+        rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
+        prune = prune_config(args.prune_threshold, args.prune_budget)
+        meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
+                    threads=args.threads)
+        settings = {m: DecodeSettings(m, tree, rules, SamplingConfig(), prune, 0) for m in args.methods}
+        traces = {m: Trace(method=m, tree=tree.to_dict() if m == "ss" else None, **meta) for m in args.methods}
+        out[backend] = Engine(loaded, settings, traces)
+    return out
+
+
+def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:
+    """-> (runners, {name: reason skipped}); each built alone so its load RSS can be recorded."""
+    longest = max(len(prompt_ids(loaded, item.text, True)) for item in inputs)
+    context = PeerContext(loaded, args.artifact, args.threads, 0)
+    context.n_ctx = args.n_ctx or -(-(longest + args.max_new_tokens + context.pld_tokens + 1) // 256) * 256
+    runners, skipped = {}, {}
+    for name in args.peers:
+        before = current_rss()
+        built, reasons = build_peers([name], context)
+        runners.update(built)
+        skipped.update(reasons)
+        info[name] = {"precision": peer_precision(name), "load_rss_bytes": current_rss() - before,
+                      "model": "fine-tuned" if PEERS[name].same_model else "base (not fine-tuned)"}
+    for name, reason in skipped.items():
+        print(f"[bench] skipping peer {name}: {reason}", file=sys.stderr)
+    return runners, skipped

@@ -1,0 +1,88 @@
+"""Benchmark table: one row per (method, backend) and per peer, Spec-Bench style.
+
+Speed-up is a throughput ratio against a baseline measured in the same run: AR on the same backend
+for streamfuse rows, streamfuse AR on torch for peers. When the outputs are equal (SS vs AR, lossless
+peers) it is the time ratio; when a peer's outputs differ, tokens/s is the fair measure.
+CR = new tokens / model calls with the prefill counted (AR: 1.0); mean accepted tokens = tokens per
+SS decoding step (Spec-Bench's "mean accepted tokens"; AR: 1.0). Peers expose neither.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from streamfuse.tools import quality
+from streamfuse.tools.bench_data import BenchInput
+
+REFERENCE = ("ar", "torch")  # (method, backend) the peers are compared with
+
+
+def _rate(run: dict) -> float:
+    return run["new_tokens"] / run["seconds"] if run["seconds"] > 0 else 0.0
+
+
+def _speedups(runs: Sequence[dict], baseline: Sequence[dict] | None) -> dict:
+    if not baseline:
+        return {"speedup_total_time": None, "speedup_median_per_input": None, "mismatches": None}
+    total = lambda rs: sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs)  # noqa: E731
+    return {"speedup_total_time": total(runs) / total(baseline),
+            "speedup_median_per_input": statistics.median(_rate(r) / _rate(b) for r, b in zip(runs, baseline)),
+            "mismatches": sum(r["token_ids"] != b["token_ids"] for r, b in zip(runs, baseline))}
+
+
+def _stats(runs: Sequence[dict], baseline: Sequence[dict] | None, inputs: Sequence[BenchInput]) -> dict:
+    return {"inputs": len(runs), "new_tokens": sum(r["new_tokens"] for r in runs),
+            "seconds_total": sum(r["seconds"] for r in runs),
+            "tokens_per_s_median": statistics.median(_rate(r) for r in runs),
+            "ttft_s_median": statistics.median(r["ttft_s"] for r in runs),
+            **_speedups(runs, baseline),
+            "rouge": quality.rouge([r["text"] for r in runs], [i.references for i in inputs]),
+            "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in runs)}
+
+
+def _streamfuse_row(method: str, backend: str, rows: Sequence[dict], inputs: Sequence[BenchInput]) -> dict:
+    runs = [r[method] for r in rows]
+    steps = [t for r in runs for t in r["step_tokens"]]
+    baseline = [r["ar"] for r in rows] if "ar" in rows[0] else None
+    return {"name": f"{method}/{backend}", "kind": "streamfuse", "method": method, "backend": backend,
+            "baseline": f"ar/{backend}" if baseline else None, **_stats(runs, baseline, inputs),
+            "call_reduction": sum(r["new_tokens"] for r in runs) / sum(r["model_calls"] for r in runs),
+            "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method == "ss" else 1.0}
+
+
+def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[BenchInput], methods: Sequence[str],
+          info: dict[str, dict]) -> list[dict]:
+    """info: row unit (backend or peer name) -> {"precision", "model", "load_rss_bytes"}."""
+    out = []
+    by_backend: dict[str, list[dict]] = {}
+    for row in rows:
+        by_backend.setdefault(row["backend"], []).append(row)
+    for backend, backend_rows in by_backend.items():
+        for method in methods:
+            out.append({**_streamfuse_row(method, backend, backend_rows, inputs), **info[backend]})
+    method, backend = REFERENCE
+    reference = [r[method] for r in by_backend.get(backend, []) if method in r] or None
+    for name in (peer_rows[0]["results"] if peer_rows else {}):
+        runs = [r["results"][name] for r in peer_rows]
+        out.append({"name": name, "kind": "peer", "method": name, "backend": None,
+                    "baseline": f"{method}/{backend}" if reference else None, **_stats(runs, reference, inputs),
+                    "call_reduction": None, "mean_accepted_tokens": None, **info[name]})
+    return out
+
+
+def matched_precision(rows: Sequence[dict]) -> list[dict]:
+    """Per precision: the fastest fine-tuned peer vs the fastest streamfuse SS backend (tokens/s medians)."""
+    found = []
+    for precision in dict.fromkeys(r["precision"] for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss"):
+        ss = [r for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss" and r["precision"] == precision]
+        peers = [r for r in rows if r["kind"] == "peer" and r["precision"] == precision and r["model"] == "fine-tuned"]
+        if not peers:
+            continue
+        best = max(ss, key=lambda r: r["tokens_per_s_median"])
+        peer = max(peers, key=lambda r: r["tokens_per_s_median"])
+        found.append({"precision": precision, "streamfuse": best["name"], "peer": peer["name"],
+                      "streamfuse_tokens_per_s": best["tokens_per_s_median"],
+                      "peer_tokens_per_s": peer["tokens_per_s_median"],
+                      "ratio": best["tokens_per_s_median"] / peer["tokens_per_s_median"]})
+    return found
