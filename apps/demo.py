@@ -1,6 +1,6 @@
 """python apps/demo.py [--artifact DIR]: watch Speculative Streaming decode, next to plain decoding.
 
-Open a model folder (export/build.py output, e.g. checkpoints/dialogsum-cpu/ss), pick a
+Open a model folder (export/build.py output: artifacts/dialogsum, or checkpoints/dialogsum-cpu/ss), pick a
 DialogSum dialogue or paste one, and run. Each SS step shows its accepted draft tokens
 (green), the draft tokens it rejected (struck through, red) and the model's correction
 token (bold), with live tokens/s, model calls, call reduction and mean accepted length.

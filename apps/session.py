@@ -19,9 +19,9 @@ from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, choose_tre
 from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.sampling import SamplingConfig
 
-BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum, ~1 h on 2 cores) or "
-              "`python export/build.py --task dialogsum --preset smoke` (minutes), then open "
-              "checkpoints/dialogsum-<preset>/ss.")
+BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
+              "or `python export/build.py --task dialogsum --preset smoke` (minutes), then open "
+              "artifacts/dialogsum (every backend) or checkpoints/dialogsum-<preset>/ss (torch only).")
 
 
 @dataclass(frozen=True)

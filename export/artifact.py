@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +29,9 @@ from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
-BACKENDS = ("torch", "executorch", "onnx", "coreml")
+BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
+# .pte variants for delegates the Python runtime here lacks: built here, run in an app on the device
+PTE_VARIANTS = {"executorch_coreml": "coreml"}
 RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
@@ -55,7 +58,10 @@ class ExportConfig:
         graph.GraphShapes(self.capacity, self.prefill_chunk, TreeSpec.parse(self.tree))
 
     def key(self, training_key: str) -> str:
+        """What the graphs depend on. The backend list is not part of it: an artifact with the same
+        key lends its finished exports to a build that asks for more backends."""
         payload = {"schema": SCHEMA, "training": training_key, **asdict(self)}
+        payload.pop("backends")
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -89,13 +95,19 @@ class ArtifactBuilder:
         return None
 
     def build(self) -> dict:
-        if (manifest := self.existing()) is not None:
+        manifest = self.existing()
+        wanted = {b for b in self.config.backends if b != "torch"}
+        if manifest is not None and wanted <= set(manifest["files"]):
             print(f"[export] reusing {self.out} (same checkpoint and settings)", flush=True)
             return manifest
         (self.staging / "done").mkdir(parents=True, exist_ok=True)
+        earlier = list(manifest["files"]) if manifest is not None else []
+        if manifest is not None:
+            self._seed(manifest)
         self._stage("common", self._copy_common)
         files, parity, seconds = {}, {}, {}
-        for backend in tqdm([b for b in self.config.backends if b != "torch"], desc="export", unit="backend"):
+        backends = list(dict.fromkeys([*earlier, *(b for b in self.config.backends if b != "torch")]))
+        for backend in tqdm(backends, desc="export", unit="backend"):
             done = self._stage(backend, lambda b=backend: self._export(b))
             files[backend], seconds[backend] = done["files"], done["seconds"]
             if backend in RUNS_HERE:
@@ -109,6 +121,22 @@ class ArtifactBuilder:
         return manifest
 
     # --- stages -----------------------------------------------------------------------------
+    def _seed(self, manifest: dict) -> None:
+        """Start from the finished artifact's exports (hard links: the artifact stays intact)."""
+        for item in self.out.iterdir():
+            if item.name != MANIFEST and not (self.staging / item.name).exists():
+                if item.is_dir():
+                    shutil.copytree(item, self.staging / item.name, copy_function=os.link)
+                else:
+                    os.link(item, self.staging / item.name)
+        done = {"common": {}}
+        for backend, files in manifest["files"].items():
+            done[backend] = {"files": files, "seconds": manifest["export_seconds"][backend]}
+            if backend in manifest["parity"]:
+                done[f"parity-{backend}"] = manifest["parity"][backend]
+        for name, result in done.items():
+            (self.staging / "done" / f"{name}.json").write_text(json.dumps(result))
+
     def _stage(self, name: str, run) -> dict:
         marker = self.staging / "done" / f"{name}.json"
         if marker.is_file():
@@ -147,6 +175,13 @@ class ArtifactBuilder:
             target.with_suffix(".tmp").replace(target)
             return {"files": {"program": self._entry(target)}}
         modules, inputs = graph.graph_modules(model, shapes), graph.example_inputs(model, shapes)
+        if backend in PTE_VARIANTS:
+            from streamfuse.export.to_executorch import export_pte
+
+            target = self.staging / f"model-{PTE_VARIANTS[backend]}.pte"
+            export_pte(modules, inputs, target.with_suffix(".tmp"), PTE_VARIANTS[backend])
+            target.with_suffix(".tmp").replace(target)
+            return {"files": {"program": self._entry(target)}}
         if backend == "onnx":
             from streamfuse.export.to_onnx import WEIGHTS_FILE, export_onnx
 

@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
-    parser.add_argument("--backends", default="torch,executorch,onnx,coreml",
-                        help="comma-separated export targets among torch, executorch, onnx, coreml ('' skips export)")
+    parser.add_argument("--backends", default="torch,executorch,onnx,coreml,executorch_coreml",
+                        help="comma-separated export targets among torch, executorch (XNNPACK), onnx, coreml "
+                             "(.mlpackage), executorch_coreml (.pte with the Core ML delegate); 'torch' skips export")
     parser.add_argument("--tree", default="gamma=3,k=2", help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
                         "a JSON list of paths, or a JSON file of paths")
     parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")

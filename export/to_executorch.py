@@ -1,7 +1,12 @@
-"""ExecuTorch: one multi-method .pte (prefill, decode, step, streams) lowered to XNNPACK.
+"""ExecuTorch: one multi-method .pte (prefill, decode, step, streams) per delegate.
 
-Methods share their weights: the XNNPACK delegate stores constants in the program's named data
-by content, so four methods cost one copy of the model. Optional weight quantization (torchao)
+- xnnpack: CPUs (phones, laptops, desktops); runs here, parity-checked.
+- coreml: Apple's Neural Engine / GPU through ExecuTorch's Core ML delegate (runs in an iOS or
+  macOS app; the Linux runtime has no Core ML backend, so it is built here, run on device).
+Vulkan (Android GPUs) does not lower here: its serializer's flatc step rejects the graph's JSON
+("cannot parse value starting with: -", executorch 1.4.1), so it is not offered.
+Methods share their weights: the delegates store constants in the program's named data by
+content, so four methods cost one copy of the model. Optional weight quantization (torchao)
 runs before export: int8 (dynamic int8 activations, int8 weights per channel) or 8da4w (int8
 dynamic activations, int4 weights in groups of 32), both lowered to XNNPACK's quantized kernels.
 """
@@ -34,11 +39,30 @@ def quantize_weights(model: nn.Module, scheme: str) -> None:
     quantize_(model, config)
 
 
-def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path) -> None:
-    """Lower all methods into one .pte at `path` (the caller writes into a staging folder)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+DELEGATES = ("xnnpack", "coreml")
+
+
+def partitioner(delegate: str):
+    if delegate == "xnnpack":
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return XnnpackPartitioner()
+    if delegate == "coreml":
+        import coremltools as ct
+        from executorch.backends.apple.coreml.compiler import CoreMLBackend
+        from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+
+        specs = CoreMLBackend.generate_compile_specs(minimum_deployment_target=ct.target.iOS17,
+                                                     compute_precision=ct.precision.FLOAT16)
+        return CoreMLPartitioner(compile_specs=specs)
+    raise ValueError(f"ExecuTorch delegate {delegate!r} is not one of {DELEGATES}")
+
+
+def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path, delegate: str = "xnnpack") -> None:
+    """Lower all methods into one .pte at `path` (the caller writes into a staging folder).
+    Programs are exported afresh per call: the Core ML partitioner mutates what it is given."""
     from executorch.exir import to_edge_transform_and_lower
 
     programs = {name: torch.export.export(module, inputs[name], strict=False) for name, module in modules.items()}
-    lowered = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+    lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate)])
     Path(path).write_bytes(lowered.to_executorch().buffer)

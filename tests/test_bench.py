@@ -147,3 +147,14 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     assert len(traces["ss"].runs) == len(traces["ar"].runs) == 2
     summary = bench.summarise(rows)
     assert summary["inputs"] == 2 and summary["parity_mismatches"] == 0 and summary["ar_ttft_s_median"] > 0
+
+
+def test_artifact_and_backends_default_to_the_build_output(onnx_artifact, checkpoint, tmp_path, monkeypatch):
+    """`python tools/bench.py --task dialogsum --split test` benchmarks artifacts/<task> on every
+    backend it was built for that runs here (torch from its adapter, plus the exported engines)."""
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "dialogsum").symlink_to(onnx_artifact)
+    monkeypatch.chdir(tmp_path)
+    args = bench.parse_args(["--task", "dialogsum", "--split", "test"])
+    assert args.artifact == Path("artifacts/dialogsum") and args.backends == ["torch", "onnxruntime"]
+    assert bench.parse_args(["--task", "dialogsum", "--split", "test", "--artifact", str(checkpoint / "ckpt")]).backends == ["torch"]

@@ -190,15 +190,40 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml"}
     assert not list(tmp_path.glob(".artifact.partial-*"))
 
+    # Asking for one more backend exports only that one and keeps the others.
+    more = ExportConfig(backends=("torch", "onnx", "executorch_coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    ArtifactBuilder(checkpoint / "ckpt", out, more, prompts(2), 16, {}).build()
+    printed = capsys.readouterr().out
+    assert "onnx: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
+    assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml", "executorch_coreml"}
+    assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
-def test_int8_executorch_stays_lossless_against_its_own_plain_decoding(checkpoint, tmp_path):
-    config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize="int8", parity_prompts=3)
-    out = tmp_path / "int8"
+
+@pytest.mark.parametrize("scheme", ["int8", "8da4w"])
+def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(checkpoint, tmp_path, scheme):
+    config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3)
+    out = tmp_path / scheme
     data = ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(3), 24, {}).build()
-    assert data["graphs"]["quantize"]["executorch"] == "int8"
+    assert data["graphs"]["quantize"]["executorch"] == scheme
     assert data["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")
     for ids in prompts(4, seed=3):
         rules = StopRules(24)
         plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
+
+
+def test_coreml_delegate_pte_lowers_to_a_program_with_the_four_methods(checkpoint, tmp_path):
+    """The Core ML-delegated .pte: built here, run in an app on the device (no such runtime here)."""
+    from executorch.exir._serialize import _deserialize_pte_binary
+
+    variant = "executorch_coreml"
+    config = ExportConfig(backends=(variant,), capacity=128, prefill_chunk=16, parity_prompts=0)
+    data = ArtifactBuilder(checkpoint / "ckpt", tmp_path / variant, config, [], 8, {}).build()
+    assert variant not in data["parity"]
+    pte = tmp_path / variant / data["files"][variant]["program"]["path"]
+    program = _deserialize_pte_binary(pte.read_bytes()).program
+    plans = {plan.name: plan for plan in program.execution_plan}
+    assert set(plans) == {"prefill", "decode", "step", "streams"}
+    delegate_ids = {d.id for plan in plans.values() for d in plan.delegates}
+    assert delegate_ids == {"CoreMLBackend"}

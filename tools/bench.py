@@ -17,6 +17,13 @@ the first backend, trace_<method>_<backend>.json for the others) into --out.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# Run as a script (python tools/bench.py), Python puts tools/ first on sys.path, where profile.py
+# would shadow the standard library's profile module.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spin-waiting threads distort CPU timings
 
@@ -24,9 +31,7 @@ import argparse  # noqa: E402
 import importlib.metadata  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -45,10 +50,22 @@ METHODS = ("ar", "ss")
 VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltools", "transformers", "llama-cpp-python")
 
 
+def default_backends(artifact: Path) -> str:
+    """Every backend the artifact was built for that runs on this machine (a checkpoint: torch)."""
+    from streamfuse.runtime.artifact import MANIFEST, Artifact
+    from streamfuse.runtime.loader import ARTIFACT_FILES
+
+    if not (Path(artifact) / MANIFEST).is_file():
+        return "torch"
+    built = Artifact.open(artifact).manifest["files"]
+    runnable = [b for b, files in ARTIFACT_FILES.items() if files in built and (b != "coreml" or sys.platform == "darwin")]
+    return ",".join(["torch", *runnable])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (any backend it was built for) "
-                        "or checkpoint folder (torch only) made by export/build.py")
+    parser.add_argument("--artifact", type=Path, default=None, help="exported artifact (any backend it was built for) "
+                        "or checkpoint folder (torch only) made by export/build.py (default: artifacts/<task>)")
     parser.add_argument("--task", required=True, help="task the model was fine-tuned for (formats the inputs)")
     parser.add_argument("--split", default=None, help="task split (train, validation, test): finds the task's file "
                         "in --data-dir, $STREAMFUSE_DATA_DIR/<task> or ../shared/data/<task>")
@@ -57,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files (or a <task>/ subfolder)")
     parser.add_argument("--limit", type=int, default=100, help="number of timed inputs (the first N of the file)")
     parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: --backend)")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="one backend (kept for old commands)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None, help="one backend (kept for old commands)")
     parser.add_argument("--methods", default="ar,ss", help="streamfuse methods: 'ar,ss' or 'ar' (AR is every speed-up's baseline)")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
@@ -66,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="fixed threads for torch, onnxruntime and llama.cpp "
-                        "(ExecuTorch sizes its own thread pool)")
+                        "(also sizes ExecuTorch's XNNPACK pool)")
     parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K' or a JSON list of paths "
                         "(default: the artifact's tree, else gamma=3,k=2)")
     parser.add_argument("--prune-threshold", type=float, default=None)
@@ -76,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (0: longest prompt + new tokens, rounded up)")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="folder for bench.json, bench.md, plots and traces")
     args = parser.parse_args(argv)
-    args.backends = [b for b in (args.backends or args.backend).split(",") if b]
+    args.artifact = args.artifact or Path("artifacts") / args.task
+    args.backends = [b for b in (args.backends or args.backend or default_backends(args.artifact)).split(",") if b]
     args.methods = [m for m in args.methods.split(",") if m]
     args.peers = [p for p in args.peers.split(",") if p]
     if bad := [b for b in args.backends if b not in BACKENDS]:
@@ -180,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_average_end"] = os.getloadavg()
     report["settings"] = {
         "task": args.task, "split": args.split, "data": str(data), "backends": args.backends, "methods": args.methods,
-        "peers": list(matrix.peers), "device": args.device, "threads": args.threads, "stream_schedule": args.stream_schedule,
+        "peers": list(matrix.peers), "device": args.device, "threads": args.threads,
+        # exported graphs always run deferred; the flag applies to torch only
+        "stream_schedule": {b: getattr(e.loaded.backend, "stream_schedule", args.stream_schedule)
+                            for b, e in matrix.engines.items()},
         "trees": {b: e.settings["ar"].tree.to_dict()["paths"] for b, e in matrix.engines.items()},
         "tree_nodes": {b: e.settings["ar"].tree.num_nodes for b, e in matrix.engines.items()},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "warmup": args.warmup,

@@ -47,7 +47,8 @@ def markdown(report: dict) -> str:
         f"## {cfg['task']} {cfg['split'] or Path(cfg['data']).name}: methods x backends x peers, {s['inputs']} inputs, "
         "greedy, batch 1", "",
         _machine_line(report["machine"]),
-        f"Tree: {', '.join(f'{b} {n} nodes' for b, n in cfg['tree_nodes'].items())}; {cfg['stream_schedule']} streams; "
+        f"Tree: {', '.join(f'{b} {n} nodes' for b, n in cfg['tree_nodes'].items())}; streams "
+        f"{', '.join(f'{b} {mode}' for b, mode in cfg['stream_schedule'].items())}; "
         f"max {cfg['max_new_tokens']} new tokens; "
         f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).", "",
         "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input | vs "

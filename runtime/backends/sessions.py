@@ -57,6 +57,9 @@ class OnnxRuntimeSession:
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        # No spin-waiting between calls (as OMP_WAIT_POLICY=PASSIVE for torch): spinning threads
+        # steal the cores from whatever runs next, which distorts every other timing on a small CPU.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {name: ort.InferenceSession(str(path), options, providers=[provider])
                          for name, path in graphs.items()}
         self.inputs = {name: [i.name for i in s.get_inputs()] for name, s in self.sessions.items()}
