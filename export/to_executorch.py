@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 QUANTIZATIONS = ("none", "int8", "8da4w")
+GROUP = 32  # 8da4w: int4 weights share a scale per 32 input channels
 
 
 def quantize_weights(model: nn.Module, scheme: str) -> None:
@@ -33,10 +34,12 @@ def quantize_weights(model: nn.Module, scheme: str) -> None:
     if scheme == "int8":
         config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
     elif scheme == "8da4w":
-        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP))
     else:
         raise ValueError(f"quantization {scheme!r} is not one of {QUANTIZATIONS}")
-    quantize_(model, config)
+    # Group-wise int4 needs in_features divisible by the group; the rank-8 pruning head is not
+    # (and is not in the exported graphs anyway), so only such linears are quantized.
+    quantize_(model, config, filter_fn=lambda module, _: isinstance(module, nn.Linear) and module.in_features % GROUP == 0)
 
 
 DELEGATES = ("xnnpack", "coreml")

@@ -8,6 +8,7 @@
     <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams
     <artifact>/onnx/           <method>.onnx + weights.bin (shared by all four)
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
+    <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
 The runtime owns this format; export/ writes it.
 """
 
