@@ -114,10 +114,10 @@ class ArtifactBuilder:
                 parity[backend] = self._stage(f"parity-{backend}", lambda b=backend: self._parity(b, files[b]))
         manifest = self._manifest(files, parity, seconds)
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        shutil.rmtree(self.staging / "done")
         if self.out.exists():
             shutil.rmtree(self.out)
         self.staging.rename(self.out)
+        shutil.rmtree(self.out / "done")  # kept until the rename, so an interrupted swap still resumes
         return manifest
 
     # --- stages -----------------------------------------------------------------------------
