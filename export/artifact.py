@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.export import graph
+from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, backend_parity, eager_tokens
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
@@ -30,8 +31,8 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
-# .pte variants for delegates the Python runtime here lacks: built here, run in an app on the device
-PTE_VARIANTS = {"executorch_coreml": "coreml"}
+# backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
+PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
 RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
@@ -145,9 +146,7 @@ class ArtifactBuilder:
         start = time.perf_counter()
         result = run() or {}
         result["seconds"] = round(time.perf_counter() - start, 1)
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(marker)
+        write_json(marker, result)
         print(f"[export] {name}: {result['seconds']:.0f} s", flush=True)
         return result
 
@@ -162,24 +161,19 @@ class ArtifactBuilder:
 
     def _export(self, backend: str) -> dict:
         model, _, _ = self.model_and_tokenizer()
-        shapes = self.shapes()
-        if backend == "executorch":
-            from streamfuse.export.to_executorch import export_pte, quantize_weights
+        if backend == "executorch" and self.config.quantize != "none":  # XNNPACK only: the others stay fp
+            from streamfuse.export.to_executorch import quantize_weights
 
-            if self.config.quantize != "none":
-                model = copy.deepcopy(model)
-                quantize_weights(model, self.config.quantize)
-            modules = graph.graph_modules(model, shapes)
-            target = self.staging / "model.pte"
-            export_pte(modules, graph.example_inputs(model, shapes), target.with_suffix(".tmp"))
-            target.with_suffix(".tmp").replace(target)
-            return {"files": {"program": self._entry(target)}}
+            model = copy.deepcopy(model)
+            quantize_weights(model, self.config.quantize)
+        shapes = self.shapes()
         modules, inputs = graph.graph_modules(model, shapes), graph.example_inputs(model, shapes)
-        if backend in PTE_VARIANTS:
+        if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
 
-            target = self.staging / f"model-{PTE_VARIANTS[backend]}.pte"
-            export_pte(modules, inputs, target.with_suffix(".tmp"), PTE_VARIANTS[backend])
+            name, delegate = PTE_FILES[backend]
+            target = self.staging / name
+            export_pte(modules, inputs, target.with_suffix(".tmp"), delegate)
             target.with_suffix(".tmp").replace(target)
             return {"files": {"program": self._entry(target)}}
         if backend == "onnx":
@@ -198,14 +192,10 @@ class ArtifactBuilder:
         return {"files": {"package": self._entry(target)}, "spec": spec_signature(target)}
 
     def _parity(self, backend: str, files: dict) -> dict:
-        from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
+        from streamfuse.runtime.backends.sessions import open_session
 
-        paths = {name: self.staging / entry["path"] for name, entry in files.items()}
-        if backend == "executorch":
-            session = ExecuTorchSession(paths["program"])
-        else:
-            session = OnnxRuntimeSession({k: v for k, v in paths.items() if k != "weights"})
-        model, tokenizer, _ = self.model_and_tokenizer()
+        session = open_session(backend, {name: self.staging / entry["path"] for name, entry in files.items()})
+        model, _, _ = self.model_and_tokenizer()
         reference = EagerSession(graph.graph_modules(model, self.shapes()))
         result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
                                 self.rules())
@@ -284,6 +274,4 @@ def update_manifest(artifact: Path, **fields) -> None:
     path = Path(artifact) / MANIFEST
     manifest = Artifact.open(artifact).manifest
     manifest.update(fields)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    write_json(path, manifest)

@@ -165,10 +165,7 @@ class Build:
                 print(f"[eval] reusing {path}", flush=True)
                 return stored["result"]
         result = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
-        tmp.replace(path)
+        report.write_json(path, {"key": key, "result": result})
         return result
 
     def eval_key(self, checkpoint_key: str) -> str:

@@ -26,9 +26,9 @@ from torch import nn
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
 from streamfuse.runtime.tree import TreeSpec
 
-METHODS = ("prefill", "decode", "step", "streams")
 # The graphs' masked score: finite in fp16 (Core ML computes in fp16, where 0 * -inf would be NaN)
 # and still far enough below any real score that softmax gives it exactly 0 in fp32.
 MASKED = -30000.0
@@ -137,20 +137,6 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         "step": (ids(shapes.tree.num_nodes), length, keys, values),
         "streams": (torch.zeros(1, parts.hidden_size), length, keys, values),
     }
-
-
-INPUT_NAMES = {
-    "prefill": ["ids", "cache_len", "keys", "values", "last"],
-    "decode": ["ids", "cache_len", "keys", "values"],
-    "step": ["ids", "cache_len", "keys", "values"],
-    "streams": ["anchor", "cache_len", "keys", "values"],
-}
-OUTPUT_NAMES = {
-    "prefill": ["logits", "anchor", "new_keys", "new_values"],
-    "decode": ["logits", "anchor", "new_keys", "new_values"],
-    "step": ["logits", "anchor", "new_keys", "new_values"],
-    "streams": ["stream_logits"],
-}
 
 
 def signature(modules: dict[str, nn.Module], inputs: dict[str, tuple[torch.Tensor, ...]]) -> dict:

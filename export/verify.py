@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from streamfuse.export.graph import OUTPUT_NAMES
 from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.backends.static_graph import GraphSpec, Session, StaticGraphBackend
+from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend
 from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
 

@@ -58,26 +58,22 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, tree: Tree
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
-    prompt = manifest["info"].get("prompt")
     return Loaded(TorchBackend(model, device, stream_schedule), tokenizer, manifest["info"],
-                  PromptFormat.from_dict(prompt) if prompt else None, tree)
+                  _prompt(manifest["info"].get("prompt")), tree)
+
+
+def _prompt(data: dict | None) -> PromptFormat | None:
+    return PromptFormat.from_dict(data) if data else None
 
 
 def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None) -> Loaded:
     if backend == "torch":
         return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact.tree)
-    from streamfuse.runtime.backends.sessions import CoreMLSession, ExecuTorchSession, OnnxRuntimeSession
+    from streamfuse.runtime.backends.sessions import open_session
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
-    files = artifact.backend_files(ARTIFACT_FILES[backend])
-    if backend == "executorch":
-        session = ExecuTorchSession(files["program"], threads)
-    elif backend == "onnxruntime":
-        session = OnnxRuntimeSession({name: path for name, path in files.items() if name != "weights"}, threads=threads)
-    else:
-        session = CoreMLSession(files["package"])
+    key = ARTIFACT_FILES[backend]
+    session = open_session(key, artifact.backend_files(key), threads)
     manifest = artifact.manifest
-    prompt = manifest.get("prompt")
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
-                  {"task": manifest.get("task"), **manifest.get("info", {})},
-                  PromptFormat.from_dict(prompt) if prompt else None, artifact.tree)
+                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), artifact.tree)

@@ -120,6 +120,13 @@ def test_time_split():
     assert metrics["prefill_per_run_s"] == 0.5
 
 
+def test_streams_latency_is_the_streams_span_per_verify_call():
+    trace = ss_trace()
+    for run in trace["runs"]:
+        run["spans"]["streams"] = 0.4  # deferred stream passes, over 4 verify steps in all
+    assert profile_trace(trace)["streams_latency_s"] == pytest.approx(0.4 * len(trace["runs"]) / 4)
+
+
 def test_baseline_matches_only_shared_run_ids():
     base = profile_trace(ss_trace(), ar_trace())["baseline"]
     # shared id: "a" only (b is not in the baseline, c not in the trace)

@@ -41,7 +41,8 @@ from streamfuse.runtime.generate import DecodeSettings, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
-from streamfuse.tools.bench_matrix import Engine, Matrix, pair, process_peak_rss, run_matrix  # noqa: E402
+from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
+from streamfuse.tools.bench_matrix import Engine, Matrix, pair, run_matrix  # noqa: E402
 from streamfuse.tools.bench_setup import load_engines, load_peers  # noqa: E402
 from streamfuse.tools.bench_summary import matched_precision, table  # noqa: E402
 from streamfuse.tools.peers import PEERS  # noqa: E402
@@ -168,7 +169,7 @@ def headline(rows: list[dict], rows_table: list[dict], primary: str, methods: li
     summary = summarise(first) if "ss" in methods else {"inputs": len(first)}
     summary.update(primary_backend=primary, parity_mismatches=sum(not r.get("same_tokens", True) for r in rows),
                    peer_mismatches={r["name"]: r["mismatches"] for r in rows_table if r["kind"] == "peer"},
-                   matched_precision=matched_precision(rows_table), peak_memory_bytes=process_peak_rss())
+                   matched_precision=matched_precision(rows_table), peak_memory_bytes=process_peak_rss_bytes())
     return summary
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.generate import DecodeSettings, prompt_ids, run
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.trace import Trace
@@ -32,10 +33,6 @@ class Engine:
     loaded: Loaded
     settings: dict[str, DecodeSettings]
     traces: dict[str, Trace] = field(default_factory=dict)
-
-
-def process_peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def current_rss() -> int:
@@ -64,7 +61,7 @@ def pair(engine: Engine, ids: list[int], run_id: str, flip: bool, traced: bool) 
 def peer_run(runner: PeerRunner, ids: list[int], max_new_tokens: int) -> dict:
     result = runner.run(ids, max_new_tokens)
     return {"seconds": result.seconds, "new_tokens": result.new_tokens, "ttft_s": result.ttft_s,
-            "token_ids": list(result.token_ids), "peak_memory_bytes": process_peak_rss()}
+            "token_ids": list(result.token_ids), "peak_memory_bytes": process_peak_rss_bytes()}
 
 
 def combine(runs: Sequence[dict]) -> dict:

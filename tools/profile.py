@@ -46,6 +46,8 @@ LEGEND = {
     "time_split": "each span summed over runs; fraction of total = max(sum(seconds), sum(spans)); "
                   "'other' = time no span covered",
     "forward_latency_s": "forward span / verify calls (steps; model_calls - 1 per run without steps)",
+    "streams_latency_s": "streams span / verify calls: getting the next draft's stream logits (a pass of "
+                         "their own with deferred streams)",
     "prefill_per_run_s": "prefill span / runs",
     "peak_memory_bytes": "max peak_memory_bytes over runs (null if no run recorded it)",
     "tokens_per_call_histogram": "count of steps per step.tokens value",
@@ -151,6 +153,7 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
         **_step_metrics(steps, ((meta.get("tree") or {}).get("depth") or 0)),
         "time_split": split,
         "forward_latency_s": _ratio(split["spans"]["forward"]["seconds"], verify_calls),
+        "streams_latency_s": _ratio(split["spans"]["streams"]["seconds"], verify_calls),
         "prefill_per_run_s": _ratio(split["spans"]["prefill"]["seconds"], len(runs)),
         "peak_memory_bytes": max(peaks, default=None),
         "baseline": compare(trace, baseline) if baseline is not None else None,
@@ -182,7 +185,7 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
 
 HEADLINE = ("runs", "model_calls", "new_tokens", "seconds", "tokens_per_s", "call_reduction", "steps",
             "mean_tokens_per_step", "mean_accepted_depth", "tree_utilisation", "mean_step_utilisation",
-            "mean_pruned_nodes", "pruned_fraction", "forward_latency_s", "prefill_per_run_s", "peak_memory_bytes")
+            "mean_pruned_nodes", "pruned_fraction", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
 
 
 def render_markdown(metrics: dict) -> str:

@@ -31,6 +31,13 @@ class PruneConfig:
             raise ValueError(f"prune budget must be >= 0, got {self.budget}")
 
 
+def process_peak_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports KiB): the CPU backends' peak memory."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | None:
     """CLI flags -> PruneConfig, or None when neither is given (no pruning)."""
     return None if threshold is None and budget is None else PruneConfig(threshold, budget)

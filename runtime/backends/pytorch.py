@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Sequence
 
 import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput, process_peak_rss_bytes
 from streamfuse.runtime.kv_cache import KVCache
 from streamfuse.runtime.tree import TreeSpec
-
-
 
 
 class TorchBackend:
@@ -96,7 +93,7 @@ class TorchBackend:
     def peak_memory_bytes(self) -> int | None:
         if self.device.startswith("cuda"):
             return int(torch.cuda.max_memory_allocated())
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+        return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
     def _stream_source(self, out, lower_hidden: torch.Tensor, nodes: list[int]):

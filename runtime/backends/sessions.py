@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from streamfuse.runtime.backends.static_graph import METHODS, Session
+
 
 class MissingBackend(RuntimeError):
     pass
@@ -80,7 +82,7 @@ class CoreMLSession:
         ct = _require("coremltools", "coreml")
         units = getattr(ct.ComputeUnit, compute_units)
         self.models = {name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
-                       for name in ("prefill", "decode", "step", "streams")}
+                       for name in METHODS}
         self.inputs = {name: [i.name for i in m.get_spec().description.input] for name, m in self.models.items()}
         self.outputs = {name: [o.name for o in m.get_spec().description.output] for name, m in self.models.items()}
         self.name = f"coreml:{compute_units.lower()}"
@@ -89,3 +91,14 @@ class CoreMLSession:
         feed = {name: (t.int() if t.dtype == torch.long else t).numpy() for name, t in zip(self.inputs[method], inputs)}
         result = self.models[method].predict(feed)
         return [torch.from_numpy(result[name]).float() for name in self.outputs[method]]
+
+
+def open_session(files_key: str, files: dict[str, Path], threads: int | None = None) -> Session:
+    """The session for one backend's checked files (artifact manifest key -> engine)."""
+    if files_key == "executorch":
+        return ExecuTorchSession(files["program"], threads)
+    if files_key == "onnx":
+        return OnnxRuntimeSession({name: path for name, path in files.items() if name != "weights"}, threads=threads)
+    if files_key == "coreml":
+        return CoreMLSession(files["package"])
+    raise ValueError(f"no runtime session for {files_key!r} files (built for a device, not for this runtime)")

@@ -8,16 +8,31 @@ A `Session` is the only engine-specific part: it runs one named method on a list
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from streamfuse.runtime.backends.base import PruneConfig, StepOutput
+from streamfuse.runtime.backends.base import PruneConfig, StepOutput, process_peak_rss_bytes
 from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.tree import TreeSpec
+
+
+# The exported methods and their tensors, in call order (export/graph.py builds graphs to this).
+METHODS = ("prefill", "decode", "step", "streams")
+INPUT_NAMES = {
+    "prefill": ["ids", "cache_len", "keys", "values", "last"],
+    "decode": ["ids", "cache_len", "keys", "values"],
+    "step": ["ids", "cache_len", "keys", "values"],
+    "streams": ["anchor", "cache_len", "keys", "values"],
+}
+OUTPUT_NAMES = {
+    "prefill": ["logits", "anchor", "new_keys", "new_values"],
+    "decode": ["logits", "anchor", "new_keys", "new_values"],
+    "step": ["logits", "anchor", "new_keys", "new_values"],
+    "streams": ["stream_logits"],
+}
 
 
 class Session(Protocol):
@@ -106,7 +121,7 @@ class StaticGraphBackend:
         self._pending = None
 
     def peak_memory_bytes(self) -> int | None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS (Linux: KiB)
+        return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
     def _length(self) -> torch.Tensor:
