@@ -80,18 +80,21 @@ def update_info(directory: Path, **fields) -> None:
     tmp.replace(path)
 
 
-def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False):
+def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False, trainable: bool = False):
     """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode.
 
     merge_lora folds the adapter into the base weights: same function, no per-projection LoRA
-    matmuls at inference (the runtime's choice); unmerged keeps the adapter trainable."""
+    matmuls at inference (the runtime's choice); trainable leaves the adapter's weights trainable,
+    to train on from this checkpoint."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     directory = Path(directory)
     manifest = read_manifest(directory)
     base, _ = load_base_model(base_model or manifest["base_model"])
-    peft_model = PeftModel.from_pretrained(base, directory / "lora")
+    if merge_lora and trainable:
+        raise ValueError("a merged adapter cannot be trained: pass merge_lora or trainable, not both")
+    peft_model = PeftModel.from_pretrained(base, directory / "lora", is_trainable=trainable)
     inner = peft_model.merge_and_unload() if merge_lora else peft_model
     model = SpeculativeStreamingLM(inner, StreamConfig.from_dict(manifest["streams"]))
     state = load_file(str(directory / "streams.safetensors"))

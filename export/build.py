@@ -5,8 +5,11 @@ Stages (each one reuses its output when rerun with the same settings):
   data      load the task's splits and tokenize them in the chat format
   train     the SS model (LoRA + streams + pruning head, eq. 5) and the next-token-only LoRA
             baseline; resumable snapshots every few steps
+  distil    (--distill) the SS model's own greedy answers to the training inputs, then a second stage on
+            them, so streams learn what decoding will accept (export/distill.py)
   evaluate  zero-shot base, LoRA baseline and SS model on the test split (greedy), stream
-            accuracy on validation; eval.json goes into the SS checkpoint
+            accuracy on validation against the references and against the model's own greedy
+            answers; eval.json goes into the SS checkpoint
   export    static-shape graphs (fixed tree mask, static KV cache) for ExecuTorch (.pte, XNNPACK),
             ONNX and Core ML (.mlpackage), LoRA merged, into one self-describing artifact folder
   verify    each backend that runs here against torch eager: greedy tokens and step outputs
@@ -38,7 +41,8 @@ from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
 from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
-from streamfuse.export.data import encode, prompt_format, prompt_text  # noqa: E402
+from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
+from streamfuse.export.distill import self_distilled  # noqa: E402
 from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
@@ -65,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=int, default=None, help="override the preset's number of streams")
     parser.add_argument("--msa-layers", type=int, default=None, help="override the preset's N_s (multi-stream layers)")
     parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
+    parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
+                        help="add (or skip) the self-distillation stage; default: the preset's choice")
+    parser.add_argument("--distill-stream-weight", type=float, default=None,
+                        help="override alpha_j of the self-distillation stage")
+    parser.add_argument("--distill-main-targets", choices=("own", "references"), default=None,
+                        help="what the main stream trains on in the self-distillation stage (default: the preset's)")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
     parser.add_argument("--backends", default="torch,executorch,onnx,coreml,executorch_coreml",
@@ -105,7 +115,15 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
         streams = dataclasses.replace(streams, num_streams=args.gamma)
     if args.msa_layers is not None:
         streams = dataclasses.replace(streams, msa_layers=args.msa_layers)
-    return dataclasses.replace(config, data=data, train=training, streams=streams)
+    distill = config.distill
+    if args.distill is not None:
+        distill = dataclasses.replace(distill, enabled=args.distill)
+    if args.distill_stream_weight is not None:
+        distill = dataclasses.replace(distill, stream_weight=args.distill_stream_weight)
+    if args.distill_main_targets is not None:
+        distill = dataclasses.replace(distill, main_targets=args.distill_main_targets)
+    distill.validate()
+    return dataclasses.replace(config, data=data, train=training, streams=streams, distill=distill)
 
 
 class Build:
@@ -156,6 +174,46 @@ class Build:
         print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
         return directory
 
+    # --- distil ---------------------------------------------------------------------------
+    def own_answers(self, model, model_key: str, examples, split: str) -> list[Encoded]:
+        """Prompt + the model's own greedy answer for each example, cached per model and split."""
+        prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in examples]
+        cache = self.run_dir / "distill" / f"{model_key}-{split}.jsonl"
+        return self_distilled(model.model, self.tokenizer, [ex.id for ex in examples], prompts,
+                              self.config.data.max_target_tokens, self.config.distill.batch_size, cache, split)
+
+    def ensure_distilled(self, first_dir: Path) -> Path:
+        """Second stage: the first-stage SS model trained further on its own greedy answers."""
+        directory = self.run_dir / "ss"
+        first = read_manifest(first_dir)["info"]
+        key = self.config.distill_key(first["training_key"])
+        existing = read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
+        if existing.get("training_key") == key:
+            print(f"[distil] reusing {directory} (same settings)", flush=True)
+            return directory
+        model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=True)
+        answers = self.own_answers(model, first["training_key"], self.train_examples, "train")
+        # An answer cut at the length limit is usually a loop; training on it teaches looping.
+        finished = [item for item in answers if item.input_ids[-1] == self.tokenizer.eos_token_id]
+        if not finished:
+            raise ValueError(f"none of the first stage's {len(answers)} answers ended within {self.config.data.max_target_tokens} "
+                             f"tokens, so there is nothing to distil: train the first stage longer, or pass --no-distill")
+        items = finished
+        if self.config.distill.main_targets == "references":
+            items = self.train_items + [dataclasses.replace(item, main_loss=False) for item in finished]
+        result = train(model, items, self.config.distill.train_config(self.config.train),
+                       self.run_dir / f"ss-{key}.snapshot", self.pad_id, True, "ss distilled")
+        stage = ("train_seconds", "train_tokens", "optimizer_steps", "final_losses")
+        info = {**first, "training_key": key, "first_stage": {"training_key": first["training_key"],
+                **{k: first[k] for k in stage}}, "train_seconds": round(result.seconds, 1),
+                "train_tokens": result.tokens, "optimizer_steps": result.optimizer_steps,
+                "final_losses": result.final_losses, "config": self.config.as_dict()}
+        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora, info)
+        shutil.rmtree(self.run_dir / f"ss-{key}.snapshot", ignore_errors=True)
+        print(f"[distil] {result.seconds / 60:.1f} min on {len(finished)} of {len(answers)} own answers (the rest did not "
+              f"finish) and {len(items) - len(finished)} references -> {directory}", flush=True)
+        return directory
+
     # --- evaluate -------------------------------------------------------------------------
     def cached(self, label: str, key: str, compute) -> dict:
         path = self.run_dir / "eval" / f"{label}.json"
@@ -183,7 +241,10 @@ class Build:
             model, _, _ = load_checkpoint(directory, self.args.base_model)
             result = {"test": self.quality(model.model, label)}
             if with_streams:
-                result["stream_accuracy"] = stream_accuracy(model, self.validation_items, self.pad_id, self.config.eval.top_k)
+                top_k = self.config.eval.top_k
+                result["stream_accuracy"] = stream_accuracy(model, self.validation_items, self.pad_id, top_k)
+                own = self.own_answers(model, key, self.validation, "validation")
+                result["stream_accuracy_own"] = stream_accuracy(model, own, self.pad_id, top_k)
             return result
 
         return self.cached(label, self.eval_key(key), compute)
@@ -229,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     export = export_config(args)  # bad export flags fail before hours of training
     build = Build(args, config)
     build.load_data()
-    ss_dir = build.ensure_trained("ss", with_streams=True)
+    # The model users open is always <run>/ss; with self-distillation, its first stage sits beside it.
+    ss_dir = build.ensure_trained("ss_stage1" if config.distill.enabled else "ss", with_streams=True)
+    if config.distill.enabled:
+        ss_dir = build.ensure_distilled(ss_dir)
     baseline_dir = None if args.skip_baseline else build.ensure_trained("lora_baseline", with_streams=False)
     results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
     if baseline_dir is not None:

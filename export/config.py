@@ -46,6 +46,30 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Second training stage on the SS model's own greedy answers (export/distill.py).
+
+    It starts from the first stage's weights. main_targets "own": the main stream trains on the
+    own answers too (its targets are its own argmax, which mostly holds it in place);
+    "references": the epoch mixes the reference answers (main stream and streams, as in the first
+    stage) with the own answers (streams only), so the main stream keeps learning the task."""
+
+    enabled: bool = False
+    epochs: float = 1.0
+    learning_rate: float = 3e-4
+    stream_weight: float = 0.5
+    main_targets: str = "references"
+    batch_size: int = 8  # generation batch
+
+    def validate(self) -> None:
+        if self.main_targets not in ("own", "references"):
+            raise ValueError(f"distill main_targets must be 'own' or 'references', got {self.main_targets!r}")
+
+    def train_config(self, base: TrainConfig) -> TrainConfig:
+        return replace(base, epochs=self.epochs, learning_rate=self.learning_rate, stream_weight=self.stream_weight)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 96
     batch_size: int = 8
@@ -59,6 +83,7 @@ class BuildConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def training_key(self, task: str, base_model: str, with_streams: bool) -> str:
@@ -76,6 +101,12 @@ class BuildConfig:
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
         return digest + ("-ss" if with_streams else "-lora")
 
+    def distill_key(self, first_stage_key: str) -> str:
+        """The distilled model depends on the first stage, the answers' length and the stage's recipe."""
+        payload = {"first": first_stage_key, "distill": asdict(self.distill), "answer_tokens": self.data.max_target_tokens,
+                   "finished_answers_only": True}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -88,6 +119,7 @@ PRESETS: dict[str, BuildConfig] = {
         lora=LoraSettings(rank=8, alpha=16.0, top_layers=4),
         data=DataConfig(max_source_tokens=128, max_target_tokens=32, train_limit=16, validation_limit=8, test_limit=8),
         train=TrainConfig(epochs=1.0, grad_accumulation=2, save_every=4),
+        distill=DistillConfig(epochs=1.0, batch_size=4),
         eval=EvalConfig(max_new_tokens=24, batch_size=4),
     ),
     # The default of `make build`: about an hour on a 2-core CPU, with a real gain.
@@ -97,6 +129,7 @@ PRESETS: dict[str, BuildConfig] = {
         lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
         data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
         train=TrainConfig(epochs=2.0, learning_rate=5e-4, grad_accumulation=4),
+        distill=DistillConfig(enabled=False, epochs=1.0),
         eval=EvalConfig(max_new_tokens=80, batch_size=8),
     ),
     # The paper's recipe (A.2): 5 epochs, lr 5e-4, linear schedule, bf16, N_s = N/2; for a GPU.

@@ -19,6 +19,7 @@ class Encoded:
     id: str
     input_ids: list[int]  # prompt + target + eos
     prompt_len: int
+    main_loss: bool = True  # False: the answer trains the streams only (the model's own answers)
 
 
 def prompt_format(task: Task, max_source_tokens: int) -> PromptFormat:
@@ -45,6 +46,7 @@ class Batch:
     labels: torch.Tensor  # [B, L] token ids to predict at each position's *next* slot; IGNORE on prompt/pad
     anchors: torch.Tensor  # [B, A] main-token indices that get streams (answer-predicting positions)
     anchor_valid: torch.Tensor  # [B, A] False on padding anchors
+    main_loss: torch.Tensor  # [B] False on rows whose answer trains the streams only
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +71,8 @@ def collate(items: Sequence[Encoded], pad_id: int) -> Batch:
         labels[row, item.prompt_len : len(ids)] = ids[item.prompt_len :]
         anchors[row, : len(span)] = torch.tensor(list(span))
         anchor_valid[row, : len(span)] = True
-    return Batch(input_ids, padding, labels, anchors, anchor_valid)
+    main_loss = torch.tensor([item.main_loss for item in items])
+    return Batch(input_ids, padding, labels, anchors, anchor_valid, main_loss)
 
 
 def epoch_batches(items: Sequence[Encoded], micro_batch: int, pad_id: int, seed: int, epoch: int) -> Iterator[Batch]:

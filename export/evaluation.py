@@ -20,21 +20,27 @@ from streamfuse.export.train import forward_batch
 
 
 @torch.inference_mode()
-def generate_greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int, desc: str) -> list[str]:
-    """Batched greedy decoding with left padding; prompts sorted by length to waste less work."""
+def greedy_answer_ids(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
+                      desc: str) -> list[list[int]]:
+    """Batched greedy decoding with left padding; prompts sorted by length to waste less work.
+    Each answer's token ids end with eos when the model produced it, and carry no padding."""
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    texts: list[str] = [""] * len(prompts)
+    answers: list[list[int]] = [[] for _ in prompts]
     for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
         chunk = order[start : start + batch_size]
         encoded = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
         output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
                                 pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
-        answers = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
-        for i, answer in zip(chunk, answers):
-            texts[i] = answer.strip()
-    return texts
+        for i, row in zip(chunk, output[:, encoded["input_ids"].shape[1] :].tolist()):
+            answers[i] = row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
+    return answers
+
+
+def generate_greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int, desc: str) -> list[str]:
+    answers = greedy_answer_ids(model, tokenizer, prompts, max_new_tokens, batch_size, desc)
+    return [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
 
 
 def task_quality(model, tokenizer, task: Task, examples: Sequence[Example], prompts: Sequence[str],

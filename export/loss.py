@@ -3,7 +3,8 @@
 Position p holds token x_p. The main stream at p predicts x_{p+1}; stream j inserted at p
 predicts x_{p+1+j}. `labels[b, q]` is the answer token at q (IGNORE elsewhere), so the main
 target of p is labels[p+1] and stream j's is labels[p+1+j]. Each term is a mean over its valid
-targets (the alphas of eq. 5 then weigh comparable magnitudes).
+targets (the alphas of eq. 5 then weigh comparable magnitudes). Rows with main_loss False (the
+model's own answers in self-distillation) give no main-stream term.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def streaming_loss(
 ) -> dict[str, torch.Tensor]:
     """Returns {"total", "main", "stream_1".."stream_g", "pruning"} (present terms only)."""
     main_targets = batch.labels[:, 1:]
-    terms = {"main": _cross_entropy(model, output.hidden[:, :-1], main_targets)}
+    main_rows = torch.where(batch.main_loss[:, None], main_targets, torch.full_like(main_targets, IGNORE))
+    terms = {"main": _cross_entropy(model, output.hidden[:, :-1], main_rows)}
     total = main_weight * terms["main"]
     if output.stream_hidden is not None:
         for j in range(1, output.stream_hidden.shape[2] + 1):

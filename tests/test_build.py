@@ -4,7 +4,7 @@ import json
 
 from conftest import write_tiny_dialogsum
 
-from streamfuse.export import build
+from streamfuse.export import build, distill
 
 
 def run_build(base, data, work, *extra):
@@ -12,9 +12,18 @@ def run_build(base, data, work, *extra):
                        "--data-dir", str(data), "--work-dir", str(work), *extra])
 
 
-def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, capsys):
+def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, capsys, monkeypatch):
     data = write_tiny_dialogsum(tmp_path / "data")
-    export = ["--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
+    # The tiny model never stops by itself; end every other answer early so the distillation stage
+    # has finished answers to train on and its filter (unfinished answers are dropped) is exercised.
+    real_answers = distill.greedy_answer_ids
+
+    def half_finished(model, tokenizer, prompts, *args, **kwargs):
+        answers = real_answers(model, tokenizer, prompts, *args, **kwargs)
+        return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
+
+    monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
+    export = ["--distill", "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
               "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"
@@ -22,12 +31,20 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert set(summary["quality"]) == {"ss", "lora_baseline", "zero_shot"}
     assert set(summary["quality"]["ss"]) == {"rouge1", "rouge2", "rougeL", "rougeLsum"}
     assert set(summary["stream_accuracy"]) == {"main", "pruning_head", "stream_1", "stream_2", "stream_3"}
+    # The SS model is the self-distilled second stage; against its own greedy answers, the main
+    # stream's teacher-forced argmax is those answers (a rounding tie could differ, hence not 100).
+    assert set(summary["training"]) == {"ss", "ss_first_stage", "lora_baseline"}
+    assert summary["stream_accuracy_own"]["main"]["top1"] >= 90.0
+    first = json.loads((run_dir / "ss_stage1" / "streamfuse.json").read_text())["info"]
+    assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
+    assert len((run_dir / "distill" / f"{first['training_key']}-train.jsonl").read_text().splitlines()) == 16
     assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
     assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 32 * 8
     assert not list(run_dir.glob("*.snapshot")), "snapshots are removed once a checkpoint is saved"
     manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
+    assert "on 8 of 16 own answers" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
@@ -38,7 +55,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # A rerun with the same settings trains, evaluates, exports and profiles nothing.
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     out = capsys.readouterr().out
-    assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 3
+    assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 3
     assert "[export] reusing" in out and "[profile] reusing" in out
 
 
@@ -60,3 +77,13 @@ def test_stream_overrides_reach_the_config():
                                                   "--stream-weight", "0.5", "--epochs", "2"]))
     assert (config.streams.num_streams, config.streams.msa_layers) == (2, 3)
     assert (config.train.stream_weight, config.train.epochs) == (0.5, 2.0)
+
+
+def test_distill_flags_reach_the_config():
+    cpu = build.build_config(build.parse_args(["--preset", "cpu"]))
+    assert not cpu.distill.enabled  # opt-in on the cpu preset (see docs/results.md)
+    on = build.build_config(build.parse_args(["--preset", "cpu", "--distill", "--distill-stream-weight", "0.2"]))
+    assert on.distill.enabled and on.distill.stream_weight == 0.2
+    assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
+    # The distilled model is retrained when its first stage or its own recipe changes.
+    assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")

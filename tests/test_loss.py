@@ -55,3 +55,18 @@ def test_baseline_loss_is_next_token_only():
     terms = streaming_loss(model, forward_batch(model, batch, with_streams=False), batch)
     assert set(terms) == {"main", "total"}
     torch.testing.assert_close(terms["total"], terms["main"])
+
+
+@torch.no_grad()
+def test_rows_without_main_loss_train_streams_only():
+    """Self-distilled rows (main_loss False) leave the main term to the other rows; streams keep both."""
+    import dataclasses
+
+    model = SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(num_streams=2, msa_layers=2))
+    mixed = collate([ITEMS[0], dataclasses.replace(ITEMS[1], main_loss=False)], pad_id=0)
+    assert mixed.main_loss.tolist() == [True, False]
+    both = streaming_loss(model, forward_batch(model, mixed, with_streams=True), mixed)
+    first = collate(ITEMS[:1], pad_id=0)
+    alone = streaming_loss(model, forward_batch(model, first, with_streams=True), first)
+    torch.testing.assert_close(both["main"], alone["main"])
+    assert not torch.allclose(both["stream_1"], alone["stream_1"])  # row b's stream target counts

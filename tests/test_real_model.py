@@ -58,6 +58,7 @@ def test_real_model_smoke_build(tmp_path):
     assert summary["quality"]["ss"]["rouge1"] > 5.0
     losses = summary["training"]["ss"]["final_losses"]
     assert losses["main"] < 3.5 and "stream_3" in losses
+    assert summary["stream_accuracy_own"]["main"]["top1"] > 90.0  # its own answers are its argmax
     parity = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["parity"]["onnx"]
     assert parity["ss_equals_torch_eager"] == 2 and parity["within_tolerance"], parity
 
