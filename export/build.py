@@ -99,31 +99,29 @@ def export_config(args: argparse.Namespace) -> ExportConfig:
     return config
 
 
+def _override(section, **given):
+    """section with the fields the command line gave (None: flag not given)."""
+    given = {name: value for name, value in given.items() if value is not None}
+    return dataclasses.replace(section, **given) if given else section
+
+
 def build_config(args: argparse.Namespace) -> BuildConfig:
     config = preset(args.preset)
-    data, training = config.data, config.train
-    if args.train_limit is not None:
-        data = dataclasses.replace(data, train_limit=args.train_limit)
-    if args.test_limit is not None:
-        data = dataclasses.replace(data, test_limit=args.test_limit)
-    if args.epochs is not None:
-        training = dataclasses.replace(training, epochs=args.epochs)
-    if args.stream_weight is not None:
-        training = dataclasses.replace(training, stream_weight=args.stream_weight)
-    streams = config.streams
-    if args.gamma is not None:
-        streams = dataclasses.replace(streams, num_streams=args.gamma)
-    if args.msa_layers is not None:
-        streams = dataclasses.replace(streams, msa_layers=args.msa_layers)
-    distill = config.distill
-    if args.distill is not None:
-        distill = dataclasses.replace(distill, enabled=args.distill)
-    if args.distill_stream_weight is not None:
-        distill = dataclasses.replace(distill, stream_weight=args.distill_stream_weight)
-    if args.distill_main_targets is not None:
-        distill = dataclasses.replace(distill, main_targets=args.distill_main_targets)
+    distill = _override(config.distill, enabled=args.distill, stream_weight=args.distill_stream_weight,
+                        main_targets=args.distill_main_targets)
     distill.validate()
-    return dataclasses.replace(config, data=data, train=training, streams=streams, distill=distill)
+    return dataclasses.replace(
+        config,
+        data=_override(config.data, train_limit=args.train_limit, test_limit=args.test_limit),
+        train=_override(config.train, epochs=args.epochs, stream_weight=args.stream_weight),
+        streams=_override(config.streams, num_streams=args.gamma, msa_layers=args.msa_layers),
+        distill=distill,
+    )
+
+
+def stored_info(directory: Path) -> dict:
+    """The info of the checkpoint in `directory`, or {} when there is none yet."""
+    return read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
 
 
 class Build:
@@ -155,7 +153,7 @@ class Build:
         directory = self.run_dir / name
         key = self.config.training_key(self.task.name, self.args.base_model, with_streams)
         prompt = prompt_format(self.task, self.config.data.max_source_tokens).to_dict()
-        existing = read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
+        existing = stored_info(directory)
         if existing.get("training_key") == key:
             print(f"[train] reusing {directory} (same settings)", flush=True)
             if existing.get("prompt") != prompt:
@@ -163,16 +161,22 @@ class Build:
             return directory
         base, _ = load_base_model(self.args.base_model)
         model = SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
-        result = train(model, self.train_items, self.config.train, self.run_dir / f"{name}-{key}.snapshot",
-                       self.pad_id, with_streams, name)
-        info = {"training_key": key, "task": self.task.name, "prompt": prompt, "preset": self.config.preset,
-                "with_streams": with_streams, "train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
-                "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses,
-                "extra_parameters": model.extra_parameters(), "config": self.config.as_dict()}
-        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora, info)
-        shutil.rmtree(self.run_dir / f"{name}-{key}.snapshot", ignore_errors=True)
+        info = {"task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
+                "extra_parameters": model.extra_parameters()}
+        result = self._train_and_save(model, self.train_items, self.config.train, directory, key, with_streams, info)
         print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
         return directory
+
+    def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict):
+        """Train (resumably), then save the checkpoint with `info` plus this stage's figures."""
+        snapshot = self.run_dir / f"{directory.name}-{key}.snapshot"
+        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name)
+        stage = {"train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
+                 "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses}
+        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora,
+                        {**info, **stage, "training_key": key, "config": self.config.as_dict()})
+        shutil.rmtree(snapshot, ignore_errors=True)
+        return result
 
     # --- distil ---------------------------------------------------------------------------
     def own_answers(self, model, model_key: str, examples, split: str) -> list[Encoded]:
@@ -187,8 +191,7 @@ class Build:
         directory = self.run_dir / "ss"
         first = read_manifest(first_dir)["info"]
         key = self.config.distill_key(first["training_key"])
-        existing = read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
-        if existing.get("training_key") == key:
+        if stored_info(directory).get("training_key") == key:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=True)
@@ -201,15 +204,9 @@ class Build:
         items = finished
         if self.config.distill.main_targets == "references":
             items = self.train_items + [dataclasses.replace(item, main_loss=False) for item in finished]
-        result = train(model, items, self.config.distill.train_config(self.config.train),
-                       self.run_dir / f"ss-{key}.snapshot", self.pad_id, True, "ss distilled")
-        stage = ("train_seconds", "train_tokens", "optimizer_steps", "final_losses")
-        info = {**first, "training_key": key, "first_stage": {"training_key": first["training_key"],
-                **{k: first[k] for k in stage}}, "train_seconds": round(result.seconds, 1),
-                "train_tokens": result.tokens, "optimizer_steps": result.optimizer_steps,
-                "final_losses": result.final_losses, "config": self.config.as_dict()}
-        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora, info)
-        shutil.rmtree(self.run_dir / f"ss-{key}.snapshot", ignore_errors=True)
+        first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
+        result = self._train_and_save(model, items, self.config.distill.train_config(self.config.train), directory,
+                                      key, True, {**first, "first_stage": first_stage})
         print(f"[distil] {result.seconds / 60:.1f} min on {len(finished)} of {len(answers)} own answers (the rest did not "
               f"finish) and {len(items) - len(finished)} references -> {directory}", flush=True)
         return directory
