@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.export import graph
+from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, backend_parity, eager_tokens
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, file_digest
@@ -47,6 +48,8 @@ class ExportConfig:
     quantize: str = "none"  # ExecuTorch weights: none | int8 | 8da4w
     coreml_precision: str = "float16"
     parity_prompts: int = 20
+    draft_vocab: int = 16384  # greedy_step's draft vocabulary size (export/draft_vocab.py); 0: all tokens
+    greedy_schedule: str = "auto"  # greedy_step's streams: fused | deferred | auto (by tree size)
 
     def validate(self) -> None:
         unknown = set(self.backends) - set(BACKENDS)
@@ -56,12 +59,17 @@ class ExportConfig:
 
         if self.quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
-        graph.GraphShapes(self.capacity, self.prefill_chunk, TreeSpec.parse(self.tree))
+        if self.draft_vocab < 0:
+            raise ValueError(f"--draft-vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
+        tree = TreeSpec.parse(self.tree)
+        graph.greedy_schedule(tree, self.greedy_schedule)
+        graph.GraphShapes(self.capacity, self.prefill_chunk, tree)
 
-    def key(self, training_key: str) -> str:
+    def key(self, training_key: str, draft: DraftVocab | None) -> str:
         """What the graphs depend on. The backend list is not part of it: an artifact with the same
         key lends its finished exports to a build that asks for more backends."""
-        payload = {"schema": SCHEMA, "training": training_key, **asdict(self)}
+        payload = {"schema": SCHEMA, "training": training_key, "methods": list(graph.INPUT_NAMES), **asdict(self),
+                   "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
         payload.pop("backends")
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -77,12 +85,14 @@ def versions() -> dict[str, str]:
 
 
 class ArtifactBuilder:
+    """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens)."""
+
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
-                 max_new_tokens: int, info: dict):
+                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None):
         config.validate()
-        self.checkpoint, self.out, self.config = Path(checkpoint), Path(out), config
+        self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
-        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"))
+        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"), draft)
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
         self._model = None
         self._expected = None
@@ -166,8 +176,7 @@ class ArtifactBuilder:
 
             model = copy.deepcopy(model)
             quantize_weights(model, self.config.quantize)
-        shapes = self.shapes()
-        modules, inputs = graph.graph_modules(model, shapes), graph.example_inputs(model, shapes)
+        modules, inputs = self.modules(model), graph.example_inputs(model, self.shapes())
         if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
 
@@ -196,7 +205,7 @@ class ArtifactBuilder:
 
         session = open_session(backend, {name: self.staging / entry["path"] for name, entry in files.items()})
         model, _, _ = self.model_and_tokenizer()
-        reference = EagerSession(graph.graph_modules(model, self.shapes()))
+        reference = EagerSession(self.modules(model))
         result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
                                 self.rules())
         if self.config.quantize != "none" and backend == "executorch":
@@ -216,13 +225,19 @@ class ArtifactBuilder:
     def shapes(self) -> graph.GraphShapes:
         return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, TreeSpec.parse(self.config.tree))
 
+    def greedy_schedule(self) -> str:
+        return graph.greedy_schedule(self.shapes().tree, self.config.greedy_schedule)
+
+    def modules(self, model) -> dict:
+        return graph.graph_modules(model, self.shapes(), self.draft.ids if self.draft else None, self.greedy_schedule())
+
     def graph_spec(self):
         from streamfuse.runtime.backends.static_graph import GraphSpec
 
         model, shapes = self.model_and_tokenizer()[0], self.shapes()
         parts = model.parts
         return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                         shapes.capacity, shapes.prefill_chunk, shapes.tree)
+                         shapes.capacity, shapes.prefill_chunk, shapes.tree, greedy_schedule=self.greedy_schedule())
 
     def rules(self) -> StopRules:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
@@ -239,7 +254,7 @@ class ArtifactBuilder:
     def _manifest(self, files: dict, parity: dict, seconds: dict) -> dict:
         model, tokenizer, checkpoint = self.model_and_tokenizer()
         parts, shapes = model.parts, self.shapes()
-        modules = graph.graph_modules(model, shapes)
+        modules = self.modules(model)
         return {
             "schema": SCHEMA,
             "build_key": self.key,
@@ -254,6 +269,8 @@ class ArtifactBuilder:
             "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "dtype": "float32",
                        "stream_schedule": "deferred", "quantize": {"executorch": self.config.quantize},
                        "coreml_precision": self.config.coreml_precision,
+                       "greedy_step": {"schedule": self.greedy_schedule(),
+                                       "draft_vocab": self.draft.to_dict() if self.draft else None},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
                           "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],

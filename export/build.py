@@ -40,6 +40,7 @@ from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
+from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.distill import self_distilled  # noqa: E402
@@ -85,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")
     parser.add_argument("--context", type=int, default=768, help="KV capacity of the exported graphs (positions)")
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per exported prefill call")
+    parser.add_argument("--draft-vocab", type=int, default=16384,
+                        help="tokens greedy_step's streams rank: the task's most frequent ones (0: all)")
+    parser.add_argument("--greedy-schedule", default="auto", choices=("auto", "fused", "deferred"),
+                        help="greedy_step's streams: beside every tree node (fused), for the accepted node after "
+                             "verifying (deferred), or by tree size (auto: fused up to 7 nodes)")
     parser.add_argument("--parity-prompts", type=int, default=20, help="test inputs for the backend parity check")
     parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
     parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
@@ -94,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def export_config(args: argparse.Namespace) -> ExportConfig:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     config = ExportConfig(backends, args.tree, args.context, args.prefill_chunk, args.quantize,
-                          parity_prompts=args.parity_prompts)
+                          parity_prompts=args.parity_prompts, draft_vocab=args.draft_vocab,
+                          greedy_schedule=args.greedy_schedule)
     config.validate()
     return config
 
@@ -251,8 +258,18 @@ class Build:
         out = self.args.out or Path("artifacts") / self.task.name
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         info = {"preset": self.config.preset, "eval": summary}
-        ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info).build()
+        ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
+                        self.draft_vocab(export.draft_vocab)).build()
         return out
+
+    def draft_vocab(self, size: int) -> DraftVocab | None:
+        """From the training prompts and answers; coverage measured on the validation answers."""
+        answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
+        draft = draft_vocab([item.input_ids for item in self.train_items], answers, size, len(self.tokenizer))
+        if draft is not None:
+            print(f"[export] draft vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
+                  f"answer tokens", flush=True)
+        return draft
 
     def profile(self, artifact: Path, backends: tuple[str, ...]) -> dict | None:
         """SS vs plain on the first --profile-limit test inputs, with the fastest backend built here."""

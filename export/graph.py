@@ -6,6 +6,8 @@ Every method is a pure function of explicit tensors; the host owns the KV cache:
     decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], new_keys, new_values
     step   (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], new_keys, new_values
     streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V]
+    greedy_step(ids [1,T], cache_len [1], keys, values)        -> targets [T], accepted [1], drafts [gamma,K],
+                                                                  new_keys, new_values
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
 the rest are masked out, so C (the capacity) is the only cache shape a graph ever sees.
@@ -15,17 +17,26 @@ a constant folded into the graph; prefill is a causal chunk of P tokens (a chain
 chain of 1. anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
 outputs equal the fused pass's; on CPUs it is the cheaper one).
+
+greedy_step is step + streams in one call for greedy decoding: the graph takes each node's
+argmax (targets), finds the accepted node by the greedy rule, and returns the top-K token ids
+(K: the tree's widest level) of that node's streams, run beside every node (fused) or for that
+node alone after verifying (deferred); see GreedyStepPass. One call per step, and no [T, V]
+logits leave the graph. The host still decides acceptance from `targets`; `accepted` only says
+whose streams the drafts are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
 from streamfuse.runtime.tree import TreeSpec
 
@@ -75,18 +86,25 @@ class MainPass(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 last: torch.Tensor | None = None):
-        count = ids.shape[1]
-        mask = torch.cat([cache_mask(cache_len, self.capacity, count), self.tree_mask], dim=1)[None, None]
-        positions = (cache_len + self.depths)[None]
-        provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values))
-        lower = self.model.forward_lower(ids, positions, mask, provider)
+        lower, provider = self.lower(ids, cache_len, keys, values)
         hidden = self.model.forward_upper(lower).hidden[0]
         anchor = lower.hidden[0]
         if self.select_last:  # prefill: only the last real prompt token matters to the host
             hidden, anchor = hidden.index_select(0, last), anchor.index_select(0, last)
-        new_keys = torch.stack([k[0] for k, _ in provider.new])
-        new_values = torch.stack([v[0] for _, v in provider.new])
-        return self.model.logits(hidden), anchor, new_keys, new_values
+        return (self.model.logits(hidden), anchor, *new_rows(provider))
+
+    def lower(self, ids, cache_len, keys, values) -> tuple[LowerState, StepKeyValues]:
+        """The main stream through layers [0, N - N_s), and the provider that collects new K/V."""
+        count = ids.shape[1]
+        mask = torch.cat([cache_mask(cache_len, self.capacity, count), self.tree_mask], dim=1)[None, None]
+        positions = (cache_len + self.depths)[None]
+        provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values))
+        return self.model.forward_lower(ids, positions, mask, provider), provider
+
+
+def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
+    """This call's main-token K/V as [L, kv, T, d] keys and values."""
+    return torch.stack([k[0] for k, _ in provider.new]), torch.stack([v[0] for _, v in provider.new])
 
 
 class StreamsPass(nn.Module):
@@ -105,18 +123,113 @@ class StreamsPass(nn.Module):
         return self.model.logits(streams[0, 0])
 
 
+class GreedyStepPass(nn.Module):
+    """greedy_step: verify the tree, accept greedily, and draft from the accepted node's streams.
+
+    schedule "deferred" runs the accepted node's gamma streams after the verify pass, against the
+    cache plus the tree's new rows; "fused" runs streams beside every node in the verify pass (the
+    paper's schedule: more rows, but the MSA layers' weights are read once). draft_ids, if given,
+    is the vocabulary streams draft from (see export/draft_vocab.py): its rows of the LM head are
+    a constant of the graph, so ranking drafts reads D rows instead of V. Targets always use all V.
+    """
+
+    def __init__(self, model: SpeculativeStreamingLM, tree: TreeSpec, capacity: int,
+                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred"):
+        super().__init__()
+        if schedule not in STREAM_SCHEDULES:
+            raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
+        self.model, self.capacity, self.schedule = model, capacity, schedule
+        self.width = max(tree.widths)
+        self.main = MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False)
+        self.register_buffer("parents", torch.tensor(tree.parents[1:], dtype=torch.long), persistent=False)
+        self.register_buffer("ancestors", tree.ancestor_mask.to(torch.float32), persistent=False)
+        self.register_buffer("all_nodes", torch.arange(tree.num_nodes)[None], persistent=False)
+        ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
+        self.register_buffer("draft_ids", ids, persistent=False)
+        self.register_buffer("draft_head", None if ids is None else _head_rows(model, ids), persistent=False)
+
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        lower, provider = self.main.lower(ids, cache_len, keys, values)
+        fused = self.schedule == "fused"
+        out = self.model.forward_upper(lower, self.all_nodes if fused else None)
+        new_keys, new_values = new_rows(provider)
+        targets = self.model.logits(out.hidden[0]).argmax(-1)
+        accepted = self.accepted_node(ids[0], targets)
+        if fused:
+            streams = out.stream_hidden[0].index_select(0, accepted)[0]
+        else:
+            anchor = lower.hidden[0].index_select(0, accepted)
+            streams = self._deferred_streams(anchor, accepted, cache_len, keys, values, new_keys, new_values)
+        return targets, accepted, self.ranked_drafts(streams), new_keys, new_values
+
+    def accepted_node(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[1]: the deepest node whose every ancestor's target is its child's token (runtime/accept.py's
+        greedy rule; sibling tokens are distinct, so at most one node per depth qualifies)."""
+        matched = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ids[1:] == targets[self.parents]])
+        # A [T, 1] column: Core ML's matmul does not take a rank-1 right operand.
+        misses = self.ancestors @ torch.logical_not(matched).to(torch.float32)[:, None]
+        reachable = (misses[:, 0] == 0).to(torch.long)
+        return (reachable * (self.main.depths + 1)).argmax(0, keepdim=True)
+
+    def ranked_drafts(self, streams: torch.Tensor) -> torch.Tensor:
+        """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""
+        if self.draft_ids is None:
+            return self.model.logits(streams).topk(self.width, dim=-1).indices
+        ranks = nn.functional.linear(streams, self.draft_head).topk(self.width, dim=-1).indices
+        return self.draft_ids[ranks]
+
+    def _deferred_streams(self, anchor, node, cache_len, keys, values, new_keys, new_values) -> torch.Tensor:
+        """[gamma, H] streams of `node`: it sees the cache and its tree ancestors (itself included)."""
+        model = self.model
+        position = (cache_len + self.main.depths.index_select(0, node))[None]
+        visible = torch.cat([cache_mask(cache_len, self.capacity, 1), self.main.tree_mask.index_select(0, node)], dim=1)
+        past = [(keys[layer][None], values[layer][None]) if layer < model.split else
+                (torch.cat([keys[layer], new_keys[layer]], dim=1)[None],
+                 torch.cat([values[layer], new_values[layer]], dim=1)[None])
+                for layer in range(keys.shape[0])]
+        provider = StepKeyValues(keys.shape[0], 0, past)
+        return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
+
+
+def _head_rows(model: SpeculativeStreamingLM, ids: torch.Tensor) -> torch.Tensor:
+    """[D, H] float rows of the LM head (a torchao-quantized head is dequantized: drafts only)."""
+    weight = model.parts.lm_head.weight.detach()
+    if type(weight) is not torch.Tensor and hasattr(weight, "dequantize"):
+        weight = weight.dequantize()
+    return weight.float()[ids].clone()
+
+
+# Largest tree whose greedy_step runs streams beside every node under "auto". On the 2-core CPU
+# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3) fused/deferred took 40/44 ms for a 4-node chain,
+# 48/49 ms for 6 nodes and 67/57 ms for 15: extra rows cost compute, re-reading weights costs bandwidth.
+FUSED_MAX_NODES = 7
+GREEDY_SCHEDULES = ("auto", *STREAM_SCHEDULES)
+
+
+def greedy_schedule(tree: TreeSpec, choice: str) -> str:
+    """"fused" or "deferred" for greedy_step; "auto" picks by tree size (FUSED_MAX_NODES)."""
+    if choice not in GREEDY_SCHEDULES:
+        raise ValueError(f"greedy_step schedule must be one of {', '.join(GREEDY_SCHEDULES)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "fused" if tree.num_nodes <= FUSED_MAX_NODES else "deferred"
+
+
 def chain_visibility(count: int) -> torch.Tensor:
     return torch.ones(count, count, dtype=torch.bool).tril()
 
 
-def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, nn.Module]:
-    """method name -> module; the same model weights are shared by all four."""
+def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids: Sequence[int] | None = None,
+                  schedule: str = "deferred") -> dict[str, nn.Module]:
+    """method name -> module; the same model weights are shared by all of them. draft_ids and
+    schedule shape greedy_step only (GreedyStepPass)."""
     chunk, tree, capacity = shapes.prefill_chunk, shapes.tree, shapes.capacity
     return {
         "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), capacity, select_last=True),
         "decode": MainPass(model, chain_visibility(1), [0], capacity, select_last=False),
         "step": MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False),
         "streams": StreamsPass(model, capacity),
+        "greedy_step": GreedyStepPass(model, tree, capacity, draft_ids, schedule),
     }
 
 
@@ -136,6 +249,7 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         "decode": (ids(1), length, keys, values),
         "step": (ids(shapes.tree.num_nodes), length, keys, values),
         "streams": (torch.zeros(1, parts.hidden_size), length, keys, values),
+        "greedy_step": (ids(shapes.tree.num_nodes), length, keys, values),
     }
 
 

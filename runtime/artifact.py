@@ -5,8 +5,8 @@
     <artifact>/tokenizer/      the tokenizer the model was trained with
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
-    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams
-    <artifact>/onnx/           <method>.onnx + weights.bin (shared by all four)
+    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams/greedy_step
+    <artifact>/onnx/           <method>.onnx + weights.bin (shared by all methods)
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
 The runtime owns this format; export/ writes it.
@@ -73,7 +73,8 @@ class Artifact:
     def graph_spec(self) -> GraphSpec:
         model, graphs = self.manifest["model"], self.manifest["graphs"]
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
-                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.tree)
+                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.tree,
+                         greedy_schedule=graphs.get("greedy_step", {}).get("schedule"))
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""

@@ -55,9 +55,10 @@ def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None, 
     return needed
 
 
-def draft_tokens(tree: TreeSpec, root: int, stream_logits: torch.Tensor) -> list[int]:
-    """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token."""
-    top = [stream_logits[d].topk(width).indices.tolist() for d, width in enumerate(tree.widths)]
+def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor) -> list[int]:
+    """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token.
+    ranked: [gamma, K] token ids of each stream, best first (K >= the tree's widest level)."""
+    top = ranked.tolist()
     return [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
 
 
@@ -115,20 +116,21 @@ def generate_speculative(
     with run.span("prefill"):
         out = backend.prefill(prompt_ids, with_streams=True)
         root = target(out.main_logits[0])
-        streams = out.stream_logits(0)
+        width = max(tree.widths)
+        streams = out.stream_top(0, width)
     run.record.model_calls = 1
     notify(on_step, run.emitter.emit([root]), 0, [])
     while not run.emitter.done:
         with run.span("host"):
             tokens = draft_tokens(tree, root, streams)
         with run.span("forward"):
-            out = backend.step(tokens, tree, with_streams=True, prune=prune)
+            out = backend.step(tokens, tree, with_streams=True, prune=prune, greedy=sampling.greedy)
         with run.span("accept"):
-            result = accept(tree, tokens, lambda n: target(out.main_logits[n]), out.kept)
+            result = accept(tree, tokens, lambda n: out.next_token(n, target), out.kept)
         with run.span("cache"):
             backend.commit(result.path)
         with run.span("streams"):
-            streams = out.stream_logits(result.path[-1])
+            streams = out.stream_top(result.path[-1], width)
         with run.span("host"):
             drafts = [tokens[n] for n in result.path[1:]]
             emitted = run.emitter.emit(drafts + [result.correction])

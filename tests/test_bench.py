@@ -52,6 +52,7 @@ def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatc
     assert "llama-cpp-python" in report["skipped"]["llamacpp_f32"]
     ar, ss, hf = rows["ar/torch"], rows["ss/torch"], rows["hf"]
     assert ar["call_reduction"] == ar["mean_accepted_tokens"] == ar["speedup_total_time"] == 1.0
+    assert ar["speedup_after_first_token"] == 1.0 and ss["speedup_after_first_token"] > 0
     calls = sum(r["ss"]["model_calls"] for r in report["rows"])
     assert ss["call_reduction"] == ss["new_tokens"] / calls and ss["mean_accepted_tokens"] >= 1.0
     assert ss["mismatches"] == 0 and ss["baseline"] == "ar/torch" and hf["baseline"] == "ar/torch"
@@ -158,3 +159,13 @@ def test_artifact_and_backends_default_to_the_build_output(onnx_artifact, checkp
     args = bench.parse_args(["--task", "dialogsum", "--split", "test"])
     assert args.artifact == Path("artifacts/dialogsum") and args.backends == ["torch", "onnxruntime"]
     assert bench.parse_args(["--task", "dialogsum", "--split", "test", "--artifact", str(checkpoint / "ckpt")]).backends == ["torch"]
+
+
+def test_speed_up_after_the_first_token_leaves_prompt_time_out():
+    from streamfuse.tools.bench_summary import _speedups
+
+    fast = [{"new_tokens": 11, "seconds": 3.0, "ttft_s": 1.0, "token_ids": [1]}]
+    slow = [{"new_tokens": 11, "seconds": 5.0, "ttft_s": 1.0, "token_ids": [1]}]
+    found = _speedups(fast, slow)
+    assert found["speedup_total_time"] == pytest.approx(5 / 3)  # 11/3 vs 11/5 tokens/s
+    assert found["speedup_after_first_token"] == pytest.approx(2.0)  # 10 tokens in 2 s vs in 4 s

@@ -24,7 +24,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
 
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
     export = ["--distill", "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
-              "--out", str(tmp_path / "artifact")]
+              "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"
     summary = json.loads((run_dir / "ss" / "eval.json").read_text())
@@ -48,6 +48,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
+    greedy = artifact["graphs"]["greedy_step"]
+    assert greedy["schedule"] == "deferred" and greedy["draft_vocab"]["size"] == 40  # 15-node tree: deferred
+    assert 0.3 < greedy["draft_vocab"]["coverage"] <= 1.0 and "draft vocabulary: 40 tokens" in out
     assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
     assert "| onnx |" in out and "call reduction CR" in out
     assert not list(tmp_path.glob(".artifact.partial-*")), "the staging folder is renamed into place"

@@ -43,8 +43,8 @@ class OracleDrafts:
         self.prompt_len = len(token_ids)
         return self._oracle_streams(self.inner.prefill(token_ids, with_streams))
 
-    def step(self, tokens, tree, with_streams, prune=None):
-        return self._oracle_streams(self.inner.step(tokens, tree, with_streams, prune))
+    def step(self, tokens, tree, with_streams, prune=None, greedy=False):
+        return self._oracle_streams(self.inner.step(tokens, tree, with_streams, prune, greedy))
 
     def commit(self, nodes):
         self.inner.commit(nodes)

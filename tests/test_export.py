@@ -2,11 +2,13 @@
 
 import json
 import shutil
+from collections import Counter
 
 import pytest
 import torch
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.sessions import MissingBackend
@@ -14,13 +16,17 @@ from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.loader import load
+from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.tree import TreeSpec
 
 pytest.importorskip("executorch", reason="the executorch extra is not installed")
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
 pytest.importorskip("coremltools", reason="the coreml extra is not installed")
 
-CONFIG = ExportConfig(tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4)
+# The 15-node tree with streams beside every node (auto would pick deferred, which test_build runs),
+# and a draft vocabulary of 60 of the tiny model's 97 tokens.
+CONFIG = ExportConfig(tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4, greedy_schedule="fused")
+DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -32,7 +38,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def artifact(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "artifact"
-    ArtifactBuilder(checkpoint / "ckpt", out, CONFIG, prompts(4), 24, {}).build()
+    ArtifactBuilder(checkpoint / "ckpt", out, CONFIG, prompts(4), 24, {}, DRAFT).build()
     return out
 
 
@@ -47,7 +53,9 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
         assert result["ss_equals_torch_eager"] == result["prompts"] == 4
         assert result["ss_equals_own_plain"] == result["plain_prompts"]
         assert result["within_tolerance"], result["max_abs_diff"]
-        assert set(result["max_abs_diff"]) >= {"step.logits", "streams.stream_logits", "prefill.new_keys"}
+        assert set(result["max_abs_diff"]) >= {"step.logits", "streams.stream_logits", "prefill.new_keys",
+                                               "greedy_step.drafts", "greedy_step.new_keys"}
+        assert result["tolerance"]["greedy_step.targets"] == 0.0  # token ids must be equal
 
 
 @pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
@@ -62,6 +70,33 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
         assert generate_speculative(loaded.backend, ids, tree, rules).token_ids == expected
         assert generate_autoregressive(loaded.backend, ids, rules).token_ids == expected
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
+
+
+class CountingSession:
+    def __init__(self, session):
+        self.session, self.name, self.calls = session, session.name, Counter()
+
+    def run(self, method, inputs):
+        self.calls[method] += 1
+        return self.session.run(method, inputs)
+
+
+@pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
+def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(artifact, backend):
+    loaded = load(artifact, backend)
+    counting = CountingSession(loaded.backend.session)
+    loaded.backend.session = counting
+    rules = StopRules(30)
+    drafted = []
+    result = generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules,
+                                  on_step=lambda event: drafted.extend(event.drafted))
+    steps = result.run.model_calls - 1
+    assert steps > 0 and counting.calls["greedy_step"] == steps
+    assert set(drafted[3:]) <= set(DRAFT.ids)  # after the prefill's drafts, only the draft vocabulary
+    assert counting.calls["streams"] == 1 and counting.calls["step"] == 0  # streams: the prefill's only
+    counting.calls.clear()
+    generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules, SamplingConfig(temperature=1.0))
+    assert counting.calls["greedy_step"] == 0 and counting.calls["step"] == counting.calls["streams"] - 1 > 0
 
 
 def test_prefill_spanning_several_chunks_matches_eager(artifact):
@@ -86,15 +121,19 @@ def test_manifest_describes_the_graphs(artifact):
     assert step["inputs"][0] == {"name": "ids", "shape": [1, 15], "dtype": "int64"}
     assert step["outputs"][0]["shape"] == [15, data["model"]["vocab_size"]]
     assert data["graphs"]["methods"]["streams"]["outputs"][0]["shape"] == [3, data["model"]["vocab_size"]]
+    greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step"]["outputs"]}
+    assert greedy["targets"]["shape"] == [15] and greedy["accepted"]["shape"] == [1]
+    assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
+    assert data["graphs"]["greedy_step"] == {"schedule": "fused", "draft_vocab": {"size": 60, "coverage": 0.5}}
     assert {"torch", "executorch", "onnx", "coremltools"} <= set(data["versions"])
 
 
-def test_coreml_package_has_the_four_functions_with_static_shapes(artifact):
+def test_coreml_package_has_the_five_functions_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
-    assert set(spec) == {"prefill", "decode", "step", "streams"}
+    assert set(spec) == {"prefill", "decode", "step", "streams", "greedy_step"}
     for method, signature in data["graphs"]["methods"].items():
         want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
         assert spec[method]["inputs"] == want
@@ -106,12 +145,12 @@ def test_onnx_graphs_share_one_weights_file(artifact):
 
     folder = artifact / "onnx"
     referenced = 0
-    for method in ("prefill", "decode", "step", "streams"):
+    for method in ("prefill", "decode", "step", "streams", "greedy_step"):
         model = onnx.load(str(folder / f"{method}.onnx"), load_external_data=False)
         external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
         referenced += sum(int(e.value) for t in external for e in t.external_data if e.key == "length")
-    assert referenced > 2 * (folder / "weights.bin").stat().st_size  # four graphs, one copy of the weights
+    assert referenced > 2 * (folder / "weights.bin").stat().st_size  # five graphs, one copy of the weights
 
 
 def copy_of(artifact, tmp_path):
@@ -203,7 +242,7 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
 def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(checkpoint, tmp_path, scheme):
     config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3)
     out = tmp_path / scheme
-    data = ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(3), 24, {}).build()
+    data = ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(3), 24, {}, DRAFT).build()  # a quantized head
     assert data["graphs"]["quantize"]["executorch"] == scheme
     assert data["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")
@@ -213,7 +252,7 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(chec
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
 
 
-def test_coreml_delegate_pte_lowers_to_a_program_with_the_four_methods(checkpoint, tmp_path):
+def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(checkpoint, tmp_path):
     """The Core ML-delegated .pte: built here, run in an app on the device (no such runtime here)."""
     from executorch.exir._serialize import _deserialize_pte_binary
 
@@ -224,6 +263,6 @@ def test_coreml_delegate_pte_lowers_to_a_program_with_the_four_methods(checkpoin
     pte = tmp_path / variant / data["files"][variant]["program"]["path"]
     program = _deserialize_pte_binary(pte.read_bytes()).program
     plans = {plan.name: plan for plan in program.execution_plan}
-    assert set(plans) == {"prefill", "decode", "step", "streams"}
+    assert set(plans) == {"prefill", "decode", "step", "streams", "greedy_step"}
     delegate_ids = {d.id for plan in plans.values() for d in plan.delegates}
     assert delegate_ids == {"CoreMLBackend"}

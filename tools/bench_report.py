@@ -28,6 +28,7 @@ def _row(r: dict) -> str:
     rouge = r["rouge"] or {}
     return (f"| {r['name']} | {r['precision']} | {r['model']} | {r['tokens_per_s_median']:.1f} | "
             f"{_num(r['speedup_total_time'], '.2f', 'x')} | {_num(r['speedup_median_per_input'], '.2f', 'x')} | "
+            f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
             f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['mean_accepted_tokens'], '.2f')} | "
             f"{r['ttft_s_median']:.3f} | {_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
             f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |")
@@ -51,10 +52,11 @@ def markdown(report: dict) -> str:
         f"{', '.join(f'{b} {mode}' for b, mode in cfg['stream_schedule'].items())}; "
         f"max {cfg['max_new_tokens']} new tokens; "
         f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).", "",
-        "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input | vs "
+        "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input "
+        "| speed-up after the first token | vs "
         "| call reduction CR (tokens / calls) | mean accepted tokens | TTFT (median, s) | ROUGE-1 | ROUGE-Lsum "
         "| output != baseline (inputs) | RSS added at load (MiB) |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         *(_row(r) for r in report["table"]), "",
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the prefill as a call; AR rows have CR = mean accepted tokens = 1.",

@@ -3,6 +3,8 @@
 Speed-up is a throughput ratio against a baseline measured in the same run: AR on the same backend
 for streamfuse rows, streamfuse AR on torch for peers. When the outputs are equal (SS vs AR, lossless
 peers) it is the time ratio; when a peer's outputs differ, tokens/s is the fair measure.
+"After the first token" divides tokens after the first by the time after it (prompt processing,
+which SS and AR share, left out).
 CR = new tokens / model calls with the prefill counted (AR: 1.0); mean accepted tokens = tokens per
 SS decoding step (Spec-Bench's "mean accepted tokens"; AR: 1.0). Peers expose neither.
 """
@@ -22,11 +24,18 @@ def _rate(run: dict) -> float:
     return run["new_tokens"] / run["seconds"] if run["seconds"] > 0 else 0.0
 
 
+def _decode_rate(runs: Sequence[dict]) -> float:
+    """Tokens after the first over the time after it: the decoding phase alone, prompt processing excluded."""
+    return sum(r["new_tokens"] - 1 for r in runs) / max(sum(r["seconds"] - r["ttft_s"] for r in runs), 1e-9)
+
+
 def _speedups(runs: Sequence[dict], baseline: Sequence[dict] | None) -> dict:
     if not baseline:
-        return {"speedup_total_time": None, "speedup_median_per_input": None, "mismatches": None}
+        return {"speedup_total_time": None, "speedup_median_per_input": None, "speedup_after_first_token": None,
+                "mismatches": None}
     total = lambda rs: sum(r["new_tokens"] for r in rs) / sum(r["seconds"] for r in rs)  # noqa: E731
     return {"speedup_total_time": total(runs) / total(baseline),
+            "speedup_after_first_token": _decode_rate(runs) / _decode_rate(baseline),
             "speedup_median_per_input": statistics.median(_rate(r) / _rate(b) for r, b in zip(runs, baseline)),
             "mismatches": sum(r["token_ids"] != b["token_ids"] for r, b in zip(runs, baseline))}
 

@@ -45,9 +45,26 @@ def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | N
 
 @dataclass
 class StepOutput:
-    main_logits: torch.Tensor  # [T, V] target logits after each input token (prefill: last token only)
+    """What one call gives the decode loop: target logits and streams, or (an engine's fused greedy
+    step) the target's greedy tokens and the accepted node's ranked draft tokens."""
+
+    main_logits: torch.Tensor | None  # [T, V] target logits after each input token (prefill: last token only)
     stream_logits: Callable[[int], torch.Tensor] | None  # node -> [gamma, V] stream logits at that node
     kept: Sequence[bool] | None = None  # per node: survived pruning (None: no pruning)
+    greedy_tokens: Sequence[int] | None = None  # [T] argmax after each node, chosen by the engine
+    ranked_drafts: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, K] stream token ids, best first
+
+    def next_token(self, node: int, choose: Callable[[torch.Tensor], int]) -> int:
+        """The target's token after `node`: the engine's greedy choice, or `choose` on its logits."""
+        if self.greedy_tokens is not None:
+            return int(self.greedy_tokens[node])
+        return choose(self.main_logits[node])
+
+    def stream_top(self, node: int, width: int) -> torch.Tensor:
+        """[gamma, width] token ids ranked by each stream at `node` (call after the commit)."""
+        if self.ranked_drafts is not None:
+            return self.ranked_drafts(node)[:, :width]
+        return self.stream_logits(node).topk(width, dim=-1).indices
 
 
 class Backend(Protocol):
@@ -64,8 +81,9 @@ class Backend(Protocol):
         """Run the prompt; streams (if on) at its last token."""
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
-             prune: PruneConfig | None = None) -> StepOutput:
-        """One forward over a flattened tree draft (tree None: a single token)."""
+             prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
+        """One forward over a flattened tree draft (tree None: a single token). greedy: the caller
+        decodes greedily, so an engine may return greedy_tokens and ranked_drafts instead of logits."""
 
     def commit(self, nodes: Sequence[int]) -> None:
         """Keep the K/V of these nodes of the last step (ascending indices)."""

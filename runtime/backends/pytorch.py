@@ -72,7 +72,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
-             prune: PruneConfig | None = None) -> StepOutput:
+             prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
         count = len(tokens)
         depths = torch.tensor(tree.depths if tree else [0], device=self.device)
         ids = torch.tensor([list(tokens)], device=self.device)

@@ -73,7 +73,7 @@ class OnnxRuntimeSession:
 
 
 class CoreMLSession:
-    """The multifunction .mlpackage on the Neural Engine (macOS only)."""
+    """The multifunction .mlpackage on the Neural Engine (macOS only); functions by the package's names."""
 
     def __init__(self, package: Path, compute_units: str = "ALL"):
         if platform.system() != "Darwin":
@@ -81,8 +81,10 @@ class CoreMLSession:
                                  f"to a Mac, or use --backend executorch / onnxruntime here")
         ct = _require("coremltools", "coreml")
         units = getattr(ct.ComputeUnit, compute_units)
+        spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+        functions = [f.name for f in spec.description.functions if f.name in METHODS]  # older packages have fewer
         self.models = {name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
-                       for name in METHODS}
+                       for name in functions}
         self.inputs = {name: [i.name for i in m.get_spec().description.input] for name, m in self.models.items()}
         self.outputs = {name: [o.name for o in m.get_spec().description.output] for name, m in self.models.items()}
         self.name = f"coreml:{compute_units.lower()}"
@@ -90,7 +92,9 @@ class CoreMLSession:
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         feed = {name: (t.int() if t.dtype == torch.long else t).numpy() for name, t in zip(self.inputs[method], inputs)}
         result = self.models[method].predict(feed)
-        return [torch.from_numpy(result[name]).float() for name in self.outputs[method]]
+        outputs = [torch.from_numpy(result[name]) for name in self.outputs[method]]
+        # fp16 compute returns fp16 arrays; token ids (greedy_step) come back as int32
+        return [t.long() if not t.dtype.is_floating_point else t.float() for t in outputs]
 
 
 def open_session(files_key: str, files: dict[str, Path], threads: int | None = None) -> Session:

@@ -20,18 +20,20 @@ from streamfuse.runtime.tree import TreeSpec
 
 
 # The exported methods and their tensors, in call order (export/graph.py builds graphs to this).
-METHODS = ("prefill", "decode", "step", "streams")
+METHODS = ("prefill", "decode", "step", "streams", "greedy_step")
 INPUT_NAMES = {
     "prefill": ["ids", "cache_len", "keys", "values", "last"],
     "decode": ["ids", "cache_len", "keys", "values"],
     "step": ["ids", "cache_len", "keys", "values"],
     "streams": ["anchor", "cache_len", "keys", "values"],
+    "greedy_step": ["ids", "cache_len", "keys", "values"],
 }
 OUTPUT_NAMES = {
     "prefill": ["logits", "anchor", "new_keys", "new_values"],
     "decode": ["logits", "anchor", "new_keys", "new_values"],
     "step": ["logits", "anchor", "new_keys", "new_values"],
     "streams": ["stream_logits"],
+    "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values"],
 }
 
 
@@ -54,16 +56,20 @@ class GraphSpec:
     capacity: int  # KV rows the graphs attend over
     prefill_chunk: int
     tree: TreeSpec  # the one tree the step graph was built for
+    greedy_schedule: str | None = None  # greedy_step's streams schedule; None: no greedy_step (older artifacts)
 
 
 class StaticGraphBackend:
-    """Backend protocol over a Session. Streams always run deferred (the graphs' schedule)."""
+    """Backend protocol over a Session. Greedy steps run greedy_step, one call, where the artifact
+    has it (unless use_greedy_step is False); otherwise, and for sampling, `step` and then, after
+    the commit, a `streams` call for the accepted node (the deferred schedule)."""
 
-    stream_schedule = "deferred"
-
-    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu"):
+    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True):
         self.session = session
         self.spec = spec
+        self.use_greedy_step = use_greedy_step and spec.greedy_schedule is not None
+        # What greedy runs (the benchmarks' setting) do: greedy_step's own schedule, else deferred.
+        self.stream_schedule = spec.greedy_schedule if self.use_greedy_step else "deferred"
         self.name = session.name
         self.device = device
         self.num_streams = spec.num_streams
@@ -94,7 +100,7 @@ class StaticGraphBackend:
         return StepOutput(logits.float(), self._stream_source(anchor) if with_streams else None)
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
-             prune: PruneConfig | None = None) -> StepOutput:
+             prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
         if prune is not None:
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
         if tree is not None and tree.hash() != self.spec.tree.hash():
@@ -106,8 +112,10 @@ class StaticGraphBackend:
             raise ValueError(f"{method} takes {tree.num_nodes if tree else 1} tokens, got {len(tokens)}")
         if self.length + len(tokens) > self.spec.capacity:
             raise CapacityError(f"KV cache full: {self.length} committed + {len(tokens)} new > capacity {self.spec.capacity}")
-        logits, anchors, new_keys, new_values = self.session.run(
-            method, [torch.tensor([list(tokens)]), self._length(), self.keys, self.values])
+        inputs = [torch.tensor([list(tokens)]), self._length(), self.keys, self.values]
+        if greedy and with_streams and tree is not None and self.use_greedy_step:
+            return self._greedy_step(inputs)
+        logits, anchors, new_keys, new_values = self.session.run(method, inputs)
         self._pending = (new_keys, new_values)
         source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
         return StepOutput(logits.float(), source)
@@ -132,6 +140,19 @@ class StaticGraphBackend:
         self.keys[:, :, self.length : self.length + count] = keys
         self.values[:, :, self.length : self.length + count] = values
         self.length += count
+
+    def _greedy_step(self, inputs: list[torch.Tensor]) -> StepOutput:
+        targets, accepted, drafts, new_keys, new_values = self.session.run("greedy_step", inputs)
+        self._pending = (new_keys, new_values)
+        graph_node = int(accepted[0])
+
+        def ranked(node: int) -> torch.Tensor:
+            if node != graph_node:  # the graph drafted from another node than the host accepted
+                raise RuntimeError(f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
+                                   f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it")
+            return drafts
+
+        return StepOutput(None, None, greedy_tokens=targets.tolist(), ranked_drafts=ranked)
 
     def _stream_source(self, anchor: torch.Tensor):
         return lambda node: self._streams(anchor)
