@@ -1,0 +1,130 @@
+"""python -m streamfuse.tools.graph_latency: per-call latency of the exported graphs on ONNX Runtime.
+
+Call latency depends on shapes, not weights, so this builds the base model's architecture with
+random weights, exports `decode` and, per tree, `step`, `streams` and greedy_step in every
+requested variant (stream schedule x draft vocabulary size) to ONNX in a scratch folder, and
+times them interleaved at a given cache length. It is how export/graph.py's "auto" schedule
+and the default draft vocabulary size were chosen; rerun it on the target device.
+
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.graph_latency --threads 2 \
+        --trees "gamma=3,k=1;[[0],[1],[0,0],[0,1],[1,0],[0,0,0]];gamma=3,k=2" --draft-vocab 16384,0
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from streamfuse.export.graph import GraphShapes, GreedyStepPass, MainPass, StreamsPass, example_inputs  # noqa: E402
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES  # noqa: E402
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
+from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES  # noqa: E402
+from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+
+
+PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
+    parser.add_argument("--gamma", type=int, default=3, help="number of streams")
+    parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
+    parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
+    parser.add_argument("--schedules", default="fused,deferred", help="greedy_step stream schedules to time")
+    parser.add_argument("--draft-vocab", default="16384,0", help="draft vocabulary sizes to time (0: all tokens)")
+    parser.add_argument("--capacity", type=int, default=768, help="KV capacity of the graphs")
+    parser.add_argument("--context", type=int, default=450, help="cache rows in use (cache_len)")
+    parser.add_argument("--reps", type=int, default=25, help="timed calls per graph (interleaved)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
+    """label -> (module, example inputs) for every graph to time."""
+    trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
+    first = GraphShapes(args.capacity, PREFILL_CHUNK, trees[0])
+    variants = {"decode": (MainPass(model, torch.ones(1, 1, dtype=torch.bool), [0], args.capacity, False),
+                           example_inputs(model, first)["decode"])}
+    vocab = model.parts.vocab_size
+    for tree in trees:
+        inputs = example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, tree))
+        name = f"{tree.num_nodes} nodes"
+        variants[f"step, {name}"] = (MainPass(model, tree.ancestor_mask, tree.depths, args.capacity, False),
+                                     inputs["step"])
+        variants[f"streams (after step, {name})"] = (StreamsPass(model, args.capacity), inputs["streams"])
+        for schedule in args.schedules.split(","):
+            for size in (int(s) for s in args.draft_vocab.split(",")):
+                ids = range(size) if 0 < size < vocab else None
+                label = f"greedy_step, {name}, {schedule}, draft vocab {size or vocab}"
+                variants[label] = (GreedyStepPass(model, tree, args.capacity, ids, schedule), inputs["greedy_step"])
+    return variants
+
+
+def feed(label: str, inputs: tuple, context: int, vocab: int) -> list[torch.Tensor]:
+    """The example inputs with a cache in use up to `context` rows and token ids drawn at random."""
+    values = [t.clone() for t in inputs]
+    values[1] = torch.tensor([context])
+    if label.startswith("streams"):
+        values[0] = torch.randn_like(values[0])
+    else:
+        values[0] = torch.randint(0, vocab, values[0].shape)
+    for index in (2, 3):
+        values[index] = torch.randn_like(values[index]) * 0.1
+    return values
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if set(args.schedules.split(",")) - set(STREAM_SCHEDULES):
+        raise SystemExit(f"--schedules takes {', '.join(STREAM_SCHEDULES)}, got {args.schedules}")
+    model = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers)).model
+    from streamfuse.export.to_onnx import export_onnx
+
+    variants = graph_variants(model, args)
+    with tempfile.TemporaryDirectory(prefix="graph-latency-") as scratch:
+        sessions, feeds = {}, {}
+        for index, (label, (module, inputs)) in enumerate(tqdm(variants.items(), desc="export", unit="graph")):
+            method = label.split(",")[0].split(" ")[0]
+            folder = Path(scratch) / str(index)
+            folder.mkdir()
+            export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
+            sessions[label] = (OnnxRuntimeSession({method: folder / f"{method}.onnx"}, threads=args.threads), method)
+            feeds[label] = feed(label, inputs, args.context, model.parts.vocab_size)
+        samples = {label: [] for label in variants}
+        for rep in tqdm(range(args.reps + 3), desc="time", unit="round"):
+            for label, (session, method) in sessions.items():  # interleaved: every graph sees the same conditions
+                start = time.perf_counter()
+                session.run(method, feeds[label])
+                if rep >= 3:
+                    samples[label].append(time.perf_counter() - start)
+    decode = statistics.median(samples["decode"])
+    rows = [{"graph": label, "median_ms": 1000 * statistics.median(v), "ratio_to_decode": statistics.median(v) / decode}
+            for label, v in samples.items()]
+    meta = {"engine": "onnxruntime:CPUExecutionProvider", "threads": args.threads, "capacity": args.capacity,
+            "context": args.context, "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg()}
+    print(json.dumps(meta))
+    for row in rows:
+        print(f"{row['graph']:<60} {row['median_ms']:8.2f} ms  x{row['ratio_to_decode']:.2f}")
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
