@@ -17,8 +17,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -33,6 +31,7 @@ from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # no
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+from streamfuse.tools.latency import report_medians  # noqa: E402
 
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
@@ -113,16 +112,9 @@ def main(argv=None) -> int:
                 session.run(method, feeds[label])
                 if rep >= 3:
                     samples[label].append(time.perf_counter() - start)
-    decode = statistics.median(samples["decode"])
-    rows = [{"graph": label, "median_ms": 1000 * statistics.median(v), "ratio_to_decode": statistics.median(v) / decode}
-            for label, v in samples.items()]
     meta = {"engine": "onnxruntime:CPUExecutionProvider", "threads": args.threads, "capacity": args.capacity,
             "context": args.context, "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg()}
-    print(json.dumps(meta))
-    for row in rows:
-        print(f"{row['graph']:<60} {row['median_ms']:8.2f} ms  x{row['ratio_to_decode']:.2f}")
-    if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    report_medians(samples, "decode", ("graph", "ratio_to_decode"), meta, args.out)
     return 0
 
 

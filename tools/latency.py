@@ -81,18 +81,27 @@ def main(argv=None) -> int:
             seconds = timed(backend, call)
             if rep >= 3:
                 samples[name].append(seconds)
-    plain = statistics.median(samples["plain"])
-    rows = [{"config": name, "median_ms": 1000 * statistics.median(v), "ratio_to_plain": statistics.median(v) / plain}
-            for name, v in samples.items()]
     meta = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
             "gamma": args.gamma, "msa_layers": args.msa_layers, "stream_schedule": args.stream_schedule, "load_average": os.getloadavg(),
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+    report_medians(samples, "plain", ("config", "ratio_to_plain"), meta, args.out)
+    return 0
+
+
+def report_medians(samples: dict[str, list[float]], reference: str, keys: tuple[str, str], meta: dict,
+                   out: Path | None) -> list[dict]:
+    """Median ms per configuration and its ratio to `reference`'s; printed, and written as JSON to
+    `out` if given. keys: the JSON names of the configuration and of the ratio."""
+    label, ratio = keys
+    base = statistics.median(samples[reference])
+    rows = [{label: name, "median_ms": 1000 * statistics.median(v), ratio: statistics.median(v) / base}
+            for name, v in samples.items()]
     print(json.dumps(meta))
     for row in rows:
-        print(f"{row['config']:<70} {row['median_ms']:8.2f} ms  x{row['ratio_to_plain']:.2f}")
-    if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    return 0
+        print(f"{row[label]:<70} {row['median_ms']:8.2f} ms  x{row[ratio]:.2f}")
+    if out:
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":
