@@ -200,7 +200,7 @@ def _head_rows(model: SpeculativeStreamingLM, ids: torch.Tensor) -> torch.Tensor
 
 
 # Largest tree whose greedy_step runs streams beside every node under "auto". On the 2-core CPU
-# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; tools/graph_latency.py) fused/deferred took
+# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; export/graph_latency.py) fused/deferred took
 # 47.7/52.3 ms for the 4-node chain and 81.6/69.2 ms for 15 nodes (a 6-node tree was about even in
 # an exploratory run): extra rows cost compute, re-reading the MSA layers' weights costs bandwidth.
 FUSED_MAX_NODES = 7
