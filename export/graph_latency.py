@@ -16,7 +16,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -31,18 +30,14 @@ from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # no
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
-from streamfuse.tools.latency import report_medians  # noqa: E402
+from streamfuse.tools.latency import architecture_parser, report_medians  # noqa: E402
 
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
-    parser.add_argument("--gamma", type=int, default=3, help="number of streams")
-    parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
-    parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
+    parser = architecture_parser(__doc__)
     parser.add_argument("--schedules", default="fused,deferred", help="greedy_step stream schedules to time")
     parser.add_argument("--draft-vocab", default="16384,0", help="draft vocabulary sizes to time (0: all tokens)")
     parser.add_argument("--capacity", type=int, default=768, help="KV capacity of the graphs")

@@ -28,12 +28,18 @@ from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # no
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def architecture_parser(description: str) -> argparse.ArgumentParser:
+    """The flags both latency tools share: which architecture (random weights) and which trees."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
     parser.add_argument("--gamma", type=int, default=3, help="number of streams")
     parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
     parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
+    return parser
+
+
+def parse_args(argv):
+    parser = architecture_parser(__doc__)
     parser.add_argument("--context", type=int, default=384, help="tokens already in the KV cache")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per configuration (interleaved)")
     parser.add_argument("--stream-schedule", choices=("fused", "deferred"), default="fused")
