@@ -21,6 +21,8 @@ class StreamConfig:
         "value_rotation" (appendix B) starts streams as copies of the main stream and rotates
         stream j's value projections by j * rotation_step radians instead.
     init_rank: rank eta of f_eta in eq. 3; 0 means identity (the paper's choice).
+    init_per_stream: one f_eta per stream (a residual low-rank SiLU block each) instead of one
+        shared linear map; needs init_rank > 0.
     rotation_step: epsilon of eq. 7; None picks pi / (2 * (max_positions + gamma)).
     pruning_rank: rank of the early-exit adapter o_theta of the tree-pruning head.
     pruning_layer: main-stream layer whose output feeds the pruning head; None means
@@ -31,6 +33,7 @@ class StreamConfig:
     msa_layers: int = 4
     stream_init: StreamInit = "embedding"
     init_rank: int = 0
+    init_per_stream: bool = False
     rotation_step: float | None = None
     pruning_rank: int = 8
     pruning_layer: int | None = None
@@ -48,6 +51,8 @@ class StreamConfig:
             raise ValueError(f"stream_init must be 'embedding' or 'value_rotation', got {self.stream_init!r}")
         if self.init_rank < 0 or self.pruning_rank < 1:
             raise ValueError("init_rank must be >= 0 and pruning_rank >= 1")
+        if self.init_per_stream and self.init_rank == 0:
+            raise ValueError("init_per_stream needs init_rank > 0 (the rank of each stream's f_eta)")
         layer = self.pruning_layer_index(num_layers)
         # The runtime prunes the tree before streams are inserted, so the head must read below them.
         if not 1 <= layer <= self.first_msa_layer(num_layers):

@@ -10,7 +10,7 @@ new main-stream key/values come out. Nothing is stored on the module between cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -67,6 +67,18 @@ class SpeculativeStreamingLM(nn.Module):
     @property
     def num_streams(self) -> int:
         return self.config.num_streams
+
+    def grow_stream_init(self, init_rank: int, per_stream: bool) -> None:
+        """Give trained streams a (new) f_eta of this rank, keeping their identifier embeddings.
+        f_eta starts as the identity, so the model computes exactly what it did before."""
+        if self.config.stream_init != "embedding" or self.config.init_rank:
+            raise ValueError("only embedding streams without an f_eta can grow one")
+        config = replace(self.config, init_rank=init_rank, init_per_stream=per_stream)
+        config.validate(self.parts.num_layers)
+        grown = StreamInit(config, self.parts.hidden_size).to(self.stream_init.identifiers.device)
+        with torch.no_grad():
+            grown.identifiers.copy_(self.stream_init.identifiers)
+        self.config, self.stream_init = config, grown
 
     def extra_parameters(self) -> dict[str, int]:
         """Parameters Speculative Streaming adds on top of the base model and its LoRA."""

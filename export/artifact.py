@@ -42,7 +42,7 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
 @dataclass(frozen=True)
 class ExportConfig:
     backends: tuple[str, ...] = BACKENDS
-    tree: str = "gamma=3,k=2"
+    tree: str = "gamma=3,k=1"  # the 4-node chain: the fastest tree on CPUs (docs/benchmarks.md)
     capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
     prefill_chunk: int = 64
     quantize: str = "none"  # ExecuTorch weights: none | int8 | 8da4w

@@ -41,7 +41,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
-from streamfuse.export.config import PRESETS, BuildConfig, preset  # noqa: E402
+from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.distill import self_distilled  # noqa: E402
 from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
@@ -74,15 +74,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="add (or skip) the self-distillation stage; default: the preset's choice")
     parser.add_argument("--distill-stream-weight", type=float, default=None,
                         help="override alpha_j of the self-distillation stage")
-    parser.add_argument("--distill-main-targets", choices=("own", "references"), default=None,
-                        help="what the main stream trains on in the self-distillation stage (default: the preset's)")
+    parser.add_argument("--distill-main-targets", choices=MAIN_TARGETS, default=None,
+                        help="what the main stream trains on in the self-distillation stage: its own answers, the "
+                             "references, or nothing (frozen: only the streams train; default: the preset's)")
+    parser.add_argument("--distill-init-rank", type=int, default=None,
+                        help="give the streams a per-stream f_eta of this rank at the self-distillation stage")
+    parser.add_argument("--distill-lr", type=float, default=None, help="override the self-distillation stage's learning rate")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
     parser.add_argument("--backends", default="torch,executorch,onnx,coreml,executorch_coreml",
                         help="comma-separated export targets among torch, executorch (XNNPACK), onnx, coreml "
                              "(.mlpackage), executorch_coreml (.pte with the Core ML delegate); 'torch' skips export")
-    parser.add_argument("--tree", default="gamma=3,k=2", help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
-                        "a JSON list of paths, or a JSON file of paths")
+    parser.add_argument("--tree", default="gamma=3,k=1", help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
+                        "a JSON list of paths, or a JSON file of paths (default: the 4-node chain, the fastest on "
+                        "CPUs; wider trees pay on memory-bound accelerators, see docs/benchmarks.md)")
     parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")
     parser.add_argument("--context", type=int, default=768, help="KV capacity of the exported graphs (positions)")
     parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per exported prefill call")
@@ -115,7 +120,8 @@ def _override(section, **given):
 def build_config(args: argparse.Namespace) -> BuildConfig:
     config = preset(args.preset)
     distill = _override(config.distill, enabled=args.distill, stream_weight=args.distill_stream_weight,
-                        main_targets=args.distill_main_targets)
+                        main_targets=args.distill_main_targets, init_rank=args.distill_init_rank,
+                        learning_rate=args.distill_lr)
     distill.validate()
     return dataclasses.replace(
         config,
@@ -201,22 +207,37 @@ class Build:
         if stored_info(directory).get("training_key") == key:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
-        model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=True)
+        distill = self.config.distill
+        # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
+        model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
         answers = self.own_answers(model, first["training_key"], self.train_examples, "train")
+        if distill.init_rank:
+            if model.config.init_rank or model.config.stream_init != "embedding":
+                raise ValueError(f"{first_dir} has {model.config.stream_init} streams with an f_eta of rank "
+                                 f"{model.config.init_rank}; only embedding streams without one can grow one: "
+                                 f"pass --distill-init-rank 0 to train its streams as they are")
+            model.grow_stream_init(distill.init_rank, distill.init_per_stream)
+        items, finished = self._distill_items(answers)
+        first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
+        info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
+        result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
+        print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "
+              f"finish) and {len(items) - finished} references -> {directory}", flush=True)
+        return directory
+
+    def _distill_items(self, answers: list[Encoded]) -> tuple[list[Encoded], int]:
+        """The stage's training rows and how many of them are finished own answers."""
         # An answer cut at the length limit is usually a loop; training on it teaches looping.
         finished = [item for item in answers if item.input_ids[-1] == self.tokenizer.eos_token_id]
         if not finished:
             raise ValueError(f"none of the first stage's {len(answers)} answers ended within {self.config.data.max_target_tokens} "
                              f"tokens, so there is nothing to distil: train the first stage longer, or pass --no-distill")
-        items = finished
-        if self.config.distill.main_targets == "references":
-            items = self.train_items + [dataclasses.replace(item, main_loss=False) for item in finished]
-        first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
-        result = self._train_and_save(model, items, self.config.distill.train_config(self.config.train), directory,
-                                      key, True, {**first, "first_stage": first_stage})
-        print(f"[distil] {result.seconds / 60:.1f} min on {len(finished)} of {len(answers)} own answers (the rest did not "
-              f"finish) and {len(items) - len(finished)} references -> {directory}", flush=True)
-        return directory
+        targets = self.config.distill.main_targets
+        if targets == "references":  # the main stream learns from the references only
+            return self.train_items + [dataclasses.replace(item, main_loss=False) for item in finished], len(finished)
+        if targets == "frozen":  # nothing on the main path trains: skip its loss
+            return [dataclasses.replace(item, main_loss=False) for item in finished], len(finished)
+        return finished, len(finished)
 
     # --- evaluate -------------------------------------------------------------------------
     def cached(self, label: str, key: str, compute) -> dict:

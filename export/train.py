@@ -49,13 +49,15 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _parameter_groups(model: SpeculativeStreamingLM, config: TrainConfig) -> list[dict]:
-    """LoRA at the base rate; stream embeddings and the (detached) pruning head at stream_lr_scale
-    times it: both are small, freshly initialised heads that would barely move otherwise."""
-    stream_ids = {id(p) for p in [*model.stream_init.parameters(), *model.pruning_head.parameters()]}
+    """LoRA and f_eta at the base rate; stream embeddings and the (detached) pruning head at
+    stream_lr_scale times it: both are small, freshly initialised heads that would barely move
+    otherwise. f_eta's maps act on the full residual stream, so they need no such boost."""
+    identifiers = [model.stream_init.identifiers] if model.stream_init.identifiers is not None else []
+    scaled_ids = {id(p) for p in [*identifiers, *model.pruning_head.parameters()]}
     params = list(_trainable(model).values())
-    streams = [p for p in params if id(p) in stream_ids]
-    rest = [p for p in params if id(p) not in stream_ids]
-    return [{"params": rest}, {"params": streams, "lr": config.learning_rate * config.stream_lr_scale}]
+    scaled = [p for p in params if id(p) in scaled_ids]
+    rest = [p for p in params if id(p) not in scaled_ids]
+    return [{"params": rest}, {"params": scaled, "lr": config.learning_rate * config.stream_lr_scale}]
 
 
 class Snapshot:

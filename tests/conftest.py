@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,9 +102,8 @@ def tiny_base_dir(tmp_path):
     return folder
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny SS checkpoint fine-tuned for nothing, with a dialogsum prompt record, plus tiny data."""
+def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2) -> Path:
+    """A tiny SS checkpoint fine-tuned for nothing, with a dialogsum prompt record, at root/ckpt."""
     from streamfuse.adapters.checkpoint import save_checkpoint
     from streamfuse.adapters.config import LoraSettings, StreamConfig
     from streamfuse.adapters.lora import add_lora
@@ -111,12 +111,18 @@ def checkpoint(tmp_path_factory):
     from streamfuse.runtime.prompt import PromptFormat
 
     prompt = PromptFormat("summarize {source}", "{dialogue}", 64)
-    root = tmp_path_factory.mktemp("gen")
     base = root / "base"
-    make_tiny_llama().save_pretrained(base)
+    make_tiny_llama(layers=layers).save_pretrained(base)
     make_tiny_tokenizer().save_pretrained(base)
-    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(), LoraSettings(rank=4)), StreamConfig(3, 2))
+    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(layers=layers), LoraSettings(rank=4)), StreamConfig(3, msa_layers))
     save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(base), LoraSettings(rank=4),
                     {"task": "dialogsum", "prompt": prompt.to_dict()})
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny SS checkpoint (root/ckpt) plus tiny data (root/data)."""
+    root = write_checkpoint(tmp_path_factory.mktemp("gen"))
     write_tiny_dialogsum(root / "data")
     return root

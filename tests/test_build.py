@@ -1,8 +1,12 @@
 """export/build.py end to end on a tiny base model and tiny DialogSum-format data."""
 
 import json
+from types import SimpleNamespace
 
+import pytest
+import torch
 from conftest import write_tiny_dialogsum
+from safetensors.torch import load_file
 
 from streamfuse.export import build, distill
 
@@ -23,7 +27,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
         return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
 
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
-    export = ["--distill", "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
+    # Frozen: only the streams, now with a per-stream f_eta, train in the second stage.
+    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4", "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
               "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"
@@ -39,17 +44,21 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
     assert len((run_dir / "distill" / f"{first['training_key']}-train.jsonl").read_text().splitlines()) == 16
     assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
-    assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 32 * 8
+    # identifiers 3 x 32, f_eta down 32 x (3 * 4) and up 3 x 4 x 32, pruning head 2 x 32 x 8
+    assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 3 * 4 * 32 + 2 * 32 * 8
+    lora = [load_file(str(run_dir / stage / "lora" / "adapter_model.safetensors")) for stage in ("ss_stage1", "ss")]
+    assert lora[0].keys() == lora[1].keys() and all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])
     assert not list(run_dir.glob("*.snapshot")), "snapshots are removed once a checkpoint is saved"
     manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
-    assert "on 8 of 16 own answers" in out
+    assert "on 8 of 16 own answers (the rest did not finish) and 0 references" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
     greedy = artifact["graphs"]["greedy_step"]
-    assert greedy["schedule"] == "deferred" and greedy["draft_vocab"]["size"] == 40  # 15-node tree: deferred
+    assert artifact["tree"]["paths"] == [[0], [0, 0], [0, 0, 0]]  # the default tree: the 4-node chain
+    assert greedy["schedule"] == "fused" and greedy["draft_vocab"]["size"] == 40  # the default chain: fused
     assert 0.3 < greedy["draft_vocab"]["coverage"] <= 1.0 and "draft vocabulary: 40 tokens" in out
     assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
     assert "| onnx |" in out and "call reduction CR" in out
@@ -84,9 +93,31 @@ def test_stream_overrides_reach_the_config():
 
 def test_distill_flags_reach_the_config():
     cpu = build.build_config(build.parse_args(["--preset", "cpu"]))
-    assert not cpu.distill.enabled  # opt-in on the cpu preset (see docs/results.md)
-    on = build.build_config(build.parse_args(["--preset", "cpu", "--distill", "--distill-stream-weight", "0.2"]))
-    assert on.distill.enabled and on.distill.stream_weight == 0.2
+    assert cpu.distill.enabled and cpu.distill.main_targets == "frozen"  # the cpu default (docs/results.md)
+    assert not build.build_config(build.parse_args(["--preset", "smoke"])).distill.enabled
+    on = build.build_config(build.parse_args(["--preset", "cpu", "--distill", "--distill-stream-weight", "0.2",
+                                              "--distill-main-targets", "own", "--distill-init-rank", "0",
+                                              "--distill-lr", "3e-4"]))
+    assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own"
+    assert (on.distill.init_rank, on.distill.learning_rate) == (0, 3e-4)
     assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
     # The distilled model is retrained when its first stage or its own recipe changes.
     assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
+
+
+@pytest.mark.parametrize("targets, rows, main_loss", [("own", 2, [True, True]), ("frozen", 2, [False, False]),
+                                                      ("references", 3, [True, False, False])])
+def test_distill_rows_by_main_targets(targets, rows, main_loss):
+    """Unfinished own answers are dropped; the main stream trains on what main_targets names."""
+    from dataclasses import replace
+
+    from streamfuse.export.config import preset
+    from streamfuse.export.data import Encoded
+
+    config = preset("smoke")
+    owner = SimpleNamespace(config=replace(config, distill=replace(config.distill, main_targets=targets)),
+                            tokenizer=SimpleNamespace(eos_token_id=2), train_items=[Encoded("ref", [5, 6, 7], 2)])
+    answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1), Encoded("c", [5, 2], 1)]
+    items, finished = build.Build._distill_items(owner, answers)
+    assert finished == 2 and len(items) == rows and [item.main_loss for item in items] == main_loss
+    assert "b" not in [item.id for item in items]

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import write_checkpoint
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
@@ -238,11 +239,17 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
 
+@pytest.fixture(scope="module")
+def shallow_checkpoint(tmp_path_factory):
+    """Two layers, one of them multi-stream: quantized lowering costs minutes per layer-ful of nodes."""
+    return write_checkpoint(tmp_path_factory.mktemp("shallow"), layers=2, msa_layers=1)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "8da4w"])
-def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(checkpoint, tmp_path, scheme):
+def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shallow_checkpoint, tmp_path, scheme):
     config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3)
     out = tmp_path / scheme
-    data = ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(3), 24, {}, DRAFT).build()  # a quantized head
+    data = ArtifactBuilder(shallow_checkpoint / "ckpt", out, config, prompts(3), 24, {}, DRAFT).build()  # a quantized head
     assert data["graphs"]["quantize"]["executorch"] == scheme
     assert data["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")
@@ -252,15 +259,14 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(chec
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
 
 
-def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(checkpoint, tmp_path):
+def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(artifact):
     """The Core ML-delegated .pte: built here, run in an app on the device (no such runtime here)."""
     from executorch.exir._serialize import _deserialize_pte_binary
 
     variant = "executorch_coreml"
-    config = ExportConfig(backends=(variant,), capacity=128, prefill_chunk=16, parity_prompts=0)
-    data = ArtifactBuilder(checkpoint / "ckpt", tmp_path / variant, config, [], 8, {}).build()
+    data = manifest(artifact)
     assert variant not in data["parity"]
-    pte = tmp_path / variant / data["files"][variant]["program"]["path"]
+    pte = artifact / data["files"][variant]["program"]["path"]
     program = _deserialize_pte_binary(pte.read_bytes()).program
     plans = {plan.name: plan for plan in program.execution_plan}
     assert set(plans) == {"prefill", "decode", "step", "streams", "greedy_step"}

@@ -96,6 +96,7 @@ def test_extra_parameter_count_matches_the_paper_formula():
     ({"msa_layers": 4}, "msa_layers"),
     ({"pruning_layer": 3}, "pruning_layer"),
     ({"stream_init": "magic"}, "stream_init"),
+    ({"init_per_stream": True}, "init_per_stream needs init_rank"),
 ])
 def test_bad_stream_config_is_rejected_with_the_field_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -113,3 +114,38 @@ def test_deferred_streams_equal_fused_streams():
     deferred = model.forward_streams(prefix.hidden[:, 5:6], torch.tensor([[5]]), torch.zeros(1, 1, 1, 6),
                                      StepKeyValues(4, 0, past=cached))
     torch.testing.assert_close(deferred[0, 0], fused.stream_hidden[0, 0], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_growing_a_per_stream_f_eta_changes_nothing_until_it_trains():
+    model = SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(num_streams=3, msa_layers=2))
+    ids, positions, mask = inputs()
+    anchors = torch.tensor([[8, 3], [0, 8]])
+    before = model(ids, positions, mask, anchors=anchors)
+    identifiers = model.stream_init.identifiers.clone()
+    model.grow_stream_init(init_rank=5, per_stream=True)
+    assert model.config.init_rank == 5 and model.config.init_per_stream
+    after = model(ids, positions, mask, anchors=anchors)
+    assert torch.equal(after.stream_hidden, before.stream_hidden) and torch.equal(after.hidden, before.hidden)
+    with pytest.raises(ValueError, match="without an f_eta"):
+        model.grow_stream_init(init_rank=5, per_stream=True)
+
+    # Trained, stream j gets its own residual block: S_j = M + U_j silu(D_j M) + P_j (eq. 3).
+    init = model.stream_init
+    init.up.normal_()
+    anchor_hidden = torch.randn(2, 4, 32)
+    streams = init(anchor_hidden)
+    down = init.down.weight.reshape(3, 5, 32)
+    for j in range(3):
+        expected = anchor_hidden + torch.nn.functional.silu(anchor_hidden @ down[j].T) @ init.up[j] + identifiers[j]
+        torch.testing.assert_close(streams[:, :, j], expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_shared_f_eta_is_one_linear_residual_for_every_stream():
+    model = SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(num_streams=3, msa_layers=2, init_rank=4))
+    init = model.stream_init
+    init.up.normal_()
+    anchor_hidden = torch.randn(1, 2, 32)
+    shared = anchor_hidden + anchor_hidden @ init.down.weight.T @ init.up[0]
+    torch.testing.assert_close(init(anchor_hidden), shared[:, :, None] + init.identifiers, atol=1e-5, rtol=1e-5)

@@ -81,8 +81,11 @@ def test_interrupted_training_resumes_to_the_same_weights(items, tmp_path, monke
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5)
 
 
-def test_checkpoint_round_trip(tiny_base_dir, tmp_path):
+@pytest.mark.parametrize("per_stream_f_eta", [False, True])
+def test_checkpoint_round_trip(tiny_base_dir, tmp_path, per_stream_f_eta):
     model = fresh_model()
+    if per_stream_f_eta:  # what the frozen self-distillation stage saves
+        model.grow_stream_init(init_rank=4, per_stream=True)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
