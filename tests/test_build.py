@@ -28,7 +28,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
 
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
     # Frozen: only the streams, now with a per-stream f_eta, train in the second stage.
-    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4", "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
+    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4",
+              "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
               "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"

@@ -241,7 +241,7 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
 
 @pytest.fixture(scope="module")
 def shallow_checkpoint(tmp_path_factory):
-    """Two layers, one of them multi-stream: quantized lowering costs minutes per layer-ful of nodes."""
+    """Two layers, one of them multi-stream: quantized lowering time grows with the graph's size."""
     return write_checkpoint(tmp_path_factory.mktemp("shallow"), layers=2, msa_layers=1)
 
 
