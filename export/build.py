@@ -43,7 +43,7 @@ from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig,
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
-from streamfuse.export.distill import self_distilled  # noqa: E402
+from streamfuse.export.distill import distill_rows, self_distilled  # noqa: E402
 from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
@@ -79,24 +79,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "references, or nothing (frozen: only the streams train; default: the preset's)")
     parser.add_argument("--distill-init-rank", type=int, default=None,
                         help="give the streams a per-stream f_eta of this rank at the self-distillation stage")
-    parser.add_argument("--distill-lr", type=float, default=None, help="override the self-distillation stage's learning rate")
+    parser.add_argument("--distill-lr", type=float, default=None,
+                        help="override the self-distillation stage's learning rate")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
     parser.add_argument("--backends", default="torch,executorch,onnx,coreml,executorch_coreml",
                         help="comma-separated export targets among torch, executorch (XNNPACK), onnx, coreml "
                              "(.mlpackage), executorch_coreml (.pte with the Core ML delegate); 'torch' skips export")
-    parser.add_argument("--tree", default="gamma=3,k=1", help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
+    parser.add_argument("--tree", default=ExportConfig.tree, help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
                         "a JSON list of paths, or a JSON file of paths (default: the 4-node chain, the fastest on "
                         "CPUs; wider trees pay on memory-bound accelerators, see docs/benchmarks.md)")
     parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")
-    parser.add_argument("--context", type=int, default=768, help="KV capacity of the exported graphs (positions)")
-    parser.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per exported prefill call")
-    parser.add_argument("--draft-vocab", type=int, default=16384,
+    parser.add_argument("--context", type=int, default=ExportConfig.capacity,
+                        help="KV capacity of the exported graphs (positions)")
+    parser.add_argument("--prefill-chunk", type=int, default=ExportConfig.prefill_chunk,
+                        help="prompt tokens per exported prefill call")
+    parser.add_argument("--draft-vocab", type=int, default=ExportConfig.draft_vocab,
                         help="tokens greedy_step's streams rank: the task's most frequent ones (0: all)")
-    parser.add_argument("--greedy-schedule", default="auto", choices=("auto", "fused", "deferred"),
+    parser.add_argument("--greedy-schedule", default=ExportConfig.greedy_schedule,
+                        choices=("auto", "fused", "deferred"),
                         help="greedy_step's streams: beside every tree node (fused), for the accepted node after "
                              "verifying (deferred), or by tree size (auto: fused up to 7 nodes)")
-    parser.add_argument("--parity-prompts", type=int, default=20, help="test inputs for the backend parity check")
+    parser.add_argument("--parity-prompts", type=int, default=ExportConfig.parity_prompts,
+                        help="test inputs for the backend parity check")
     parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
     parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
     return parser.parse_args(argv)
@@ -212,32 +217,19 @@ class Build:
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
         answers = self.own_answers(model, first["training_key"], self.train_examples, "train")
         if distill.init_rank:
-            if model.config.init_rank or model.config.stream_init != "embedding":
-                raise ValueError(f"{first_dir} has {model.config.stream_init} streams with an f_eta of rank "
-                                 f"{model.config.init_rank}; only embedding streams without one can grow one: "
-                                 f"pass --distill-init-rank 0 to train its streams as they are")
-            model.grow_stream_init(distill.init_rank, distill.init_per_stream)
-        items, finished = self._distill_items(answers)
+            try:
+                model.grow_stream_init(distill.init_rank, distill.init_per_stream)
+            except ValueError as error:
+                raise ValueError(f"{first_dir}: {error}; pass --distill-init-rank 0 to train its streams as they "
+                                 f"are") from error
+        items, finished = distill_rows(answers, self.train_items, self.tokenizer.eos_token_id, distill.main_targets,
+                                       self.config.data.max_target_tokens)
         first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
         info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
         result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
         print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "
               f"finish) and {len(items) - finished} references -> {directory}", flush=True)
         return directory
-
-    def _distill_items(self, answers: list[Encoded]) -> tuple[list[Encoded], int]:
-        """The stage's training rows and how many of them are finished own answers."""
-        # An answer cut at the length limit is usually a loop; training on it teaches looping.
-        finished = [item for item in answers if item.input_ids[-1] == self.tokenizer.eos_token_id]
-        if not finished:
-            raise ValueError(f"none of the first stage's {len(answers)} answers ended within {self.config.data.max_target_tokens} "
-                             f"tokens, so there is nothing to distil: train the first stage longer, or pass --no-distill")
-        targets = self.config.distill.main_targets
-        if targets == "references":  # the main stream learns from the references only
-            return self.train_items + [dataclasses.replace(item, main_loss=False) for item in finished], len(finished)
-        if targets == "frozen":  # nothing on the main path trains: skip its loss
-            return [dataclasses.replace(item, main_loss=False) for item in finished], len(finished)
-        return finished, len(finished)
 
     # --- evaluate -------------------------------------------------------------------------
     def cached(self, label: str, key: str, compute) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,3 +70,18 @@ def self_distilled(model, tokenizer, ids: Sequence[str], prompts: Sequence[str],
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         items.append(Encoded(example_id, prompt_ids + answers[example_id], len(prompt_ids)))
     return items
+
+
+def distill_rows(answers: list[Encoded], references: list[Encoded], eos_id: int, main_targets: str,
+                 answer_limit: int) -> tuple[list[Encoded], int]:
+    """The stage's training rows (see DistillConfig.main_targets) and how many are own answers."""
+    # An answer cut at the length limit is usually a loop; training on it teaches looping.
+    finished = [item for item in answers if item.input_ids[-1] == eos_id]
+    if not finished:
+        raise ValueError(f"none of the first stage's {len(answers)} answers ended within {answer_limit} tokens, so "
+                         f"there is nothing to distil: train the first stage longer, or pass --no-distill")
+    if main_targets == "own":
+        return finished, len(finished)
+    streams_only = [replace(item, main_loss=False) for item in finished]
+    # references: the main stream learns from the references only; frozen: nothing on the main path trains.
+    return (references + streams_only if main_targets == "references" else streams_only), len(finished)

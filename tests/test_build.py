@@ -1,9 +1,7 @@
 """export/build.py end to end on a tiny base model and tiny DialogSum-format data."""
 
 import json
-from types import SimpleNamespace
 
-import pytest
 import torch
 from conftest import write_tiny_dialogsum
 from safetensors.torch import load_file
@@ -104,21 +102,3 @@ def test_distill_flags_reach_the_config():
     assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
     # The distilled model is retrained when its first stage or its own recipe changes.
     assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
-
-
-@pytest.mark.parametrize("targets, rows, main_loss", [("own", 2, [True, True]), ("frozen", 2, [False, False]),
-                                                      ("references", 3, [True, False, False])])
-def test_distill_rows_by_main_targets(targets, rows, main_loss):
-    """Unfinished own answers are dropped; the main stream trains on what main_targets names."""
-    from dataclasses import replace
-
-    from streamfuse.export.config import preset
-    from streamfuse.export.data import Encoded
-
-    config = preset("smoke")
-    owner = SimpleNamespace(config=replace(config, distill=replace(config.distill, main_targets=targets)),
-                            tokenizer=SimpleNamespace(eos_token_id=2), train_items=[Encoded("ref", [5, 6, 7], 2)])
-    answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1), Encoded("c", [5, 2], 1)]
-    items, finished = build.Build._distill_items(owner, answers)
-    assert finished == 2 and len(items) == rows and [item.main_loss for item in items] == main_loss
-    assert "b" not in [item.id for item in items]

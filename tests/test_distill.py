@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
 import torch
 from conftest import make_tiny_llama, make_tiny_tokenizer
 
 from streamfuse.export import distill
+from streamfuse.export.data import Encoded
 
 PROMPTS = ["<|im_start|> user the time of day <|im_end|> <|im_start|> assistant",
            "<|im_start|> user people and words <|im_end|> <|im_start|> assistant",
@@ -56,3 +58,18 @@ def test_cached_answers_are_reused_and_a_torn_line_is_regenerated(tmp_path, monk
     assert sorted(asked) == sorted(p for i, p in zip(IDS, PROMPTS) if i != done)
     assert [item.input_ids for item in again] == [item.input_ids for item in first]
     assert len(cache.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("targets, rows, main_loss", [("own", 2, [True, True]), ("frozen", 2, [False, False]),
+                                                      ("references", 3, [True, False, False])])
+def test_distill_rows_by_main_targets(targets, rows, main_loss):
+    """Unfinished own answers are dropped; the main stream trains on what main_targets names."""
+    answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1), Encoded("c", [5, 2], 1)]
+    items, finished = distill.distill_rows(answers, [Encoded("ref", [5, 6, 7], 2)], 2, targets, 3)
+    assert finished == 2 and len(items) == rows and [item.main_loss for item in items] == main_loss
+    assert "b" not in [item.id for item in items]
+
+
+def test_no_finished_answer_is_a_clear_error():
+    with pytest.raises(ValueError, match="none of the first stage's 1 answers ended within 3 tokens"):
+        distill.distill_rows([Encoded("b", [5, 9, 9], 1)], [], 2, "frozen", 3)
