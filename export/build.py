@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "references, or nothing (frozen: only the streams train; default: the preset's)")
     parser.add_argument("--distill-init-rank", type=int, default=None,
                         help="give the streams a per-stream f_eta of this rank at the self-distillation stage")
+    parser.add_argument("--distill-with-references", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --distill-main-targets frozen: the streams train on the reference answers as well "
+                             "as the model's own")
     parser.add_argument("--distill-lr", type=float, default=None,
                         help="override the self-distillation stage's learning rate")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
@@ -124,9 +127,12 @@ def _override(section, **given):
 
 def build_config(args: argparse.Namespace) -> BuildConfig:
     config = preset(args.preset)
+    with_references = args.distill_with_references
+    if with_references is None and args.distill_main_targets not in (None, "frozen"):
+        with_references = False  # the preset's choice belongs to its frozen recipe
     distill = _override(config.distill, enabled=args.distill, stream_weight=args.distill_stream_weight,
                         main_targets=args.distill_main_targets, init_rank=args.distill_init_rank,
-                        learning_rate=args.distill_lr)
+                        learning_rate=args.distill_lr, with_references=with_references)
     distill.validate()
     return dataclasses.replace(
         config,
@@ -223,7 +229,7 @@ class Build:
                 raise ValueError(f"{first_dir}: {error}; pass --distill-init-rank 0 to train its streams as they "
                                  f"are") from error
         items, finished = distill_rows(answers, self.train_items, self.tokenizer.eos_token_id, distill.main_targets,
-                                       self.config.data.max_target_tokens)
+                                       self.config.data.max_target_tokens, distill.with_references)
         first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
         info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
         result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)

@@ -57,7 +57,8 @@ class DistillConfig:
     "references": the epoch mixes the reference answers (main stream and streams, as in the first
     stage) with the own answers (streams only), so the main stream keeps learning the task;
     "frozen": LoRA stays as the first stage left it, so the main stream (and the task quality)
-    cannot change, and only the stream parameters and the pruning head train, on the own answers.
+    cannot change, and only the stream parameters and the pruning head train, on the own answers
+    (and on the references too with with_references: more rows, better drafts on both).
     init_rank > 0 gives the streams an f_eta of that rank at this stage (one per stream with
     init_per_stream): the capacity they lack when the shared LoRA is frozen."""
 
@@ -68,6 +69,7 @@ class DistillConfig:
     main_targets: str = "frozen"
     init_rank: int = 128
     init_per_stream: bool = True
+    with_references: bool = False  # frozen only: the streams train on the reference answers too
     batch_size: int = 8  # generation batch
 
     def validate(self) -> None:
@@ -75,6 +77,9 @@ class DistillConfig:
             raise ValueError(f"distill main_targets must be one of {', '.join(MAIN_TARGETS)}, got {self.main_targets!r}")
         if self.init_rank < 0:
             raise ValueError(f"distill init_rank must be >= 0, got {self.init_rank}")
+        if self.with_references and self.main_targets != "frozen":
+            raise ValueError(f"distill with_references applies to main_targets 'frozen' ('references' already trains "
+                             f"on them), got main_targets {self.main_targets!r}")
 
     def train_config(self, base: TrainConfig) -> TrainConfig:
         return replace(base, epochs=self.epochs, learning_rate=self.learning_rate, stream_weight=self.stream_weight)
@@ -120,6 +125,8 @@ class BuildConfig:
         if not self.distill.init_rank:  # added later: older checkpoints' keys stay valid
             for name in ("init_rank", "init_per_stream"):
                 distill.pop(name)
+        if not self.distill.with_references:
+            distill.pop("with_references")
         payload = {"first": first_stage_key, "distill": distill, "answer_tokens": self.data.max_target_tokens,
                    "finished_answers_only": True}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
@@ -139,16 +146,16 @@ PRESETS: dict[str, BuildConfig] = {
         distill=DistillConfig(epochs=1.0, batch_size=4),
         eval=EvalConfig(max_new_tokens=24, batch_size=4),
     ),
-    # The default of `make build`: about 1 h 45 min of training and evaluation on a 2-core CPU.
+    # The default of `make build`: about 2 h of training and evaluation on a 2-core CPU.
     "cpu": BuildConfig(
         preset="cpu",
         streams=StreamConfig(num_streams=3, msa_layers=8),
         lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
         data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
         train=TrainConfig(epochs=2.0, learning_rate=5e-4, grad_accumulation=4),
-        # Streams-only second stage on the model's own answers: better drafts, the same main
-        # stream (docs/results.md).
-        distill=DistillConfig(enabled=True),
+        # Streams-only second stage on the model's own answers and the references: better
+        # drafts, the same main stream (docs/results.md).
+        distill=DistillConfig(enabled=True, with_references=True),
         eval=EvalConfig(max_new_tokens=80, batch_size=8),
     ),
     # The paper's recipe (A.2): 5 epochs, lr 5e-4, linear schedule, bf16, N_s = N/2; for a GPU.

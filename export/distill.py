@@ -73,7 +73,7 @@ def self_distilled(model, tokenizer, ids: Sequence[str], prompts: Sequence[str],
 
 
 def distill_rows(answers: list[Encoded], references: list[Encoded], eos_id: int, main_targets: str,
-                 answer_limit: int) -> tuple[list[Encoded], int]:
+                 answer_limit: int, with_references: bool = False) -> tuple[list[Encoded], int]:
     """The stage's training rows (see DistillConfig.main_targets) and how many are own answers."""
     # An answer cut at the length limit is usually a loop; training on it teaches looping.
     finished = [item for item in answers if item.input_ids[-1] == eos_id]
@@ -83,5 +83,8 @@ def distill_rows(answers: list[Encoded], references: list[Encoded], eos_id: int,
     if main_targets == "own":
         return finished, len(finished)
     streams_only = [replace(item, main_loss=False) for item in finished]
-    # references: the main stream learns from the references only; frozen: nothing on the main path trains.
-    return (references + streams_only if main_targets == "references" else streams_only), len(finished)
+    if main_targets == "references":  # the main stream learns from the references only
+        return references + streams_only, len(finished)
+    # frozen: nothing on the main path trains, so reference rows (if asked for) train the streams only
+    extra = [replace(item, main_loss=False) for item in references] if with_references else []
+    return extra + streams_only, len(finished)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import write_tiny_dialogsum
 from safetensors.torch import load_file
@@ -25,8 +26,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
         return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
 
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
-    # Frozen: only the streams, now with a per-stream f_eta, train in the second stage.
-    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4",
+    # Frozen (the cpu recipe): only the streams, with a per-stream f_eta, train in the second stage,
+    # on the own answers and the references.
+    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4", "--distill-with-references",
               "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
               "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
@@ -51,7 +53,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
-    assert "on 8 of 16 own answers (the rest did not finish) and 0 references" in out
+    assert "on 8 of 16 own answers (the rest did not finish) and 16 references" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
@@ -102,3 +104,9 @@ def test_distill_flags_reach_the_config():
     assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
     # The distilled model is retrained when its first stage or its own recipe changes.
     assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
+    assert cpu.distill.with_references
+    own_only = build.build_config(build.parse_args(["--preset", "cpu", "--no-distill-with-references"]))
+    assert not own_only.distill.with_references and own_only.distill_key("b-ss") != cpu.distill_key("b-ss")
+    with pytest.raises(ValueError, match="with_references applies to main_targets 'frozen'"):
+        build.build_config(build.parse_args(["--preset", "cpu", "--distill-with-references",
+                                             "--distill-main-targets", "own"]))

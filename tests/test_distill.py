@@ -70,6 +70,13 @@ def test_distill_rows_by_main_targets(targets, rows, main_loss):
     assert "b" not in [item.id for item in items]
 
 
+def test_frozen_with_references_trains_the_streams_on_both():
+    answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1)]
+    items, finished = distill.distill_rows(answers, [Encoded("ref", [5, 6, 7], 2)], 2, "frozen", 3, with_references=True)
+    assert finished == 1 and [item.id for item in items] == ["ref", "a"]
+    assert [item.main_loss for item in items] == [False, False]
+
+
 def test_no_finished_answer_is_a_clear_error():
     with pytest.raises(ValueError, match="none of the first stage's 1 answers ended within 3 tokens"):
         distill.distill_rows([Encoded("b", [5, 9, 9], 1)], [], 2, "frozen", 3)
