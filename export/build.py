@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--distill-with-references", action=argparse.BooleanOptionalAction, default=None,
                         help="with --distill-main-targets frozen: the streams train on the reference answers as well "
                              "as the model's own")
+    parser.add_argument("--distill-epochs", type=float, default=None,
+                        help="override the self-distillation stage's epochs")
     parser.add_argument("--distill-lr", type=float, default=None,
                         help="override the self-distillation stage's learning rate")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
@@ -132,7 +134,8 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
         with_references = False  # the preset's choice belongs to its frozen recipe
     distill = _override(config.distill, enabled=args.distill, stream_weight=args.distill_stream_weight,
                         main_targets=args.distill_main_targets, init_rank=args.distill_init_rank,
-                        learning_rate=args.distill_lr, with_references=with_references)
+                        learning_rate=args.distill_lr, epochs=args.distill_epochs,
+                        with_references=with_references)
     distill.validate()
     return dataclasses.replace(
         config,
