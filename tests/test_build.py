@@ -101,6 +101,7 @@ def test_distill_flags_reach_the_config():
                                               "--distill-lr", "3e-4", "--distill-epochs", "2"]))
     assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own" and on.distill.epochs == 2.0
     assert (on.distill.init_rank, on.distill.learning_rate) == (0, 3e-4)
+    assert not on.distill.with_references  # the preset's choice belongs to its frozen recipe
     assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
     # The distilled model is retrained when its first stage or its own recipe changes.
     assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
