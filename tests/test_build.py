@@ -98,8 +98,8 @@ def test_distill_flags_reach_the_config():
     assert not build.build_config(build.parse_args(["--preset", "smoke"])).distill.enabled
     on = build.build_config(build.parse_args(["--preset", "cpu", "--distill", "--distill-stream-weight", "0.2",
                                               "--distill-main-targets", "own", "--distill-init-rank", "0",
-                                              "--distill-lr", "3e-4", "--distill-epochs", "2"]))
-    assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own" and on.distill.epochs == 2.0
+                                              "--distill-lr", "3e-4", "--distill-epochs", "3"]))
+    assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own" and on.distill.epochs == 3.0
     assert (on.distill.init_rank, on.distill.learning_rate) == (0, 3e-4)
     assert not on.distill.with_references  # the preset's choice belongs to its frozen recipe
     assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
