@@ -82,9 +82,11 @@ def distill_rows(answers: list[Encoded], references: list[Encoded], eos_id: int,
                          f"there is nothing to distil: train the first stage longer, or pass --no-distill")
     if main_targets == "own":
         return finished, len(finished)
-    streams_only = [replace(item, main_loss=False) for item in finished]
     if main_targets == "references":  # the main stream learns from the references only
-        return references + streams_only, len(finished)
-    # frozen: nothing on the main path trains, so reference rows (if asked for) train the streams only
-    extra = [replace(item, main_loss=False) for item in references] if with_references else []
-    return extra + streams_only, len(finished)
+        return references + _streams_only(finished), len(finished)
+    # frozen: nothing on the main path trains, so every row (references too, if asked for) trains the streams only
+    return _streams_only((references if with_references else []) + finished), len(finished)
+
+
+def _streams_only(items: list[Encoded]) -> list[Encoded]:
+    return [replace(item, main_loss=False) for item in items]
