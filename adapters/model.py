@@ -10,6 +10,7 @@ new main-stream key/values come out. Nothing is stored on the module between cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,6 +86,13 @@ class SpeculativeStreamingLM(nn.Module):
         streams = sum(p.numel() for p in self.stream_init.parameters())
         pruning = sum(p.numel() for p in self.pruning_head.parameters())
         return {"streams": streams, "pruning_head": pruning, "total": streams + pruning}
+
+    def replace_linears(self, convert: Callable[[nn.Linear], nn.Module]) -> int:
+        """swap_linears over the base model, streams and pruning head; parts are re-read so the
+        LM head is the new module too."""
+        swapped = swap_linears(self, convert)
+        self.parts = hf.decoder_parts(self.model)
+        return swapped
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shared LM head: [..., H] final-normed states -> [..., V]."""
@@ -180,6 +188,18 @@ class SpeculativeStreamingLM(nn.Module):
         msa_mask = multi_stream_mask(mask, anchors, gamma)
         combined = self._run_layers(range(self.split, self.parts.num_layers), combined, msa_mask, rope, key_values)
         return combined[:, :tokens], combined[:, tokens:].reshape(batch, num_anchors, gamma, size)
+
+
+def swap_linears(root: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every nn.Linear under `root` by convert(linear), in place (kernel variants by module
+    swap, as ExecuTorch's examples do); returns how many were swapped."""
+    swapped = 0
+    for module in list(root.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, convert(child))
+                swapped += 1
+    return swapped
 
 
 def causal_mask(padding: torch.Tensor, dtype: torch.dtype = torch.float32, past: int = 0) -> torch.Tensor:

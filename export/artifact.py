@@ -244,7 +244,8 @@ class ArtifactBuilder:
 
     def expected_tokens(self) -> list[list[int]]:
         if self._expected is None:
-            eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred")
+            # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
+            eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
             self._expected = eager_tokens(eager, self.shapes().tree, self.prompts, self.rules())
         return self._expected
 

@@ -44,7 +44,7 @@ from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.distill import distill_rows, self_distilled  # noqa: E402
-from streamfuse.export.evaluation import stream_accuracy, task_quality  # noqa: E402
+from streamfuse.export.evaluation import packed_for_inference, stream_accuracy, task_quality  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
 from streamfuse.export.train import train  # noqa: E402
@@ -222,9 +222,9 @@ class Build:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         distill = self.config.distill
+        answers = self.own_answers(self.inference_model(first_dir), first["training_key"], self.train_examples, "train")
         # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
-        answers = self.own_answers(model, first["training_key"], self.train_examples, "train")
         if distill.init_rank:
             try:
                 model.grow_stream_init(distill.init_rank, distill.init_per_stream)
@@ -241,6 +241,11 @@ class Build:
         return directory
 
     # --- evaluate -------------------------------------------------------------------------
+    def inference_model(self, directory: Path) -> SpeculativeStreamingLM:
+        """A checkpoint as the runtime runs it (LoRA merged), on packed kernels: generation only."""
+        model, _, _ = load_checkpoint(directory, self.args.base_model, merge_lora=True)
+        return packed_for_inference(model)
+
     def cached(self, label: str, key: str, compute) -> dict:
         path = self.run_dir / "eval" / f"{label}.json"
         if path.is_file():
@@ -264,7 +269,7 @@ class Build:
         key = read_manifest(directory)["info"]["training_key"]
 
         def compute() -> dict:
-            model, _, _ = load_checkpoint(directory, self.args.base_model)
+            model = self.inference_model(directory)
             result = {"test": self.quality(model.model, label)}
             if with_streams:
                 top_k = self.config.eval.top_k
@@ -312,7 +317,7 @@ class Build:
     def evaluate_zero_shot(self) -> dict:
         def compute() -> dict:
             base, _ = load_base_model(self.args.base_model)
-            return {"test": self.quality(base, "zero-shot")}
+            return {"test": self.quality(packed_for_inference(base), "zero-shot")}
 
         return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
 

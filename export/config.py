@@ -146,7 +146,7 @@ PRESETS: dict[str, BuildConfig] = {
         distill=DistillConfig(epochs=1.0, batch_size=4),
         eval=EvalConfig(max_new_tokens=24, batch_size=4),
     ),
-    # The default of `make build`: about 2 h 20 min of training and evaluation on a 2-core CPU.
+    # The default of `make build`: about 2 h 10 min of training and evaluation on a 2-core CPU.
     "cpu": BuildConfig(
         preset="cpu",
         streams=StreamConfig(num_streams=3, msa_layers=8),

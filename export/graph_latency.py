@@ -87,7 +87,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if set(args.schedules.split(",")) - set(STREAM_SCHEDULES):
         raise SystemExit(f"--schedules takes {', '.join(STREAM_SCHEDULES)}, got {args.schedules}")
-    model = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers)).model
+    # eager kernels: this model is exported, and oneDNN-packed weights do not export.
+    model = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
+                                             kernels="eager").model
     from streamfuse.export.to_onnx import export_onnx
 
     variants = graph_variants(model, args)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from streamfuse.runtime.artifact import MANIFEST
 from streamfuse.runtime.backends.base import prune_config
+from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DecodeSettings, choose_tree, prompt_ids
 from streamfuse.runtime.loader import Loaded, load
@@ -46,6 +47,8 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
         info[backend] = {"precision": backend_precision(args.artifact, backend), "model": "fine-tuned",
                          "load_rss_bytes": current_rss() - before}
+        if isinstance(loaded.backend, TorchBackend):
+            info[backend]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
         tree = choose_tree(args.tree, loaded)
         rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
         prune = prune_config(args.prune_threshold, args.prune_budget)

@@ -24,6 +24,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from streamfuse.runtime.backends.packed_linear import KERNELS  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 
@@ -45,6 +46,8 @@ def parse_args(argv):
     parser.add_argument("--stream-schedule", choices=("fused", "deferred"), default="fused")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--kernels", default="auto", choices=KERNELS,
+                        help="torch linear kernels: packed (oneDNN-prepacked; auto's choice on a CPU) or eager")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return parser.parse_args(argv)
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
     backend = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                               args.device, getattr(torch, args.dtype), args.stream_schedule)
+                                               args.device, getattr(torch, args.dtype), args.stream_schedule,
+                                               args.kernels)
     backend.reset(args.context + max(t.num_nodes for t in trees) + 1)
     backend.prefill(list(range(1, args.context + 1)), with_streams=False)
     calls = step_calls(backend, trees)
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
             if rep >= 3:
                 samples[name].append(seconds)
     meta = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
-            "gamma": args.gamma, "msa_layers": args.msa_layers, "stream_schedule": args.stream_schedule, "load_average": os.getloadavg(),
+            "gamma": args.gamma, "msa_layers": args.msa_layers, "stream_schedule": args.stream_schedule,
+            "kernels": backend.kernels, "load_average": os.getloadavg(),
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
     report_medians(samples, "plain", ("config", "ratio_to_plain"), meta, args.out)
     return 0

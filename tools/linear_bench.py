@@ -1,9 +1,10 @@
-"""python -m streamfuse.tools.linear_bench: one linear layer, eager PyTorch vs ExecuTorch XNNPACK.
+"""python -m streamfuse.tools.linear_bench: one linear layer, eager PyTorch vs the torch backend's
+oneDNN-packed layer vs ExecuTorch XNNPACK.
 
 Why it exists: on CPUs the cost of a verify pass hinges on how a backend multiplies a few rows
 (M = tree nodes) by a weight matrix. Eager PyTorch switches from a matrix-vector kernel at M = 1
-to sgemm at M >= 2 and pays ~3x; this shows what a backend with prepacked weights does.
-Needs the `executorch` extra.
+to sgemm at M >= 2 and pays ~3x; this shows what backends with prepacked weights do (the torch
+backend's PackedLinear, XNNPACK). Needs the `executorch` extra.
 
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.linear_bench --rows 1,2,4,8,16 --threads 2
 """
@@ -20,6 +21,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+
+from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available  # noqa: E402
 
 
 def median_us(call, reps: int) -> float:
@@ -48,6 +51,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     runtime = Runtime.get()
     layer = torch.nn.Linear(args.in_features, args.out_features, bias=False).eval()
+    packed_layer = PackedLinear(layer) if packing_available("cpu", torch.float32) else None
     print(f"linear {args.in_features}x{args.out_features}, fp32, {args.threads} torch threads")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(1, rows, args.in_features)
@@ -56,8 +60,10 @@ def main(argv=None) -> int:
         diff = float((method.execute([x])[0] - layer(x)).abs().max())
         with torch.inference_mode():
             eager = median_us(lambda: layer(x), args.reps)
+            packed = median_us(lambda: packed_layer(x), args.reps) if packed_layer else float("nan")
         xnnpack = median_us(lambda: method.execute([x]), args.reps)
-        print(f"M={rows:<3} eager {eager:7.0f} us   xnnpack {xnnpack:7.0f} us   max |diff| {diff:.1e}", flush=True)
+        print(f"M={rows:<3} eager {eager:7.0f} us   packed {packed:7.0f} us   xnnpack {xnnpack:7.0f} us   "
+              f"max |diff| {diff:.1e}", flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@ import torch
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput, process_peak_rss_bytes
+from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
 from streamfuse.runtime.kv_cache import KVCache
 from streamfuse.runtime.tree import TreeSpec
 
@@ -17,11 +18,14 @@ class TorchBackend:
     """stream_schedule "fused": streams ride along every tree node in the one forward pass (the
     paper's schedule; best where a pass is memory-bound). "deferred": the pass verifies only, and
     after the commit the streams of the last accepted node alone run through the N_s MSA layers
-    (same outputs, far less compute; best on CPUs). Call stream_logits only after commit."""
+    (same outputs, far less compute; best on CPUs). Call stream_logits only after commit.
+    kernels "packed" swaps the linear layers for oneDNN-prepacked ones (packed_linear.py), so a
+    tree step's few rows cost little more than one; "auto" packs wherever that is possible."""
 
     name = "torch"
 
-    def __init__(self, model: SpeculativeStreamingLM, device: str = "cpu", stream_schedule: str = "fused"):
+    def __init__(self, model: SpeculativeStreamingLM, device: str = "cpu", stream_schedule: str = "fused",
+                 kernels: str = "auto"):
         if stream_schedule not in STREAM_SCHEDULES:
             raise ValueError(f"stream_schedule must be one of {STREAM_SCHEDULES}, got {stream_schedule!r}")
         self.stream_schedule = stream_schedule
@@ -31,12 +35,16 @@ class TorchBackend:
         self.vocab_size = model.parts.vocab_size
         self.max_positions = model.parts.max_positions
         self.dtype = next(model.parameters()).dtype
+        self.kernels = resolve_kernels(kernels, device, self.dtype)
+        if self.kernels == "packed":
+            self.model.replace_linears(PackedLinear)
         self.cache: KVCache | None = None
         self._tree_masks: dict[str, torch.Tensor] = {}
 
     @classmethod
     def with_random_weights(cls, base_model: str, streams: StreamConfig, device: str = "cpu",
-                            dtype: torch.dtype = torch.float32, stream_schedule: str = "fused") -> "TorchBackend":
+                            dtype: torch.dtype = torch.float32, stream_schedule: str = "fused",
+                            kernels: str = "auto") -> "TorchBackend":
         """Same architecture as `base_model` (a config is enough), random weights: step latency
         depends on shapes only, so it can be measured where the weights cannot travel."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -46,7 +54,7 @@ class TorchBackend:
         config = AutoConfig.from_pretrained(resolve_base_model(base_model))
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(SpeculativeStreamingLM(model, streams), device, stream_schedule)
+        return cls(SpeculativeStreamingLM(model, streams), device, stream_schedule, kernels)
 
     def reset(self, capacity: int) -> None:
         parts = self.model.parts
