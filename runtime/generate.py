@@ -24,7 +24,10 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
-DEFAULT_TREE = "gamma=3,k=2"
+# For checkpoints (artifacts carry their own tree): the chain plus stream 1's second candidate.
+# On a CPU with packed kernels it costs what the chain does and was the fastest tree measured
+# (1.35x vs 1.23x for the chain, 1.12x for gamma=3,k=2; docs/benchmarks.md).
+DEFAULT_TREE = "[[0],[1],[0,0],[0,0,0]]"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def test_json_records_and_speculative_equals_plain(checkpoint, capsys, tmp_path)
         assert fast["call_reduction"] == fast["new_tokens"] / fast["model_calls"]
     trace = json.loads((tmp_path / "ss.json").read_text())
     assert trace["schema"] == "streamfuse.trace/1" and len(trace["runs"]) == 3
-    assert trace["meta"]["tree"]["num_nodes"] == 15  # the default gamma=3,k=2 tree: 1+2+4+8 nodes
+    assert trace["meta"]["tree"]["num_nodes"] == 5  # the default tree [[0],[1],[0,0],[0,0,0]] and its root
 
 
 def test_plain_prompt_and_bad_inputs(checkpoint, capsys, tmp_path):

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DecodeSettings, prompt_ids  # noqa: E402
+from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="fixed threads for torch, onnxruntime and llama.cpp "
                         "(also sizes ExecuTorch's XNNPACK pool)")
     parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K' or a JSON list of paths "
-                        "(default: the artifact's tree, else gamma=3,k=2)")
+                        f"(default: the artifact's tree, else {DEFAULT_TREE})")
     parser.add_argument("--prune-threshold", type=float, default=None)
     parser.add_argument("--prune-budget", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=96)

@@ -20,7 +20,8 @@ class TorchBackend:
     after the commit the streams of the last accepted node alone run through the N_s MSA layers
     (same outputs, far less compute; best on CPUs). Call stream_logits only after commit.
     kernels "packed" swaps the linear layers for oneDNN-prepacked ones (packed_linear.py), so a
-    tree step's few rows cost little more than one; "auto" packs wherever that is possible."""
+    tree step's few rows cost little more than one; "auto" packs wherever that is possible. The
+    swap happens in place on `model`: pass kernels="eager" for a model that is exported later."""
 
     name = "torch"
 
