@@ -2,7 +2,7 @@
 
 Eager F.linear on a CPU runs a matrix-vector kernel for one row and, from two rows up, an sgemm
 that repacks the whole weight on every call. A 4-node tree step paid ~3x a plain step, and the
-LM head (49,152 x 576) alone went from ~11 ms at one row to 16-33 ms at 2-16 rows. A weight
+LM head (49,152 x 576) alone went from ~10 ms at one row to 16-33 ms at 2-16 rows. A weight
 packed once for oneDNN's inner product makes a few rows cost little more than one (3.5-6 ms for
 that head; `python -m streamfuse.tools.latency --kernels packed|eager` times whole steps).
 At one row F.linear's matrix-vector kernel stays, being fastest for the decoder's layers
@@ -39,7 +39,8 @@ def resolve_kernels(kernels: str, device: str, dtype: torch.dtype) -> str:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's function with a oneDNN-packed copy of the weight for calls of two or more rows."""
+    """nn.Linear's function with a oneDNN-packed copy of the weight, used for calls of two or more
+    rows, and for one row too when the weight is head-sized."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
