@@ -2,13 +2,14 @@
 
 Eager F.linear on a CPU runs a matrix-vector kernel for one row and, from two rows up, an sgemm
 that repacks the whole weight on every call. A 4-node tree step paid ~3x a plain step, and the
-LM head (49,152 x 576) alone went from ~10 ms at one row to 16-33 ms at 2-16 rows. A weight
-packed once for oneDNN's inner product makes a few rows cost little more than one (3.5-6 ms for
+LM head (49,152 x 576) alone went from ~10 ms at one row to 15-21 ms at 2-16 rows. A weight
+packed once for oneDNN's inner product makes a few rows cost little more than one (4-6 ms for
 that head; `python -m streamfuse.tools.latency --kernels packed|eager` times whole steps).
-At one row F.linear's matrix-vector kernel stays, being fastest for the decoder's layers
-(59 vs 77-98 us for 576 -> 1536), except on weights as large as the LM head, which oneDNN
-streams faster (4.0 vs 9.8 ms): plain decoding gets that too, so the baseline stays the best
-this backend can do. (2-core AMD EPYC, fp32, 2 threads.)
+At one row F.linear's matrix-vector kernel stays, being fastest for the decoder's layers,
+except on weights as large as the LM head, which oneDNN streams faster: plain decoding gets
+that too, so the baseline stays the best this backend can do. `python -m
+streamfuse.tools.linear_bench` times all three (eager, this layer, the packed kernel alone);
+docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class PackedLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         if rows <= 1 and not self.one_row_packed:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        out = packed_matmul(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def packed_matmul(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, in] @ packed weight (+ bias) -> [M, out], oneDNN's inner product whatever M is."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed_weight, bias, "none", [], "")
