@@ -32,6 +32,8 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
+# The Core ML-delegated .pte adds ~5 min to a build, for a variant that runs only in an iOS/macOS app: asked for.
+DEFAULT_BACKENDS = ("torch", "executorch", "onnx", "coreml")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
 RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
@@ -41,7 +43,7 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
 
 @dataclass(frozen=True)
 class ExportConfig:
-    backends: tuple[str, ...] = BACKENDS
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
     tree: str = "gamma=3,k=1"  # the 4-node chain: the fastest tree on CPUs (docs/benchmarks.md)
     capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
     prefill_chunk: int = 64

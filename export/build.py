@@ -35,11 +35,12 @@ import shutil  # noqa: E402
 import torch  # noqa: E402
 
 from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
+from streamfuse.adapters.config import StreamConfig  # noqa: E402
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info  # noqa: E402
 from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
-from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
+from streamfuse.export.artifact import DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
                         help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
-                        help="smoke: minutes, tests the pipeline; cpu: ~1 h on 2 cores; paper: the paper's recipe, GPU")
+                        help="smoke: minutes, tests the pipeline; cpu: ~1 h on 2 cores; cpu-distill: the benchmarked "
+                             "model, ~2.5 h on 2 cores; paper: the paper's recipe, GPU")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")
     parser.add_argument("--work-dir", type=Path, default=Path("checkpoints"),
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=int, default=None, help="override the preset's number of streams")
     parser.add_argument("--msa-layers", type=int, default=None, help="override the preset's N_s (multi-stream layers)")
     parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
+    parser.add_argument("--init-rank", type=int, default=None,
+                        help="override the rank of each stream's own f_eta block in the first stage (0: identity)")
     parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                         help="add (or skip) the self-distillation stage; default: the preset's choice")
     parser.add_argument("--distill-stream-weight", type=float, default=None,
@@ -88,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="override the self-distillation stage's learning rate")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train/evaluate the LoRA baseline")
     parser.add_argument("--skip-zero-shot", action="store_true", help="do not evaluate the untuned base model")
-    parser.add_argument("--backends", default="torch,executorch,onnx,coreml,executorch_coreml",
+    parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                         help="comma-separated export targets among torch, executorch (XNNPACK), onnx, coreml "
                              "(.mlpackage), executorch_coreml (.pte with the Core ML delegate); 'torch' skips export")
     parser.add_argument("--tree", default=ExportConfig.tree, help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
@@ -141,9 +145,16 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
         config,
         data=_override(config.data, train_limit=args.train_limit, test_limit=args.test_limit),
         train=_override(config.train, epochs=args.epochs, stream_weight=args.stream_weight),
-        streams=_override(config.streams, num_streams=args.gamma, msa_layers=args.msa_layers),
+        streams=_stream_override(config.streams, args),
         distill=distill,
     )
+
+
+def _stream_override(streams: StreamConfig, args: argparse.Namespace) -> StreamConfig:
+    streams = _override(streams, num_streams=args.gamma, msa_layers=args.msa_layers)
+    if args.init_rank is None:
+        return streams
+    return dataclasses.replace(streams, init_rank=args.init_rank, init_per_stream=args.init_rank > 0)
 
 
 def stored_info(directory: Path) -> dict:

@@ -49,15 +49,19 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def _parameter_groups(model: SpeculativeStreamingLM, config: TrainConfig) -> list[dict]:
-    """LoRA and f_eta at the base rate; stream embeddings and the (detached) pruning head at
+    """LoRA at the base rate; stream embeddings and the (detached) pruning head at
     stream_lr_scale times it: both are small, freshly initialised heads that would barely move
-    otherwise. f_eta's maps act on the full residual stream, so they need no such boost."""
-    identifiers = [model.stream_init.identifiers] if model.stream_init.identifiers is not None else []
-    scaled_ids = {id(p) for p in [*identifiers, *model.pruning_head.parameters()]}
-    params = list(_trainable(model).values())
-    scaled = [p for p in params if id(p) in scaled_ids]
-    rest = [p for p in params if id(p) not in scaled_ids]
-    return [{"params": rest}, {"params": scaled, "lr": config.learning_rate * config.stream_lr_scale}]
+    otherwise. f_eta's maps act on the full residual stream, so they need no such boost, only
+    init_lr_scale when they start from scratch beside LoRA."""
+    init = model.stream_init
+    identifiers = [init.identifiers] if init.identifiers is not None else []
+    scales = {id(p): config.stream_lr_scale for p in [*identifiers, *model.pruning_head.parameters()]}
+    if init.down is not None:
+        scales.update({id(init.down.weight): config.init_lr_scale, id(init.up): config.init_lr_scale})
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for p in _trainable(model).values():
+        groups.setdefault(scales.get(id(p), 1.0), []).append(p)
+    return [{"params": params, "lr": config.learning_rate * scale} for scale, params in sorted(groups.items())]
 
 
 class Snapshot:

@@ -92,22 +92,31 @@ def test_stream_overrides_reach_the_config():
     assert (config.train.stream_weight, config.train.epochs) == (0.5, 2.0)
 
 
+def test_init_rank_override_gives_each_stream_its_own_f_eta():
+    config = build.build_config(build.parse_args(["--preset", "smoke", "--init-rank", "16"]))
+    assert (config.streams.init_rank, config.streams.init_per_stream) == (16, True)
+    identity = build.build_config(build.parse_args(["--preset", "cpu", "--init-rank", "0"]))
+    assert (identity.streams.init_rank, identity.streams.init_per_stream) == (0, False)
+    identity.streams.validate(30)
+
+
 def test_distill_flags_reach_the_config():
-    cpu = build.build_config(build.parse_args(["--preset", "cpu"]))
-    assert cpu.distill.enabled and cpu.distill.main_targets == "frozen"  # the cpu default (docs/results.md)
+    cpu = build.build_config(build.parse_args(["--preset", "cpu-distill"]))
+    assert cpu.distill.enabled and cpu.distill.main_targets == "frozen"  # the benchmarked recipe (docs/results.md)
+    assert not build.build_config(build.parse_args(["--preset", "cpu"])).distill.enabled  # make build's hour
     assert not build.build_config(build.parse_args(["--preset", "smoke"])).distill.enabled
-    on = build.build_config(build.parse_args(["--preset", "cpu", "--distill", "--distill-stream-weight", "0.2",
+    on = build.build_config(build.parse_args(["--preset", "cpu-distill", "--distill", "--distill-stream-weight", "0.2",
                                               "--distill-main-targets", "own", "--distill-init-rank", "0",
                                               "--distill-lr", "3e-4", "--distill-epochs", "3"]))
     assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own" and on.distill.epochs == 3.0
     assert (on.distill.init_rank, on.distill.learning_rate) == (0, 3e-4)
     assert not on.distill.with_references  # the preset's choice belongs to its frozen recipe
-    assert not build.build_config(build.parse_args(["--preset", "cpu", "--no-distill"])).distill.enabled
+    assert not build.build_config(build.parse_args(["--preset", "cpu-distill", "--no-distill"])).distill.enabled
     # The distilled model is retrained when its first stage or its own recipe changes.
     assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
     assert cpu.distill.with_references
-    own_only = build.build_config(build.parse_args(["--preset", "cpu", "--no-distill-with-references"]))
+    own_only = build.build_config(build.parse_args(["--preset", "cpu-distill", "--no-distill-with-references"]))
     assert not own_only.distill.with_references and own_only.distill_key("b-ss") != cpu.distill_key("b-ss")
     with pytest.raises(ValueError, match="with_references applies to main_targets 'frozen'"):
-        build.build_config(build.parse_args(["--preset", "cpu", "--distill-with-references",
+        build.build_config(build.parse_args(["--preset", "cpu-distill", "--distill-with-references",
                                              "--distill-main-targets", "own"]))

@@ -54,6 +54,20 @@ def test_tiny_model_loss_falls(items, tmp_path):
     assert result.optimizer_steps == 64 and result.tokens == 8 * sum(len(i.input_ids) for i in items)
 
 
+def test_learning_rates_per_parameter_group():
+    streams = dataclasses.replace(STREAMS, init_rank=4, init_per_stream=True)
+    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(), LORA), streams)
+    config = TrainConfig(learning_rate=1e-3, stream_lr_scale=20.0, init_lr_scale=2.0)
+    rate_of = {id(p): group["lr"] for group in train_module._parameter_groups(model, config) for p in group["params"]}
+    init = model.stream_init
+    assert rate_of[id(init.identifiers)] == pytest.approx(2e-2)
+    assert all(rate_of[id(p)] == pytest.approx(2e-2) for p in model.pruning_head.parameters())
+    assert rate_of[id(init.down.weight)] == rate_of[id(init.up)] == pytest.approx(2e-3)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(rate_of[id(p)] == pytest.approx(1e-3) for p in lora)
+    assert len(rate_of) == sum(p.requires_grad for p in model.parameters())
+
+
 def test_interrupted_training_resumes_to_the_same_weights(items, tmp_path, monkeypatch):
     config = TrainConfig(epochs=2, learning_rate=1e-2, grad_accumulation=1, save_every=1)
     reference = fresh_model()
