@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-weight", type=float, default=None, help="override alpha_j, the streams' loss weight")
     parser.add_argument("--init-rank", type=int, default=None,
                         help="override the rank of each stream's own f_eta block in the first stage (0: identity)")
+    parser.add_argument("--init-lr-scale", type=float, default=None,
+                        help="override the first stage's learning-rate multiplier for the f_eta blocks")
     parser.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                         help="add (or skip) the self-distillation stage; default: the preset's choice")
     parser.add_argument("--distill-stream-weight", type=float, default=None,
@@ -140,12 +142,16 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
                         main_targets=args.distill_main_targets, init_rank=args.distill_init_rank,
                         learning_rate=args.distill_lr, epochs=args.distill_epochs,
                         with_references=with_references)
+    streams = _stream_override(config.streams, args)
+    if streams.init_rank and args.distill_init_rank is None:  # the first stage's f_eta trains on
+        distill = dataclasses.replace(distill, init_rank=0)
     distill.validate()
     return dataclasses.replace(
         config,
         data=_override(config.data, train_limit=args.train_limit, test_limit=args.test_limit),
-        train=_override(config.train, epochs=args.epochs, stream_weight=args.stream_weight),
-        streams=_stream_override(config.streams, args),
+        train=_override(config.train, epochs=args.epochs, stream_weight=args.stream_weight,
+                        init_lr_scale=args.init_lr_scale),
+        streams=streams,
         distill=distill,
     )
 

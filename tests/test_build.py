@@ -93,11 +93,14 @@ def test_stream_overrides_reach_the_config():
 
 
 def test_init_rank_override_gives_each_stream_its_own_f_eta():
-    config = build.build_config(build.parse_args(["--preset", "smoke", "--init-rank", "16"]))
-    assert (config.streams.init_rank, config.streams.init_per_stream) == (16, True)
+    config = build.build_config(build.parse_args(["--preset", "smoke", "--init-rank", "16", "--init-lr-scale", "3"]))
+    assert (config.streams.init_rank, config.streams.init_per_stream, config.train.init_lr_scale) == (16, True, 3.0)
     identity = build.build_config(build.parse_args(["--preset", "cpu", "--init-rank", "0"]))
     assert (identity.streams.init_rank, identity.streams.init_per_stream) == (0, False)
     identity.streams.validate(30)
+    # A first stage with its own f_eta keeps training it in a second stage instead of growing another.
+    assert build.build_config(build.parse_args(["--preset", "cpu", "--distill"])).distill.init_rank == 0
+    assert build.build_config(build.parse_args(["--preset", "cpu-distill"])).distill.init_rank == 128
 
 
 def test_distill_flags_reach_the_config():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import write_checkpoint
 
-from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.autoregressive import generate_autoregressive
@@ -26,7 +26,7 @@ pytest.importorskip("coremltools", reason="the coreml extra is not installed")
 
 # The 15-node tree with streams beside every node (auto would pick deferred, which test_build runs),
 # and a draft vocabulary of 60 of the tiny model's 97 tokens.
-CONFIG = ExportConfig(tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4, greedy_schedule="fused")
+CONFIG = ExportConfig(backends=BACKENDS, tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4, greedy_schedule="fused")
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
 
 
@@ -257,6 +257,14 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shal
         rules = StopRules(24)
         plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
+
+
+def test_the_core_ml_delegated_pte_is_asked_for_not_built_by_default():
+    assert ExportConfig().backends == DEFAULT_BACKENDS == ("torch", "executorch", "onnx", "coreml")
+    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}
+    from streamfuse.export import build
+
+    assert build.export_config(build.parse_args([])).backends == DEFAULT_BACKENDS
 
 
 def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(artifact):
