@@ -35,12 +35,14 @@ import shutil  # noqa: E402
 import torch  # noqa: E402
 
 from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
-from streamfuse.adapters.config import StreamConfig  # noqa: E402
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info  # noqa: E402
+from streamfuse.adapters.config import StreamConfig  # noqa: E402
 from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
-from streamfuse.export.artifact import DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest  # noqa: E402
+from streamfuse.export.artifact import (  # noqa: E402
+    DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest,
+)
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
                         help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
-                        help="smoke: minutes, tests the pipeline; cpu: ~1 h on 2 cores; cpu-distill: the benchmarked "
+                        help="smoke: minutes, tests the pipeline; cpu: ~72 min on 2 cores; cpu-distill: the benchmarked "
                              "model, ~2.5 h on 2 cores; paper: the paper's recipe, GPU")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")

@@ -26,7 +26,8 @@ pytest.importorskip("coremltools", reason="the coreml extra is not installed")
 
 # The 15-node tree with streams beside every node (auto would pick deferred, which test_build runs),
 # and a draft vocabulary of 60 of the tiny model's 97 tokens.
-CONFIG = ExportConfig(backends=BACKENDS, tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4, greedy_schedule="fused")
+CONFIG = ExportConfig(backends=BACKENDS, tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4,
+                      greedy_schedule="fused")
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
 
 
