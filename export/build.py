@@ -145,7 +145,7 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
                         learning_rate=args.distill_lr, epochs=args.distill_epochs,
                         with_references=with_references)
     streams = _stream_override(config.streams, args)
-    if streams.init_rank and args.distill_init_rank is None:  # the first stage's f_eta trains on
+    if streams.init_rank and args.distill_init_rank is None:  # the first stage has f_eta: train it on, grow none
         distill = dataclasses.replace(distill, init_rank=0)
     distill.validate()
     return dataclasses.replace(

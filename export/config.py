@@ -141,6 +141,14 @@ class BuildConfig:
         return asdict(self)
 
 
+# What the two 2-core CPU presets share: the LoRA, the data cuts and the evaluation.
+_CPU_BASE = BuildConfig(
+    preset="cpu",
+    lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
+    data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
+    eval=EvalConfig(max_new_tokens=80, batch_size=8),
+)
+
 PRESETS: dict[str, BuildConfig] = {
     # Minutes on a laptop CPU: proves the pipeline end to end, not the quality.
     "smoke": BuildConfig(
@@ -156,25 +164,21 @@ PRESETS: dict[str, BuildConfig] = {
     # paper, but each stream has its own rank-128 f_eta from the start (at 4x the LoRA rate) and
     # alpha_j = 0.5: in 1.5 epochs the streams learn more than the identity f_eta at alpha_j = 0.1
     # did in two, at the same ROUGE (docs/results.md).
-    "cpu": BuildConfig(
+    "cpu": replace(
+        _CPU_BASE,
         preset="cpu",
         streams=StreamConfig(num_streams=3, msa_layers=8, init_rank=128, init_per_stream=True),
-        lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
-        data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
         train=TrainConfig(epochs=1.5, learning_rate=5e-4, grad_accumulation=4, stream_weight=0.5, init_lr_scale=4.0),
-        eval=EvalConfig(max_new_tokens=80, batch_size=8),
     ),
     # The benchmarked model (docs/benchmarks.md): about 2 h 10 min of training and evaluation on a
     # 2-core CPU. Two epochs of eq. 5, then a streams-only second stage, two epochs on the model's
     # own answers and the references: better drafts, the same main stream (docs/results.md).
-    "cpu-distill": BuildConfig(
+    "cpu-distill": replace(
+        _CPU_BASE,
         preset="cpu-distill",
         streams=StreamConfig(num_streams=3, msa_layers=8),
-        lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
-        data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
         train=TrainConfig(epochs=2.0, learning_rate=5e-4, grad_accumulation=4),
         distill=DistillConfig(enabled=True, epochs=2.0, with_references=True),
-        eval=EvalConfig(max_new_tokens=80, batch_size=8),
     ),
     # The paper's recipe (A.2): 5 epochs, lr 5e-4, linear schedule, bf16, N_s = N/2; for a GPU.
     "paper": BuildConfig(

@@ -103,6 +103,14 @@ def test_init_rank_override_gives_each_stream_its_own_f_eta():
     assert build.build_config(build.parse_args(["--preset", "cpu-distill"])).distill.init_rank == 128
 
 
+def test_the_core_ml_delegated_pte_is_asked_for_not_built_by_default():
+    from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ExportConfig
+
+    assert ExportConfig().backends == DEFAULT_BACKENDS == ("torch", "executorch", "onnx", "coreml")
+    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}
+    assert build.export_config(build.parse_args([])).backends == DEFAULT_BACKENDS
+
+
 def test_distill_flags_reach_the_config():
     cpu = build.build_config(build.parse_args(["--preset", "cpu-distill"]))
     assert cpu.distill.enabled and cpu.distill.main_targets == "frozen"  # the benchmarked recipe (docs/results.md)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import write_checkpoint
 
-from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ArtifactBuilder, ExportConfig
+from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.autoregressive import generate_autoregressive
@@ -258,14 +258,6 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shal
         rules = StopRules(24)
         plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
-
-
-def test_the_core_ml_delegated_pte_is_asked_for_not_built_by_default():
-    assert ExportConfig().backends == DEFAULT_BACKENDS == ("torch", "executorch", "onnx", "coreml")
-    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}
-    from streamfuse.export import build
-
-    assert build.export_config(build.parse_args([])).backends == DEFAULT_BACKENDS
 
 
 def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(artifact):
