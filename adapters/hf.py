@@ -35,6 +35,28 @@ class DecoderParts:
         return len(self.layers)
 
 
+def is_rms_norm(module: nn.Module) -> bool:
+    """The RMSNorm of the supported families (LlamaRMSNorm, Qwen2RMSNorm, ...)."""
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def rms_norm_epsilon(norm: nn.Module) -> float:
+    return float(norm.variance_epsilon)
+
+
+def register_attention(name: str, function) -> None:
+    """Make `function` (transformers' attention signature) selectable by `set_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+
+
+def set_attention(model: nn.Module, name: str) -> None:
+    """Route every attention module of `model` to the registered implementation `name`; the
+    modules read it from the config they share."""
+    unwrap_peft(model).config._attn_implementation = name
+
+
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The underlying transformers model of a peft model (LoRA layers stay in place)."""
     from peft import PeftModel

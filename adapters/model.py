@@ -37,6 +37,15 @@ class StreamingOutput:
 
 
 @dataclass
+class BottomState:
+    """The main stream after layers [0, depth) that no trainable parameter touches: training
+    computes it once per example and starts later passes from it (export/frozen_states.py)."""
+
+    depth: int
+    hidden: torch.Tensor  # [B, T, H]
+
+
+@dataclass
 class LowerState:
     """The main stream after layers [0, N - N_s), ready for forward_upper."""
 
@@ -90,7 +99,11 @@ class SpeculativeStreamingLM(nn.Module):
     def replace_linears(self, convert: Callable[[nn.Linear], nn.Module]) -> int:
         """swap_linears over the base model, streams and pruning head; parts are re-read so the
         LM head is the new module too."""
-        swapped = swap_linears(self, convert)
+        return self.replace_modules(lambda module: isinstance(module, nn.Linear), convert)
+
+    def replace_modules(self, match: Callable[[nn.Module], bool], convert: Callable[[nn.Module], nn.Module]) -> int:
+        """swap_modules over the whole model, then re-read parts (the final norm, the LM head)."""
+        swapped = swap_modules(self, match, convert)
         self.parts = hf.decoder_parts(self.model)
         return swapped
 
@@ -106,28 +119,58 @@ class SpeculativeStreamingLM(nn.Module):
         key_values: KeyValues | None = None,
         anchors: torch.Tensor | None = None,
         with_pruning: bool = False,
+        bottom: BottomState | None = None,
     ) -> StreamingOutput:
         """input_ids, position_ids [B, T]; mask [B, 1, T, P + T] additive over (past, current);
         key_values: where past K/V come from and this call's go (default: no past, collect new);
-        anchors [B, A] indices of main tokens that get gamma streams each (None: streams off)."""
-        return self.forward_upper(self.forward_lower(input_ids, position_ids, mask, key_values, with_pruning), anchors)
+        anchors [B, A] indices of main tokens that get gamma streams each (None: streams off);
+        bottom: these tokens' states after the first layers, which are then skipped (no K/V)."""
+        lower = self.forward_lower(input_ids, position_ids, mask, key_values, with_pruning, bottom)
+        return self.forward_upper(lower, anchors)
 
-    def forward_lower(self, input_ids, position_ids, mask, key_values=None, with_pruning=False) -> "LowerState":
-        """Main stream through layers [0, N - N_s); the pruning head reads its layer on the way.
-        Callers that prune a tree draft decide the anchors between this and forward_upper."""
+    def forward_lower(self, input_ids, position_ids, mask, key_values=None, with_pruning=False,
+                      bottom: BottomState | None = None) -> "LowerState":
+        """Main stream through layers [0, N - N_s) (from bottom.depth when given); the pruning
+        head reads its layer on the way. Callers that prune a tree draft decide the anchors
+        between this and forward_upper."""
         parts = self.parts
-        hidden = parts.embed(input_ids)
+        start = 0 if bottom is None else bottom.depth
+        if not 0 <= start <= (self.pruning_layer if with_pruning else self.split):
+            raise ValueError(f"a bottom state after {start} layers is past the layer the pruning head or the "
+                             f"streams read ({self.pruning_layer} / {self.split})")
+        hidden = parts.embed(input_ids) if bottom is None else bottom.hidden
         rope = parts.rotary(hidden, position_ids)
         if key_values is None:
             key_values = StepKeyValues(parts.num_layers, input_ids.shape[1])
         pruning_hidden = None
-        for index in range(self.split):
+        for index in range(start, self.split):
             if with_pruning and index == self.pruning_layer:
                 pruning_hidden = self._early_exit(hidden)
             hidden = hf.call_layer(parts.layers[index], hidden, mask, rope, key_values)
         if with_pruning and self.pruning_layer == self.split:
             pruning_hidden = self._early_exit(hidden)
         return LowerState(hidden, position_ids, mask, rope, key_values, pruning_hidden)
+
+    def forward_bottom(self, input_ids, position_ids, mask, depth: int) -> BottomState:
+        """The main stream after layers [0, depth) alone (what `bottom` takes)."""
+        if not 0 <= depth <= self.split:
+            raise ValueError(f"bottom depth must be in [0, {self.split}], got {depth}")
+        parts = self.parts
+        hidden = parts.embed(input_ids)
+        rope = parts.rotary(hidden, position_ids)
+        key_values = StepKeyValues(parts.num_layers, input_ids.shape[1])
+        return BottomState(depth, self._run_layers(range(depth), hidden, mask, rope, key_values))
+
+    def frozen_depth(self) -> int:
+        """How many bottom layers no trainable parameter reaches, up to what the pruning head or
+        the streams read: their output for given tokens cannot change while training."""
+        if any(p.requires_grad for p in self.parts.embed.parameters()):
+            return 0
+        limit = min(self.pruning_layer, self.split)
+        for index in range(limit):
+            if any(p.requires_grad for p in self.parts.layers[index].parameters()):
+                return index
+        return limit
 
     def forward_upper(self, lower: "LowerState", anchors: torch.Tensor | None = None) -> StreamingOutput:
         """Layers [N - N_s, N): plain when anchors is None, else multi-stream over main + streams."""
@@ -193,10 +236,15 @@ class SpeculativeStreamingLM(nn.Module):
 def swap_linears(root: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -> int:
     """Replace every nn.Linear under `root` by convert(linear), in place (kernel variants by module
     swap, as ExecuTorch's examples do); returns how many were swapped."""
+    return swap_modules(root, lambda module: isinstance(module, nn.Linear), convert)
+
+
+def swap_modules(root: nn.Module, match: Callable[[nn.Module], bool], convert: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every module under `root` that `match`es by convert(module), in place."""
     swapped = 0
     for module in list(root.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if match(child):
                 setattr(module, name, convert(child))
                 swapped += 1
     return swapped

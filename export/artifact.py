@@ -7,7 +7,6 @@ backend is exported and verified, so a half-built artifact never loads.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -173,10 +172,11 @@ class ArtifactBuilder:
 
     def _export(self, backend: str) -> dict:
         model, _, _ = self.model_and_tokenizer()
-        if backend == "executorch" and self.config.quantize != "none":  # XNNPACK only: the others stay fp
+        if backend == "executorch":  # XNNPACK: a copy with partition-friendly modules, maybe quantized
             from streamfuse.export.to_executorch import quantize_weights
+            from streamfuse.export.xnnpack_graph import xnnpack_model
 
-            model = copy.deepcopy(model)
+            model = xnnpack_model(model)
             quantize_weights(model, self.config.quantize)
         modules, inputs = self.modules(model), graph.example_inputs(model, self.shapes())
         if backend in PTE_FILES:

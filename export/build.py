@@ -48,6 +48,7 @@ from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset 
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.distill import distill_rows, self_distilled  # noqa: E402
 from streamfuse.export.evaluation import packed_for_inference, stream_accuracy, task_quality  # noqa: E402
+from streamfuse.export.frozen_states import FrozenStates  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
 from streamfuse.export.train import train  # noqa: E402
@@ -177,6 +178,7 @@ class Build:
         self.run_dir = args.work_dir / f"{self.task.name}-{config.preset}"
         _, self.tokenizer = load_base_model(args.base_model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.frozen_states = FrozenStates()  # every model of this build sits on the same base model
 
     # --- data -----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -216,7 +218,7 @@ class Build:
     def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict):
         """Train (resumably), then save the checkpoint with `info` plus this stage's figures."""
         snapshot = self.run_dir / f"{directory.name}-{key}.snapshot"
-        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name)
+        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name, self.frozen_states)
         stage = {"train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
                  "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses}
         save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora,

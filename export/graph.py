@@ -68,7 +68,8 @@ def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tenso
 
 def split_cache(keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[L, kv, C, d] -> per layer ([1, kv, C, d], [1, kv, C, d]) as the model's K/V provider reads them."""
-    return [(keys[layer][None], values[layer][None]) for layer in range(keys.shape[0])]
+    # Slices, not index + unsqueeze: XNNPACK takes slices, so they do not split its partitions.
+    return [(keys[layer : layer + 1], values[layer : layer + 1]) for layer in range(keys.shape[0])]
 
 
 class MainPass(nn.Module):
@@ -104,7 +105,7 @@ class MainPass(nn.Module):
 
 def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
     """This call's main-token K/V as [L, kv, T, d] keys and values."""
-    return torch.stack([k[0] for k, _ in provider.new]), torch.stack([v[0] for _, v in provider.new])
+    return torch.cat([k for k, _ in provider.new]), torch.cat([v for _, v in provider.new])
 
 
 class StreamsPass(nn.Module):
@@ -146,7 +147,8 @@ class GreedyStepPass(nn.Module):
         self.register_buffer("all_nodes", torch.arange(tree.num_nodes)[None], persistent=False)
         ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)
-        self.register_buffer("draft_head", None if ids is None else _head_rows(model, ids), persistent=False)
+        # A parameter, not a buffer: XNNPACK lowers a linear layer only when its weight is one.
+        self.draft_head = None if ids is None else nn.Parameter(_head_rows(model, ids), requires_grad=False)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         lower, provider = self.main.lower(ids, cache_len, keys, values)

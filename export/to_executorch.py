@@ -67,5 +67,9 @@ def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Pa
     from executorch.exir import to_edge_transform_and_lower
 
     programs = {name: torch.export.export(module, inputs[name], strict=False) for name, module in modules.items()}
+    if delegate == "xnnpack":
+        from streamfuse.export.xnnpack_graph import views_for_xnnpack
+
+        programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
     lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate)])
     Path(path).write_bytes(lowered.to_executorch().buffer)

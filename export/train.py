@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from streamfuse.adapters.model import SpeculativeStreamingLM, causal_mask
+from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM, causal_mask
 from streamfuse.export.config import TrainConfig
 from streamfuse.export.data import Batch, Encoded, epoch_batches
+from streamfuse.export.frozen_states import FrozenStates
 from streamfuse.export.loss import streaming_loss
 
 
@@ -32,8 +33,9 @@ class TrainResult:
     final_losses: dict[str, float]
 
 
-def forward_batch(model: SpeculativeStreamingLM, batch: Batch, with_streams: bool):
-    """Training forward: causal mask over right-padded rows, streams at the answer anchors."""
+def forward_batch(model: SpeculativeStreamingLM, batch: Batch, with_streams: bool, bottom: BottomState | None = None):
+    """Training forward: causal mask over right-padded rows, streams at the answer anchors;
+    from the frozen layers' stored output when `bottom` is given."""
     positions = torch.arange(batch.input_ids.shape[1])[None].expand_as(batch.input_ids)
     return model(
         batch.input_ids,
@@ -41,6 +43,7 @@ def forward_batch(model: SpeculativeStreamingLM, batch: Batch, with_streams: boo
         causal_mask(batch.padding),
         anchors=batch.anchors if with_streams else None,
         with_pruning=with_streams,
+        bottom=bottom,
     )
 
 
@@ -108,8 +111,10 @@ def train(
     pad_id: int,
     with_streams: bool,
     label: str,
+    states: FrozenStates | None = None,
 ) -> TrainResult:
-    """Train in place. with_streams=False is the next-token-only LoRA baseline."""
+    """Train in place. with_streams=False is the next-token-only LoRA baseline. `states` keeps
+    the frozen bottom layers' output per example across epochs (and across calls that share it)."""
     from accelerate import Accelerator
     from transformers import get_linear_schedule_with_warmup
 
@@ -142,7 +147,12 @@ def train(
         if index % accelerator.num_processes != accelerator.process_index:
             continue
         with accelerator.accumulate(model):
-            terms = streaming_loss(accelerator.unwrap_model(model), forward_batch(model, batch, with_streams), batch, **weights)
+            bottom = None
+            if states is not None:
+                with accelerator.autocast():
+                    bottom = states.bottom(accelerator.unwrap_model(model), batch)
+            output = forward_batch(model, batch, with_streams, bottom)
+            terms = streaming_loss(accelerator.unwrap_model(model), output, batch, **weights)
             accelerator.backward(terms["total"])
             optimizer.step()
             scheduler.step()

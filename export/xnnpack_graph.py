@@ -1,0 +1,88 @@
+"""Keep each exported method inside a few XNNPACK partitions.
+
+XNNPACK's partitioner takes only ops it has kernels for, and every op it refuses splits the graph:
+the refused op runs on ExecuTorch's portable (single-threaded reference) kernels, and each piece
+between two of them is preprocessed and called on its own. With the Hugging Face modules as they
+are, SmolLM2-135M's decode method fell into 184 pieces (about 6 per layer): lowering it took
+169 s (83 s in 3 pieces now) and a call 70 ms (27 ms now; docs/export.md). The refusals and
+their replacements (same arithmetic):
+
+- RMSNorm's mean over the last dim (XNNPACK means only 4D tensors over dims 2 and 3): the
+  squares are reshaped to [1, rows, H, 1] and averaged over (2, 3);
+- SDPA's decomposition (a "safe softmax" for fully masked rows: any / where / logical_not) and
+  4D matmuls (expand_copy): grouped-query attention as two bmm calls with an additive mask;
+- unsqueeze on any but the trailing dim (the rotary embedding's cos / sin, per layer): a view;
+- alias copies of the new K/V rows: dropped.
+
+The first two are module swaps on a copy of the model (the model itself stays as trained); the
+last two rewrite the exported ATen graph. ExecuTorch parity against torch eager is checked at
+export as before (export/verify.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from streamfuse.adapters import hf
+from streamfuse.adapters.model import SpeculativeStreamingLM
+
+ATTENTION = "streamfuse_grouped_bmm"
+
+
+class PooledRMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, with the mean as a 4D average over dims (2, 3)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.register_buffer("eps", torch.tensor(hf.rms_norm_epsilon(norm), dtype=norm.weight.dtype), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        size = hidden.shape[-1]
+        squares = (hidden * hidden).reshape(1, -1, size, 1)
+        variance = squares.mean(dim=(2, 3), keepdim=True).reshape(*hidden.shape[:-1], 1)
+        return self.weight * (hidden * torch.rsqrt(variance + self.eps))
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention for an HF attention module (AttentionInterface signature), without repeating K/V:
+    the query heads of one K/V head are stacked as rows. query [B, heads, T, d], key / value
+    [B, kv_heads, K, d], attention_mask additive [B, 1, T, K] -> ([B, T, heads, d], None)."""
+    batch, heads, tokens, size = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads  # HF orders heads kv-major: head h reads K/V head h // group
+    scale = torch.tensor(scaling, dtype=query.dtype)  # a tensor: XNNPACK multiplies tensors, not scalars
+    rows = (query * scale).reshape(batch * kv_heads, group * tokens, size)
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
+    scores = scores.reshape(batch, kv_heads, group, tokens, keys)
+    if attention_mask is not None:
+        scores = scores + attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1, tokens, keys)
+    probs = torch.softmax(scores, dim=-1).reshape(batch * kv_heads, group * tokens, keys)
+    out = torch.bmm(probs, value.reshape(batch * kv_heads, keys, size))
+    return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
+
+
+def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
+    """A copy of `model` whose RMSNorms and attention lower to XNNPACK whole."""
+    hf.register_attention(ATTENTION, grouped_attention)
+    ready = copy.deepcopy(model)
+    ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
+    hf.set_attention(ready.model, ATTENTION)
+    return ready
+
+
+def views_for_xnnpack(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """In place on the ATen graph: unsqueeze -> view of the same shape, alias -> its input."""
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target == torch.ops.aten.unsqueeze.default:
+            node.target = torch.ops.aten.view.default
+            node.args = (node.args[0], list(node.meta["val"].shape))
+        elif node.target == torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program

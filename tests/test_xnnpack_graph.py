@@ -1,0 +1,77 @@
+"""XNNPACK-friendly modules compute what the Hugging Face ones do, and keep a method in few partitions."""
+
+import collections
+import importlib.util
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
+
+from streamfuse.adapters import hf
+from streamfuse.adapters.config import StreamConfig
+from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export import graph
+from streamfuse.export.xnnpack_graph import PooledRMSNorm, grouped_attention, views_for_xnnpack, xnnpack_model
+from streamfuse.runtime.tree import TreeSpec
+
+SHAPES = graph.GraphShapes(capacity=48, prefill_chunk=8, tree=TreeSpec.parse("gamma=3,k=1"))
+
+
+def tiny_model():
+    base = make_tiny_llama(layers=4, hidden=64)
+    return SpeculativeStreamingLM(base, StreamConfig(num_streams=3, msa_layers=2)).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 64), (2, 3, 4, 64)])
+def test_pooled_rms_norm_is_rms_norm(shape):
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    hidden = torch.randn(shape) * 3
+    torch.testing.assert_close(PooledRMSNorm(norm)(hidden), norm(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_attention_is_eager_attention():
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 3, False
+    query, key, value = torch.randn(1, 6, 4, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    mask = torch.zeros(1, 1, 4, 9).masked_fill(torch.rand(1, 1, 4, 9) < 0.4, graph.MASKED)
+    mask[..., 0] = 0.0  # every row sees something
+    expected, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.25)
+    actual, _ = grouped_attention(module, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_xnnpack_model_gives_the_graphs_outputs_and_leaves_the_model_alone():
+    model = tiny_model()
+    ready = xnnpack_model(model)
+    inputs = graph.example_inputs(model, SHAPES)
+    inputs["decode"] = (torch.tensor([[5]]), torch.tensor([3]), torch.randn(4, 2, 48, 16), torch.randn(4, 2, 48, 16))
+    for name in ("prefill", "decode", "step", "streams"):
+        expected = graph.graph_modules(model, SHAPES)[name](*inputs[name])
+        actual = graph.graph_modules(ready, SHAPES)[name](*inputs[name])
+        for got, want in zip(actual, expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not any(isinstance(m, PooledRMSNorm) for m in model.modules())
+    assert sum(isinstance(m, PooledRMSNorm) for m in ready.modules()) == 2 * 4 + 1
+    assert hf.unwrap_peft(model.model).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
+def test_a_decode_method_lowers_to_xnnpack_in_few_partitions():
+    from executorch.exir import to_edge_transform_and_lower
+
+    from streamfuse.export.to_executorch import partitioner
+
+    model = xnnpack_model(tiny_model())
+    module, inputs = graph.graph_modules(model, SHAPES)["decode"], graph.example_inputs(model, SHAPES)["decode"]
+    program = views_for_xnnpack(torch.export.export(module, inputs, strict=False))
+    lowered = to_edge_transform_and_lower({"decode": program}, partitioner=[partitioner("xnnpack")])
+    ops = collections.Counter(str(node.target) for node in lowered.exported_program("decode").graph.nodes
+                              if node.op == "call_function")
+    # Unpatched, every layer split in ~6 pieces around RMSNorm's mean, SDPA and unsqueezes (28 here).
+    assert ops["executorch_call_delegate"] <= 3
+    assert not [op for op in ops if any(word in op for word in ("mean", "softmax", "bmm", "alias"))]
+    assert sum(count for op, count in ops.items() if "unsqueeze" in op) <= 1  # the cache length's, once
