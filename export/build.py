@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
                         help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
-                        help="smoke: minutes, tests the pipeline; cpu (default): about an hour on 2 cores; cpu-distill: the benchmarked "
-                             "model, ~2.5 h on 2 cores; paper: the paper's recipe, GPU")
+                        help="smoke: minutes, tests the pipeline; cpu (default): about an hour on 2 cores; "
+                             "cpu-distill: the benchmarked model, ~2.5 h on 2 cores; paper: the paper's recipe, GPU")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")
     parser.add_argument("--work-dir", type=Path, default=Path("checkpoints"),
