@@ -17,6 +17,7 @@ import torch
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import Backend, PruneConfig
 from streamfuse.runtime.emitter import Emitter, StopRules
+from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.sampling import SamplingConfig, choose
 from streamfuse.runtime.trace import RunRecord, StepRecord, Trace
 from streamfuse.runtime.tree import TreeSpec
@@ -55,11 +56,28 @@ def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None, 
     return needed
 
 
-def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor) -> list[int]:
+def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:
     """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token.
-    ranked: [gamma, K] token ids of each stream, best first (K >= the tree's widest level)."""
+    ranked: [gamma, K] token ids of each stream, best first (K >= the tree's widest level).
+    looked_up: prompt-lookup tokens for the tree's lookup branch, shallowest first.
+    Returns the node tokens and how many lookup-branch nodes (from the top) took lookup tokens."""
     top = ranked.tolist()
-    return [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
+    tokens = [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
+    return tokens, _fill_lookup(tree, tokens, looked_up)
+
+
+def _fill_lookup(tree: TreeSpec, tokens: list[int], looked_up: Sequence[int]) -> int:
+    """Put lookup tokens on the lookup branch (in place), stopping at the first that repeats a
+    sibling's token: acceptance takes the first matching child, so siblings must stay distinct
+    (and a repeated sibling adds nothing). Below that point the branch keeps its stream tokens."""
+    filled = 0
+    for node, token in zip(tree.lookup_nodes, looked_up):
+        siblings = tree.children[tree.parents[node]]
+        if any(tokens[s] == token for s in siblings if s != node):
+            break
+        tokens[node] = token
+        filled += 1
+    return filled
 
 
 @dataclass
@@ -120,9 +138,10 @@ def generate_speculative(
         streams = out.stream_top(0, width)
     run.record.model_calls = 1
     notify(on_step, run.emitter.emit([root]), 0, [])
+    lookup = PromptLookup([*prompt_ids, root]) if tree.lookup else None
     while not run.emitter.done:
         with run.span("host"):
-            tokens = draft_tokens(tree, root, streams)
+            tokens, filled = draft_tokens(tree, root, streams, lookup.draft(len(tree.lookup)) if lookup else ())
         with run.span("forward"):
             out = backend.step(tokens, tree, with_streams=True, prune=prune, greedy=sampling.greedy)
         with run.span("accept"):
@@ -135,9 +154,12 @@ def generate_speculative(
             drafts = [tokens[n] for n in result.path[1:]]
             emitted = run.emitter.emit(drafts + [result.correction])
             root = result.correction
+            if lookup is not None:
+                lookup.extend(drafts + [root])
         run.record.model_calls += 1
         kept = sum(out.kept) if out.kept is not None else tree.num_nodes
-        run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path)))
+        from_lookup = len(set(result.path) & set(tree.lookup_nodes[:filled]))
+        run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup))
         if on_step is not None:  # the top-1 chain is only for the callback, not the hot path
             notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
     return run.finish()

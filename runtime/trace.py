@@ -8,10 +8,11 @@ Schema "streamfuse.trace/1" (JSON):
                "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null,
                "spans": {"prefill": s, "forward": s, "streams": s, "accept": s, "cache": s, "host": s},
                "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
-                          "tokens": int}]}]}
+                          "tokens": int, "lookup_accepted": int}]}]}
 model_calls counts the prefill: plain decoding of n tokens makes n calls (prefill + n - 1).
 accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
 tokens = d + 1 (the accepted drafts plus the main stream's correction token).
+lookup_accepted: how many of the accepted drafts were prompt-lookup tokens (a lookup branch).
 "streams" is the stream logits of the last accepted node (with deferred streams: their own pass
 through the MSA layers); "host" is what the host does between calls (drafting, emitting).
 A disabled Trace costs one attribute check per span.
@@ -35,6 +36,7 @@ class StepRecord:
     kept_nodes: int
     accepted_depth: int
     tokens: int
+    lookup_accepted: int = 0
 
 
 @dataclass

@@ -6,6 +6,12 @@ the top-2 token of stream 2". A node at depth d always takes its token from stre
 full top-k tree of the paper is every path of length 1..gamma with ranks < k
 (1 + sum_g k^g nodes). Nodes are ordered by (depth, path), so parents precede children.
 All buffers are built once; the additive tree mask is a constant of the tree.
+
+One branch may be a *lookup* branch (`lookup`, a path from the root): its nodes take the
+tokens that followed the latest earlier occurrence of the context's last n-gram (prompt
+lookup, runtime/lookup.py) and fall back to their own stream ranks where lookup has nothing.
+It changes which tokens fill the nodes, never the shape, so graphs built for the paths run it;
+the hash (what graphs depend on) covers the paths only.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ Path = tuple[int, ...]
 @dataclass(frozen=True)
 class TreeSpec:
     paths: tuple[Path, ...]  # non-root nodes, each as its rank path from the root
+    lookup: Path = ()  # the lookup branch's deepest node (); (): no lookup branch
 
     def __post_init__(self):
         paths = tuple(tuple(int(r) for r in p) for p in self.paths)
@@ -36,6 +43,10 @@ class TreeSpec:
             if len(path) > 1 and path[:-1] not in set(ordered):
                 raise ValueError(f"tree path {path} has no parent {path[:-1]}: every prefix must be a node too")
         object.__setattr__(self, "paths", ordered)
+        lookup = tuple(int(r) for r in self.lookup)
+        if lookup and lookup not in set(ordered):
+            raise ValueError(f"lookup branch {list(lookup)} is not a node of the tree: give the path of one of its nodes")
+        object.__setattr__(self, "lookup", lookup)
 
     @classmethod
     def full(cls, gamma: int, k: int) -> "TreeSpec":
@@ -49,24 +60,40 @@ class TreeSpec:
         """A single path of the top-1 token of each stream (k = 1)."""
         return cls.full(gamma, 1)
 
+    def with_lookup(self, length: int) -> "TreeSpec":
+        """This tree plus a lookup branch of `length` nodes below the root: stream 1's next unused
+        rank, then rank 0 of each deeper stream (its tokens when lookup finds nothing)."""
+        if not 1 <= length <= self.depth:
+            raise ValueError(f"lookup={length}: give 1..{self.depth} (the tree's depth) lookup nodes")
+        first = 1 + max(p[0] for p in self.paths)
+        branch = tuple((first,) + (0,) * extra for extra in range(length))
+        return TreeSpec(self.paths + branch, branch[-1])
+
     @classmethod
     def parse(cls, text: str) -> "TreeSpec":
-        """'gamma=3,k=2', or a JSON list of paths ('[[0],[1],[0,0]]'), or a path to such a JSON file."""
+        """'gamma=3,k=2' (',lookup=N' adds a lookup branch of N nodes), a JSON list of paths
+        ('[[0],[1],[0,0]]'), a JSON object {"paths": [...], "lookup": [1, 0]}, or a file holding JSON."""
         text = text.strip()
-        if text.startswith("["):
-            return cls(tuple(tuple(p) for p in json.loads(text)))
+        if text.startswith(("[", "{")):
+            return cls._from_json(json.loads(text))
         if "=" in text:
             fields = dict(item.split("=", 1) for item in text.split(","))
-            unknown = set(fields) - {"gamma", "k"}
-            if unknown or set(fields) != {"gamma", "k"}:
-                raise ValueError(f"tree {text!r}: expected 'gamma=G,k=K' or a JSON list of paths")
-            return cls.full(int(fields["gamma"]), int(fields["k"]))
+            if not {"gamma", "k"} <= set(fields) <= {"gamma", "k", "lookup"}:
+                raise ValueError(f"tree {text!r}: expected 'gamma=G,k=K[,lookup=N]' or a JSON list of paths")
+            tree = cls.full(int(fields["gamma"]), int(fields["k"]))
+            return tree.with_lookup(int(fields["lookup"])) if "lookup" in fields else tree
         from pathlib import Path as FilePath
 
         file = FilePath(text)
         if not file.is_file():
             raise ValueError(f"tree {text!r}: not 'gamma=G,k=K', a JSON list of paths, nor an existing JSON file")
-        return cls(tuple(tuple(p) for p in json.loads(file.read_text())))
+        return cls._from_json(json.loads(file.read_text()))
+
+    @classmethod
+    def _from_json(cls, data) -> "TreeSpec":
+        if isinstance(data, dict):
+            return cls(tuple(tuple(p) for p in data["paths"]), tuple(data.get("lookup") or ()))
+        return cls(tuple(tuple(p) for p in data))
 
     # --- derived buffers ---------------------------------------------------------------------
     @property
@@ -105,6 +132,12 @@ class TreeSpec:
         return kids
 
     @cached_property
+    def lookup_nodes(self) -> list[int]:
+        """Node indices of the lookup branch, shallowest first ([] without one)."""
+        index = {p: i for i, p in enumerate(self.node_paths)}
+        return [index[self.lookup[:depth]] for depth in range(1, len(self.lookup) + 1)]
+
+    @cached_property
     def widths(self) -> list[int]:
         """top-k needed from stream d (index d-1): one more than the largest rank at depth d."""
         return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
@@ -138,17 +171,18 @@ class TreeSpec:
 
     # --- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"paths": [list(p) for p in self.paths], "num_nodes": self.num_nodes, "depth": self.depth,
-                "hash": self.hash()}
+        return {"paths": [list(p) for p in self.paths], "lookup": list(self.lookup), "num_nodes": self.num_nodes,
+                "depth": self.depth, "hash": self.hash()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "TreeSpec":
-        tree = cls(tuple(tuple(p) for p in data["paths"]))
+        tree = cls._from_json(data)
         if "hash" in data and data["hash"] != tree.hash():
             raise ValueError(f"tree hash {data['hash']} does not match its paths ({tree.hash()}): the manifest was edited")
         return tree
 
     def hash(self) -> str:
+        """Of the shape only: the lookup branch changes which tokens fill nodes, not the graphs."""
         return hashlib.sha256(json.dumps([list(p) for p in self.paths]).encode()).hexdigest()[:16]
 
     def check_streams(self, num_streams: int) -> None:

@@ -67,6 +67,8 @@ class OracleDrafts:
 
 trees = st.one_of(
     st.builds(TreeSpec.full, gamma=st.integers(1, 3), k=st.integers(1, 3)),
+    st.builds(lambda g, k, n: TreeSpec.full(g, k).with_lookup(min(n, g)), st.integers(1, 3), st.integers(1, 2),
+              st.integers(1, 3)),
     st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3), min_size=1, max_size=8).map(
         lambda paths: TreeSpec(tuple({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}))),
 )
@@ -88,6 +90,23 @@ def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, p
         assert fast.token_ids == plain.token_ids
         assert fast.stop_reason == plain.stop_reason
         assert fast.run.model_calls <= plain.run.model_calls
+
+
+def test_lookup_branch_drafts_are_accepted_where_the_output_repeats_its_context():
+    """Streams that draft at random (noise 1.0) rarely hit, so lookup must carry most accepted
+    drafts. The prompt holds the plain answer's own beginning, so lookup has copies to draw on."""
+    backend = backend_for(5, schedule="deferred")
+    rules = StopRules(max_new_tokens=40)
+    answer = generate_autoregressive(backend, [7, 8, 9], rules).token_ids
+    prompt = [7, 8, 9, *answer[:20], 7, 8, 9]
+    plain = generate_autoregressive(backend, prompt, rules)
+    fast = generate_speculative(OracleDrafts(backend, plain.token_ids, 1.0, 0), prompt,
+                                TreeSpec.chain(3).with_lookup(3), rules)
+    assert fast.token_ids == plain.token_ids
+    accepted = sum(step.accepted_depth for step in fast.run.steps)
+    from_lookup = sum(step.lookup_accepted for step in fast.run.steps)
+    assert from_lookup >= 3 and 0.8 * accepted <= from_lookup <= accepted
+    assert fast.run.model_calls < plain.run.model_calls
 
 
 def test_oracle_drafts_cut_model_calls_by_the_tree_depth():

@@ -174,3 +174,10 @@ def test_wrong_schema_names_the_file(tmp_path, capsys):
     assert main([str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "old_trace.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_lookup_share_counts_accepted_drafts_from_the_lookup_branch():
+    assert profile_trace(ss_trace())["lookup_share"] == 0.0  # steps recorded before lookup branches
+    steps = [{**step(7, 7, 3), "lookup_accepted": 3}, {**step(7, 7, 1), "lookup_accepted": 0}, step(7, 7, 0)]
+    metrics = profile_trace(trace("ss", [run("a", 4, 7, 1.0, steps)]))
+    assert metrics["lookup_share"] == pytest.approx(3 / 4)

@@ -76,3 +76,26 @@ def test_pruning_threshold_and_budget_tables():
     # b below threshold removes its whole subtree
     assert keep_nodes(tree, [1.0, 0.6, 0.01, 0.5, 0.5, 0.9, 0.9], PruneConfig(threshold=0.1)) == [
         True, True, False, True, True, False, False]
+
+
+def test_lookup_branch_tables():
+    tree = TreeSpec.parse("gamma=3,k=1,lookup=3")
+    assert [list(p) for p in tree.node_paths] == [[], [0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0]]
+    assert tree.lookup == (1, 0, 0)
+    assert tree.lookup_nodes == [2, 4, 6]
+    assert tree.widths == [2, 1, 1]  # the branch falls back to stream 1's second candidate
+    # The shape is what graphs are built for: the lookup branch does not change the hash.
+    assert tree.hash() == TreeSpec(tree.paths).hash()
+    assert TreeSpec.from_dict(tree.to_dict()) == tree
+    assert TreeSpec.parse('{"paths": [[0], [1], [1, 0]], "lookup": [1, 0]}').lookup_nodes == [2, 3]
+    assert TreeSpec.parse("[[0],[1],[0,0],[0,0,0]]").with_lookup(2).lookup == (2, 0)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TreeSpec(((0,), (1,)), lookup=(1, 0)), "not a node of the tree"),
+    (lambda: TreeSpec.chain(2).with_lookup(3), "give 1..2"),
+    (lambda: TreeSpec.parse("gamma=2,k=1,lookahead=2"), "expected 'gamma=G,k=K"),
+])
+def test_bad_lookup_branches_are_rejected(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

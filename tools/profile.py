@@ -41,6 +41,8 @@ LEGEND = {
     "conditional_acceptance": "P(accepted_depth >= d | accepted_depth >= d-1)",
     "tree_utilisation": "mean(accepted_depth + 1) / mean(tree_nodes)",
     "mean_step_utilisation": "per-step mean of (accepted_depth + 1) / tree_nodes",
+    "lookup_share": "sum(step.lookup_accepted) / sum(step.accepted_depth): accepted drafts that came "
+                    "from the tree's prompt-lookup branch rather than the streams (0 without one)",
     "mean_pruned_nodes": "mean of tree_nodes - kept_nodes per step",
     "pruned_fraction": "sum(tree_nodes - kept_nodes) / sum(tree_nodes)",
     "time_split": "each span summed over runs; fraction of total = max(sum(seconds), sum(spans)); "
@@ -92,6 +94,9 @@ def _step_metrics(steps: list[dict], tree_depth: int) -> dict:
         "tree_utilisation": _ratio(sum(accepted_nodes), sum(nodes)),
         # Steps with no tree (tree_nodes 0) have no utilisation to average.
         "mean_step_utilisation": _mean([used / n for used, n in zip(accepted_nodes, nodes) if n]),
+        # Traces from before lookup branches have no lookup_accepted: none came from lookup.
+        "lookup_share": _ratio(sum(step.get("lookup_accepted", 0) for step in steps),
+                               sum(step["accepted_depth"] for step in steps)),
         "mean_pruned_nodes": _mean(pruned),
         "pruned_fraction": _ratio(sum(pruned), sum(nodes)),
         # String keys: what JSON keeps, so profile.json and the returned dict agree.
@@ -185,7 +190,7 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
 
 HEADLINE = ("runs", "model_calls", "new_tokens", "seconds", "tokens_per_s", "call_reduction", "steps",
             "mean_tokens_per_step", "mean_accepted_depth", "tree_utilisation", "mean_step_utilisation",
-            "mean_pruned_nodes", "pruned_fraction", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
+            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
 
 
 def render_markdown(metrics: dict) -> str:
