@@ -61,7 +61,13 @@ def generate_greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
 
 def task_quality(model, tokenizer, task: Task, examples: Sequence[Example], prompts: Sequence[str],
                  max_new_tokens: int, batch_size: int, label: str) -> dict:
-    predictions = generate_greedy(model, tokenizer, prompts, max_new_tokens, batch_size, f"generate {label}")
+    answers = greedy_answer_ids(model, tokenizer, prompts, max_new_tokens, batch_size, f"generate {label}")
+    return answer_quality(tokenizer, task, examples, answers)
+
+
+def answer_quality(tokenizer, task: Task, examples: Sequence[Example], answers: Sequence[Sequence[int]]) -> dict:
+    """The task metric of generated answers (token ids, as greedy_answer_ids returns them)."""
+    predictions = [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
     scores = task.score(predictions, [ex.references for ex in examples])
     samples = [{"id": ex.id, "prediction": p} for ex, p in zip(examples[:5], predictions[:5])]
     return {"scores": scores, "count": len(examples), "samples": samples}

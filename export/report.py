@@ -92,15 +92,15 @@ def markdown(summary: dict) -> str:
 
 
 def accuracy_table(summary: dict) -> list[str]:
-    """Teacher-forced accuracy against the references and against the model's own greedy answers
-    (the tokens decoding accepts drafts against)."""
+    """Teacher-forced accuracy against the validation references and against the model's own
+    greedy test answers (the tokens decoding accepts drafts against)."""
     references, own = summary["stream_accuracy"], summary.get("stream_accuracy_own", {})
     if not references:
         return []
     top_key = next(k for k in next(iter(references.values())) if k.startswith("top") and k != "top1")
     lines = ["", f"Teacher-forced accuracy on {summary['validation_examples']} validation examples (answer tokens), "
-             "against the references and against the model's own greedy answers:", "",
-             f"| predictor | top-1 % | {top_key} % | tokens | own answers: top-1 % | {top_key} % |",
+             "against the references; and on the test inputs against the model's own greedy answers:", "",
+             f"| predictor | top-1 % | {top_key} % | tokens | own test answers: top-1 % | {top_key} % |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, row in references.items():
         mine = own.get(name)
