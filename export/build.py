@@ -8,8 +8,8 @@ Stages (each one reuses its output when rerun with the same settings):
   distil    (--distill) the SS model's own greedy answers to the training inputs, then a second stage on
             them, so streams learn what decoding will accept (export/distill.py)
   evaluate  zero-shot base, LoRA baseline and SS model on the test split (greedy), stream
-            accuracy on validation against the references and against the model's own greedy
-            answers; eval.json goes into the SS checkpoint
+            accuracy on validation against the references, and on the test split against the SS
+            model's own greedy answers (the ones its ROUGE is scored on); eval.json goes into the SS checkpoint
   export    static-shape graphs (fixed tree mask, static KV cache) for ExecuTorch (.pte, XNNPACK),
             ONNX and Core ML (.mlpackage), LoRA merged, into one self-describing artifact folder
   verify    each backend that runs here against torch eager: greedy tokens and step outputs
@@ -47,7 +47,8 @@ from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
 from streamfuse.export.distill import distill_rows, self_distilled  # noqa: E402
-from streamfuse.export.evaluation import packed_for_inference, stream_accuracy, task_quality  # noqa: E402
+from streamfuse.export.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,  # noqa: E402
+                                          stream_accuracy, task_quality)
 from streamfuse.export.frozen_states import FrozenStates  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     parser.add_argument("--test-limit", type=int, default=None, help="evaluate on the first N test examples")
+    parser.add_argument("--train-on-validation-rest", action=argparse.BooleanOptionalAction, default=None,
+                        help="train on the validation split's rows past the held-out slice too (default: the "
+                             "preset's choice; cpu does)")
     parser.add_argument("--epochs", type=float, default=None, help="override the preset's epochs")
     parser.add_argument("--gamma", type=int, default=None, help="override the preset's number of streams")
     parser.add_argument("--msa-layers", type=int, default=None, help="override the preset's N_s (multi-stream layers)")
@@ -114,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         choices=("auto", "fused", "deferred"),
                         help="greedy_step's streams: beside every tree node (fused), for the accepted node after "
                              "verifying (deferred), or by tree size (auto: fused up to 7 nodes)")
+    parser.add_argument("--export-workers", type=int, default=2,
+                        help="export processes: 2 lowers ExecuTorch while a second process exports ONNX and Core ML "
+                             "(mostly single-threaded work; ~5 min less on 2 cores, one more model in memory)")
     parser.add_argument("--parity-prompts", type=int, default=ExportConfig.parity_prompts,
                         help="test inputs for the backend parity check")
     parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
@@ -125,7 +132,7 @@ def export_config(args: argparse.Namespace) -> ExportConfig:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     config = ExportConfig(backends, args.tree, args.context, args.prefill_chunk, args.quantize,
                           parity_prompts=args.parity_prompts, draft_vocab=args.draft_vocab,
-                          greedy_schedule=args.greedy_schedule)
+                          greedy_schedule=args.greedy_schedule, workers=args.export_workers)
     config.validate()
     return config
 
@@ -149,9 +156,12 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
     if streams.init_rank and args.distill_init_rank is None:  # the first stage has f_eta: train it on, grow none
         distill = dataclasses.replace(distill, init_rank=0)
     distill.validate()
+    data = _override(config.data, train_limit=args.train_limit, test_limit=args.test_limit,
+                     train_on_validation_rest=args.train_on_validation_rest)
+    data.validate()
     return dataclasses.replace(
         config,
-        data=_override(config.data, train_limit=args.train_limit, test_limit=args.test_limit),
+        data=data,
         train=_override(config.train, epochs=args.epochs, stream_weight=args.stream_weight,
                         init_lr_scale=args.init_lr_scale),
         streams=streams,
@@ -183,8 +193,10 @@ class Build:
     # --- data -----------------------------------------------------------------------------
     def load_data(self) -> None:
         data = self.config.data
-        self.train_examples = self.task.load("train", self.args.data_dir, data.train_limit)
-        self.validation = self.task.load("validation", self.args.data_dir, data.validation_limit)
+        validation = self.task.load("validation", self.args.data_dir)
+        self.validation = validation[: data.validation_limit]
+        extra = validation[data.validation_limit :] if data.train_on_validation_rest else []
+        self.train_examples = (self.task.load("train", self.args.data_dir) + extra)[: data.train_limit]
         self.test = self.task.load("test", self.args.data_dir, data.test_limit)
         self.train_items = [self._encode(ex) for ex in self.train_examples]
         self.validation_items = [self._encode(ex) for ex in self.validation]
@@ -291,15 +303,20 @@ class Build:
 
         def compute() -> dict:
             model = self.inference_model(directory)
-            result = {"test": self.quality(model.model, label)}
-            if with_streams:
-                top_k = self.config.eval.top_k
-                result["stream_accuracy"] = stream_accuracy(model, self.validation_items, self.pad_id, top_k)
-                own = self.own_answers(model, key, self.validation, "validation")
-                result["stream_accuracy_own"] = stream_accuracy(model, own, self.pad_id, top_k)
-            return result
+            if not with_streams:
+                return {"test": self.quality(model.model, label)}
+            ev = self.config.eval
+            answers = greedy_answer_ids(model.model, self.tokenizer, self.test_prompts, ev.max_new_tokens,
+                                        ev.batch_size, f"generate {label}")
+            # Own answers: the test answers just scored, so no second generation (~1.5 min on 2 cores).
+            own = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
+                   zip(self.test, self.tokenizer(list(self.test_prompts), add_special_tokens=False)["input_ids"], answers)]
+            return {"test": answer_quality(self.tokenizer, self.task, self.test, answers),
+                    "stream_accuracy": stream_accuracy(model, self.validation_items, self.pad_id, ev.top_k),
+                    "stream_accuracy_own": stream_accuracy(model, own, self.pad_id, ev.top_k)}
 
-        return self.cached(label, self.eval_key(key), compute)
+        # "own:test": own-answer accuracy moved from validation to the test answers (older results recompute).
+        return self.cached(label, self.eval_key(key) + (" own:test" if with_streams else ""), compute)
 
     # --- export, verify, profile ----------------------------------------------------------
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:

@@ -1,5 +1,6 @@
 """export/build.py end to end on a tiny base model and tiny DialogSum-format data."""
 
+import dataclasses
 import json
 
 import pytest
@@ -131,3 +132,39 @@ def test_distill_flags_reach_the_config():
     with pytest.raises(ValueError, match="with_references applies to main_targets 'frozen'"):
         build.build_config(build.parse_args(["--preset", "cpu-distill", "--distill-with-references",
                                              "--distill-main-targets", "own"]))
+
+
+def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_path):
+    data = write_tiny_dialogsum(tmp_path / "data")  # 24 train rows, 8 dev rows
+    common = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--data-dir", str(data), "--train-limit", "30"]
+    plain = build.Build(args := build.parse_args(common), build.build_config(args))
+    plain.load_data()
+    more = build.Build(args := build.parse_args([*common, "--train-on-validation-rest"]), build.build_config(args))
+    more.load_data()
+    validation = [ex.id for ex in more.validation]
+    assert validation == [ex.id for ex in plain.validation] == [f"dev_{i}" for i in range(8)]  # smoke keeps 8
+    assert [ex.id for ex in plain.train_examples] == [f"train_{i}" for i in range(24)]
+    # The smoke preset holds out all 8 dev rows, so nothing joins; with a 5-row slice, 3 do (then the limit cuts).
+    assert [ex.id for ex in more.train_examples] == [f"train_{i}" for i in range(24)]
+    config = dataclasses.replace(more.config, data=dataclasses.replace(more.config.data, validation_limit=5))
+    sliced = build.Build(args, config)
+    sliced.load_data()
+    assert [ex.id for ex in sliced.validation] == [f"dev_{i}" for i in range(5)]
+    assert [ex.id for ex in sliced.train_examples] == [f"train_{i}" for i in range(24)] + ["dev_5", "dev_6", "dev_7"]
+    # Which rows train then depends on the slice, so the checkpoint key does; without the option it does not.
+    key = lambda c: c.training_key("dialogsum", "m", with_streams=True)  # noqa: E731
+    assert key(config) != key(more.config) != key(plain.config)
+    unsliced = dataclasses.replace(plain.config, data=dataclasses.replace(plain.config.data, validation_limit=5))
+    assert key(unsliced) == key(plain.config)
+    with pytest.raises(ValueError, match="needs a validation_limit"):
+        dataclasses.replace(config.data, validation_limit=None).validate()
+
+
+def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_older_keys_stand():
+    from streamfuse.export.config import preset
+
+    assert preset("cpu").data.train_on_validation_rest and not preset("cpu-distill").data.train_on_validation_rest
+    # cpu-distill's first-stage key from before the option existed (docs/results.md's checkpoints).
+    assert preset("cpu-distill").training_key("dialogsum", "smollm2-135m-instruct", True) == "814c46a2e2617fa2-ss"
+    off = build.build_config(build.parse_args(["--preset", "cpu", "--no-train-on-validation-rest"]))
+    assert not off.data.train_on_validation_rest
