@@ -164,6 +164,7 @@ def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_older_key
     from streamfuse.export.config import preset
 
     assert preset("cpu").data.train_on_validation_rest and not preset("cpu-distill").data.train_on_validation_rest
+    assert (preset("cpu").lora.dropout, preset("cpu-distill").lora.dropout) == (0.0, 0.05)
     # cpu-distill's first-stage key from before the option existed (docs/results.md's checkpoints).
     assert preset("cpu-distill").training_key("dialogsum", "smollm2-135m-instruct", True) == "814c46a2e2617fa2-ss"
     off = build.build_config(build.parse_args(["--preset", "cpu", "--no-train-on-validation-rest"]))
