@@ -130,8 +130,7 @@ class ArtifactBuilder:
         exported = self._export_stages(backends)
         files = {backend: done["files"] for backend, done in exported.items()}
         seconds = {backend: done["seconds"] for backend, done in exported.items()}
-        parity = {backend: self._stage(f"parity-{backend}", lambda b=backend: self._parity(b, files[b]))
-                  for backend in backends if backend in RUNS_HERE}
+        parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
         manifest = self._manifest(files, parity, seconds)
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if self.out.exists():
@@ -159,7 +158,8 @@ class ArtifactBuilder:
 
     def _export_stages(self, backends: list[str]) -> dict[str, dict]:
         """Every backend's export stage; with workers > 1, those after the first run in a worker
-        process meanwhile (the first, ExecuTorch by default, takes about as long as the rest)."""
+        process meanwhile, with their parity checks (the first, ExecuTorch by default, takes
+        about as long as the rest to lower); the first's parity runs here while the worker ends."""
         beside = [b for b in backends[1:] if not self._marker(b).is_file()]
         if self.config.workers < 2 or not beside:
             return {b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")}
@@ -167,8 +167,15 @@ class ArtifactBuilder:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             worker = pool.submit(export_stages, self.arguments, beside)
             first = self._stage(backends[0], lambda: self._export(backends[0]))
+            self._parity_stage(backends[0], first["files"])
             worker.result()  # re-raises the worker's error here
         return {backends[0]: first, **{b: json.loads(self._marker(b).read_text()) for b in backends[1:]}}
+
+    def _parity_stage(self, backend: str, files: dict) -> dict | None:
+        """The parity check of a backend that runs here (None for the others)."""
+        if backend not in RUNS_HERE:
+            return None
+        return self._stage(f"parity-{backend}", lambda: self._parity(backend, files))
 
     def _marker(self, name: str) -> Path:
         return self.staging / "done" / f"{name}.json"
@@ -314,12 +321,14 @@ class ArtifactBuilder:
 
 
 def export_stages(arguments: tuple, backends: list[str]) -> None:
-    """In a worker process: the export stages of `backends`, into the parent's staging folder
-    (each leaves its marker, which the parent reads). One thread: the parent uses the other core."""
+    """In a worker process: the export stages of `backends`, then the parity checks of those that
+    run here, into the parent's staging folder (each leaves its marker, which the parent reads).
+    One thread: the parent uses the other core."""
     torch.set_num_threads(1)
     builder = ArtifactBuilder(*arguments)
-    for backend in backends:
-        builder._stage(backend, lambda b=backend: builder._export(b))
+    done = {backend: builder._stage(backend, lambda b=backend: builder._export(b)) for backend in backends}
+    for backend, result in done.items():
+        builder._parity_stage(backend, result["files"])
 
 
 def update_manifest(artifact: Path, **fields) -> None:
