@@ -219,13 +219,19 @@ class Build:
             if existing.get("prompt") != prompt:
                 update_info(directory, prompt=prompt)  # checkpoints from before the prompt was recorded
             return directory
-        base, _ = load_base_model(self.args.base_model)
-        model = SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
+        model = self.new_model()
         info = {"task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
                 "extra_parameters": model.extra_parameters()}
         result = self._train_and_save(model, self.train_items, self.config.train, directory, key, with_streams, info)
         print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
         return directory
+
+    def new_model(self) -> SpeculativeStreamingLM:
+        """The base model with fresh LoRA, streams and pruning head, initialised from the training
+        seed: libraries reseed torch's generator at import, so without it no two builds match."""
+        base, _ = load_base_model(self.args.base_model)
+        torch.manual_seed(self.config.train.seed)
+        return SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
 
     def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict):
         """Train (resumably), then save the checkpoint with `info` plus this stage's figures."""
@@ -259,6 +265,7 @@ class Build:
         # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
         if distill.init_rank:
+            torch.manual_seed(self.config.train.seed)  # the new f_eta blocks: the same every build
             try:
                 model.grow_stream_init(distill.init_rank, distill.init_per_stream)
             except ValueError as error:

@@ -169,3 +169,16 @@ def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_older_key
     assert preset("cpu-distill").training_key("dialogsum", "smollm2-135m-instruct", True) == "814c46a2e2617fa2-ss"
     off = build.build_config(build.parse_args(["--preset", "cpu", "--no-train-on-validation-rest"]))
     assert not off.data.train_on_validation_rest
+
+
+def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tiny_base_dir):
+    args = build.parse_args(["--preset", "smoke", "--base-model", str(tiny_base_dir), "--init-rank", "4"])
+    builder = build.Build(args, build.build_config(args))
+    first = {n: p.detach().clone() for n, p in builder.new_model().named_parameters() if p.requires_grad}
+    torch.seed()  # what an import may do: reseed from the OS
+    torch.rand(7)
+    second = {n: p for n, p in builder.new_model().named_parameters() if p.requires_grad}
+    assert first.keys() == second.keys() and any("lora_A" in n for n in first)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
+    assert any(value.abs().sum() > 0 and "init" in name for name, value in first.items())  # f_eta: random, not zeros
