@@ -276,11 +276,16 @@ class ArtifactBuilder:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
 
     def expected_tokens(self) -> list[list[int]]:
+        """Torch eager's greedy SS tokens on the parity prompts, computed once per staging folder
+        by whichever export process checks parity first (the worker usually), then read."""
         if self._expected is None:
-            # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
-            eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
-            self._expected = eager_tokens(eager, self.shapes().tree, self.prompts, self.rules())
+            self._expected = self._stage("expected-tokens", self._eager_tokens)["tokens"]
         return self._expected
+
+    def _eager_tokens(self) -> dict:
+        # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
+        eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
+        return {"tokens": eager_tokens(eager, self.shapes().tree, self.prompts, self.rules())}
 
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}

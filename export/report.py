@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from streamfuse.adapters.base_model import resolve_base_model
@@ -111,7 +112,7 @@ def accuracy_table(summary: dict) -> list[str]:
 
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: export workers write beside each other
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
 
