@@ -9,6 +9,7 @@ Loading never unpickles: safetensors and JSON only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -68,6 +69,24 @@ def read_manifest(directory: Path) -> dict:
             f"{FORMAT_VERSION}: rebuild the checkpoint with this version"
         )
     return manifest
+
+
+def weights_digest(directory: Path) -> str:
+    """sha256 (16 hex digits) of the checkpoint's trained weights: the LoRA adapter and the streams.
+    Retraining with the same settings can give other weights (another torch, another seed), so
+    whatever is built from a checkpoint (evaluations, exported graphs) is keyed on this too."""
+    directory = Path(directory)
+    files = sorted((directory / "lora").glob("*.safetensors")) + [directory / "streams.safetensors"]
+    digest = hashlib.sha256()
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: {directory} is an incomplete checkpoint; retrain it with "
+                                    f"export/build.py")
+        digest.update(path.relative_to(directory).as_posix().encode())
+        with path.open("rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def update_info(directory: Path, **fields) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weights_digest
 from streamfuse.export import graph
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
@@ -73,10 +73,12 @@ class ExportConfig:
         graph.greedy_schedule(tree, self.greedy_schedule)
         graph.GraphShapes(self.capacity, self.prefill_chunk, tree)
 
-    def key(self, training_key: str, draft: DraftVocab | None) -> str:
-        """What the graphs depend on. The backend list is not part of it: an artifact with the same
+    def key(self, training_key: str, weights: str, draft: DraftVocab | None) -> str:
+        """What the graphs depend on: the checkpoint's settings and its weights (weights_digest), these
+        settings, the draft vocabulary. The backend list is not part of it: an artifact with the same
         key lends its finished exports to a build that asks for more backends."""
-        payload = {"schema": SCHEMA, "training": training_key, "methods": list(graph.INPUT_NAMES), **asdict(self),
+        payload = {"schema": SCHEMA, "training": training_key, "weights": weights, "methods": list(graph.INPUT_NAMES),
+                   **asdict(self),
                    "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
         payload.pop("backends")
         payload.pop("workers")
@@ -102,7 +104,8 @@ class ArtifactBuilder:
         self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft)  # for worker processes
         self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
-        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"), draft)
+        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"),
+                              weights_digest(checkpoint), draft)
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
         self._model = None
         self._expected = None
@@ -316,7 +319,8 @@ class ArtifactBuilder:
                           "capacity": shapes.capacity, "dtype": "float32", "owner": "host"},
             "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                           "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
-            "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key")},
+            "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key"),
+                        "weights_sha256": weights_digest(self.checkpoint)},
             "files": files,
             "export_seconds": seconds,
             "parity": parity,

@@ -35,7 +35,7 @@ import shutil  # noqa: E402
 import torch  # noqa: E402
 
 from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info  # noqa: E402
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest  # noqa: E402
 from streamfuse.adapters.config import StreamConfig  # noqa: E402
 from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
@@ -181,6 +181,11 @@ def stored_info(directory: Path) -> dict:
     return read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
 
 
+def model_key(directory: Path) -> str:
+    """What results computed from a checkpoint are cached under: its settings and its weights."""
+    return f"{read_manifest(directory)['info']['training_key']}-{weights_digest(directory)}"
+
+
 class Build:
     def __init__(self, args: argparse.Namespace, config: BuildConfig):
         self.args, self.config = args, config
@@ -245,10 +250,10 @@ class Build:
         return result
 
     # --- distil ---------------------------------------------------------------------------
-    def own_answers(self, model, model_key: str, examples, split: str) -> list[Encoded]:
+    def own_answers(self, model, key: str, examples, split: str) -> list[Encoded]:
         """Prompt + the model's own greedy answer for each example, cached per model and split."""
         prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in examples]
-        cache = self.run_dir / "distill" / f"{model_key}-{split}.jsonl"
+        cache = self.run_dir / "distill" / f"{key}-{split}.jsonl"
         return self_distilled(model.model, self.tokenizer, [ex.id for ex in examples], prompts,
                               self.config.data.max_target_tokens, self.config.distill.batch_size, cache, split)
 
@@ -261,7 +266,7 @@ class Build:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         distill = self.config.distill
-        answers = self.own_answers(self.inference_model(first_dir), first["training_key"], self.train_examples, "train")
+        answers = self.own_answers(self.inference_model(first_dir), model_key(first_dir), self.train_examples, "train")
         # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
         if distill.init_rank:
@@ -306,7 +311,7 @@ class Build:
         return task_quality(model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label)
 
     def evaluate_checkpoint(self, directory: Path, label: str, with_streams: bool) -> dict:
-        key = read_manifest(directory)["info"]["training_key"]
+        key = model_key(directory)
 
         def compute() -> dict:
             model = self.inference_model(directory)

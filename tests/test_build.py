@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 from conftest import write_tiny_dialogsum
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.export import build, distill
 
 
@@ -44,7 +45,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert summary["stream_accuracy_own"]["main"]["top1"] >= 90.0
     first = json.loads((run_dir / "ss_stage1" / "streamfuse.json").read_text())["info"]
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
-    assert len((run_dir / "distill" / f"{first['training_key']}-train.jsonl").read_text().splitlines()) == 16
+    own_answers = run_dir / "distill" / f"{build.model_key(run_dir / 'ss_stage1')}-train.jsonl"
+    assert len(own_answers.read_text().splitlines()) == 16
     assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
     # identifiers 3 x 32, f_eta down 32 x (3 * 4) and up 3 x 4 x 32, pruning head 2 x 32 x 8
     assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 3 * 4 * 32 + 2 * 32 * 8
@@ -71,6 +73,17 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     out = capsys.readouterr().out
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 3
     assert "[export] reusing" in out and "[profile] reusing" in out
+
+    # Other weights under the same settings (a retrain, a copied-in checkpoint): what was computed
+    # from the old ones is stale, so the SS evaluation, the export and the profile run again.
+    streams = run_dir / "ss" / "streams.safetensors"
+    save_file({name: tensor + 0.01 for name, tensor in load_file(str(streams)).items()}, str(streams))
+    assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
+    out = capsys.readouterr().out
+    assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 2
+    assert "[export] reusing" not in out and "[profile] reusing" not in out
+    artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    assert artifact["adapter"]["weights_sha256"] == weights_digest(run_dir / "ss")
 
 
 def test_baseline_checkpoint_key_ignores_stream_settings():

@@ -49,7 +49,8 @@ def manifest(path) -> dict:
 
 
 def test_export_workers_do_not_change_the_artifact_key():
-    assert CONFIG.key("t", DRAFT) == ExportConfig(**{**CONFIG.__dict__, "workers": 1}).key("t", DRAFT)
+    assert CONFIG.key("t", "w", DRAFT) == ExportConfig(**{**CONFIG.__dict__, "workers": 1}).key("t", "w", DRAFT)
+    assert CONFIG.key("t", "w", DRAFT) != CONFIG.key("t", "other weights", DRAFT)
     with pytest.raises(ValueError, match="--export-workers must be >= 1"):
         ExportConfig(workers=0).validate()
 
