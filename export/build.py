@@ -29,8 +29,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -358,8 +360,10 @@ class Build:
             print(f"[profile] reusing the profile in {artifact / 'manifest.json'}", flush=True)
             return stored
         sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
-        result = profile_artifact(artifact, backend, sources, self.config.eval.max_new_tokens, self.args.threads,
-                                  artifact.parent / f"{artifact.name}-profile")
+        # A fresh process: its peak memory is the runtime's own, not this one's from training.
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            result = pool.submit(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
+                                 self.args.threads, artifact.parent / f"{artifact.name}-profile").result()
         result.update(limit=limit, backend_choice=backend)
         update_manifest(artifact, profile=result)
         return result

@@ -1,11 +1,14 @@
 """The build's last stage: decode test inputs with the artifact, SS and plain interleaved, and
-profile where the speed-up comes from (tools/bench.py's loop, tools/profile.py's report)."""
+profile where the speed-up comes from (tools/bench.py's loop, tools/profile.py's report).
+The build runs it in a fresh process, so the peak memory it reports is the runtime's alone."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DecodeSettings, Request
@@ -19,6 +22,8 @@ def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]
                      threads: int | None, out: Path) -> dict:
     """sources: (id, task source text). Writes traces + profile report under `out`; returns the
     bench summary and the profile metrics (without per-run rows)."""
+    if threads:
+        torch.set_num_threads(threads)  # the torch backend's; the exported engines take it from load()
     loaded = load(artifact, backend, threads=threads)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
     ss = DecodeSettings("ss", loaded.tree, rules, SamplingConfig(), None, 0)

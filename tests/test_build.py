@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.export import build, distill
+from streamfuse.runtime.backends.base import process_peak_rss_bytes
 
 
 def run_build(base, data, work, *extra):
@@ -65,6 +66,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert greedy["schedule"] == "fused" and greedy["draft_vocab"]["size"] == 40  # the default chain: fused
     assert 0.3 < greedy["draft_vocab"]["coverage"] <= 1.0 and "draft vocabulary: 40 tokens" in out
     assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
+    # Profiled in a fresh process: its peak is the runtime's, below this process's (which trained and exported).
+    assert 0 < artifact["profile"]["profile"]["peak_memory_bytes"] < process_peak_rss_bytes()
     assert "| onnx |" in out and "call reduction CR" in out
     assert not list(tmp_path.glob(".artifact.partial-*")), "the staging folder is renamed into place"
 
