@@ -264,7 +264,10 @@ class Build:
         directory = self.run_dir / "ss"
         first = read_manifest(first_dir)["info"]
         key = self.config.distill_key(first["training_key"])
-        if stored_info(directory).get("training_key") == key:
+        first_weights = weights_digest(first_dir)
+        stored = stored_info(directory)
+        # Checkpoints from before the first stage's weights were recorded are taken at their key.
+        if stored.get("training_key") == key and stored["first_stage"].get("weights", first_weights) == first_weights:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         distill = self.config.distill
@@ -280,7 +283,8 @@ class Build:
                                  f"are") from error
         items, finished = distill_rows(answers, self.train_items, self.tokenizer.eos_token_id, distill.main_targets,
                                        self.config.data.max_target_tokens, distill.with_references)
-        first_stage = {"training_key": first["training_key"], **{k: first[k] for k in report.STAGE_FIELDS}}
+        first_stage = {"training_key": first["training_key"], "weights": first_weights,
+                       **{k: first[k] for k in report.STAGE_FIELDS}}
         info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
         result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
         print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "

@@ -45,6 +45,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert set(summary["training"]) == {"ss", "ss_first_stage", "lora_baseline"}
     assert summary["stream_accuracy_own"]["main"]["top1"] >= 90.0
     first = json.loads((run_dir / "ss_stage1" / "streamfuse.json").read_text())["info"]
+    first_ss_key = json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["training_key"]
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
     own_answers = run_dir / "distill" / f"{build.model_key(run_dir / 'ss_stage1')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16
@@ -77,14 +78,17 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 3
     assert "[export] reusing" in out and "[profile] reusing" in out
 
-    # Other weights under the same settings (a retrain, a copied-in checkpoint): what was computed
-    # from the old ones is stale, so the SS evaluation, the export and the profile run again.
-    streams = run_dir / "ss" / "streams.safetensors"
+    # Other first-stage weights under the same settings (a retrain, a copied-in checkpoint): what
+    # was computed from the old ones is stale. The second stage trains again, from them; its new
+    # weights keep their key, and still its evaluation, export and profile run again.
+    streams = run_dir / "ss_stage1" / "streams.safetensors"
     save_file({name: tensor + 0.01 for name, tensor in load_file(str(streams)).items()}, str(streams))
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     out = capsys.readouterr().out
-    assert out.count("[train] reusing") == 2 and out.count("[eval] reusing") == 2
+    assert out.count("[train] reusing") == 2 and "[distil] reusing" not in out and out.count("[eval] reusing") == 2
     assert "[export] reusing" not in out and "[profile] reusing" not in out
+    second = json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]
+    assert second["training_key"] == first_ss_key and second["first_stage"]["weights"] == weights_digest(run_dir / "ss_stage1")
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert artifact["adapter"]["weights_sha256"] == weights_digest(run_dir / "ss")
 
