@@ -330,13 +330,15 @@ class ArtifactBuilder:
 
 
 def export_stages(arguments: tuple, backends: list[str]) -> None:
-    """In a worker process: the export stages of `backends`, then the parity checks of those that
-    run here, into the parent's staging folder (each leaves its marker, which the parent reads).
+    """In a worker process: each backend's export stage, then its parity check if it runs here,
+    into the parent's staging folder (each leaves its marker, which the parent reads). ONNX's
+    parity right after its export computes the eager oracle tokens while ExecuTorch still lowers,
+    so the parent finds them ready (both computed them when Core ML's export came in between).
     One thread: the parent uses the other core."""
     torch.set_num_threads(1)
     builder = ArtifactBuilder(*arguments)
-    done = {backend: builder._stage(backend, lambda b=backend: builder._export(b)) for backend in backends}
-    for backend, result in done.items():
+    for backend in backends:
+        result = builder._stage(backend, lambda b=backend: builder._export(b))
         builder._parity_stage(backend, result["files"])
 
 
