@@ -267,7 +267,8 @@ class Build:
         first_weights = weights_digest(first_dir)
         stored = stored_info(directory)
         # Checkpoints from before the first stage's weights were recorded are taken at their key.
-        if stored.get("training_key") == key and stored["first_stage"].get("weights", first_weights) == first_weights:
+        trained_from = stored.get("first_stage", {}).get("weights", first_weights)
+        if stored.get("training_key") == key and trained_from == first_weights:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         distill = self.config.distill

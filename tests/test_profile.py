@@ -181,3 +181,21 @@ def test_lookup_share_counts_accepted_drafts_from_the_lookup_branch():
     steps = [{**step(7, 7, 3), "lookup_accepted": 3}, {**step(7, 7, 1), "lookup_accepted": 0}, step(7, 7, 0)]
     metrics = profile_trace(trace("ss", [run("a", 4, 7, 1.0, steps)]))
     assert metrics["lookup_share"] == pytest.approx(3 / 4)
+
+
+def test_a_spawned_process_reports_its_own_peak_memory_not_its_parents():
+    """The build profiles in a spawned process so that the peak it reports is the runtime's; with
+    ru_maxrss the child would inherit the parent's resident pages as its peak."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from streamfuse.runtime.backends.base import process_peak_rss_bytes
+
+    ballast = torch.ones(128 * 2**20)  # 512 MiB of float32, touched
+    parent = process_peak_rss_bytes()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        child = pool.submit(process_peak_rss_bytes).result()
+    assert float(ballast[-1]) == 1.0 and parent > 512 * 2**20
+    assert 0 < child < parent - 256 * 2**20

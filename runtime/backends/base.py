@@ -32,10 +32,23 @@ class PruneConfig:
 
 
 def process_peak_rss_bytes() -> int:
-    """Peak resident memory of this process (Linux reports KiB): the CPU backends' peak memory."""
-    import resource
+    """Peak resident memory of this process: the CPU backends' peak memory.
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Linux: VmHWM, the peak of this process's own address space. Not ru_maxrss, which a spawned
+    process inherits from its parent (fork copies the parent's resident pages, and exec keeps
+    their count as the peak), so a profile run beside a training process would report its peak."""
+    import resource
+    import sys
+
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, others KiB
 
 
 def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | None:
