@@ -90,6 +90,19 @@ def resolve_base_model(name: str = DEFAULT_BASE_MODEL) -> str:
     return name
 
 
+def base_gguf(name: str = DEFAULT_BASE_MODEL) -> Path:
+    """The GGUF file a base model's weights were converted from (what --quantize q4-native reads):
+    the bundled file for the default model, or the one .gguf file inside a local model folder."""
+    if name == DEFAULT_BASE_MODEL:
+        return bundled_gguf()
+    found = sorted(Path(name).glob("*.gguf")) if Path(name).is_dir() else []
+    if len(found) != 1:
+        raise FileNotFoundError(f"--quantize q4-native keeps the base model's GGUF codes, but {name} "
+                                f"{'has several .gguf files' if found else 'has no .gguf file'}: put the one it was "
+                                f"converted from in that folder, or use --quantize int8 / none")
+    return found[0]
+
+
 def load_base_model(name: str = DEFAULT_BASE_MODEL, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer) for a base-model name; the model is in eval mode, fp32 by default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

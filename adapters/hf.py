@@ -26,6 +26,7 @@ class DecoderParts:
     rotary: nn.Module
     hidden_size: int
     vocab_size: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     max_positions: int
@@ -82,6 +83,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         rotary=inner.rotary_emb,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
+        num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=head_dim,
         max_positions=config.max_position_embeddings,

@@ -94,11 +94,17 @@ class StepKeyValues(KeyValues):
     """Functional K/V: past comes in as tensors (read only), this call's main K/V go to `new`.
 
     past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache.
+    write_at: None: attention sees past + this call's rows appended after it ([P + T] keys);
+    a [1] cache length n: this call's rows take slots n.. of a copy of the past ([P] keys), so a
+    token at position p sits at slot p whether it came from this call or an earlier one (see
+    in_place_slots).
     """
 
-    def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 write_at: torch.Tensor | None = None):
         super().__init__(main_len)
         self.past = past
+        self.write_at = write_at
         self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
     def _store(self, layer, keys, values):
@@ -106,4 +112,17 @@ class StepKeyValues(KeyValues):
         if self.past is None:
             return keys, values
         past_keys, past_values = self.past[layer]
-        return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
+        if self.write_at is None:
+            return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
+        inside, index = in_place_slots(self.write_at, past_keys.shape[2], keys.shape[2])
+        where = inside[None, None, :, None]
+        return (torch.where(where, keys.index_select(2, index), past_keys),
+                torch.where(where, values.index_select(2, index), past_values))
+
+
+def in_place_slots(start: torch.Tensor, capacity: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [start, start + count) of a capacity-row cache: (inside [C] bool, index [C] of the new
+    row each slot takes, clamped where outside)."""
+    offset = torch.arange(capacity, device=start.device) - start
+    inside = torch.logical_and(offset >= 0, offset < count)
+    return inside, offset.clamp(0, count - 1)

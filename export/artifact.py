@@ -37,7 +37,15 @@ BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
 DEFAULT_BACKENDS = ("torch", "executorch", "onnx", "coreml")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
+# Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
+# ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
+IN_PLACE = ("onnx",)
 RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
+# What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).
+LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
+# --quantize value -> the backends that build that format; the others are exported unquantized (the
+# manifest's graphs.quantize says which got what). docs/export.md: what each format computes.
+FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnx"), "8da4w": ("executorch",), "q4-native": ("onnx",)}
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -48,7 +56,7 @@ class ExportConfig:
     tree: str = "gamma=3,k=1"  # the 4-node chain: the fastest tree on CPUs (docs/benchmarks.md)
     capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
     prefill_chunk: int = 64
-    quantize: str = "none"  # ExecuTorch weights: none | int8 | 8da4w
+    quantize: str = "none"  # weights: none | int8 | 8da4w | q4-native, where a backend offers it (FORMATS)
     coreml_precision: str = "float16"
     parity_prompts: int = 20
     draft_vocab: int = 16384  # greedy_step's draft vocabulary size (export/draft_vocab.py); 0: all tokens
@@ -61,10 +69,8 @@ class ExportConfig:
         unknown = set(self.backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-        from streamfuse.export.to_executorch import QUANTIZATIONS
-
-        if self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
+        if self.quantize not in FORMATS:
+            raise ValueError(f"--quantize must be one of {', '.join(FORMATS)}, got {self.quantize!r}")
         if self.workers < 1:
             raise ValueError(f"--export-workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
@@ -132,9 +138,10 @@ class ArtifactBuilder:
         backends = list(dict.fromkeys([*earlier, *(b for b in self.config.backends if b != "torch")]))
         exported = self._export_stages(backends)
         files = {backend: done["files"] for backend, done in exported.items()}
+        formats = {backend: done["format"] for backend, done in exported.items()}
         seconds = {backend: done["seconds"] for backend, done in exported.items()}
         parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
-        manifest = self._manifest(files, parity, seconds)
+        manifest = self._manifest(files, parity, seconds, formats)
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if self.out.exists():
             shutil.rmtree(self.out)
@@ -153,7 +160,8 @@ class ArtifactBuilder:
                     os.link(item, self.staging / item.name)
         done = {"common": {}}
         for backend, files in manifest["files"].items():
-            done[backend] = {"files": files, "seconds": manifest["export_seconds"][backend]}
+            done[backend] = {"files": files, "seconds": manifest["export_seconds"][backend],
+                             "format": manifest["graphs"]["formats"][backend]}
             if backend in manifest["parity"]:
                 done[f"parity-{backend}"] = manifest["parity"][backend]
         for name, result in done.items():
@@ -204,15 +212,47 @@ class ArtifactBuilder:
                         ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
         return {}
 
-    def _export(self, backend: str) -> dict:
-        model, _, _ = self.model_and_tokenizer()
+    def format(self, backend: str) -> str:
+        """The weight format `backend` is exported in: --quantize where the backend offers it."""
+        return self.config.quantize if backend in FORMATS[self.config.quantize] else "none"
+
+    def export_model(self, backend: str) -> tuple[torch.nn.Module, dict]:
+        """The model `backend` exports, in its weight format, and the format's manifest record."""
+        from streamfuse.export.xnnpack_graph import with_graph_attention, xnnpack_model
+
+        fmt = self.format(backend)
         if backend == "executorch":  # XNNPACK: a copy with partition-friendly modules, maybe quantized
             from streamfuse.export.to_executorch import quantize_weights
-            from streamfuse.export.xnnpack_graph import xnnpack_model
 
-            model = xnnpack_model(model)
-            quantize_weights(model, self.config.quantize)
-        modules, inputs = self.modules(model), graph.example_inputs(model, self.shapes())
+            model = xnnpack_model(self.model_and_tokenizer()[0])
+            quantize_weights(model, fmt)
+            return model, {"name": fmt, **({} if fmt == "none" else {"activations": "int8 per token (dynamic)"})}
+        if backend != "onnx":
+            return self.model_and_tokenizer()[0], {"name": fmt}
+        # ONNX: attention whose rows do not depend on the call's size (SS == plain decoding exactly)
+        if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
+            from streamfuse.adapters.base_model import base_gguf
+            from streamfuse.adapters.gguf_codes import read_base_codes
+            from streamfuse.export.low_bit import use_base_codes
+
+            model, _, checkpoint = load_checkpoint(self.checkpoint)
+            parts = model.requires_grad_(False).parts
+            codes = read_base_codes(base_gguf(checkpoint["base_model"]), parts.num_heads, parts.num_kv_heads)
+            details = use_base_codes(model, codes)
+            return with_graph_attention(model), {"name": fmt, **details, **LOW_BIT_ACTIVATIONS}
+        model = with_graph_attention(self.model_and_tokenizer()[0])
+        if fmt == "int8":
+            from streamfuse.export.low_bit import quantize_int8
+
+            return model, {"name": fmt, **quantize_int8(model), **LOW_BIT_ACTIVATIONS}
+        return model, {"name": fmt}
+
+    def _export(self, backend: str) -> dict:
+        model, fmt = self.export_model(backend)
+        if fmt["name"] != self.config.quantize:
+            print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
+                  f"unquantized", flush=True)
+        modules, inputs = self.modules(model, in_place=backend in IN_PLACE), graph.example_inputs(model, self.shapes())
         if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
 
@@ -220,7 +260,7 @@ class ArtifactBuilder:
             target = self.staging / name
             export_pte(modules, inputs, target.with_suffix(".tmp"), delegate)
             target.with_suffix(".tmp").replace(target)
-            return {"files": {"program": self._entry(target)}}
+            return {"files": {"program": self._entry(target)}, "format": fmt}
         if backend == "onnx":
             from streamfuse.export.to_onnx import WEIGHTS_FILE, export_onnx
 
@@ -229,26 +269,31 @@ class ArtifactBuilder:
             folder.mkdir()
             names = export_onnx(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, folder)
             entries = {method: self._entry(folder / name) for method, name in names.items()}
-            return {"files": {**entries, "weights": self._entry(folder / WEIGHTS_FILE)}}
+            return {"files": {**entries, "weights": self._entry(folder / WEIGHTS_FILE)}, "format": fmt}
         from streamfuse.export.to_coreml import export_mlpackage, spec_signature
 
         target = self.staging / "model.mlpackage"
         export_mlpackage(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, target, self.config.coreml_precision)
-        return {"files": {"package": self._entry(target)}, "spec": spec_signature(target)}
+        return {"files": {"package": self._entry(target)}, "spec": spec_signature(target), "format": fmt}
 
     def _parity(self, backend: str, files: dict) -> dict:
         from streamfuse.runtime.backends.sessions import open_session
 
         session = open_session(backend, {name: self.staging / entry["path"] for name, entry in files.items()})
         model, _, _ = self.model_and_tokenizer()
-        reference = EagerSession(self.modules(model))
-        result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
-                                self.rules())
-        if self.config.quantize != "none" and backend == "executorch":
-            result["note"] = f"weights quantized ({self.config.quantize}): tokens may differ from fp32 eager"
-        print(f"[verify] {backend}: SS == torch eager on {result['ss_equals_torch_eager']}/{result['prompts']} "
-              f"prompts; SS == own plain on {result['ss_equals_own_plain']}/{result['plain_prompts']}; step outputs "
-              f"within tolerance: {result['within_tolerance']}", flush=True)
+        # the fp32 model, same layout: a low-bit format's error is measured against it
+        reference = EagerSession(self.modules(model, in_place=backend in IN_PLACE))
+        fmt = self.format(backend)
+        if fmt == "none":
+            result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
+                                    self.rules())
+        else:  # lossless against its own plain decoding on every prompt; tokens may differ from fp32 eager
+            result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
+                                    self.rules(), plain_prompts=len(self.prompts), relative_tolerance=None)
+            result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
+        print(f"[verify] {backend} ({fmt}): SS == torch eager fp32 on {result['ss_equals_torch_eager']}/"
+              f"{result['prompts']} prompts; SS == own plain on {result['ss_equals_own_plain']}/"
+              f"{result['plain_prompts']}; step outputs within tolerance: {result['within_tolerance']}", flush=True)
         return result
 
     # --- shared state -----------------------------------------------------------------------
@@ -258,14 +303,16 @@ class ArtifactBuilder:
             self._model = (model.eval().requires_grad_(False), tokenizer, manifest)
         return self._model
 
-    def shapes(self) -> graph.GraphShapes:
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, TreeSpec.parse(self.config.tree))
+    def shapes(self, in_place: bool = False) -> graph.GraphShapes:
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, TreeSpec.parse(self.config.tree),
+                                 in_place)
 
     def greedy_schedule(self) -> str:
         return graph.greedy_schedule(self.shapes().tree, self.config.greedy_schedule)
 
-    def modules(self, model) -> dict:
-        return graph.graph_modules(model, self.shapes(), self.draft.ids if self.draft else None, self.greedy_schedule())
+    def modules(self, model, in_place: bool = False) -> dict:
+        return graph.graph_modules(model, self.shapes(in_place), self.draft.ids if self.draft else None,
+                                   self.greedy_schedule())
 
     def graph_spec(self):
         from streamfuse.runtime.backends.static_graph import GraphSpec
@@ -293,7 +340,7 @@ class ArtifactBuilder:
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
 
-    def _manifest(self, files: dict, parity: dict, seconds: dict) -> dict:
+    def _manifest(self, files: dict, parity: dict, seconds: dict, formats: dict) -> dict:
         model, tokenizer, checkpoint = self.model_and_tokenizer()
         parts, shapes = model.parts, self.shapes()
         modules = self.modules(model)
@@ -305,11 +352,12 @@ class ArtifactBuilder:
             "prompt": checkpoint["info"].get("prompt"),
             "model": {"base_model": checkpoint["base_model"], "num_layers": parts.num_layers,
                       "hidden_size": parts.hidden_size, "num_kv_heads": parts.num_kv_heads, "head_dim": parts.head_dim,
-                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions, "lora_merged": True},
+                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions},
             "streams": checkpoint["streams"],
             "tree": shapes.tree.to_dict(),
             "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "dtype": "float32",
-                       "stream_schedule": "deferred", "quantize": {"executorch": self.config.quantize},
+                       "stream_schedule": "deferred", "quantize": {b: f["name"] for b, f in formats.items()},
+                       "formats": formats,
                        "coreml_precision": self.config.coreml_precision,
                        "greedy_step": {"schedule": self.greedy_schedule(),
                                        "draft_vocab": self.draft.to_dict() if self.draft else None},

@@ -109,7 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tree", default=ExportConfig.tree, help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
                         "a JSON list of paths, or a JSON file of paths (default: the 4-node chain, the fastest on "
                         "CPUs; wider trees pay on memory-bound accelerators, see docs/benchmarks.md)")
-    parser.add_argument("--quantize", default="none", help="ExecuTorch weight quantization: none, int8 or 8da4w")
+    parser.add_argument("--quantize", default="none",
+                        help="weights: none; q4-native (ONNX: the base GGUF's own 4-bit codes, LoRA in fp32); int8 "
+                             "(ExecuTorch, ONNX); 8da4w (ExecuTorch). Backends without the format export fp32")
     parser.add_argument("--context", type=int, default=ExportConfig.capacity,
                         help="KV capacity of the exported graphs (positions)")
     parser.add_argument("--prefill-chunk", type=int, default=ExportConfig.prefill_chunk,

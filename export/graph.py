@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
-from streamfuse.adapters.msa import StepKeyValues
+from streamfuse.adapters.msa import StepKeyValues, in_place_slots
+from streamfuse.export.low_bit import Q8Linear
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
 from streamfuse.runtime.tree import TreeSpec
@@ -52,6 +53,11 @@ class GraphShapes:
     capacity: int  # C: KV rows the graphs attend over (prompt + generated + one step)
     prefill_chunk: int  # P: prompt tokens per prefill call
     tree: TreeSpec  # the step graph's draft tree (T = tree.num_nodes)
+    # Where a call's new rows sit for attention: False, after the C cache rows; True, at slots
+    # cache_len.. of the cache (MainPass): a chain node then sees exactly what plain decoding of its
+    # token sees, slot for slot, so reductions add the same terms in the same order (ONNX Runtime's
+    # sums depend on where the terms sit, and int8 activations would turn 1-ulp differences into flips).
+    in_place: bool = False
 
     def __post_init__(self):
         if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + self.tree.num_nodes:
@@ -76,11 +82,12 @@ class MainPass(nn.Module):
     """prefill, decode or step: main stream over T new tokens with a constant visibility among them."""
 
     def __init__(self, model: SpeculativeStreamingLM, visibility: torch.Tensor, depths: list[int], capacity: int,
-                 select_last: bool):
+                 select_last: bool, in_place: bool = False):
         super().__init__()
         self.model = model
         self.capacity = capacity
         self.select_last = select_last
+        self.in_place = in_place
         additive = torch.zeros(visibility.shape, dtype=torch.float32).masked_fill(~visibility, MASKED)
         self.register_buffer("tree_mask", additive, persistent=False)
         self.register_buffer("depths", torch.tensor(depths, dtype=torch.long), persistent=False)
@@ -97,9 +104,15 @@ class MainPass(nn.Module):
     def lower(self, ids, cache_len, keys, values) -> tuple[LowerState, StepKeyValues]:
         """The main stream through layers [0, N - N_s), and the provider that collects new K/V."""
         count = ids.shape[1]
-        mask = torch.cat([cache_mask(cache_len, self.capacity, count), self.tree_mask], dim=1)[None, None]
         positions = (cache_len + self.depths)[None]
-        provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values))
+        if self.in_place:  # [T, C]: the cache below cache_len, then the tree at its slots
+            inside, index = in_place_slots(cache_len, self.capacity, count)
+            mask = torch.where(inside[None, :], self.tree_mask.index_select(1, index),
+                               cache_mask(cache_len, self.capacity, count))[None, None]
+            provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values), write_at=cache_len)
+        else:  # [T, C + T]
+            mask = torch.cat([cache_mask(cache_len, self.capacity, count), self.tree_mask], dim=1)[None, None]
+            provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values))
         return self.model.forward_lower(ids, positions, mask, provider), provider
 
 
@@ -135,20 +148,19 @@ class GreedyStepPass(nn.Module):
     """
 
     def __init__(self, model: SpeculativeStreamingLM, tree: TreeSpec, capacity: int,
-                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred"):
+                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False):
         super().__init__()
         if schedule not in STREAM_SCHEDULES:
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
         self.model, self.capacity, self.schedule = model, capacity, schedule
         self.width = max(tree.widths)
-        self.main = MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False)
+        self.main = MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False, in_place=in_place)
         self.register_buffer("parents", torch.tensor(tree.parents[1:], dtype=torch.long), persistent=False)
         self.register_buffer("ancestors", tree.ancestor_mask.to(torch.float32), persistent=False)
         self.register_buffer("all_nodes", torch.arange(tree.num_nodes)[None], persistent=False)
         ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)
-        # A parameter, not a buffer: XNNPACK lowers a linear layer only when its weight is one.
-        self.draft_head = None if ids is None else nn.Parameter(_head_rows(model, ids), requires_grad=False)
+        self.draft_head = None if ids is None else head_rows(model.parts.lm_head, ids)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         lower, provider = self.main.lower(ids, cache_len, keys, values)
@@ -177,7 +189,7 @@ class GreedyStepPass(nn.Module):
         """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""
         if self.draft_ids is None:
             return self.model.logits(streams).topk(self.width, dim=-1).indices
-        ranks = nn.functional.linear(streams, self.draft_head).topk(self.width, dim=-1).indices
+        ranks = self.draft_head(streams).topk(self.width, dim=-1).indices
         return self.draft_ids[ranks]
 
     def _deferred_streams(self, anchor, node, cache_len, keys, values, new_keys, new_values) -> torch.Tensor:
@@ -193,12 +205,18 @@ class GreedyStepPass(nn.Module):
         return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
 
 
-def _head_rows(model: SpeculativeStreamingLM, ids: torch.Tensor) -> torch.Tensor:
-    """[D, H] float rows of the LM head (a torchao-quantized head is dequantized: drafts only)."""
-    weight = model.parts.lm_head.weight.detach()
+def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """The LM head restricted to rows `ids` (the draft vocabulary): a low-bit head keeps its codes; a
+    float head (a torchao-quantized one dequantized: drafts only) becomes a float linear layer."""
+    if isinstance(head, Q8Linear):
+        return head.rows(ids)
+    weight = head.weight.detach()
     if type(weight) is not torch.Tensor and hasattr(weight, "dequantize"):
         weight = weight.dequantize()
-    return weight.float()[ids].clone()
+    rows = nn.Linear(weight.shape[1], len(ids), bias=False)
+    # A parameter: XNNPACK lowers a linear layer only when its weight is one.
+    rows.weight = nn.Parameter(weight.float()[ids].clone(), requires_grad=False)
+    return rows
 
 
 # Largest tree whose greedy_step runs streams beside every node under "auto". On the 2-core CPU
@@ -226,13 +244,13 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
                   schedule: str = "deferred") -> dict[str, nn.Module]:
     """method name -> module; the same model weights are shared by all of them. draft_ids and
     schedule shape greedy_step only (GreedyStepPass)."""
-    chunk, tree, capacity = shapes.prefill_chunk, shapes.tree, shapes.capacity
+    chunk, tree, capacity, in_place = shapes.prefill_chunk, shapes.tree, shapes.capacity, shapes.in_place
     return {
-        "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), capacity, select_last=True),
-        "decode": MainPass(model, chain_visibility(1), [0], capacity, select_last=False),
-        "step": MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False),
+        "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), capacity, True, in_place),
+        "decode": MainPass(model, chain_visibility(1), [0], capacity, False, in_place),
+        "step": MainPass(model, tree.ancestor_mask, tree.depths, capacity, False, in_place),
         "streams": StreamsPass(model, capacity),
-        "greedy_step": GreedyStepPass(model, tree, capacity, draft_ids, schedule),
+        "greedy_step": GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place),
     }
 
 

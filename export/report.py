@@ -117,20 +117,25 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+# within_tolerance -> the table's word; None: a low-bit format, whose error against fp32 is recorded, not judged
+TOLERANCE = {True: "yes", False: "NO", None: "n/a (low-bit)"}
+
+
 def artifact_markdown(manifest: dict) -> str:
     """Files, sizes, export times and parity of an exported artifact."""
     lines = [f"## Artifact: tree {manifest['tree']['num_nodes']} nodes, KV capacity {manifest['graphs']['capacity']}, "
              f"prefill chunk {manifest['graphs']['prefill_chunk']}", "",
-             "| backend | files | MiB | export s | SS == torch eager | SS == own plain | step outputs in tolerance |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| backend | weights | files | MiB | export s | SS == torch eager fp32 | SS == own plain | step outputs in "
+             "tolerance |", "|---|---|---|---:|---:|---:|---:|---|"]
     for backend, files in manifest["files"].items():
         size = sum(entry["bytes"] for entry in files.values()) / 2**20
         parity = manifest["parity"].get(backend)
         checks = (f"{parity['ss_equals_torch_eager']}/{parity['prompts']} | {parity['ss_equals_own_plain']}/"
-                  f"{parity['plain_prompts']} | {'yes' if parity['within_tolerance'] else 'NO'}"
-                  if parity else "not run here | | ")
+                  f"{parity['plain_prompts']} | {TOLERANCE[parity['within_tolerance']]}" if parity else "not run here | | ")
         names = ", ".join(sorted({entry['path'].split('/')[0] for entry in files.values()}))
-        lines.append(f"| {backend} | {names} | {size:.0f} | {manifest['export_seconds'][backend]:.0f} | {checks} |")
+        weights = manifest["graphs"]["quantize"][backend]
+        lines.append(f"| {backend} | {weights} | {names} | {size:.0f} | {manifest['export_seconds'][backend]:.0f} | "
+                     f"{checks} |")
     return "\n".join(lines)
 
 

@@ -50,18 +50,30 @@ class PooledRMSNorm(nn.Module):
 def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Attention for an HF attention module (AttentionInterface signature), without repeating K/V:
     the query heads of one K/V head are stacked as rows. query [B, heads, T, d], key / value
-    [B, kv_heads, K, d], attention_mask additive [B, 1, T, K] -> ([B, T, heads, d], None)."""
+    [B, kv_heads, K, d], attention_mask additive [B, 1, T, K] -> ([B, T, heads, d], None).
+
+    A product of one row is computed as two (the row twice): ONNX Runtime's MatMul gives a
+    one-row probs x values another result than the same row inside a bigger call (1e-6; measured,
+    docs/export.md), and SS == plain decoding needs each row's result whatever the call's size."""
     batch, heads, tokens, size = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads  # HF orders heads kv-major: head h reads K/V head h // group
     scale = torch.tensor(scaling, dtype=query.dtype)  # a tensor: XNNPACK multiplies tensors, not scalars
     rows = (query * scale).reshape(batch * kv_heads, group * tokens, size)
+    mask = None if attention_mask is None else attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1,
+                                                                      tokens, keys)
+    single = group * tokens == 1
+    if single:
+        rows, mask = torch.cat([rows, rows], dim=1), None if mask is None else torch.cat([mask, mask], dim=3)
+    count = rows.shape[1] // group
     scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
-    scores = scores.reshape(batch, kv_heads, group, tokens, keys)
-    if attention_mask is not None:
-        scores = scores + attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1, tokens, keys)
-    probs = torch.softmax(scores, dim=-1).reshape(batch * kv_heads, group * tokens, keys)
+    scores = scores.reshape(batch, kv_heads, group, count, keys)
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1).reshape(batch * kv_heads, group * count, keys)
     out = torch.bmm(probs, value.reshape(batch * kv_heads, keys, size))
+    if single:
+        out = out[:, :1]
     return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
 
 
@@ -70,6 +82,14 @@ def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
     hf.register_attention(ATTENTION, grouped_attention)
     ready = copy.deepcopy(model)
     ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
+    hf.set_attention(ready.model, ATTENTION)
+    return ready
+
+
+def with_graph_attention(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
+    """A copy of `model` whose attention is grouped_attention (ONNX: row-invariant attention)."""
+    hf.register_attention(ATTENTION, grouped_attention)
+    ready = copy.deepcopy(model)
     hf.set_attention(ready.model, ATTENTION)
     return ready
 

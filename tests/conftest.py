@@ -102,8 +102,45 @@ def tiny_base_dir(tmp_path):
     return folder
 
 
-def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2) -> Path:
-    """A tiny SS checkpoint fine-tuned for nothing, with a dialogsum prompt record, at root/ckpt."""
+GGUF_LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                      "ffn_down": "mlp.down_proj"}
+
+
+def llama_cpp_permute(rows, heads: int):
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (rotary halves interleaved per head)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def quantize_into_gguf(model, path: Path) -> None:
+    """Write `model`'s decoder linears as Q4_1 and its tied embedding as Q8_0 into a GGUF (llama.cpp's
+    names and q/k row order), and set the model's weights to their dequantized values, as a model
+    converted from that GGUF has them."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    config = model.config
+    writer = GGUFWriter(str(path), "llama")
+
+    def add(name: str, weight, kind, heads: int | None = None) -> None:
+        raw = quants.quantize(weight.detach().numpy(), kind)  # [N, bytes]: row-wise, so rows permute as bytes
+        with torch.no_grad():
+            weight.copy_(torch.from_numpy(quants.dequantize(raw, kind)))
+        writer.add_tensor(name, raw if heads is None else llama_cpp_permute(raw, heads), raw_dtype=kind)
+
+    add("token_embd.weight", model.model.embed_tokens.weight, GGMLQuantizationType.Q8_0)
+    for index, layer in enumerate(model.model.layers):
+        for name, module in GGUF_LAYER_TENSORS.items():
+            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name)
+            add(f"blk.{index}.{name}.weight", layer.get_submodule(module).weight, GGMLQuantizationType.Q4_1, heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2, gguf: bool = False) -> Path:
+    """A tiny SS checkpoint fine-tuned for nothing, with a dialogsum prompt record, at root/ckpt.
+    gguf: its base model is converted from a Q4_1 GGUF kept in the base folder (for q4-native)."""
     from streamfuse.adapters.checkpoint import save_checkpoint
     from streamfuse.adapters.config import LoraSettings, StreamConfig
     from streamfuse.adapters.lora import add_lora
@@ -112,9 +149,18 @@ def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2) -> Path:
 
     prompt = PromptFormat("summarize {source}", "{dialogue}", 64)
     base = root / "base"
-    make_tiny_llama(layers=layers).save_pretrained(base)
+    base_model = make_tiny_llama(layers=layers)
+    if gguf:
+        base.mkdir(parents=True)
+        quantize_into_gguf(base_model, base / "model.gguf")
+    base_model.save_pretrained(base)
     make_tiny_tokenizer().save_pretrained(base)
     model = SpeculativeStreamingLM(add_lora(make_tiny_llama(layers=layers), LoraSettings(rank=4)), StreamConfig(3, msa_layers))
+    if gguf:  # LoRA B is zero at init: give the adapter an effect, so unmerged LoRA is exercised
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.05)
     save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(base), LoraSettings(rank=4),
                     {"task": "dialogsum", "prompt": prompt.to_dict()})
     return root

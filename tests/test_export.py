@@ -10,7 +10,7 @@ from conftest import write_checkpoint
 
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.runtime.artifact import Artifact, ArtifactError
+from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
 from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.decode import generate_speculative
@@ -126,7 +126,7 @@ def test_prefill_spanning_several_chunks_matches_eager(artifact):
 
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)
-    assert data["schema"] == "streamfuse.artifact/1"
+    assert data["schema"] == SCHEMA
     assert data["tree"]["hash"] == TreeSpec.parse(CONFIG.tree).hash()
     assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
     step = data["graphs"]["methods"]["step"]
@@ -188,11 +188,11 @@ def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
 def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, tmp_path):
     broken = copy_of(artifact, tmp_path)
     data = manifest(broken)
-    data["schema"] = "streamfuse.artifact/0"
+    data["schema"] = "streamfuse.artifact/1"  # an artifact of the previous format
     (broken / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(ArtifactError, match="schema 'streamfuse.artifact/0'.*rebuild"):
+    with pytest.raises(ArtifactError, match="schema 'streamfuse.artifact/1'.*rebuild"):
         load(broken, "onnxruntime")
-    data["schema"] = "streamfuse.artifact/1"
+    data["schema"] = SCHEMA
     (broken / "manifest.json").write_text(json.dumps(data))
     tokenizer = json.loads((broken / "tokenizer" / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]  # another tokenizer of the same size: two words swap ids

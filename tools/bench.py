@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "overrides --split")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files (or a <task>/ subfolder)")
     parser.add_argument("--limit", type=int, default=100, help="number of timed inputs (the first N of the file)")
-    parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: --backend)")
+    parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: "
+                        "--backend); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
+                        "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="one backend (kept for old commands)")
     parser.add_argument("--methods", default="ar,ss", help="streamfuse methods: 'ar,ss' or 'ar' (AR is every speed-up's baseline)")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
@@ -98,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.backends = [b for b in (args.backends or args.backend or default_backends(args.artifact)).split(",") if b]
     args.methods = [m for m in args.methods.split(",") if m]
     args.peers = [p for p in args.peers.split(",") if p]
-    if bad := [b for b in args.backends if b not in BACKENDS]:
+    if bad := [b for b in args.backends if b.partition("@")[0] not in BACKENDS]:
         parser.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
     if bad := [p for p in args.peers if p not in PEERS]:
         parser.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     report["rows"], report["peer_rows"] = rows, peer_rows
     for backend, engine in matrix.engines.items():
         for method, trace in engine.traces.items():
-            trace.save(args.out / (f"trace_{method}.json" if backend == args.backends[0] else f"trace_{method}_{backend}.json"))
+            label = backend.replace("@", "-").replace("/", "_")
+            trace.save(args.out / (f"trace_{method}.json" if backend == args.backends[0] else f"trace_{method}_{label}.json"))
     bench_report.write_report(report, args.out)
     print(bench_report.markdown(report))
     return 0 if report["summary"]["parity_mismatches"] == 0 else 1

@@ -14,7 +14,7 @@ from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DecodeSettings, choose_tree, prompt_ids
-from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
@@ -24,11 +24,12 @@ from streamfuse.tools.peers_gguf import QUANTS
 
 
 def backend_precision(artifact: Path, backend: str) -> str:
-    """fp32 unless the artifact's manifest records quantized ExecuTorch weights or a Core ML precision."""
+    """fp32 unless the artifact's manifest records quantized weights for the backend or a Core ML precision."""
     manifest = artifact / MANIFEST
     graphs = json.loads(manifest.read_text()).get("graphs", {}) if manifest.is_file() else {}
-    if backend == "executorch" and graphs.get("quantize", {}).get("executorch", "none") != "none":
-        return graphs["quantize"]["executorch"]
+    quantized = graphs.get("quantize", {}).get(ARTIFACT_FILES.get(backend, backend), "none")
+    if backend != "coreml" and quantized != "none":
+        return quantized
     if backend == "coreml":
         return {"float16": "fp16", "float32": "fp32"}.get(graphs.get("coreml_precision"), "fp16")
     return "fp32"
@@ -40,24 +41,38 @@ def peer_precision(name: str) -> str:
 
 
 def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
-    """Every backend loaded up front (the RSS each adds is recorded), with its settings and traces."""
+    """Every backend loaded up front, with its settings and traces. Each one's memory is recorded
+    after one short warm-up run of every method: engines may open their graphs on first use."""
     out = {}
-    for backend in args.backends:
+    for entry in args.backends:
+        backend, _, folder = entry.partition("@")  # BACKEND@FOLDER: another artifact's backend
+        artifact = Path(folder) if folder else args.artifact
         before = current_rss()
-        loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
-        info[backend] = {"precision": backend_precision(args.artifact, backend), "model": "fine-tuned",
-                         "load_rss_bytes": current_rss() - before}
-        if isinstance(loaded.backend, TorchBackend):
-            info[backend]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
+        loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads)
         tree = choose_tree(args.tree, loaded)
         rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
         prune = prune_config(args.prune_threshold, args.prune_budget)
         meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
                     threads=args.threads)
         settings = {m: DecodeSettings(m, tree, rules, SamplingConfig(), prune, 0) for m in args.methods}
+        warm_up(loaded, tree)
+        info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
+                       "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
+        if isinstance(loaded.backend, TorchBackend):
+            info[entry]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
         traces = {m: Trace(method=m, tree=tree.to_dict() if m == "ss" else None, **meta) for m in args.methods}
-        out[backend] = Engine(loaded, settings, traces)
+        out[entry] = Engine(loaded, settings, traces)
     return out
+
+
+def warm_up(loaded: Loaded, tree) -> None:
+    """Two tokens of plain and speculative decoding: every method a benchmark calls runs once."""
+    from streamfuse.runtime.autoregressive import generate_autoregressive
+    from streamfuse.runtime.decode import generate_speculative
+
+    ids = prompt_ids(loaded, "Hello.", loaded.prompt is not None)
+    generate_autoregressive(loaded.backend, ids, StopRules(2))
+    generate_speculative(loaded.backend, ids, tree, StopRules(2))
 
 
 def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:

@@ -47,7 +47,10 @@ PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "Co
 
 
 class OnnxRuntimeSession:
-    """One InferenceSession per method; the provider is the best available one, named in the trace."""
+    """One InferenceSession per method, opened on the method's first call: each session holds its
+    own prepacked copy of the weights, and a run uses two or three of the five methods (plain
+    decoding: prefill + decode; greedy SS: prefill + greedy_step). The provider is the best
+    available one, named in the trace."""
 
     def __init__(self, graphs: dict[str, Path], provider: str | None = None, threads: int | None = None):
         ort = _require("onnxruntime", "onnx")
@@ -62,14 +65,24 @@ class OnnxRuntimeSession:
         # No spin-waiting between calls (as OMP_WAIT_POLICY=PASSIVE for torch): spinning threads
         # steal the cores from whatever runs next, which distorts every other timing on a small CPU.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sessions = {name: ort.InferenceSession(str(path), options, providers=[provider])
-                         for name, path in graphs.items()}
-        self.inputs = {name: [i.name for i in s.get_inputs()] for name, s in self.sessions.items()}
+        missing = [str(path) for path in graphs.values() if not Path(path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"ONNX graphs missing: {', '.join(missing)}; copy the artifact again or rebuild it")
+        self._open = lambda path: ort.InferenceSession(str(path), options, providers=[provider])
+        self.graphs = dict(graphs)
+        self.sessions: dict[str, object] = {}
         self.name = f"onnxruntime:{provider}"
 
+    def session(self, method: str):
+        """The method's InferenceSession, opened now if this is its first call."""
+        if method not in self.sessions:
+            self.sessions[method] = self._open(self.graphs[method])
+        return self.sessions[method]
+
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        feed = {name: tensor.numpy() for name, tensor in zip(self.inputs[method], inputs)}
-        return [torch.from_numpy(out) for out in self.sessions[method].run(None, feed)]
+        session = self.session(method)
+        feed = {i.name: tensor.numpy() for i, tensor in zip(session.get_inputs(), inputs)}
+        return [torch.from_numpy(out) for out in session.run(None, feed)]
 
 
 class CoreMLSession:

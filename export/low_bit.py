@@ -1,0 +1,210 @@
+"""Low-bit linear layers for export: the base model's own GGUF codes (q4-native) or int8 blocks.
+
+`q4-native` swaps every base linear layer for `Q4Linear` and the tied embedding / LM head for
+`Q8Embedding` / `Q8Linear`, keeping LoRA unmerged in fp32 beside the 4-bit base (peft's LoRA
+layers call their base_layer, which is swapped in place). Each computes what the GGUF means,
+with no re-quantization:
+
+    Q4_1:  y = x · (d·q)^T + S · M^T     S [.., K/32] = x summed over each block of 32, M = mins
+    Q8_0:  y = x · (d·(q - 128))^T       (the int8 q stored as q + 128)
+
+The linear layers are custom ops (`streamfuse::q4_linear`, `streamfuse::q8_linear`) with an eager
+implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits, block
+32, zero point 0 and 128), so both compute d·q exactly; the min term is a second small matmul.
+Weights are held in MatMulNBits' layout: B [N, K/32, 32·bits/8] uint8, low nibble first.
+
+`int8` swaps the same layers (LoRA merged first) for Q8Linear with codes made from the fp32
+weights: symmetric, one fp32 scale per block of 32, the Q8_0 layout with exact fp32 scales.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from streamfuse.adapters.gguf_codes import BLOCK, BaseCodes, BlockCodes, GGUFError
+
+# The largest |dequantized codes - the model's fp32 weight| accepted as "the same weights": the
+# fp32 base is fl(d·q + m), one rounding away from the exact value.
+MATCH_TOLERANCE = 1e-6
+
+
+@torch.library.custom_op("streamfuse::q4_linear", mutates_args=())
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+              mins_t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points (zeros, ONNX only);
+    mins_t [K/32, N] -> [.., N]."""
+    codes = unpack_nibbles(packed).float()  # [N, K/32, 32]
+    weight = (codes * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
+    sums = x.reshape(*x.shape[:-1], -1, BLOCK).sum(-1)
+    return x @ weight.T + sums @ mins_t
+
+
+@q4_linear.register_fake
+def _(x, packed, scales, zero_points, mins_t, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("streamfuse::q8_linear", mutates_args=())
+def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [.., K]; codes [N, K/32, 32] uint8 (q + 128); scales [N·K/32] -> [.., N]."""
+    weight = ((codes.float() - 128.0) * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
+    return x @ weight.T
+
+
+@q8_linear.register_fake
+def _(x, codes, scales, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[N, K] codes 0..15 -> [N, K/32, 16] uint8, element 2j in the low nibble of byte j."""
+    pairs = codes.reshape(codes.shape[0], -1, BLOCK // 2, 2).astype(np.uint8)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [N, K/32, 16] -> [N, K/32, 32] uint8."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], BLOCK)
+
+
+class Q4Linear(nn.Module):
+    """A Q4_1 linear layer (no bias) on its GGUF codes."""
+
+    def __init__(self, codes: BlockCodes):
+        super().__init__()
+        if codes.kind != "q4_1":
+            raise GGUFError(f"Q4Linear takes Q4_1 codes, got {codes.kind}")
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", torch.from_numpy(pack_nibbles(codes.codes)))
+        self.register_buffer("scales", torch.from_numpy(codes.scales.reshape(-1).copy()))
+        groups = self.in_features // BLOCK
+        self.register_buffer("zero_points", torch.zeros(self.out_features * ((groups + 1) // 2), dtype=torch.uint8))
+        self.register_buffer("mins_t", torch.from_numpy(codes.mins.T.copy()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_linear(x, self.packed, self.scales, self.zero_points, self.mins_t, self.out_features)
+
+
+class Q8Linear(nn.Module):
+    """A Q8_0 linear layer (no bias): the tied LM head, or some of its rows (draft vocabulary)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.out_features = codes.shape[0]
+        self.register_buffer("codes", codes)  # [N, K/32, 32] uint8
+        self.register_buffer("scales", scales)  # [N·K/32] fp32
+
+    @classmethod
+    def from_codes(cls, codes: BlockCodes) -> "Q8Linear":
+        if codes.kind != "q8_0":
+            raise GGUFError(f"Q8Linear takes Q8_0 codes, got {codes.kind}")
+        rows = codes.shape[0]
+        return cls(torch.from_numpy(codes.codes.reshape(rows, -1, BLOCK).copy()),
+                   torch.from_numpy(codes.scales.reshape(-1).copy()))
+
+    def rows(self, ids: torch.Tensor) -> "Q8Linear":
+        """The layer restricted to output rows `ids` (same codes, exact)."""
+        scales = self.scales.reshape(self.out_features, -1)[ids].reshape(-1)
+        return Q8Linear(self.codes[ids].clone(), scales.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_linear(x, self.codes, self.scales, self.out_features)
+
+
+class Q8Embedding(nn.Module):
+    """Embedding rows dequantized from the Q8_0 codes the LM head holds (one copy of the codes)."""
+
+    def __init__(self, head: Q8Linear):
+        super().__init__()
+        self.codes, self.scales = head.codes, head.scales  # the same tensors: stored once
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes.shape[0]
+        codes = self.codes[ids].float() - 128.0  # [.., K/32, 32]
+        scales = self.scales.reshape(rows, -1)[ids]  # [.., K/32]
+        return (codes * scales[..., None]).reshape(*ids.shape, -1)
+
+
+def use_base_codes(model, codes: BaseCodes) -> dict:
+    """q4-native, in place on a SpeculativeStreamingLM whose LoRA is unmerged: every base linear
+    layer of the decoder and the tied embedding / LM head compute on the GGUF codes. Checks first
+    that the codes are the model's weights. Returns the format's details for the manifest."""
+    parts = model.parts
+    if len(codes.layers) != parts.num_layers:
+        raise GGUFError(f"the GGUF has {len(codes.layers)} layers, the model {parts.num_layers}: another base model")
+    _check("embedding", codes.embedding, _tied_weight(parts))
+    for index, layer in enumerate(codes.layers):
+        for path, block in layer.items():
+            _swap_base(parts.layers[index], path, lambda base, block=block, name=f"layer {index} {path}":
+                       _checked(name, block, base))
+    _use_head(model, Q8Linear.from_codes(codes.embedding))
+    return {"linear": "q4_1 (GGUF codes, exact)", "embedding": "q8_0 (GGUF codes, exact)",
+            "lm_head": "q8_0, tied to the embedding", "lora": "float32, unmerged",
+            "gguf_bytes": codes.bytes()}
+
+
+def quantize_int8(model) -> dict:
+    """int8, in place on a SpeculativeStreamingLM whose LoRA is merged: every linear layer of the
+    decoder and the tied embedding / LM head get symmetric int8 weights per block of 32 (d = max|w| / 127)."""
+    parts = model.parts
+    for layer in parts.layers:
+        for path, module in list(layer.named_modules()):
+            if isinstance(module, nn.Linear):
+                _swap_base(layer, path, lambda base: Q8Linear.from_codes(int8_codes(base.weight)))
+    _use_head(model, Q8Linear.from_codes(int8_codes(_tied_weight(parts))))
+    return {"linear": "int8 per block of 32 (symmetric)", "embedding": "int8 per block of 32",
+            "lm_head": "int8, tied to the embedding", "lora": "merged"}
+
+
+def int8_codes(weight: torch.Tensor) -> BlockCodes:
+    """[N, K] float -> Q8_0-style codes with fp32 scales."""
+    blocks = weight.detach().float().numpy().reshape(weight.shape[0], -1, BLOCK)
+    scales = np.abs(blocks).max(-1) / 127.0
+    inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
+    codes = np.clip(np.rint(blocks * inverse[..., None]), -127, 127) + 128
+    return BlockCodes("q8_0", codes.astype(np.uint8).reshape(weight.shape), scales.astype(np.float32), None)
+
+
+def _swap_base(layer: nn.Module, path: str, make) -> None:
+    """Replace the base linear at `path` by make(base): inside peft's LoRA layer when it has one."""
+    from peft.tuners.lora import LoraLayer
+
+    owner = layer.get_submodule(path)
+    base = owner.base_layer if isinstance(owner, LoraLayer) else owner
+    if base.bias is not None:
+        raise GGUFError(f"{path} has a bias; the low-bit formats take bias-free linear layers")
+    if isinstance(owner, LoraLayer):
+        owner.base_layer = make(base)
+    else:
+        parent, _, name = path.rpartition(".")
+        setattr(layer.get_submodule(parent), name, make(base))
+
+
+def _tied_weight(parts) -> torch.Tensor:
+    if parts.lm_head.weight is not parts.embed.weight:
+        raise GGUFError("the low-bit formats keep the tied embedding / LM head once; this model's head is not tied")
+    return parts.embed.weight
+
+
+def _use_head(model, head: Q8Linear) -> None:
+    """The LM head and the embedding on one set of Q8 codes."""
+    embed, lm_head = model.parts.embed, model.parts.lm_head
+    model.replace_modules(lambda module: module is embed, lambda _: Q8Embedding(head))
+    model.replace_modules(lambda module: module is lm_head, lambda _: head)
+
+
+def _checked(name: str, codes: BlockCodes, base: nn.Linear) -> Q4Linear:
+    _check(name, codes, base.weight)
+    return Q4Linear(codes)
+
+
+def _check(name: str, codes: BlockCodes, weight: torch.Tensor) -> None:
+    if codes.shape != tuple(weight.shape):
+        raise GGUFError(f"{name}: the GGUF holds a {codes.shape} weight, the model {tuple(weight.shape)}: the GGUF is "
+                        f"not this model's base: export with --quantize none or int8")
+    error = float(np.abs(codes.dequantize() - weight.detach().float().numpy()).max())
+    if error > MATCH_TOLERANCE:
+        raise GGUFError(f"{name}: the GGUF's codes differ from the model's weights by up to {error:.3g}; the GGUF is "
+                        f"not this model's base: export with --quantize none or int8")

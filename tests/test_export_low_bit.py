@@ -1,0 +1,135 @@
+"""Low-bit ONNX artifacts on a tiny model converted from a Q4_1 GGUF: q4-native keeps the GGUF's
+codes bit for bit, int8 quantizes the merged weights, and both stay lossless against their own
+plain decoding (greedy and seeded sampling)."""
+
+import numpy as np
+import pytest
+from conftest import write_checkpoint
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.autoregressive import generate_autoregressive
+from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.loader import load
+from streamfuse.runtime.sampling import SamplingConfig
+from test_export import DRAFT, prompts
+
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+
+FORMATS = ("q4-native", "int8")
+
+
+def config(fmt: str) -> ExportConfig:
+    # the default 4-node chain (streams beside every node): a chain step's rows are exactly plain decoding's
+    return ExportConfig(backends=("onnx",), tree="gamma=3,k=1", capacity=128, prefill_chunk=16, quantize=fmt,
+                        parity_prompts=4, greedy_schedule="fused")
+
+
+@pytest.fixture(scope="module")
+def gguf_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("gguf"), gguf=True)
+
+
+@pytest.fixture(scope="module")
+def artifacts(gguf_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("low-bit")
+    return {fmt: ArtifactBuilder(gguf_checkpoint / "ckpt", out / fmt, config(fmt), prompts(4), 24, {}, DRAFT).build()
+            and out / fmt for fmt in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_manifest_records_the_format_and_its_parity(artifacts, fmt):
+    manifest = Artifact.open(artifacts[fmt]).manifest
+    assert manifest["graphs"]["quantize"] == {"onnx": fmt}
+    details = manifest["graphs"]["formats"]["onnx"]
+    assert details["name"] == fmt and "int8 per row" in details["activations"]
+    assert details["lora"] == ("float32, unmerged" if fmt == "q4-native" else "merged")
+    parity = manifest["parity"]["onnx"]
+    assert parity["ss_equals_own_plain"] == parity["plain_prompts"] == 4
+    assert parity["within_tolerance"] is None and parity["max_abs_diff"]["step.logits"] > 0  # error vs fp32, recorded
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_low_bit_ss_equals_its_own_plain_decoding_greedy_and_sampled(artifacts, fmt):
+    loaded = load(artifacts[fmt], "onnxruntime")
+    rules = StopRules(30)
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    for seed, ids in enumerate(prompts(6, seed=5) + [ids * 2 for ids in prompts(2, seed=6)]):
+        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
+        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
+        plain = generate_autoregressive(loaded.backend, ids, rules, sampling, seed=seed).token_ids
+        assert generate_speculative(loaded.backend, ids, loaded.tree, rules, sampling, seed=seed).token_ids == plain
+
+
+def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkpoint):
+    """Every 4-bit MatMulNBits of the exported decode graph, with its min term, dequantizes to exactly
+    what gguf's own dequantization gives for one of the GGUF's linear layers, and every layer is there."""
+    import onnx
+    from onnx import numpy_helper
+
+    folder = artifacts["q4-native"] / "onnx"
+    graph = onnx.load(str(folder / "decode.onnx"), load_external_data=True).graph
+    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    consumers = {name: node for node in graph.node for name in node.input}
+    producers = {out: node for node in graph.node for out in node.output}
+    exported = set()
+    for node in graph.node:
+        bits = {a.name: a.i for a in node.attribute}.get("bits")
+        if node.op_type != "MatMulNBits" or bits != 4:
+            continue
+        add = consumers[node.output[0]]
+        (term,) = [producers[name] for name in add.input if name != node.output[0]]
+        mins = values[term.input[1]].T  # [N, K/32]
+        packed, scales = values[node.input[1]], values[node.input[2]].reshape(mins.shape)
+        codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*mins.shape, 32).astype(np.float32)
+        exported.add((codes * scales[..., None] + mins[..., None]).reshape(mins.shape[0], -1).tobytes())
+    reader = GGUFReader(gguf_checkpoint / "base" / "model.gguf")
+    layers = [t for t in reader.tensors if t.name.startswith("blk.")]
+    assert len(layers) == 4 * 7 and len(exported) == len(layers)
+    for tensor in layers:
+        weight = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_1)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:  # the GGUF keeps llama.cpp's row order
+            heads = 4 if ".attn_q." in tensor.name else 2
+            weight = weight.reshape(heads, -1, 2, weight.shape[1]).swapaxes(2, 1).reshape(weight.shape)
+        assert weight.astype(np.float32).tobytes() in exported, tensor.name
+
+
+def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):
+    builder = ArtifactBuilder(gguf_checkpoint / "ckpt", tmp_path / "a", ExportConfig(quantize="q4-native"), [], 8, {})
+    assert [builder.format(b) for b in ("onnx", "executorch", "coreml")] == ["q4-native", "none", "none"]
+    with pytest.raises(ValueError, match="--quantize must be one of none, int8, 8da4w, q4-native"):
+        ExportConfig(quantize="q3").validate()
+
+
+def test_q4_native_needs_the_base_models_gguf(checkpoint, tmp_path):
+    """The shared tiny checkpoint's base folder has no GGUF: a clear error before anything exports."""
+    builder = ArtifactBuilder(checkpoint / "ckpt", tmp_path / "a", config("q4-native"), prompts(1), 8, {})
+    with pytest.raises(FileNotFoundError, match="has no .gguf file"):
+        builder.build()
+    assert not (tmp_path / "a").exists()
+
+
+def test_bench_runs_several_artifacts_in_one_interleaved_run(artifacts, gguf_checkpoint, tmp_path):
+    """BACKEND@FOLDER rows: each artifact's ONNX Runtime against its own plain decoding, labelled
+    with its format, memory measured once its graphs are open."""
+    import json
+
+    from conftest import write_tiny_dialogsum
+
+    from streamfuse.tools import bench
+
+    data = write_tiny_dialogsum(tmp_path / "data")
+    entries = [f"onnxruntime@{artifacts[fmt]}" for fmt in FORMATS]
+    code = bench.main(["--artifact", str(artifacts["q4-native"]), "--task", "dialogsum", "--input-file",
+                       str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
+                       "--threads", "1", "--backends", ",".join(entries), "--out", str(tmp_path / "bench")])
+    assert code == 0
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    rows = {r["name"]: r for r in report["table"]}
+    assert set(rows) == {f"{m}/{e}" for e in entries for m in ("ar", "ss")}
+    assert [rows[f"ss/{e}"]["precision"] for e in entries] == list(FORMATS)
+    assert all(rows[f"ss/{e}"]["load_rss_bytes"] > 0 for e in entries)
+    assert report["summary"]["parity_mismatches"] == 0
+    assert (tmp_path / "bench" / f"trace_ss_{entries[1].replace('@', '-').replace('/', '_')}.json").is_file()

@@ -1,0 +1,143 @@
+"""export/low_bit.py: low-bit layers compute what their codes mean, and every row of an exported
+call is bit-identical to that row computed alone (what keeps SS == plain decoding exact)."""
+
+import numpy as np
+import pytest
+import torch
+
+from streamfuse.adapters.gguf_codes import BlockCodes
+from streamfuse.export.low_bit import Q4Linear, Q8Embedding, Q8Linear, int8_codes, pack_nibbles, unpack_nibbles
+from streamfuse.export.xnnpack_graph import grouped_attention
+
+
+def random_codes(kind: str, rows: int, columns: int, seed: int = 0) -> BlockCodes:
+    rng = np.random.default_rng(seed)
+    top = 16 if kind == "q4_1" else 256
+    mins = rng.standard_normal((rows, columns // 32)).astype(np.float32) * 0.05 if kind == "q4_1" else None
+    return BlockCodes(kind, rng.integers(0, top, (rows, columns)).astype(np.uint8),
+                      (rng.random((rows, columns // 32)) * 0.01 + 1e-3).astype(np.float32), mins)
+
+
+def test_nibbles_pack_in_matmulnbits_order_element_2j_low():
+    codes = np.array([list(range(16)) * 2])  # one block of 32
+    packed = pack_nibbles(codes)
+    assert packed.shape == (1, 1, 16)
+    assert packed[0, 0].tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE] * 2
+    assert unpack_nibbles(torch.from_numpy(packed)).tolist() == [[codes[0].tolist()]]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_low_bit_linear_computes_x_times_its_dequantized_weight(kind):
+    codes = random_codes(kind, 48, 96)
+    layer = Q4Linear(codes) if kind == "q4_1" else Q8Linear.from_codes(codes)
+    x = torch.randn(2, 5, 96)
+    expected = x @ torch.from_numpy(codes.dequantize()).T
+    assert torch.allclose(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_embedding_reads_the_head_codes_exactly():
+    codes = random_codes("q8_0", 40, 64)
+    head = Q8Linear.from_codes(codes)
+    embedding = Q8Embedding(head)
+    ids = torch.tensor([[3, 0, 39]])
+    assert torch.equal(embedding(ids)[0], torch.from_numpy(codes.dequantize())[ids[0]])
+    assert embedding.codes is head.codes  # one copy of the codes
+    rows = head.rows(torch.tensor([39, 3]))
+    assert torch.equal(rows(torch.eye(64)).T, torch.from_numpy(codes.dequantize())[[39, 3]])
+
+
+def test_int8_codes_round_each_weight_to_the_nearest_step_of_its_block():
+    weight = torch.tensor([[1.27, -0.64, 0.006, 0.004] + [0.0] * 28])  # max |w| 1.27 -> step 0.01
+    codes = int8_codes(weight)
+    assert codes.scales[0, 0] == pytest.approx(0.01)
+    assert (codes.codes[0, :4].astype(int) - 128).tolist() == [127, -64, 1, 0]
+    assert np.abs(codes.dequantize() - weight.numpy()).max() <= 0.005 + 1e-7
+
+
+class Linears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q4 = Q4Linear(random_codes("q4_1", 96, 64, seed=1))
+        self.q8 = Q8Linear.from_codes(random_codes("q8_0", 80, 64, seed=2))
+        self.fp32 = torch.nn.Linear(64, 72, bias=False)
+
+    def forward(self, x):
+        return self.q4(x), self.q8(x), self.fp32(x)
+
+
+class Attention(torch.nn.Module):
+    """grouped_attention over a fixed cache: query rows vary, keys / values / mask per row fixed."""
+
+    def __init__(self, heads: int, kv_heads: int):
+        super().__init__()
+        self.register_buffer("keys", torch.randn(1, kv_heads, 40, 16))
+        self.register_buffer("values", torch.randn(1, kv_heads, 40, 16))
+        self.heads = heads
+
+    def forward(self, query, mask):
+        return grouped_attention(None, query, self.keys, self.values, mask, 0.25)[0]
+
+
+def exported_rows(module, example, dims, tmp_path):
+    """An ONNX Runtime session per thread count over `module` exported with dynamic rows."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    from streamfuse.export.to_onnx import custom_translations
+
+    program = torch.export.export(module, example, strict=False, dynamic_shapes=dims)
+    path = tmp_path / "rows.onnx"
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
+                      verbose=False).save(str(path))
+    sessions = []
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        sessions.append(ort.InferenceSession(str(path), options))
+    return sessions
+
+
+def test_onnx_runtime_linear_rows_do_not_depend_on_the_call_size(tmp_path):
+    """Row i of an M-row call equals that row alone, bit for bit, for the q4, q8 and fp32 linear
+    layers of the exported graphs (M = 1..16, the row anywhere, other rows random, 1 and 2 threads)."""
+    torch.manual_seed(0)
+    rows = torch.export.Dim("rows", min=1, max=32)
+    sessions = exported_rows(Linears().eval(), (torch.randn(1, 4, 64),), ({1: rows},), tmp_path)
+    row = torch.randn(1, 1, 64)
+    for session in sessions:
+        name = session.get_inputs()[0].name
+        alone = session.run(None, {name: row.numpy()})
+        for count in range(1, 17):
+            batch = torch.randn(1, count, 64)
+            at = count // 2
+            batch[0, at] = row[0, 0]
+            outputs = session.run(None, {name: batch.numpy()})
+            for label, out, one in zip(("q4", "q8", "fp32"), outputs, alone):
+                assert np.array_equal(out[0, at], one[0, 0]), (label, count)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)])
+def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, heads, kv_heads):
+    """The graphs' attention gives each query the same output in a call of any size. Graphs have
+    static shapes, so each size is its own export, as prefill / decode / step are: a lone query row
+    is computed as two (ONNX Runtime's one-row MatMul differs from the same row in a bigger call)."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    torch.manual_seed(0)
+    module = Attention(heads, kv_heads).eval()
+    query, visible = torch.randn(1, heads, 1, 16), torch.zeros(1, 1, 1, 40)
+    visible[..., 25:] = -30000.0  # this query sees 25 cache rows
+    outputs = {}
+    for count in (1, 2, 3, 4, 5, 8, 16):
+        batch, mask = torch.randn(1, heads, count, 16), torch.zeros(1, 1, count, 40)
+        batch[:, :, -1], mask[:, :, -1] = query[:, :, 0], visible[:, :, 0]
+        path = tmp_path / f"attention-{count}.onnx"
+        torch.onnx.export(torch.export.export(module, (batch, mask), strict=False), (), dynamo=True,
+                          verbose=False).save(str(path))
+        for threads in (1, 2):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = ort.InferenceSession(str(path), options)
+            names = [i.name for i in session.get_inputs()]
+            (out,) = session.run(None, dict(zip(names, (batch.numpy(), mask.numpy()))))
+            outputs[count, threads] = out[0, -1]
+    alone = outputs[1, 1]
+    assert all(np.array_equal(out, alone) for out in outputs.values()), [k for k, o in outputs.items()
+                                                                          if not np.array_equal(o, alone)]
