@@ -96,8 +96,8 @@ class StepKeyValues(KeyValues):
     past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache.
     write_at: None: attention sees past + this call's rows appended after it ([P + T] keys);
     a [1] cache length n: this call's rows take slots n.. of a copy of the past ([P] keys), so a
-    token at position p sits at slot p whether it came from this call or an earlier one (see
-    in_place_slots).
+    token at position p sits at slot p whether it came from this call or an earlier one (the
+    graphs' mask for this layout: in_place_slots).
     """
 
     def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -114,10 +114,9 @@ class StepKeyValues(KeyValues):
         past_keys, past_values = self.past[layer]
         if self.write_at is None:
             return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
-        inside, index = in_place_slots(self.write_at, past_keys.shape[2], keys.shape[2])
-        where = inside[None, None, :, None]
-        return (torch.where(where, keys.index_select(2, index), past_keys),
-                torch.where(where, values.index_select(2, index), past_values))
+        # index_copy (ONNX ScatterND): only the T new rows are written, into a copy of the past
+        slots = self.write_at + torch.arange(keys.shape[2], device=keys.device)
+        return past_keys.index_copy(2, slots, keys), past_values.index_copy(2, slots, values)
 
 
 def in_place_slots(start: torch.Tensor, capacity: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

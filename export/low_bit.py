@@ -11,7 +11,9 @@ with no re-quantization:
 The linear layers are custom ops (`streamfuse::q4_linear`, `streamfuse::q8_linear`) with an eager
 implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits, block
 32, zero point 0 and 128), so both compute d·q exactly; the min term is a second small matmul.
-Weights are held in MatMulNBits' layout: B [N, K/32, 32·bits/8] uint8, low nibble first.
+The eager implementation keeps activations in fp32; in the graphs ONNX Runtime quantizes them to
+int8 per row and block (export/to_onnx.py ACCURACY_LEVEL). Weights are held in MatMulNBits'
+layout: B [N, K/32, 32·bits/8] uint8, low nibble first.
 
 `int8` swaps the same layers (LoRA merged first) for Q8Linear with codes made from the fp32
 weights: symmetric, one fp32 scale per block of 32, the Q8_0 layout with exact fp32 scales.

@@ -68,7 +68,7 @@ def share_weights(models: dict, weights_path: Path) -> None:
 # MatMulNBits' accuracy_level 4: activations quantized to int8 per row and block of 32 inside the
 # kernel, int8 dot products. Measured on this CPU (docs/export.md): row i of an M-row call is
 # bit-identical to that row alone for every M, so SS stays exactly plain decoding; levels 0 and 1
-# (fp32 activations) give M = 1 another result than M > 1, and are slower than fp32 MatMul at M > 1.
+# (fp32 activations) give M = 1 another result than M > 1, and are no faster than fp32 MatMul at M > 1.
 ACCURACY_LEVEL = 4
 
 
@@ -82,8 +82,8 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
 
     def q4_linear(x, packed, scales, zero_points, mins_t, out_features: int):
         groups = mins_t.shape[0]
-        scaled = matmul_nbits(x, packed, scales, zero_points, K=groups * 32, N=out_features, bits=4,
-                                       block_size=32, accuracy_level=accuracy_level)
+        scaled = matmul_nbits(x, packed, scales, zero_points, K=groups * 32, N=out_features, bits=4, block_size=32,
+                              accuracy_level=accuracy_level)
         blocks = op.Reshape(x, op.Constant(value_ints=[0, 0, groups, 32]))
         sums = op.ReduceSum(blocks, op.Constant(value_ints=[-1]), keepdims=0)
         return op.Add(scaled, op.MatMul(sums, mins_t))

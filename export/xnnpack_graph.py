@@ -79,10 +79,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
 
 def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
     """A copy of `model` whose RMSNorms and attention lower to XNNPACK whole."""
-    hf.register_attention(ATTENTION, grouped_attention)
-    ready = copy.deepcopy(model)
+    ready = with_graph_attention(model)
     ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
-    hf.set_attention(ready.model, ATTENTION)
     return ready
 
 

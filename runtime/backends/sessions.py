@@ -71,17 +71,19 @@ class OnnxRuntimeSession:
         self._open = lambda path: ort.InferenceSession(str(path), options, providers=[provider])
         self.graphs = dict(graphs)
         self.sessions: dict[str, object] = {}
+        self.inputs: dict[str, list[str]] = {}
         self.name = f"onnxruntime:{provider}"
 
     def session(self, method: str):
         """The method's InferenceSession, opened now if this is its first call."""
         if method not in self.sessions:
             self.sessions[method] = self._open(self.graphs[method])
+            self.inputs[method] = [i.name for i in self.sessions[method].get_inputs()]
         return self.sessions[method]
 
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         session = self.session(method)
-        feed = {i.name: tensor.numpy() for i, tensor in zip(session.get_inputs(), inputs)}
+        feed = {name: tensor.numpy() for name, tensor in zip(self.inputs[method], inputs)}
         return [torch.from_numpy(out) for out in session.run(None, feed)]
 
 
