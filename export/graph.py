@@ -41,6 +41,9 @@ from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
 from streamfuse.runtime.tree import TreeSpec
 
+# The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
+Cache = torch.Tensor | list[torch.Tensor]
+
 # The graphs' masked score: finite in fp16 (Core ML computes in fp16, where 0 * -inf would be NaN)
 # and still far enough below any real score that softmax gives it exactly 0 in fp32.
 MASKED = -30000.0
@@ -72,8 +75,11 @@ def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tenso
     return (hidden.to(torch.float32) * MASKED).expand(rows, capacity)
 
 
-def split_cache(keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[L, kv, C, d] -> per layer ([1, kv, C, d], [1, kv, C, d]) as the model's K/V provider reads them."""
+def split_cache(keys: Cache, values: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The cache per layer ([1, kv, C, d] keys and values) as the model's K/V provider reads it, from
+    [L, kv, C, d] tensors or from per-layer lists (the ONNX graphs' inputs: export/to_onnx.py)."""
+    if isinstance(keys, (list, tuple)):
+        return list(zip(keys, values))
     # Slices, not index + unsqueeze: XNNPACK takes slices, so they do not split its partitions.
     return [(keys[layer : layer + 1], values[layer : layer + 1]) for layer in range(keys.shape[0])]
 
@@ -81,11 +87,10 @@ def split_cache(keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Te
 class MainPass(nn.Module):
     """prefill, decode or step: main stream over T new tokens with a constant visibility among them."""
 
-    def __init__(self, model: SpeculativeStreamingLM, visibility: torch.Tensor, depths: list[int], capacity: int,
-                 select_last: bool, in_place: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, visibility: torch.Tensor, depths: list[int], select_last: bool,
+                 in_place: bool = False):
         super().__init__()
         self.model = model
-        self.capacity = capacity
         self.select_last = select_last
         self.in_place = in_place
         additive = torch.zeros(visibility.shape, dtype=torch.float32).masked_fill(~visibility, MASKED)
@@ -105,14 +110,16 @@ class MainPass(nn.Module):
         """The main stream through layers [0, N - N_s), and the provider that collects new K/V."""
         count = ids.shape[1]
         positions = (cache_len + self.depths)[None]
+        past = split_cache(keys, values)
+        span = past[0][0].shape[2]  # C; an ONNX prefill takes only the rows up to its own (to_onnx.DYNAMIC_SPAN)
         if self.in_place:  # [T, C]: the cache below cache_len, then the tree at its slots
-            inside, index = in_place_slots(cache_len, self.capacity, count)
+            inside, index = in_place_slots(cache_len, span, count)
             mask = torch.where(inside[None, :], self.tree_mask.index_select(1, index),
-                               cache_mask(cache_len, self.capacity, count))[None, None]
-            provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values), write_at=cache_len)
+                               cache_mask(cache_len, span, count))[None, None]
+            provider = StepKeyValues(len(past), count, past, write_at=cache_len)
         else:  # [T, C + T]
-            mask = torch.cat([cache_mask(cache_len, self.capacity, count), self.tree_mask], dim=1)[None, None]
-            provider = StepKeyValues(keys.shape[0], count, split_cache(keys, values))
+            mask = torch.cat([cache_mask(cache_len, span, count), self.tree_mask], dim=1)[None, None]
+            provider = StepKeyValues(len(past), count, past)
         return self.model.forward_lower(ids, positions, mask, provider), provider
 
 
@@ -132,7 +139,7 @@ class StreamsPass(nn.Module):
     def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         position = (cache_len - 1)[None]
         past_mask = cache_mask(cache_len, self.capacity, 1)[None, None]
-        provider = StepKeyValues(keys.shape[0], 0, split_cache(keys, values))
+        provider = StepKeyValues(len(keys), 0, split_cache(keys, values))
         streams = self.model.forward_streams(anchor[None], position, past_mask, provider)
         return self.model.logits(streams[0, 0])
 
@@ -154,7 +161,7 @@ class GreedyStepPass(nn.Module):
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
         self.model, self.capacity, self.schedule = model, capacity, schedule
         self.width = max(tree.widths)
-        self.main = MainPass(model, tree.ancestor_mask, tree.depths, capacity, select_last=False, in_place=in_place)
+        self.main = MainPass(model, tree.ancestor_mask, tree.depths, select_last=False, in_place=in_place)
         self.register_buffer("parents", torch.tensor(tree.parents[1:], dtype=torch.long), persistent=False)
         self.register_buffer("ancestors", tree.ancestor_mask.to(torch.float32), persistent=False)
         self.register_buffer("all_nodes", torch.arange(tree.num_nodes)[None], persistent=False)
@@ -197,11 +204,11 @@ class GreedyStepPass(nn.Module):
         model = self.model
         position = (cache_len + self.main.depths.index_select(0, node))[None]
         visible = torch.cat([cache_mask(cache_len, self.capacity, 1), self.main.tree_mask.index_select(0, node)], dim=1)
-        past = [(keys[layer][None], values[layer][None]) if layer < model.split else
-                (torch.cat([keys[layer], new_keys[layer]], dim=1)[None],
-                 torch.cat([values[layer], new_values[layer]], dim=1)[None])
-                for layer in range(keys.shape[0])]
-        provider = StepKeyValues(keys.shape[0], 0, past)
+        past = [(layer_keys, layer_values) if layer < model.split else
+                (torch.cat([layer_keys, new_keys[layer : layer + 1]], dim=2),
+                 torch.cat([layer_values, new_values[layer : layer + 1]], dim=2))
+                for layer, (layer_keys, layer_values) in enumerate(split_cache(keys, values))]
+        provider = StepKeyValues(len(past), 0, past)
         return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
 
 
@@ -246,9 +253,9 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     schedule shape greedy_step only (GreedyStepPass)."""
     chunk, tree, capacity, in_place = shapes.prefill_chunk, shapes.tree, shapes.capacity, shapes.in_place
     return {
-        "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), capacity, True, in_place),
-        "decode": MainPass(model, chain_visibility(1), [0], capacity, False, in_place),
-        "step": MainPass(model, tree.ancestor_mask, tree.depths, capacity, False, in_place),
+        "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), True, in_place),
+        "decode": MainPass(model, chain_visibility(1), [0], False, in_place),
+        "step": MainPass(model, tree.ancestor_mask, tree.depths, False, in_place),
         "streams": StreamsPass(model, capacity),
         "greedy_step": GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place),
     }

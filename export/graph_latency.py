@@ -52,13 +52,13 @@ def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
     """label -> (module, example inputs) for every graph to time."""
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
     first = GraphShapes(args.capacity, PREFILL_CHUNK, trees[0])
-    variants = {"decode": (MainPass(model, torch.ones(1, 1, dtype=torch.bool), [0], args.capacity, False),
+    variants = {"decode": (MainPass(model, torch.ones(1, 1, dtype=torch.bool), [0], False),
                            example_inputs(model, first)["decode"])}
     vocab = model.parts.vocab_size
     for tree in trees:
         inputs = example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, tree))
         name = f"{tree.num_nodes} nodes"
-        variants[f"step, {name}"] = (MainPass(model, tree.ancestor_mask, tree.depths, args.capacity, False),
+        variants[f"step, {name}"] = (MainPass(model, tree.ancestor_mask, tree.depths, False),
                                      inputs["step"])
         variants[f"streams (after step, {name})"] = (StreamsPass(model, args.capacity), inputs["streams"])
         for schedule in args.schedules.split(","):

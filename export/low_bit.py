@@ -5,12 +5,13 @@
 layers call their base_layer, which is swapped in place). Each computes what the GGUF means,
 with no re-quantization:
 
-    Q4_1:  y = x · (d·q)^T + S · M^T     S [.., K/32] = x summed over each block of 32, M = mins
+    Q4_1:  y = x · (d·(q - 8))^T + S · (M + 8D)^T     S [.., K/32] = x summed over each block of 32,
+                                                     M = mins, D = scales (ZERO_POINT)
     Q8_0:  y = x · (d·(q - 128))^T       (the int8 q stored as q + 128)
 
 The linear layers are custom ops (`streamfuse::q4_linear`, `streamfuse::q8_linear`) with an eager
 implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits, block
-32, zero point 0 and 128), so both compute d·q exactly; the min term is a second small matmul.
+32, zero point 8 and 128), so both compute d·(q - zero point) exactly; the min term is a second small matmul.
 The eager implementation keeps activations in fp32; in the graphs ONNX Runtime quantizes them to
 int8 per row and block (export/to_onnx.py ACCURACY_LEVEL). Weights are held in MatMulNBits'
 layout: B [N, K/32, 32·bits/8] uint8, low nibble first.
@@ -35,9 +36,11 @@ MATCH_TOLERANCE = 1e-6
 @torch.library.custom_op("streamfuse::q4_linear", mutates_args=())
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               mins_t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points (zeros, ONNX only);
-    mins_t [K/32, N] -> [.., N]."""
-    codes = unpack_nibbles(packed).float()  # [N, K/32, 32]
+    """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points [N·ceil(K/64)] uint8, two
+    per byte; mins_t [K/32, N] (the offsets m + zero point · d) -> [.., N]."""
+    groups = mins_t.shape[0]
+    zeros = unpack_nibbles(zero_points.reshape(out_features, -1), pairs=True)[:, :groups, None]  # [N, K/32, 1]
+    codes = unpack_nibbles(packed).float() - zeros.float()  # [N, K/32, 32]
     weight = (codes * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
     sums = x.reshape(*x.shape[:-1], -1, BLOCK).sum(-1)
     return x @ weight.T + sums @ mins_t
@@ -66,9 +69,17 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """pack_nibbles' inverse: [N, K/32, 16] -> [N, K/32, 32] uint8."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], BLOCK)
+def unpack_nibbles(packed: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """pack_nibbles' inverse: [N, K/32, 16] -> [N, K/32, 32] uint8 (pairs: [.., B] -> [.., 2B])."""
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1)
+    return nibbles.reshape(*packed.shape[:-1], -1) if pairs else nibbles.reshape(*packed.shape[:-1], BLOCK)
+
+
+# Q4_1's codes q in 0..15 go to MatMulNBits as d·(q - 8), the offset m + 8d joining the min term: the
+# same weights (both partial terms are exact in fp32, so d·(q - 8) + (m + 8d) rounds as d·q + m does),
+# but the part the kernel multiplies by int8-quantized activations is centred, which halves the
+# activations' quantization error (docs/export.md). uint8 zero points keep prepacking.
+ZERO_POINT = 8
 
 
 class Q4Linear(nn.Module):
@@ -82,8 +93,10 @@ class Q4Linear(nn.Module):
         self.register_buffer("packed", torch.from_numpy(pack_nibbles(codes.codes)))
         self.register_buffer("scales", torch.from_numpy(codes.scales.reshape(-1).copy()))
         groups = self.in_features // BLOCK
-        self.register_buffer("zero_points", torch.zeros(self.out_features * ((groups + 1) // 2), dtype=torch.uint8))
-        self.register_buffer("mins_t", torch.from_numpy(codes.mins.T.copy()))
+        zero_points = torch.full((self.out_features * ((groups + 1) // 2),), ZERO_POINT * 0x11, dtype=torch.uint8)
+        self.register_buffer("zero_points", zero_points)  # two 4-bit zero points per byte
+        offsets = codes.mins + np.float32(ZERO_POINT) * codes.scales  # exact: d and m are fp16 values
+        self.register_buffer("mins_t", torch.from_numpy(offsets.T.copy()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return q4_linear(x, self.packed, self.scales, self.zero_points, self.mins_t, self.out_features)

@@ -1,8 +1,9 @@
 """ONNX: one graph per method (ONNX has one entry point per model), weights stored once.
 
-Each method is exported through torch.export (the dynamo exporter) into a scratch folder; then
-every initializer is moved into one shared `weights.bin`, deduplicated by content, so the four
-graphs reference the same bytes: the artifact carries one copy of the model, not four.
+The K / V cache is an input per layer (per_layer_cache). Each method is exported through
+torch.export (the dynamo exporter) into a scratch folder; then every initializer is moved into
+one shared `weights.bin`, deduplicated by content, so the graphs reference the same bytes: the
+artifact carries one copy of the model, not one per method.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import hashlib
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
+
+from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, layer_input
 
 WEIGHTS_FILE = "weights.bin"
 ALIGNMENT = 4096  # page-aligned offsets so onnxruntime can map the weights
@@ -28,8 +32,9 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
     with tempfile.TemporaryDirectory(prefix="onnx-", dir=folder) as scratch:
         models = {}
         for name, module in modules.items():
-            program = torch.export.export(module, inputs[name], strict=False)
-            exported = torch.onnx.export(program, (), dynamo=True, input_names=input_names[name],
+            args, names = per_layer_cache(inputs[name], input_names[name])
+            program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(name, args))
+            exported = torch.onnx.export(program, (), dynamo=True, input_names=names,
                                          output_names=output_names[name], optimize=True, verbose=False,
                                          custom_translation_table=custom_translations())
             exported.save(str(Path(scratch) / f"{name}.onnx"), external_data=True)
@@ -40,6 +45,37 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
         files[name] = f"{name}.onnx"
         onnx.save_model(model, str(folder / files[name]))
     return files
+
+
+def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
+    """The graphs take the K / V cache as one input per layer (runtime/backends/static_graph.py
+    CACHE_INPUTS): [L, kv, C, d] -> a list of L [1, kv, C, d] tensors (export/graph.py split_cache
+    reads either), named <name>_<layer>."""
+    flat_args, flat_names = [], []
+    for name, value in zip(names, args):
+        if name in CACHE_INPUTS:
+            flat_args.append([value[layer : layer + 1].clone() for layer in range(value.shape[0])])
+            flat_names += [layer_input(name, layer) for layer in range(value.shape[0])]
+        else:
+            flat_args.append(value)
+            flat_names.append(name)
+    return tuple(flat_args), flat_names
+
+
+# Methods whose graphs take the cache rows up to their own (cache_len + P, any length up to C) rather
+# than all C: a prefill chunk attends over what precedes it, not over the empty rest of the cache
+# (a 250-token prompt: 64..256 rows instead of 768 per chunk). Prefill is shared by plain and
+# speculative decoding, so its attention span does not touch SS == plain; decode and step keep C.
+DYNAMIC_SPAN = ("prefill",)
+
+
+def cache_span(method: str, args: tuple) -> tuple | None:
+    """torch.export dynamic_shapes for `args` (per_layer_cache's): the cache rows dim, for DYNAMIC_SPAN."""
+    if method not in DYNAMIC_SPAN:
+        return None
+    ids, cache = args[0], next(arg for arg in args if isinstance(arg, list))
+    span = torch.export.Dim(f"{method}_span", min=ids.shape[1], max=cache[0].shape[2])
+    return tuple([{2: span}] * len(arg) if isinstance(arg, list) else None for arg in args)
 
 
 def share_weights(models: dict, weights_path: Path) -> None:
@@ -92,7 +128,23 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
         return matmul_nbits(x, codes, scales, K=codes.shape[1] * 32, N=out_features, bits=8, block_size=32,
                             accuracy_level=accuracy_level)
 
-    return {torch.ops.streamfuse.q4_linear.default: q4_linear, torch.ops.streamfuse.q8_linear.default: q8_linear}
+    return {torch.ops.streamfuse.q4_linear.default: q4_linear, torch.ops.streamfuse.q8_linear.default: q8_linear,
+            torch.ops.aten.index_copy.default: index_copy}
+
+
+def index_copy(data, dim: int, index, source):
+    """data.index_copy(dim, index, source) as one ScatterND on data's own layout. The exporter's
+    default moves `dim` first (a Transpose of the whole cache, ScatterND, a Transpose back): in the
+    in-place graphs that is three copies of each layer's cache per call, for T rows written."""
+    import onnx
+    from onnxscript import opset18 as op
+
+    lead, count = list(data.shape[:dim]), source.shape[dim]
+    grid = np.stack(np.meshgrid(*[np.arange(n) for n in lead], np.arange(count), indexing="ij"), axis=-1)[..., :dim]
+    lead_index = op.Constant(value=onnx.numpy_helper.from_array(np.ascontiguousarray(grid, dtype=np.int64)))
+    slots = op.Expand(op.Reshape(index, op.Constant(value_ints=[1] * dim + [count, 1])),
+                      op.Constant(value_ints=lead + [count, 1]))
+    return op.ScatterND(data, op.Concat(lead_index, slots, axis=-1), source)
 
 
 def _register_matmul_nbits() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/2"  # /2: graphs.formats, per-backend graphs.quantize, ONNX in-place attention
+SCHEMA = "streamfuse.artifact/3"  # /3: ONNX graphs take the K / V cache per layer (static_graph.CACHE_INPUTS)
 MANIFEST = "manifest.json"
 
 

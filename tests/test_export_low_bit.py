@@ -63,6 +63,29 @@ def test_low_bit_ss_equals_its_own_plain_decoding_greedy_and_sampled(artifacts, 
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules, sampling, seed=seed).token_ids == plain
 
 
+def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
+    """Each graph reads layer l's cache from its own inputs keys_l / values_l (no Split of an [L, ..]
+    input) and writes a call's rows with one ScatterND per layer, no Transpose of a cache. Prefill
+    takes the rows up to its own (a named dim), the others all C."""
+    import onnx
+
+    capacity = config("int8").capacity
+    for method in ("prefill", "decode", "step", "greedy_step"):
+        graph = onnx.load(str(artifacts["int8"] / "onnx" / f"{method}.onnx"), load_external_data=False).graph
+        inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+        layers = sorted(name for name in inputs if name.startswith("keys_"))
+        assert layers and "keys" not in inputs and "values" not in inputs, sorted(inputs)
+        rows = {inputs[name][2] for name in layers}
+        assert {inputs[name][0] for name in layers} == {1}
+        assert rows == {capacity} if method != "prefill" else len(rows) == 1 and isinstance(rows.pop(), str), rows
+        ops = [node.op_type for node in graph.node]
+        assert ops.count("ScatterND") == 2 * len(layers), (method, ops.count("ScatterND"))
+        assert "Split" not in ops
+        cache_inputs = set(layers) | {name.replace("keys_", "values_") for name in layers}
+        transposed = [n for n in graph.node if n.op_type in ("Transpose", "Slice") and n.input[0] in cache_inputs]
+        assert not transposed, method
+
+
 def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkpoint):
     """Every 4-bit MatMulNBits of the exported decode graph, with its min term, dequantizes to exactly
     what gguf's own dequantization gives for one of the GGUF's linear layers, and every layer is there."""
@@ -81,9 +104,12 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
             continue
         add = consumers[node.output[0]]
         (term,) = [producers[name] for name in add.input if name != node.output[0]]
-        mins = values[term.input[1]].T  # [N, K/32]
+        mins = values[term.input[1]].T  # [N, K/32]: the offsets m + zero point · d
         packed, scales = values[node.input[1]], values[node.input[2]].reshape(mins.shape)
+        zeros = values[node.input[3]].reshape(mins.shape[0], -1)
+        zeros = np.stack([zeros & 0x0F, zeros >> 4], axis=-1).reshape(mins.shape[0], -1)[:, : mins.shape[1]]
         codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*mins.shape, 32).astype(np.float32)
+        codes -= zeros[..., None].astype(np.float32)
         exported.add((codes * scales[..., None] + mins[..., None]).reshape(mins.shape[0], -1).tobytes())
     reader = GGUFReader(gguf_checkpoint / "base" / "model.gguf")
     layers = [t for t in reader.tensors if t.name.startswith("blk.")]

@@ -141,3 +141,66 @@ def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, he
     alone = outputs[1, 1]
     assert all(np.array_equal(out, alone) for out in outputs.values()), [k for k, o in outputs.items()
                                                                           if not np.array_equal(o, alone)]
+
+
+class IndexCopy(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, data, rows, start):
+        return data.index_copy(self.dim, start + torch.arange(rows.shape[self.dim]), rows)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, 3])
+def test_onnx_index_copy_is_one_scatter_on_the_data_layout(tmp_path, dim):
+    """The in-place graphs write a call's rows with index_copy: in ONNX one ScatterND on the cache as
+    it is (the exporter's own translation transposes the whole cache there and back), same values."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    import onnx
+
+    from streamfuse.export.to_onnx import custom_translations
+
+    torch.manual_seed(0)
+    data = torch.randn(3, 4, 5, 3)
+    rows = torch.randn(*data.shape[:dim], 2, *data.shape[dim + 1:])
+    start = torch.tensor([1])
+    program = torch.export.export(IndexCopy(dim), (data, rows, start), strict=False)
+    path = tmp_path / "index_copy.onnx"
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
+                      verbose=False).save(str(path))
+    ops = [node.op_type for node in onnx.load(str(path)).graph.node]
+    assert ops.count("ScatterND") == 1 and "Transpose" not in ops, ops
+    session = ort.InferenceSession(str(path))
+    names = [i.name for i in session.get_inputs()]
+    for offset in (0, 1, data.shape[dim] - 2):
+        feed = dict(zip(names, (data.numpy(), rows.numpy(), np.array([offset]))))
+        expected = IndexCopy(dim)(data, rows, torch.tensor([offset])).numpy()
+        assert np.array_equal(session.run(None, feed)[0], expected), offset
+
+
+def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_error(tmp_path):
+    """MatMulNBits gets d·(q - 8) and the min term m + 8d: the same weights, but what the kernel
+    multiplies by int8-quantized activations is centred. Against the exact product (float64), the
+    error of the exported layer is about half that of d·q with zero point 0 and m as the min term."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    from streamfuse.export.to_onnx import custom_translations
+
+    codes = random_codes("q4_1", 256, 512, seed=3)
+    centred = Q4Linear(codes)
+    assert unpack_nibbles(centred.zero_points.reshape(256, -1), pairs=True).unique().tolist() == [8]
+    uncentred = Q4Linear(codes)
+    uncentred.zero_points.zero_()
+    uncentred.mins_t.copy_(torch.from_numpy(codes.mins.T.copy()))
+    x = torch.randn(1, 4, 512, dtype=torch.float64)  # [batch, rows, K], as in the graphs
+    exact = x @ torch.from_numpy(codes.dequantize()).double().T
+    errors = []
+    for index, layer in enumerate((centred, uncentred)):
+        path = tmp_path / f"q4-{index}.onnx"
+        program = torch.export.export(layer.eval(), (x.float(),), strict=False)
+        torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
+                          verbose=False).save(str(path))
+        session = ort.InferenceSession(str(path))
+        (out,) = session.run(None, {session.get_inputs()[0].name: x.float().numpy()})
+        errors.append(float(np.abs(out - exact.numpy()).mean()))
+    assert errors[0] < 0.7 * errors[1], errors

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.backends.static_graph import METHODS, Session
+from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, INPUT_NAMES, METHODS, Session, layer_input
 
 
 class MissingBackend(RuntimeError):
@@ -71,20 +71,34 @@ class OnnxRuntimeSession:
         self._open = lambda path: ort.InferenceSession(str(path), options, providers=[provider])
         self.graphs = dict(graphs)
         self.sessions: dict[str, object] = {}
-        self.inputs: dict[str, list[str]] = {}
+        self.spans: dict[str, bool] = {}  # method -> its graph takes the cache rows up to the call's own
         self.name = f"onnxruntime:{provider}"
 
     def session(self, method: str):
         """The method's InferenceSession, opened now if this is its first call."""
         if method not in self.sessions:
             self.sessions[method] = self._open(self.graphs[method])
-            self.inputs[method] = [i.name for i in self.sessions[method].get_inputs()]
+            cache = {i.name: i.shape for i in self.sessions[method].get_inputs()}[layer_input(CACHE_INPUTS[0], 0)]
+            self.spans[method] = not isinstance(cache[2], int)  # a named dim: the graph takes rows up to its own
         return self.sessions[method]
 
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         session = self.session(method)
-        feed = {name: tensor.numpy() for name, tensor in zip(self.inputs[method], inputs)}
-        return [torch.from_numpy(out) for out in session.run(None, feed)]
+        return [torch.from_numpy(out) for out in session.run(None, self._feed(method, inputs))]
+
+    def _feed(self, method: str, inputs: list[torch.Tensor]) -> dict:
+        """Inputs by graph name. The cache goes in per layer, as views of the host's tensors (no copy),
+        cut to the rows up to the call's own where the graph takes that (to_onnx.DYNAMIC_SPAN)."""
+        named = dict(zip(INPUT_NAMES[method], inputs))
+        rows = int(named["cache_len"][0]) + named["ids"].shape[1] if self.spans[method] else None
+        feed = {}
+        for name, tensor in named.items():
+            if name in CACHE_INPUTS:
+                feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows].numpy()
+                             for layer in range(tensor.shape[0])})
+            else:
+                feed[name] = tensor.numpy()
+        return feed
 
 
 class CoreMLSession:

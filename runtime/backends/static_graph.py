@@ -36,6 +36,15 @@ OUTPUT_NAMES = {
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values"],
 }
 
+# The host's cache tensors [L, kv_heads, C, d]. ONNX graphs take them as L inputs each, <name>_<layer>
+# [1, kv_heads, C, d] (zero-copy views of the host's tensors): one [L, ...] input would be split
+# into per-layer copies inside every call, 35 MB for SmolLM2 at C = 768 (docs/export.md).
+CACHE_INPUTS = ("keys", "values")
+
+
+def layer_input(name: str, layer: int) -> str:
+    return f"{name}_{layer}"
+
 
 class Session(Protocol):
     name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
