@@ -79,6 +79,7 @@ def unpack_nibbles(packed: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 # same weights (both partial terms are exact in fp32, so d·(q - 8) + (m + 8d) rounds as d·q + m does),
 # but the part the kernel multiplies by int8-quantized activations is centred, which halves the
 # activations' quantization error (docs/export.md). uint8 zero points keep prepacking.
+# A block where m + 8d would round keeps zero point 0 (centred_zero_points).
 ZERO_POINT = 8
 
 
@@ -93,13 +94,25 @@ class Q4Linear(nn.Module):
         self.register_buffer("packed", torch.from_numpy(pack_nibbles(codes.codes)))
         self.register_buffer("scales", torch.from_numpy(codes.scales.reshape(-1).copy()))
         groups = self.in_features // BLOCK
-        zero_points = torch.full((self.out_features * ((groups + 1) // 2),), ZERO_POINT * 0x11, dtype=torch.uint8)
-        self.register_buffer("zero_points", zero_points)  # two 4-bit zero points per byte
-        offsets = codes.mins + np.float32(ZERO_POINT) * codes.scales  # exact: d and m are fp16 values
+        zeros = centred_zero_points(codes)  # [N, K/32]
+        padded = np.zeros((self.out_features, groups + groups % 2), dtype=np.uint8)
+        padded[:, :groups] = zeros
+        # two 4-bit zero points per byte, the first in the low nibble
+        self.register_buffer("zero_points", torch.from_numpy((padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)))
+        offsets = codes.mins + zeros.astype(np.float32) * codes.scales
         self.register_buffer("mins_t", torch.from_numpy(offsets.T.copy()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return q4_linear(x, self.packed, self.scales, self.zero_points, self.mins_t, self.out_features)
+
+
+def centred_zero_points(codes: BlockCodes) -> np.ndarray:
+    """[N, K/32] uint8: ZERO_POINT for each block whose m + 8d is exact in fp32 (GGUF's fp16 d and m,
+    unless their exponents lie more than 13 apart: every block of SmolLM2), else 0 (that block keeps
+    d·q + m as it is), so the weights are d·q + m bit for bit either way."""
+    offsets = codes.mins + np.float32(ZERO_POINT) * codes.scales
+    exact = offsets.astype(np.float64) == codes.mins.astype(np.float64) + ZERO_POINT * codes.scales.astype(np.float64)
+    return np.where(exact, ZERO_POINT, 0).astype(np.uint8)
 
 
 class Q8Linear(nn.Module):

@@ -14,8 +14,9 @@ def random_codes(kind: str, rows: int, columns: int, seed: int = 0) -> BlockCode
     rng = np.random.default_rng(seed)
     top = 16 if kind == "q4_1" else 256
     mins = rng.standard_normal((rows, columns // 32)).astype(np.float32) * 0.05 if kind == "q4_1" else None
-    return BlockCodes(kind, rng.integers(0, top, (rows, columns)).astype(np.uint8),
-                      (rng.random((rows, columns // 32)) * 0.01 + 1e-3).astype(np.float32), mins)
+    scales = (rng.random((rows, columns // 32)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)  # GGUF: fp16
+    mins = None if mins is None else mins.astype(np.float16).astype(np.float32)
+    return BlockCodes(kind, rng.integers(0, top, (rows, columns)).astype(np.uint8), scales, mins)
 
 
 def test_nibbles_pack_in_matmulnbits_order_element_2j_low():
@@ -204,3 +205,13 @@ def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_erro
         (out,) = session.run(None, {session.get_inputs()[0].name: x.float().numpy()})
         errors.append(float(np.abs(out - exact.numpy()).mean()))
     assert errors[0] < 0.7 * errors[1], errors
+
+
+def test_q4_codes_stay_uncentred_where_the_offset_would_round():
+    """A block whose m + 8d does not fit fp32 exactly keeps zero point 0 and m: the weights stay d·q + m."""
+    codes = random_codes("q4_1", 2, 96)
+    codes.mins[0, 1], codes.scales[0, 1] = 1000.0, 1e-3  # 1000 + 0.008 rounds in fp32
+    layer = Q4Linear(codes)
+    zeros = unpack_nibbles(layer.zero_points.reshape(2, -1), pairs=True)[:, :3]
+    assert zeros.tolist() == [[8, 0, 8], [8, 8, 8]]
+    assert layer.mins_t[1, 0] == 1000.0 and layer.mins_t[0, 0] == codes.mins[0, 0] + 8 * codes.scales[0, 0]
