@@ -262,14 +262,14 @@ class ArtifactBuilder:
             target.with_suffix(".tmp").replace(target)
             return {"files": {"program": self._entry(target)}, "format": fmt}
         if backend == "onnx":
-            from streamfuse.export.to_onnx import WEIGHTS_FILE, export_onnx
+            from streamfuse.export.to_onnx import export_onnx
 
             folder = self.staging / "onnx"
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-            names = export_onnx(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, folder)
-            entries = {method: self._entry(folder / name) for method, name in names.items()}
-            return {"files": {**entries, "weights": self._entry(folder / WEIGHTS_FILE)}, "format": fmt}
+            model, weights = export_onnx(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, folder)
+            files = {"model": self._entry(folder / model), "weights": self._entry(folder / weights)}
+            return {"files": files, "format": fmt}
         from streamfuse.export.to_coreml import export_mlpackage, spec_signature
 
         target = self.staging / "model.mlpackage"

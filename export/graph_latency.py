@@ -99,8 +99,8 @@ def main(argv=None) -> int:
             method = label.split(",")[0].split(" ")[0]
             folder = Path(scratch) / str(index)
             folder.mkdir()
-            export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
-            sessions[label] = (OnnxRuntimeSession({method: folder / f"{method}.onnx"}, threads=args.threads), method)
+            onnx_file, _ = export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
+            sessions[label] = (OnnxRuntimeSession(folder / onnx_file, threads=args.threads), method)
             feeds[label] = feed(label, inputs, args.context, model.parts.vocab_size)
         samples = {label: [] for label in variants}
         for rep in tqdm(range(args.reps + 3), desc="time", unit="round"):

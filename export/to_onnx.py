@@ -1,14 +1,13 @@
-"""ONNX: one graph per method (ONNX has one entry point per model), weights stored once.
+"""ONNX: every method in one model (export/onnx_methods.py), its weights in one file beside it.
 
 The K / V cache is an input per layer (per_layer_cache). Each method is exported through
-torch.export (the dynamo exporter) into a scratch folder; then every initializer is moved into
-one shared `weights.bin`, deduplicated by content, so the graphs reference the same bytes: the
-artifact carries one copy of the model, not one per method.
+torch.export (the dynamo exporter) into a scratch folder; the graphs then become the branches of
+one model whose initializers are each distinct tensor once, and every large initializer moves
+into `weights.bin` (page-aligned, so ONNX Runtime maps it rather than reads it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 
@@ -16,21 +15,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, layer_input
+from streamfuse.export.onnx_methods import combine_methods, strip_debug_info
+from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, DYNAMIC_SPAN, layer_input
 
+MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 ALIGNMENT = 4096  # page-aligned offsets so onnxruntime can map the weights
 INLINE_BYTES = 1024  # small tensors stay inside the graph
 
 
 def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_names: dict[str, list[str]],
-                output_names: dict[str, list[str]], folder: Path) -> dict[str, str]:
-    """Write <method>.onnx for each method plus weights.bin into `folder`; returns method -> file name."""
+                output_names: dict[str, list[str]], folder: Path) -> tuple[str, str]:
+    """Write model.onnx (the methods of `modules`) and weights.bin into `folder`; returns their names."""
     import onnx
 
     folder = Path(folder)
+    models = {}
     with tempfile.TemporaryDirectory(prefix="onnx-", dir=folder) as scratch:
-        models = {}
         for name, module in modules.items():
             args, names = per_layer_cache(inputs[name], input_names[name])
             program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(name, args))
@@ -39,12 +40,11 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
                                          custom_translation_table=custom_translations())
             exported.save(str(Path(scratch) / f"{name}.onnx"), external_data=True)
             models[name] = onnx.load(str(Path(scratch) / f"{name}.onnx"), load_external_data=True)
-        share_weights(models, folder / WEIGHTS_FILE)
-    files = {}
-    for name, model in models.items():
-        files[name] = f"{name}.onnx"
-        onnx.save_model(model, str(folder / files[name]))
-    return files
+            strip_debug_info(models[name])
+    model = combine_methods(models)
+    share_weights(model, folder / WEIGHTS_FILE)
+    onnx.save_model(model, str(folder / MODEL_FILE))
+    return MODEL_FILE, WEIGHTS_FILE
 
 
 def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
@@ -62,13 +62,6 @@ def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
     return tuple(flat_args), flat_names
 
 
-# Methods whose graphs take the cache rows up to their own (cache_len + P, any length up to C) rather
-# than all C: a prefill chunk attends over what precedes it, not over the empty rest of the cache
-# (a 250-token prompt: 64..256 rows instead of 768 per chunk). Prefill is shared by plain and
-# speculative decoding, so its attention span does not touch SS == plain; decode and step keep C.
-DYNAMIC_SPAN = ("prefill",)
-
-
 def cache_span(method: str, args: tuple) -> tuple | None:
     """torch.export dynamic_shapes for `args` (per_layer_cache's): the cache rows dim, for DYNAMIC_SPAN."""
     if method not in DYNAMIC_SPAN:
@@ -78,27 +71,21 @@ def cache_span(method: str, args: tuple) -> tuple | None:
     return tuple([{2: span}] * len(arg) if isinstance(arg, list) else None for arg in args)
 
 
-def share_weights(models: dict, weights_path: Path) -> None:
-    """Move large initializers of all models into one file, each distinct tensor once."""
+def share_weights(model, weights_path: Path) -> None:
+    """Move the model's large initializers into one file, page-aligned."""
     from onnx import TensorProto
     from onnx.external_data_helper import set_external_data
 
-    offsets: dict[str, tuple[int, int]] = {}
     with open(weights_path, "wb") as blob:
-        for model in models.values():
-            for tensor in model.graph.initializer:
-                data = tensor.raw_data
-                if len(data) < INLINE_BYTES:
-                    continue
-                digest = hashlib.sha256(data).hexdigest()
-                if digest not in offsets:
-                    blob.write(b"\0" * (-blob.tell() % ALIGNMENT))
-                    offsets[digest] = (blob.tell(), len(data))
-                    blob.write(data)
-                offset, length = offsets[digest]
-                set_external_data(tensor, WEIGHTS_FILE, offset, length)
-                tensor.ClearField("raw_data")
-                tensor.data_location = TensorProto.EXTERNAL
+        for tensor in model.graph.initializer:
+            data = tensor.raw_data
+            if len(data) < INLINE_BYTES:
+                continue
+            blob.write(b"\0" * (-blob.tell() % ALIGNMENT))
+            set_external_data(tensor, WEIGHTS_FILE, blob.tell(), len(data))
+            blob.write(data)
+            tensor.ClearField("raw_data")
+            tensor.data_location = TensorProto.EXTERNAL
 
 
 # MatMulNBits' accuracy_level 4: activations quantized to int8 per row and block of 32 inside the

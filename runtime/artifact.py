@@ -6,7 +6,7 @@
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
     <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams/greedy_step
-    <artifact>/onnx/           <method>.onnx + weights.bin (shared by all methods)
+    <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
 The runtime owns this format; export/ writes it.
@@ -22,7 +22,7 @@ from pathlib import Path
 from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/3"  # /3: ONNX graphs take the K / V cache per layer (static_graph.CACHE_INPUTS)
+SCHEMA = "streamfuse.artifact/4"  # /4: one ONNX model holds every method (static_graph.METHOD_INPUT)
 MANIFEST = "manifest.json"
 
 

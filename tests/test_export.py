@@ -152,17 +152,33 @@ def test_coreml_package_has_the_five_functions_with_static_shapes(artifact):
         assert spec[method]["outputs"] == [o["name"] for o in signature["outputs"]]
 
 
-def test_onnx_graphs_share_one_weights_file(artifact):
+def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
+    """One model: an If per method side by side at the top (a nested If's branch would not find the
+    top graph's weights to prepack), every weight an initializer of the top graph, each tensor once."""
     import onnx
+    from onnx import numpy_helper
+
+    from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, OUTPUT_NAMES, method_output
 
     folder = artifact / "onnx"
-    referenced = 0
-    for method in ("prefill", "decode", "step", "streams", "greedy_step"):
-        model = onnx.load(str(folder / f"{method}.onnx"), load_external_data=False)
-        external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-        assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
-        referenced += sum(int(e.value) for t in external for e in t.external_data if e.key == "length")
-    assert referenced > 2 * (folder / "weights.bin").stat().st_size  # five graphs, one copy of the weights
+    assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    assert [n.name for n in model.graph.node if n.op_type == "If"] == list(METHODS)
+    assert METHOD_INPUT in [i.name for i in model.graph.input]
+    assert [o.name for o in model.graph.output] == [method_output(m, n) for m in METHODS for n in OUTPUT_NAMES[m]]
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                assert not attribute.g.initializer and not attribute.g.value_info, node.name
+                assert not [n for n in attribute.g.node if n.op_type == "If" or n.metadata_props], node.name
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
+    onnx.load_external_data_for_model(model, str(folder))
+    arrays = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name in {e.name for e in external}]
+    contents = {(a.dtype.str, a.shape, a.tobytes()) for a in arrays}
+    assert len(contents) == len(arrays)  # no tensor twice
+    stored = sum(a.nbytes for a in arrays)
+    assert stored <= (folder / "weights.bin").stat().st_size < stored + 4096 * len(arrays)
 
 
 def copy_of(artifact, tmp_path):

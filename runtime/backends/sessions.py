@@ -6,9 +6,11 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, INPUT_NAMES, METHODS, Session, layer_input
+from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN, INPUT_NAMES, METHOD_INPUT, METHODS,
+                                                      OUTPUT_NAMES, Session, layer_input, method_output)
 
 
 class MissingBackend(RuntimeError):
@@ -47,12 +49,11 @@ PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "Co
 
 
 class OnnxRuntimeSession:
-    """One InferenceSession per method, opened on the method's first call: each session holds its
-    own prepacked copy of the weights, and a run uses two or three of the five methods (plain
-    decoding: prefill + decode; greedy SS: prefill + greedy_step). The provider is the best
-    available one, named in the trace."""
+    """The artifact's one ONNX model (every method, export/onnx_methods.py) in one InferenceSession:
+    one prepacked copy of the weights for all methods. The provider is the best available one,
+    named in the trace."""
 
-    def __init__(self, graphs: dict[str, Path], provider: str | None = None, threads: int | None = None):
+    def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
         ort = _require("onnxruntime", "onnx")
         available = ort.get_available_providers()
         if provider is not None and provider not in available:
@@ -65,33 +66,30 @@ class OnnxRuntimeSession:
         # No spin-waiting between calls (as OMP_WAIT_POLICY=PASSIVE for torch): spinning threads
         # steal the cores from whatever runs next, which distorts every other timing on a small CPU.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        missing = [str(path) for path in graphs.values() if not Path(path).is_file()]
-        if missing:
-            raise FileNotFoundError(f"ONNX graphs missing: {', '.join(missing)}; copy the artifact again or rebuild it")
-        self._open = lambda path: ort.InferenceSession(str(path), options, providers=[provider])
-        self.graphs = dict(graphs)
-        self.sessions: dict[str, object] = {}
-        self.spans: dict[str, bool] = {}  # method -> its graph takes the cache rows up to the call's own
+        if not Path(model).is_file():
+            raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
+        self.session = ort.InferenceSession(str(model), options, providers=[provider])
+        names = {out.name for out in self.session.get_outputs()}
+        self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[method]] for method in METHODS
+                        if method_output(method, OUTPUT_NAMES[method][0]) in names}
+        # Inputs a method does not read still need a value: the smallest of the declared shape.
+        self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
+                             for i in self.session.get_inputs()}
         self.name = f"onnxruntime:{provider}"
 
-    def session(self, method: str):
-        """The method's InferenceSession, opened now if this is its first call."""
-        if method not in self.sessions:
-            self.sessions[method] = self._open(self.graphs[method])
-            cache = {i.name: i.shape for i in self.sessions[method].get_inputs()}[layer_input(CACHE_INPUTS[0], 0)]
-            self.spans[method] = not isinstance(cache[2], int)  # a named dim: the graph takes rows up to its own
-        return self.sessions[method]
-
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        session = self.session(method)
-        return [torch.from_numpy(out) for out in session.run(None, self._feed(method, inputs))]
+        if method not in self.outputs:
+            raise ValueError(f"the ONNX model has no {method} method (it has {', '.join(self.outputs)}); rebuild the "
+                             f"artifact with this version")
+        return [torch.from_numpy(out) for out in self.session.run(self.outputs[method], self._feed(method, inputs))]
 
     def _feed(self, method: str, inputs: list[torch.Tensor]) -> dict:
         """Inputs by graph name. The cache goes in per layer, as views of the host's tensors (no copy),
-        cut to the rows up to the call's own where the graph takes that (to_onnx.DYNAMIC_SPAN)."""
+        cut to the rows up to the call's own where the method takes that (DYNAMIC_SPAN)."""
         named = dict(zip(INPUT_NAMES[method], inputs))
-        rows = int(named["cache_len"][0]) + named["ids"].shape[1] if self.spans[method] else None
-        feed = {}
+        rows = int(named["cache_len"][0]) + named["ids"].shape[1] if method in DYNAMIC_SPAN else None
+        feed = dict(self.placeholders)
+        feed[METHOD_INPUT] = np.array(METHODS.index(method), dtype=np.int64)
         for name, tensor in named.items():
             if name in CACHE_INPUTS:
                 feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows].numpy()
@@ -99,6 +97,9 @@ class OnnxRuntimeSession:
             else:
                 feed[name] = tensor.numpy()
         return feed
+
+
+_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 
 class CoreMLSession:
@@ -131,7 +132,7 @@ def open_session(files_key: str, files: dict[str, Path], threads: int | None = N
     if files_key == "executorch":
         return ExecuTorchSession(files["program"], threads)
     if files_key == "onnx":
-        return OnnxRuntimeSession({name: path for name, path in files.items() if name != "weights"}, threads=threads)
+        return OnnxRuntimeSession(files["model"], threads=threads)
     if files_key == "coreml":
         return CoreMLSession(files["package"])
     raise ValueError(f"no runtime session for {files_key!r} files (built for a device, not for this runtime)")

@@ -46,6 +46,24 @@ def layer_input(name: str, layer: int) -> str:
     return f"{name}_{layer}"
 
 
+# ONNX has one entry point per model, so one ONNX model holds every method (export/onnx_methods.py):
+# the int64 scalar input METHOD_INPUT picks one by its index in METHODS, the model's inputs are the
+# union of the methods' (each call feeds all; those its method does not read may be any placeholder),
+# and the method's outputs are named method_output(method, name).
+METHOD_INPUT = "method"
+
+
+def method_output(method: str, name: str) -> str:
+    return f"{method}.{name}"
+
+
+# Methods whose ONNX graphs take the cache rows up to their own (cache_len + P, any length up to C)
+# rather than all C: a prefill chunk attends over what precedes it, not over the empty rest of the
+# cache (a 250-token prompt: 64..256 rows instead of 768 per chunk). Prefill is shared by plain and
+# speculative decoding, so its attention span does not touch SS == plain; decode and step keep C.
+DYNAMIC_SPAN = ("prefill",)
+
+
 class Session(Protocol):
     name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
 
