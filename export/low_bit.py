@@ -1,17 +1,18 @@
 """Low-bit linear layers for export: the base model's own GGUF codes (q4-native) or int8 blocks.
 
-`q4-native` swaps every base linear layer for `Q4Linear` and the tied embedding / LM head for
-`Q8Embedding` / `Q8Linear`, keeping LoRA unmerged in fp32 beside the 4-bit base (peft's LoRA
-layers call their base_layer, which is swapped in place). Each computes what the GGUF means,
-with no re-quantization:
+`q4-native` swaps every base linear layer, with its LoRA update if it has one, for `Q4Linear`, and
+the tied embedding / LM head for `Q8Embedding` / `Q8Linear`, keeping LoRA unmerged in fp32 beside
+the 4-bit base. Each computes what the GGUF means, with no re-quantization:
 
-    Q4_1:  y = x · (d·(q - 8))^T + S · (M + 8D)^T     S [.., K/32] = x summed over each block of 32,
-                                                     M = mins, D = scales (ZERO_POINT)
+    Q4_1:  y = x · (d·(q - 8))^T + (x · L) · R     L = [S | A^T], R = [M + 8D ; s·B^T]
+           S [K, K/32] sums x over each block of 32 (0 / 1), M = mins, D = scales (ZERO_POINT);
+           A, B, s: the layer's LoRA (absent: L = S, R = M + 8D)
     Q8_0:  y = x · (d·(q - 128))^T       (the int8 q stored as q + 128)
 
-The linear layers are custom ops (`streamfuse::q4_linear`, `streamfuse::q8_linear`) with an eager
-implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits, block
-32, zero point 8 and 128), so both compute d·(q - zero point) exactly; the min term is a second small matmul.
+The 4-bit and 8-bit products are custom ops (`streamfuse::q4_matmul`, `streamfuse::q8_linear`) with
+an eager implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits,
+block 32, zero point 8 and 128), so both compute d·(q - zero point) exactly; the min term and the
+LoRA update share two small fp32 matmuls (in ONNX: 2 MatMul nodes a layer instead of 8 nodes).
 The eager implementation keeps activations in fp32; in the graphs ONNX Runtime quantizes them to
 int8 per row and block (export/to_onnx.py ACCURACY_LEVEL). Weights are held in MatMulNBits'
 layout: B [N, K/32, 32·bits/8] uint8, low nibble first.
@@ -33,21 +34,18 @@ from streamfuse.adapters.gguf_codes import BLOCK, BaseCodes, BlockCodes, GGUFErr
 MATCH_TOLERANCE = 1e-6
 
 
-@torch.library.custom_op("streamfuse::q4_linear", mutates_args=())
-def q4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
-              mins_t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points [N·ceil(K/64)] uint8, two
-    per byte; mins_t [K/32, N] (the offsets m + zero point · d) -> [.., N]."""
-    groups = mins_t.shape[0]
-    zeros = unpack_nibbles(zero_points.reshape(out_features, -1), pairs=True)[:, :groups, None]  # [N, K/32, 1]
+@torch.library.custom_op("streamfuse::q4_matmul", mutates_args=())
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+              out_features: int) -> torch.Tensor:
+    """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points [N·ceil(K/64)] uint8, two per
+    byte -> x · (d·(q - zero point))^T [.., N] (Q4Linear adds the offsets)."""
+    zeros = unpack_nibbles(zero_points.reshape(out_features, -1), pairs=True)[:, : packed.shape[1], None]
     codes = unpack_nibbles(packed).float() - zeros.float()  # [N, K/32, 32]
-    weight = (codes * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
-    sums = x.reshape(*x.shape[:-1], -1, BLOCK).sum(-1)
-    return x @ weight.T + sums @ mins_t
+    return x @ (codes * scales.reshape(out_features, -1, 1)).reshape(out_features, -1).T
 
 
-@q4_linear.register_fake
-def _(x, packed, scales, zero_points, mins_t, out_features):
+@q4_matmul.register_fake
+def _(x, packed, scales, zero_points, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -84,9 +82,10 @@ ZERO_POINT = 8
 
 
 class Q4Linear(nn.Module):
-    """A Q4_1 linear layer (no bias) on its GGUF codes."""
+    """A Q4_1 linear layer (no bias) on its GGUF codes, with its LoRA update (A [r, K], B [N, r],
+    scaling s) if it has one: y = x · (d·(q - 8))^T + (x · left) · right (the module docstring)."""
 
-    def __init__(self, codes: BlockCodes):
+    def __init__(self, codes: BlockCodes, lora: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         super().__init__()
         if codes.kind != "q4_1":
             raise GGUFError(f"Q4Linear takes Q4_1 codes, got {codes.kind}")
@@ -99,11 +98,24 @@ class Q4Linear(nn.Module):
         padded[:, :groups] = zeros
         # two 4-bit zero points per byte, the first in the low nibble
         self.register_buffer("zero_points", torch.from_numpy((padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)))
-        offsets = codes.mins + zeros.astype(np.float32) * codes.scales
-        self.register_buffer("mins_t", torch.from_numpy(offsets.T.copy()))
+        offsets = torch.from_numpy((codes.mins + zeros.astype(np.float32) * codes.scales).T.copy())  # [K/32, N]
+        sums = torch.eye(groups).repeat_interleave(BLOCK, dim=0)  # [K, K/32]: x · sums = x summed per block
+        if lora is None:
+            left, right = sums, offsets
+        else:
+            down, up, scaling = lora
+            left = torch.cat([sums, down.detach().float().T], dim=1)
+            right = torch.cat([offsets, up.detach().float().T * scaling], dim=0)
+        self.register_buffer("left", left.contiguous())
+        self.register_buffer("right", right.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return q4_linear(x, self.packed, self.scales, self.zero_points, self.mins_t, self.out_features)
+        return q4_matmul(x, self.packed, self.scales, self.zero_points, self.out_features) + (x @ self.left) @ self.right
+
+    @property
+    def offsets_t(self) -> torch.Tensor:
+        """[K/32, N] the offsets m + zero point · d (the rows of `right` the block sums multiply)."""
+        return self.right[: self.in_features // BLOCK]
 
 
 def centred_zero_points(codes: BlockCodes) -> np.ndarray:
@@ -167,8 +179,7 @@ def use_base_codes(model, codes: BaseCodes) -> dict:
     _check("embedding", codes.embedding, _tied_weight(parts))
     for index, layer in enumerate(codes.layers):
         for path, block in layer.items():
-            _swap_base(parts.layers[index], path, lambda base, block=block, name=f"layer {index} {path}":
-                       _checked(name, block, base))
+            _use_q4(parts.layers[index], path, block, f"layer {index} {path}")
     _use_head(model, Q8Linear.from_codes(codes.embedding))
     return {"linear": "q4_1 (GGUF codes, exact)", "embedding": "q8_0 (GGUF codes, exact)",
             "lm_head": "q8_0, tied to the embedding", "lora": "float32, unmerged",
@@ -225,9 +236,27 @@ def _use_head(model, head: Q8Linear) -> None:
     model.replace_modules(lambda module: module is lm_head, lambda _: head)
 
 
-def _checked(name: str, codes: BlockCodes, base: nn.Linear) -> Q4Linear:
+def _use_q4(layer: nn.Module, path: str, codes: BlockCodes, name: str) -> None:
+    """Replace the linear at `path` (peft's LoRA layer, or a plain one) by Q4Linear on its codes and LoRA."""
+    from peft.tuners.lora import LoraLayer
+
+    owner = layer.get_submodule(path)
+    base, lora = (owner.base_layer, _lora_update(owner, name)) if isinstance(owner, LoraLayer) else (owner, None)
+    if base.bias is not None:
+        raise GGUFError(f"{path} has a bias; the low-bit formats take bias-free linear layers")
     _check(name, codes, base.weight)
-    return Q4Linear(codes)
+    parent, _, attribute = path.rpartition(".")
+    setattr(layer.get_submodule(parent), attribute, Q4Linear(codes, lora))
+
+
+def _lora_update(owner, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A, B, scaling) of a peft LoRA layer's one active adapter (plain LoRA: no DoRA)."""
+    adapters = list(owner.active_adapters)
+    if len(adapters) != 1 or owner.use_dora.get(adapters[0], False):
+        raise GGUFError(f"{name}: q4-native takes one plain LoRA adapter per layer, found {adapters} "
+                        f"(DoRA: {owner.use_dora}); export with --quantize none or int8")
+    adapter = adapters[0]
+    return owner.lora_A[adapter].weight, owner.lora_B[adapter].weight, float(owner.scaling[adapter])
 
 
 def _check(name: str, codes: BlockCodes, weight: torch.Tensor) -> None:

@@ -97,25 +97,20 @@ ACCURACY_LEVEL = 4
 
 def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops (export/low_bit.py): ONNX Runtime's MatMulNBits."""
-    from onnxscript import opset18 as op
     from onnxscript.values import Opset
 
     _register_matmul_nbits()
     matmul_nbits = Opset("com.microsoft", 1).MatMulNBits
 
-    def q4_linear(x, packed, scales, zero_points, mins_t, out_features: int):
-        groups = mins_t.shape[0]
-        scaled = matmul_nbits(x, packed, scales, zero_points, K=groups * 32, N=out_features, bits=4, block_size=32,
-                              accuracy_level=accuracy_level)
-        blocks = op.Reshape(x, op.Constant(value_ints=[0, 0, groups, 32]))
-        sums = op.ReduceSum(blocks, op.Constant(value_ints=[-1]), keepdims=0)
-        return op.Add(scaled, op.MatMul(sums, mins_t))
+    def q4_matmul(x, packed, scales, zero_points, out_features: int):
+        return matmul_nbits(x, packed, scales, zero_points, K=packed.shape[1] * 32, N=out_features, bits=4,
+                            block_size=32, accuracy_level=accuracy_level)
 
     def q8_linear(x, codes, scales, out_features: int):
         return matmul_nbits(x, codes, scales, K=codes.shape[1] * 32, N=out_features, bits=8, block_size=32,
                             accuracy_level=accuracy_level)
 
-    return {torch.ops.streamfuse.q4_linear.default: q4_linear, torch.ops.streamfuse.q8_linear.default: q8_linear,
+    return {torch.ops.streamfuse.q4_matmul.default: q4_matmul, torch.ops.streamfuse.q8_linear.default: q8_linear,
             torch.ops.aten.index_copy.default: index_copy}
 
 

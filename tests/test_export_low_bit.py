@@ -122,9 +122,10 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
         if node.op_type != "MatMulNBits" or bits != 4:
             continue
         add = consumers[node.output[0]]
-        (term,) = [producers[name] for name in add.input if name != node.output[0]]
-        mins = values[term.input[1]].T  # [N, K/32]: the offsets m + zero point · d
-        packed, scales = values[node.input[1]], values[node.input[2]].reshape(mins.shape)
+        (term,) = [producers[name] for name in add.input if name != node.output[0]]  # (x · left) · right
+        packed = values[node.input[1]]
+        mins = values[term.input[1]][: packed.shape[1]].T  # [N, K/32]: the offsets m + zero point · d
+        scales = values[node.input[2]].reshape(mins.shape)
         zeros = values[node.input[3]].reshape(mins.shape[0], -1)
         zeros = np.stack([zeros & 0x0F, zeros >> 4], axis=-1).reshape(mins.shape[0], -1)[:, : mins.shape[1]]
         codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*mins.shape, 32).astype(np.float32)

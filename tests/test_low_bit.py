@@ -36,6 +36,18 @@ def test_low_bit_linear_computes_x_times_its_dequantized_weight(kind):
     assert torch.allclose(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_q4_linear_adds_its_lora_update_through_the_min_terms_matmuls():
+    """left = [block sums | A^T], right = [offsets ; s·B^T]: the base layer plus LoRA, two matmuls."""
+    codes = random_codes("q4_1", 48, 96)
+    down, up, scaling = torch.randn(8, 96), torch.randn(48, 8), 2.0
+    layer = Q4Linear(codes, (down, up, scaling))
+    assert layer.left.shape == (96, 3 + 8) and layer.right.shape == (3 + 8, 48)
+    x = torch.randn(2, 5, 96)
+    expected = x @ torch.from_numpy(codes.dequantize()).T + (x @ down.T @ up.T) * scaling
+    assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(Q4Linear(codes)(x), x @ torch.from_numpy(codes.dequantize()).T, atol=1e-5, rtol=1e-5)
+
+
 def test_the_embedding_reads_the_head_codes_exactly():
     codes = random_codes("q8_0", 40, 64)
     head = Q8Linear.from_codes(codes)
@@ -192,7 +204,7 @@ def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_erro
     assert unpack_nibbles(centred.zero_points.reshape(256, -1), pairs=True).unique().tolist() == [8]
     uncentred = Q4Linear(codes)
     uncentred.zero_points.zero_()
-    uncentred.mins_t.copy_(torch.from_numpy(codes.mins.T.copy()))
+    uncentred.offsets_t.copy_(torch.from_numpy(codes.mins.T.copy()))
     x = torch.randn(1, 4, 512, dtype=torch.float64)  # [batch, rows, K], as in the graphs
     exact = x @ torch.from_numpy(codes.dequantize()).double().T
     errors = []
@@ -214,4 +226,4 @@ def test_q4_codes_stay_uncentred_where_the_offset_would_round():
     layer = Q4Linear(codes)
     zeros = unpack_nibbles(layer.zero_points.reshape(2, -1), pairs=True)[:, :3]
     assert zeros.tolist() == [[8, 0, 8], [8, 8, 8]]
-    assert layer.mins_t[1, 0] == 1000.0 and layer.mins_t[0, 0] == codes.mins[0, 0] + 8 * codes.scales[0, 0]
+    assert layer.offsets_t[1, 0] == 1000.0 and layer.offsets_t[0, 0] == codes.mins[0, 0] + 8 * codes.scales[0, 0]
