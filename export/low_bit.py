@@ -12,7 +12,7 @@ the 4-bit base. Each computes what the GGUF means, with no re-quantization:
 The 4-bit and 8-bit products are custom ops (`streamfuse::q4_matmul`, `streamfuse::q8_linear`) with
 an eager implementation here and an ONNX translation to ONNX Runtime's MatMulNBits (4 and 8 bits,
 block 32, zero point 8 and 128), so both compute d·(q - zero point) exactly; the min term and the
-LoRA update share two small fp32 matmuls (in ONNX: 2 MatMul nodes a layer instead of 8 nodes).
+LoRA update share two small fp32 matmuls (in ONNX 4 nodes a layer instead of 8).
 The eager implementation keeps activations in fp32; in the graphs ONNX Runtime quantizes them to
 int8 per row and block (export/to_onnx.py ACCURACY_LEVEL). Weights are held in MatMulNBits'
 layout: B [N, K/32, 32·bits/8] uint8, low nibble first.

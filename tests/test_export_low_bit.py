@@ -86,6 +86,9 @@ def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
         assert not transposed, method
 
 
+LAYOUT_OPS = ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice", "Concat", "Identity")
+
+
 def test_no_method_folds_a_copy_of_a_weight(artifacts):
     """ONNX Runtime constant-folds a layout op on an initializer into a new tensor, in each method's
     branch: a Reshape of the LM head's scales was a 3.5 MB copy per method on SmolLM2."""
@@ -100,9 +103,6 @@ def test_no_method_folds_a_copy_of_a_weight(artifacts):
             folded = [(n.op_type, n.input[0]) for n in method_graph(model, method).node
                       if n.op_type in LAYOUT_OPS and n.input and n.input[0] in stored]
             assert not folded, (fmt, method, folded)
-
-
-LAYOUT_OPS = ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice", "Concat", "Identity")
 
 
 def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkpoint):

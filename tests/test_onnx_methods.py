@@ -111,7 +111,7 @@ def load_rss(paths) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")
 def test_one_session_holds_the_weights_once_for_all_methods(models):
     """Five sessions (one per method graph) hold five prepacked copies of the weights; in one model the
-    four further methods cost a fraction of that (measured: 0.2 of it, a quarter of the weight bytes)."""
+    four further methods cost a fraction of that (measured: 0.2 of it, about the weight bytes once)."""
     folder, _ = models
     weight_bytes = (folder / "weights.bin").stat().st_size
     one = load_rss([folder / "decode" / "model.onnx"])
