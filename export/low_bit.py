@@ -193,7 +193,7 @@ def quantize_int8(model) -> dict:
     for layer in parts.layers:
         for path, module in list(layer.named_modules()):
             if isinstance(module, nn.Linear):
-                _swap_base(layer, path, lambda base: Q8Linear.from_codes(int8_codes(base.weight)))
+                _replace(layer, path, Q8Linear.from_codes(int8_codes(_bias_free(path, module).weight)))
     _use_head(model, Q8Linear.from_codes(int8_codes(_tied_weight(parts))))
     return {"linear": "int8 per block of 32 (symmetric)", "embedding": "int8 per block of 32",
             "lm_head": "int8, tied to the embedding", "lora": "merged"}
@@ -208,19 +208,15 @@ def int8_codes(weight: torch.Tensor) -> BlockCodes:
     return BlockCodes("q8_0", codes.astype(np.uint8).reshape(weight.shape), scales.astype(np.float32), None)
 
 
-def _swap_base(layer: nn.Module, path: str, make) -> None:
-    """Replace the base linear at `path` by make(base): inside peft's LoRA layer when it has one."""
-    from peft.tuners.lora import LoraLayer
-
-    owner = layer.get_submodule(path)
-    base = owner.base_layer if isinstance(owner, LoraLayer) else owner
-    if base.bias is not None:
+def _bias_free(path: str, linear: nn.Linear) -> nn.Linear:
+    if linear.bias is not None:
         raise GGUFError(f"{path} has a bias; the low-bit formats take bias-free linear layers")
-    if isinstance(owner, LoraLayer):
-        owner.base_layer = make(base)
-    else:
-        parent, _, name = path.rpartition(".")
-        setattr(layer.get_submodule(parent), name, make(base))
+    return linear
+
+
+def _replace(layer: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(layer.get_submodule(parent), name, module)
 
 
 def _tied_weight(parts) -> torch.Tensor:
@@ -242,11 +238,8 @@ def _use_q4(layer: nn.Module, path: str, codes: BlockCodes, name: str) -> None:
 
     owner = layer.get_submodule(path)
     base, lora = (owner.base_layer, _lora_update(owner, name)) if isinstance(owner, LoraLayer) else (owner, None)
-    if base.bias is not None:
-        raise GGUFError(f"{path} has a bias; the low-bit formats take bias-free linear layers")
-    _check(name, codes, base.weight)
-    parent, _, attribute = path.rpartition(".")
-    setattr(layer.get_submodule(parent), attribute, Q4Linear(codes, lora))
+    _check(name, codes, _bias_free(path, base).weight)
+    _replace(layer, path, Q4Linear(codes, lora))
 
 
 def _lora_update(owner, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
