@@ -45,7 +45,8 @@ RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact file
 LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
 # --quantize value -> the backends that build that format; the others are exported unquantized (the
 # manifest's graphs.quantize says which got what). docs/export.md: what each format computes.
-FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnx"), "8da4w": ("executorch",), "q4-native": ("onnx",)}
+FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnx"), "8da4w": ("executorch",),
+           "q4-native": ("executorch", "onnx")}
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -222,6 +223,12 @@ class ArtifactBuilder:
 
         fmt = self.format(backend)
         if backend == "executorch":  # XNNPACK: a copy with partition-friendly modules, maybe quantized
+            if fmt == "q4-native":  # the GGUF's codes in the closest form XNNPACK holds (bf16 scales)
+                from streamfuse.export.xnnpack_low_bit import use_xnnpack_codes
+
+                model, details = self._q4_native_model()
+                model = xnnpack_model(model)
+                return model, {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
             from streamfuse.export.to_executorch import quantize_weights
 
             model = xnnpack_model(self.model_and_tokenizer()[0])
@@ -231,21 +238,25 @@ class ArtifactBuilder:
             return self.model_and_tokenizer()[0], {"name": fmt}
         # ONNX: attention whose rows do not depend on the call's size (SS == plain decoding exactly)
         if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
-            from streamfuse.adapters.base_model import base_gguf
-            from streamfuse.adapters.gguf_codes import read_base_codes
-            from streamfuse.export.low_bit import use_base_codes
-
-            model, _, checkpoint = load_checkpoint(self.checkpoint)
-            parts = model.requires_grad_(False).parts
-            codes = read_base_codes(base_gguf(checkpoint["base_model"]), parts.num_heads, parts.num_kv_heads)
-            details = use_base_codes(model, codes)
-            return with_graph_attention(model), {"name": fmt, **details, **LOW_BIT_ACTIVATIONS}
+            model, details = self._q4_native_model()
+            return with_graph_attention(model), {**details, **LOW_BIT_ACTIVATIONS}
         model = with_graph_attention(self.model_and_tokenizer()[0])
         if fmt == "int8":
             from streamfuse.export.low_bit import quantize_int8
 
             return model, {"name": fmt, **quantize_int8(model), **LOW_BIT_ACTIVATIONS}
         return model, {"name": fmt}
+
+    def _q4_native_model(self) -> tuple[torch.nn.Module, dict]:
+        """The checkpoint (LoRA unmerged) on the base GGUF's own codes, and the format's details."""
+        from streamfuse.adapters.base_model import base_gguf
+        from streamfuse.adapters.gguf_codes import read_base_codes
+        from streamfuse.export.low_bit import use_base_codes
+
+        model, _, checkpoint = load_checkpoint(self.checkpoint)
+        parts = model.requires_grad_(False).parts
+        codes = read_base_codes(base_gguf(checkpoint["base_model"]), parts.num_heads, parts.num_kv_heads)
+        return model, {"name": "q4-native", **use_base_codes(model, codes)}
 
     def _export(self, backend: str) -> dict:
         model, fmt = self.export_model(backend)

@@ -110,8 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "a JSON list of paths, or a JSON file of paths (default: the 4-node chain, the fastest on "
                         "CPUs; wider trees pay on memory-bound accelerators, see docs/benchmarks.md)")
     parser.add_argument("--quantize", default="none",
-                        help="weights: none; q4-native (ONNX: the base GGUF's own 4-bit codes, LoRA in fp32); int8 "
-                             "(ExecuTorch, ONNX); 8da4w (ExecuTorch). Backends without the format export fp32")
+                        help="weights: none; q4-native (the base GGUF's own 4-bit codes, LoRA in fp32: exact on "
+                             "ONNX, bf16 scales on ExecuTorch); int8 (ExecuTorch, ONNX); 8da4w (ExecuTorch). Backends "
+                             "without the format export fp32")
     parser.add_argument("--context", type=int, default=ExportConfig.capacity,
                         help="KV capacity of the exported graphs (positions)")
     parser.add_argument("--prefill-chunk", type=int, default=ExportConfig.prefill_chunk,

@@ -36,7 +36,6 @@ from torch import nn
 
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues, in_place_slots
-from streamfuse.export.low_bit import Q8Linear
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
 from streamfuse.runtime.tree import TreeSpec
@@ -215,7 +214,7 @@ class GreedyStepPass(nn.Module):
 def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """The LM head restricted to rows `ids` (the draft vocabulary): a low-bit head keeps its codes; a
     float head (a torchao-quantized one dequantized: drafts only) becomes a float linear layer."""
-    if isinstance(head, Q8Linear):
+    if hasattr(head, "rows"):  # Q8Linear, XnnpackQ8Head
         return head.rows(ids)
     weight = head.weight.detach()
     if type(weight) is not torch.Tensor and hasattr(weight, "dequantize"):

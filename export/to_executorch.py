@@ -8,7 +8,8 @@ Vulkan (Android GPUs) does not lower here: its serializer's flatc step rejects t
 Methods share their weights: the delegates store constants in the program's named data by
 content, so four methods cost one copy of the model. Optional weight quantization (torchao)
 runs before export: int8 (dynamic int8 activations, int8 weights per channel) or 8da4w (int8
-dynamic activations, int4 weights in groups of 32), both lowered to XNNPACK's quantized kernels.
+dynamic activations, int4 weights in groups of 32), both lowered to XNNPACK's quantized kernels;
+q4-native puts the base GGUF's own codes in the same kernels (export/xnnpack_low_bit.py).
 """
 
 from __future__ import annotations

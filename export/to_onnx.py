@@ -99,6 +99,8 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops (export/low_bit.py): ONNX Runtime's MatMulNBits."""
     from onnxscript.values import Opset
 
+    from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)
+
     _register_matmul_nbits()
     matmul_nbits = Opset("com.microsoft", 1).MatMulNBits
 

