@@ -39,9 +39,14 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_
               out_features: int) -> torch.Tensor:
     """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points [N·ceil(K/64)] uint8, two per
     byte -> x · (d·(q - zero point))^T [.., N] (Q4Linear adds the offsets)."""
-    zeros = unpack_nibbles(zero_points.reshape(out_features, -1), pairs=True)[:, : packed.shape[1], None]
+    zeros = block_zero_points(zero_points, out_features, packed.shape[1])[..., None]
     codes = unpack_nibbles(packed).float() - zeros.float()  # [N, K/32, 32]
     return x @ (codes * scales.reshape(out_features, -1, 1)).reshape(out_features, -1).T
+
+
+def block_zero_points(zero_points: torch.Tensor, out_features: int, groups: int) -> torch.Tensor:
+    """[N·ceil(K/64)] uint8, two 4-bit zero points per byte -> [N, K/32] uint8."""
+    return unpack_nibbles(zero_points.reshape(out_features, -1), pairs=True)[:, :groups]
 
 
 @q4_matmul.register_fake
@@ -52,8 +57,12 @@ def _(x, packed, scales, zero_points, out_features):
 @torch.library.custom_op("streamfuse::q8_linear", mutates_args=())
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [.., K]; codes [N, K/32, 32] uint8 (q + 128); scales [N·K/32] -> [.., N]."""
-    weight = ((codes.float() - 128.0) * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
-    return x @ weight.T
+    return x @ q8_weight(codes, scales, out_features).T
+
+
+def q8_weight(codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """[N, K] fp32: the exact weights of Q8 codes [N, K/32, 32] (q + 128) and scales [N·K/32]."""
+    return ((codes.float() - 128.0) * scales.reshape(out_features, -1, 1)).reshape(out_features, -1)
 
 
 @q8_linear.register_fake
@@ -117,6 +126,16 @@ class Q4Linear(nn.Module):
         """[K/32, N] the offsets m + zero point · d (the rows of `right` the block sums multiply)."""
         return self.right[: self.in_features // BLOCK]
 
+    def block_zeros(self) -> torch.Tensor:
+        """[N, K/32] uint8: each block's zero point (ZERO_POINT, or 0 where the offset would round)."""
+        return block_zero_points(self.zero_points, self.out_features, self.in_features // BLOCK)
+
+    def dequantized(self) -> torch.Tensor:
+        """[N, K] float64: d·(q - zero point) + offset, the GGUF's weights (LoRA aside)."""
+        codes = unpack_nibbles(self.packed).double() - self.block_zeros().double()[..., None]
+        scales = self.scales.reshape(self.out_features, -1).double()
+        return (codes * scales[..., None] + self.offsets_t.T.double()[..., None]).reshape(self.out_features, -1)
+
 
 def centred_zero_points(codes: BlockCodes) -> np.ndarray:
     """[N, K/32] uint8: ZERO_POINT for each block whose m + 8d is exact in fp32 (GGUF's fp16 d and m,
@@ -151,6 +170,10 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return q8_linear(x, self.codes, self.scales, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """[N, K] fp32: the exact weights."""
+        return q8_weight(self.codes, self.scales, self.out_features)
 
 
 class Q8Embedding(nn.Module):

@@ -58,25 +58,33 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     one-row probs x values another result than the same row inside a bigger call (1e-6; measured,
     docs/export.md), and SS == plain decoding needs each row's result whatever the call's size."""
     batch, heads, tokens, size = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    group = heads // kv_heads  # HF orders heads kv-major: head h reads K/V head h // group
-    scale = torch.tensor(scaling, dtype=query.dtype)  # a tensor: XNNPACK multiplies tensors, not scalars
-    rows = (query * scale).reshape(batch * kv_heads, group * tokens, size)
-    mask = None if attention_mask is None else attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1,
-                                                                      tokens, keys)
-    single = group * tokens == 1
+    kv_heads = key.shape[1]
+    rows, mask = stacked_rows(query, kv_heads, scaling), attention_mask
+    single = rows.shape[1] == 1
     if single:
-        rows, mask = torch.cat([rows, rows], dim=1), None if mask is None else torch.cat([mask, mask], dim=3)
-    count = rows.shape[1] // group
-    scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
-    scores = scores.reshape(batch, kv_heads, group, count, keys)
-    if mask is not None:
-        scores = scores + mask
-    probs = torch.softmax(scores, dim=-1).reshape(batch * kv_heads, group * count, keys)
-    out = torch.bmm(probs, value.reshape(batch * kv_heads, keys, size))
+        rows, mask = torch.cat([rows, rows], dim=1), None if mask is None else torch.cat([mask, mask], dim=2)
+    scores = grouped_scores(rows, key, mask, heads // kv_heads)
+    probs = torch.softmax(scores, dim=-1).reshape(rows.shape[0], rows.shape[1], -1)
+    out = torch.bmm(probs, value.reshape(rows.shape[0], -1, size))
     if single:
         out = out[:, :1]
     return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
+
+
+def stacked_rows(query: torch.Tensor, kv_heads: int, scaling: float) -> torch.Tensor:
+    """query [B, heads, T, d] scaled -> [B·kv_heads, group·T, d]: the query heads of a K/V head as rows
+    (HF orders heads kv-major: head h reads K/V head h // group)."""
+    batch, heads, tokens, size = query.shape
+    scale = torch.tensor(scaling, dtype=query.dtype)  # a tensor: XNNPACK multiplies tensors, not scalars
+    return (query * scale).reshape(batch * kv_heads, (heads // kv_heads) * tokens, size)
+
+
+def grouped_scores(rows: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, group: int) -> torch.Tensor:
+    """stacked_rows [B·kv, group·T, d], key [B, kv, K, d], additive mask [B, 1, T, K] or None -> [B, kv, group, T, K]."""
+    batch, kv_heads, keys, size = key.shape
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
+    scores = scores.reshape(batch, kv_heads, group, rows.shape[1] // group, keys)
+    return scores if mask is None else scores + mask.reshape(mask.shape[0], mask.shape[1], 1, -1, keys)
 
 
 def ordered_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -90,17 +98,11 @@ def ordered_attention(module, query, key, value, attention_mask, scaling, dropou
     first, then ancestors before descendants. The max is over dim 3 of a 4D tensor, the form XNNPACK takes."""
     batch, heads, tokens, size = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    scale = torch.tensor(scaling, dtype=query.dtype)
-    rows = (query * scale).reshape(batch * kv_heads, group * tokens, size)
-    scores = torch.bmm(rows, key.reshape(batch * kv_heads, keys, size).transpose(1, 2))
-    scores = scores.reshape(batch, kv_heads, group, tokens, keys)
-    if attention_mask is not None:
-        scores = scores + attention_mask.reshape(attention_mask.shape[0], attention_mask.shape[1], 1, tokens, keys)
-    scores = scores.reshape(batch, kv_heads, group * tokens, keys)
-    weights = torch.exp(scores - scores.max(dim=3, keepdim=True).values).reshape(batch * kv_heads, group * tokens, keys)
-    totals = torch.bmm(weights, torch.ones(batch * kv_heads, keys, 1, dtype=query.dtype))
-    out = torch.bmm(weights, value.reshape(batch * kv_heads, keys, size)) / totals
+    rows = stacked_rows(query, kv_heads, scaling)
+    scores = grouped_scores(rows, key, attention_mask, heads // kv_heads).reshape(batch, kv_heads, -1, keys)
+    weights = torch.exp(scores - scores.max(dim=3, keepdim=True).values).reshape(rows.shape[0], rows.shape[1], keys)
+    totals = torch.bmm(weights, torch.ones(rows.shape[0], keys, 1, dtype=query.dtype))
+    out = torch.bmm(weights, value.reshape(rows.shape[0], keys, size)) / totals
     return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
 
 

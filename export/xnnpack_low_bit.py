@@ -7,7 +7,7 @@ XNNPACK's 4-bit weights are symmetric (int4 codes, no zero point) with one bf16 
     Q8_0 (tied embedding / LM head): int8 per output channel, re-quantized from its exact values
 
 The codes and the min term are the GGUF's; what changes is the scale: d is an fp16 value (11
-significant bits), bf16 keeps 8, so a weight moves by |d - bf16(d)|·|q - 8| (at most 2^-9·8·d),
+significant bits), bf16 keeps 8, so a weight moves by |d - bf16(d)|·|q - 8| (at most 2^-8·8·d),
 and the head's per-channel int8 steps are coarser than Q8_0's per-block ones. Both errors are
 measured here against the exact weights and recorded in the manifest (graphs.formats). torchao's
 zero-point-capable low-bit kernels (torchao.experimental) are built for Arm only, not in the x86
@@ -48,7 +48,7 @@ class XnnpackQ4Linear(nn.Module):
         from torchao.quantization.granularity import PerGroup
 
         rows, groups = layer.out_features, layer.in_features // BLOCK
-        zeros = unpack_nibbles(layer.zero_points.reshape(rows, -1), pairs=True)[:, :groups].float()  # [N, K/32]
+        zeros = layer.block_zeros().float()  # [N, K/32]
         codes = unpack_nibbles(layer.packed).float() - ZERO_POINT  # q - 8 in every block
         scales = layer.scales.reshape(rows, groups)
         shift = ZERO_POINT - zeros  # a block Q4Linear kept at zero point 0 (offset m) gets offset m + 8d
@@ -89,7 +89,7 @@ class XnnpackQ8Head(nn.Module):
 
     @classmethod
     def from_q8(cls, head: Q8Linear) -> "XnnpackQ8Head":
-        return cls(q8_weight(head))
+        return cls(head.dequantized())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -130,12 +130,6 @@ def _per_channel_int8():
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
 
 
-def q8_weight(head: Q8Linear) -> torch.Tensor:
-    """[V, K] fp32: the Q8_0 head's exact weights."""
-    codes = head.codes.float() - 128.0
-    return (codes * head.scales.reshape(head.out_features, -1, 1)).reshape(head.out_features, -1)
-
-
 def use_xnnpack_codes(model) -> dict:
     """In place on a model that use_base_codes made q4-native: each Q4Linear, the Q8_0 head and the
     embedding in XNNPACK's closest form. Returns the largest weight errors against the exact
@@ -148,24 +142,15 @@ def use_xnnpack_codes(model) -> dict:
     def convert(layer: Q4Linear) -> XnnpackQ4Linear:
         nonlocal linear_error
         xnnpack = XnnpackQ4Linear(layer)
-        linear_error = max(linear_error, float((xnnpack.dequantized() - exact_q4_weight(layer)).abs().max()))
+        linear_error = max(linear_error, float((xnnpack.dequantized() - layer.dequantized()).abs().max()))
         return xnnpack
 
     model.replace_modules(lambda m: isinstance(m, Q4Linear), convert)
     head = XnnpackQ8Head.from_q8(heads[0])
-    head_error = float((head.base.weight.dequantize().double() - q8_weight(heads[0]).double()).abs().max())
+    head_error = float((head.base.weight.dequantize().double() - heads[0].dequantized().double()).abs().max())
     model.replace_modules(lambda m: isinstance(m, Q8Embedding), lambda _: XnnpackQ8Embedding(head))
     model.replace_modules(lambda m: m is heads[0], lambda _: head)
     return {"linear": "q4_1 codes as q - 8 with bf16 scales (XNNPACK qb4w) + fp32 min term",
             "embedding": "int8 per row (re-quantized from q8_0)", "lm_head": "int8 per channel (re-quantized from q8_0)",
             "max_weight_error": {"linear": linear_error, "lm_head": head_error}}
 
-
-def exact_q4_weight(layer: Q4Linear) -> torch.Tensor:
-    """[N, K] float64: d·(q - zero point) + offset, the GGUF's weights (bit for bit as ONNX computes them)."""
-    rows, groups = layer.out_features, layer.in_features // BLOCK
-    zeros = unpack_nibbles(layer.zero_points.reshape(rows, -1), pairs=True)[:, :groups].double()
-    codes = unpack_nibbles(layer.packed).double() - zeros[..., None]
-    scales = layer.scales.reshape(rows, groups).double()
-    offsets = layer.offsets_t.T.double()  # [N, K/32]
-    return (codes * scales[..., None] + offsets[..., None]).reshape(rows, -1)

@@ -7,8 +7,7 @@ import torch
 from test_low_bit import random_codes
 
 from streamfuse.export.low_bit import Q4Linear, Q8Linear
-from streamfuse.export.xnnpack_low_bit import (XnnpackQ4Linear, XnnpackQ8Embedding, XnnpackQ8Head, exact_q4_weight,
-                                               q8_weight)
+from streamfuse.export.xnnpack_low_bit import XnnpackQ4Linear, XnnpackQ8Embedding, XnnpackQ8Head
 
 pytest.importorskip("torchao", reason="the executorch extra (torchao) is not installed")
 
@@ -24,7 +23,7 @@ def test_q4_weights_move_only_by_the_bf16_rounding_of_each_scale():
     xnnpack = XnnpackQ4Linear(layer)
     scales = layer.scales.reshape(96, 2).double()
     rounding = (scales - scales.float().to(torch.bfloat16).double()).abs()  # per block
-    error = (xnnpack.dequantized() - exact_q4_weight(layer)).abs().reshape(96, 2, 32)
+    error = (xnnpack.dequantized() - layer.dequantized()).abs().reshape(96, 2, 32)
     assert bool((error <= 8 * rounding[..., None] + 1e-7).all())
     assert float(error.max()) > 0  # random fp16 scales do not all fit bf16
     assert torch.equal(xnnpack.base.weight.qdata.reshape(96, 2, 32).float() + 8,
@@ -43,7 +42,7 @@ def test_the_embedding_reads_the_heads_int8_codes():
     head = XnnpackQ8Head.from_q8(Q8Linear.from_codes(random_codes("q8_0", 80, 64, seed=2)))
     ids = torch.tensor([[0, 7, 79]])
     assert torch.equal(XnnpackQ8Embedding(head)(ids), head.weight.dequantize()[ids])
-    exact = q8_weight(Q8Linear.from_codes(random_codes("q8_0", 80, 64, seed=2)))
+    exact = Q8Linear.from_codes(random_codes("q8_0", 80, 64, seed=2)).dequantized()
     steps = exact.abs().max(1, keepdim=True).values / 127  # per-channel int8: half a step at most
     assert bool(((head.weight.dequantize() - exact).abs() <= steps / 2 + 1e-6).all())
 
