@@ -59,6 +59,11 @@ def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatc
     assert hf["call_reduction"] is None and hf["precision"] == "fp32" and hf["model"] == "fine-tuned"
     for row in rows.values():
         assert row["inputs"] == 2 and row["tokens_per_s_median"] > 0 and 0 < row["ttft_s_median"] < 10
+        runs = [r[row["method"]] if row["kind"] == "streamfuse" else r["results"][row["name"]]
+                for r in (report["rows"] if row["kind"] == "streamfuse" else report["peer_rows"])]
+        after = sum(r["new_tokens"] - 1 for r in runs) / sum(r["seconds"] - r["ttft_s"] for r in runs)
+        assert row["decode_tokens_per_s"] == pytest.approx(after)  # prompt time left out
+        assert row["prompt_ms_per_token_median"] > 0
         assert set(row["rouge"]) >= {"rouge1", "rougeLsum"} and 0 <= row["rouge"]["rouge1"] <= 100
     assert rows["ar/torch"]["rouge"] == rows["ss/torch"]["rouge"] == rows["hf"]["rouge"]  # the same outputs
     machine = report["machine"]
@@ -68,6 +73,7 @@ def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatc
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     text = (out / "bench.md").read_text()
     assert "| ss/torch | fp32 |" in text and "Skipped peer llamacpp_f32" in text
+    assert "| tokens/s after the first token | prompt ms per token (median) |" in text
     assert not list(out.glob(".*.tmp"))  # atomic writes leave nothing behind
 
 

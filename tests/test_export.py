@@ -1,7 +1,9 @@
 """Export to ExecuTorch / ONNX / Core ML on a tiny model: parity, the artifact contract, bad input."""
 
 import json
+import math
 import shutil
+import sys
 from collections import Counter
 
 import pytest
@@ -138,6 +140,41 @@ def test_manifest_describes_the_graphs(artifact):
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
     assert data["graphs"]["greedy_step"] == {"schedule": "fused", "draft_vocab": {"size": 60, "coverage": 0.5}}
     assert {"torch", "executorch", "onnx", "coremltools"} <= set(data["versions"])
+
+
+def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(artifact):
+    """No input is planned into the program's arena (the KV cache would be copied in every call),
+    and the session loads the methods with XNNPACK's weight cache on."""
+    from executorch.runtime import Runtime
+
+    from streamfuse.runtime.backends.sessions import ExecuTorchSession
+
+    pte = artifact / manifest(artifact)["files"]["executorch"]["program"]["path"]
+    program = Runtime.get().load_program(pte)
+    for name in program.method_names:
+        meta = program.metadata(name)
+        planned = [meta.input_tensor_meta(i).is_memory_planned() for i in range(meta.num_inputs())]
+        assert planned and not any(planned), (name, planned)
+    assert ExecuTorchSession(pte, threads=1).shares_weights
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tools.memory reads /proc")
+def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, tmp_path):
+    from streamfuse.tools import memory
+
+    out = tmp_path / "memory.json"
+    assert memory.main(["--artifact", str(artifact), "--backends", "executorch,onnxruntime,coreml", "--task",
+                        "dialogsum", "--limit", "1", "--threads", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    rows = {r["backend"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"executorch", "onnxruntime"}  # coreml: built, but not run on Linux
+    data = manifest(artifact)
+    cache = 2 * 4 * math.prod(data["kv_layout"]["shape"])  # keys and values, fp32
+    for backend, key in (("executorch", "executorch"), ("onnxruntime", "onnx")):
+        row = rows[backend]
+        assert row["file_bytes"] == sum(f["bytes"] for f in data["files"][key].values())
+        assert row["kv_cache_bytes"] == cache and row["inputs"] == 1
+        assert row["load_bytes"] > 0 and row["decode_peak_bytes"] >= row["load_bytes"]  # the peak holds the load
+    assert "| executorch |" in capsys.readouterr().out
 
 
 def test_coreml_package_has_the_five_functions_with_static_shapes(artifact):

@@ -30,7 +30,8 @@ def _row(r: dict) -> str:
             f"{_num(r['speedup_total_time'], '.2f', 'x')} | {_num(r['speedup_median_per_input'], '.2f', 'x')} | "
             f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
             f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['mean_accepted_tokens'], '.2f')} | "
-            f"{r['ttft_s_median']:.3f} | {_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
+            f"{r['ttft_s_median']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['prompt_ms_per_token_median']:.2f} | "
+            f"{_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
             f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |")
 
 
@@ -54,9 +55,10 @@ def markdown(report: dict) -> str:
         f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).", "",
         "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input "
         "| speed-up after the first token | vs "
-        "| call reduction CR (tokens / calls) | mean accepted tokens | TTFT (median, s) | ROUGE-1 | ROUGE-Lsum "
+        "| call reduction CR (tokens / calls) | mean accepted tokens | TTFT (median, s) "
+        "| tokens/s after the first token | prompt ms per token (median) | ROUGE-1 | ROUGE-Lsum "
         "| output != baseline (inputs) | RSS added at load (MiB) |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(_row(r) for r in report["table"]), "",
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the prefill as a call; AR rows have CR = mean accepted tokens = 1.",
@@ -65,7 +67,7 @@ def markdown(report: dict) -> str:
     for c in s["matched_precision"]:
         lines.append(f"Fastest fine-tuned peer at {c['precision']}: {c['peer']} {c['peer_tokens_per_s']:.1f} tokens/s; "
                      f"fastest SS backend {c['streamfuse']} {c['streamfuse_tokens_per_s']:.1f} tokens/s: "
-                     f"**{c['ratio']:.2f}x**.")
+                     f"**{c['ratio']:.2f}x**; after the first token **{c['decode_ratio']:.2f}x**.")
     lines.append(f"Process peak RSS (all models loaded in one process): {_mib(s['peak_memory_bytes'])} MiB.")
     lines += [f"Skipped peer {name}: {reason}" for name, reason in report["skipped"].items()]
     lines += ["", f"Command: `{report['command']}`"]

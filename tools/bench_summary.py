@@ -4,7 +4,10 @@ Speed-up is a throughput ratio against a baseline measured in the same run: AR o
 for streamfuse rows, streamfuse AR on torch for peers. When the outputs are equal (SS vs AR, lossless
 peers) it is the time ratio; when a peer's outputs differ, tokens/s is the fair measure.
 "After the first token" divides tokens after the first by the time after it (prompt processing,
-which SS and AR share, left out).
+which SS and AR share, left out). Tokens/s over a whole input depends on how many tokens a model
+writes (time to the first token weighs more in a short answer), so rows whose outputs differ in
+length compare on the two phases instead: tokens/s after the first token and prompt
+milliseconds per prompt token.
 CR = new tokens / model calls with the prefill counted (AR: 1.0); mean accepted tokens = tokens per
 SS decoding step (Spec-Bench's "mean accepted tokens"; AR: 1.0). Peers expose neither.
 """
@@ -40,11 +43,14 @@ def _speedups(runs: Sequence[dict], baseline: Sequence[dict] | None) -> dict:
             "mismatches": sum(r["token_ids"] != b["token_ids"] for r, b in zip(runs, baseline))}
 
 
-def _stats(runs: Sequence[dict], baseline: Sequence[dict] | None, inputs: Sequence[BenchInput]) -> dict:
+def _stats(runs: Sequence[dict], baseline: Sequence[dict] | None, inputs: Sequence[BenchInput],
+           prompt_tokens: Sequence[int]) -> dict:
     return {"inputs": len(runs), "new_tokens": sum(r["new_tokens"] for r in runs),
             "seconds_total": sum(r["seconds"] for r in runs),
             "tokens_per_s_median": statistics.median(_rate(r) for r in runs),
             "ttft_s_median": statistics.median(r["ttft_s"] for r in runs),
+            "decode_tokens_per_s": _decode_rate(runs),
+            "prompt_ms_per_token_median": statistics.median(1e3 * r["ttft_s"] / n for r, n in zip(runs, prompt_tokens)),
             **_speedups(runs, baseline),
             "rouge": quality.rouge([r["text"] for r in runs], [i.references for i in inputs]),
             "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in runs)}
@@ -55,7 +61,8 @@ def _streamfuse_row(method: str, backend: str, rows: Sequence[dict], inputs: Seq
     steps = [t for r in runs for t in r["step_tokens"]]
     baseline = [r["ar"] for r in rows] if "ar" in rows[0] else None
     return {"name": f"{method}/{backend}", "kind": "streamfuse", "method": method, "backend": backend,
-            "baseline": f"ar/{backend}" if baseline else None, **_stats(runs, baseline, inputs),
+            "baseline": f"ar/{backend}" if baseline else None,
+            **_stats(runs, baseline, inputs, [r["prompt_tokens"] for r in rows]),
             "call_reduction": sum(r["new_tokens"] for r in runs) / sum(r["model_calls"] for r in runs),
             "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method == "ss" else 1.0}
 
@@ -75,13 +82,15 @@ def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[Benc
     for name in (peer_rows[0]["results"] if peer_rows else {}):
         runs = [r["results"][name] for r in peer_rows]
         out.append({"name": name, "kind": "peer", "method": name, "backend": None,
-                    "baseline": f"{method}/{backend}" if reference else None, **_stats(runs, reference, inputs),
+                    "baseline": f"{method}/{backend}" if reference else None,
+                    **_stats(runs, reference, inputs, [r["prompt_tokens"] for r in peer_rows]),
                     "call_reduction": None, "mean_accepted_tokens": None, **info[name]})
     return out
 
 
 def matched_precision(rows: Sequence[dict]) -> list[dict]:
-    """Per precision: the fastest fine-tuned peer vs the fastest streamfuse SS backend (tokens/s medians)."""
+    """Per precision: the fastest fine-tuned peer vs the fastest streamfuse SS backend, by tokens/s
+    (medians over inputs) and by tokens/s after the first token (which output length does not sway)."""
     found = []
     for precision in dict.fromkeys(r["precision"] for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss"):
         ss = [r for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss" and r["precision"] == precision]
@@ -93,5 +102,6 @@ def matched_precision(rows: Sequence[dict]) -> list[dict]:
         found.append({"precision": precision, "streamfuse": best["name"], "peer": peer["name"],
                       "streamfuse_tokens_per_s": best["tokens_per_s_median"],
                       "peer_tokens_per_s": peer["tokens_per_s_median"],
-                      "ratio": best["tokens_per_s_median"] / peer["tokens_per_s_median"]})
+                      "ratio": best["tokens_per_s_median"] / peer["tokens_per_s_median"],
+                      "decode_ratio": best["decode_tokens_per_s"] / peer["decode_tokens_per_s"]})
     return found

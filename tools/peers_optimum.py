@@ -114,11 +114,15 @@ class OptimumExecuTorchRunner:
         from executorch.kernels import quantized  # noqa: F401  (the 8-bit embedding's kernel)
 
         from streamfuse.runtime.backends.sessions import set_executorch_threads
+        from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 
         set_executorch_threads(threads)
         info = {"engine": f"ExecuTorch (XNNPACK), exported by optimum-executorch {VERSION}", "pte": str(pte),
                 "pte_bytes": Path(pte).stat().st_size, "recipe": " ".join(RECIPE), "max_seq_len": max_seq_len,
-                "threads": threads}
+                "threads": threads,
+                # the setting our own .pte runs with (it frees the unpacked weights once packed), not the
+                # one left behind by whichever engine this process loaded first
+                "xnnpack_weight_cache": share_xnnpack_weights()}
         return cls(name, portable_lib._load_for_executorch(str(pte)), stop_ids, max_seq_len, info)
 
     def _logits(self, ids: Sequence[int], start: int) -> torch.Tensor:

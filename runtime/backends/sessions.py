@@ -11,6 +11,7 @@ import torch
 
 from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN, INPUT_NAMES, METHOD_INPUT, METHODS,
                                                       OUTPUT_NAMES, Session, layer_input, method_output)
+from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 
 
 class MissingBackend(RuntimeError):
@@ -48,6 +49,7 @@ class ExecuTorchSession:
     def __init__(self, pte: Path, threads: int | None = None):
         runtime = _require("executorch.runtime", "executorch")
         set_executorch_threads(threads or torch.get_num_threads())  # --threads means the same on every backend
+        self.shares_weights = share_xnnpack_weights()  # one packed copy for all methods, not one each
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}
         self.name = "executorch:xnnpack"

@@ -1,0 +1,171 @@
+"""Memory an engine costs: RSS added when the runtime opens an artifact's backend, and the peak
+while it decodes, each backend in a fresh process (no pages freed by another engine to reuse, no
+other engine's libraries counted).
+
+    python -m streamfuse.tools.memory --artifact artifacts/dialogsum --backends executorch,onnxruntime \\
+        --task dialogsum --split test --limit 3 --threads 2
+
+Per backend: the bytes of its files in the artifact (weights and graphs); the RSS `load()` adds,
+split into anonymous memory (what a phone cannot page out) and file-backed pages (mapped weights,
+which the OS may drop); of it, the tokenizer (measured on its own) and the host's KV cache (its
+tensors' bytes), and the rest, the engine, against the file bytes; and the peak RSS above the
+level before `load()` while the inputs decode plainly and with SS (greedy). Linux only: it reads
+/proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+MIB = 2**20
+
+
+def status() -> dict[str, int]:
+    """This process's resident memory now (bytes), and its peak (VmHWM)."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in STATUS_FIELDS:
+            found[key] = int(value.split()[0]) * 1024  # kB
+    return found
+
+
+def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int, threads: int,
+                    max_new_tokens: int) -> dict:
+    """In this (fresh) process: load the backend, then decode the inputs plainly and with SS."""
+    import importlib
+
+    from streamfuse.runtime.artifact import Artifact
+    from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.generate import DecodeSettings, prompt_ids, run
+    from streamfuse.runtime.loader import ARTIFACT_FILES, load
+    from streamfuse.runtime.sampling import SamplingConfig
+    from streamfuse.tools.bench_data import read_inputs
+
+    opened = Artifact.open(artifact)
+    importlib.import_module({"executorch": "executorch.runtime", "onnxruntime": "onnxruntime"}.get(backend, "torch"))
+    tokenizers = [opened.load_tokenizer()]  # the first also imports what tokenizers need
+    before_tokenizer = status()
+    tokenizers.append(opened.load_tokenizer())  # kept alive: its pages are not free for load() to reuse
+    before = status()
+    loaded = load(artifact, backend, threads=threads)
+    after = status()
+    inputs = read_inputs(data, loaded.prompt, limit) if data is not None else []
+    rules, sampling = StopRules(max_new_tokens, loaded.stop_token_ids), SamplingConfig(temperature=0.0)
+    for item in inputs:
+        ids = prompt_ids(loaded, item.text, as_task=True)
+        for method in ("ar", "ss"):
+            run(loaded, ids, DecodeSettings(method, loaded.tree, rules, sampling, None, 0))
+    end = status()
+    files = opened.backend_files(ARTIFACT_FILES[backend])
+    cache = loaded.backend.keys.nbytes + loaded.backend.values.nbytes  # the host's KV cache, all rows written
+    return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()), "kv_cache_bytes": cache,
+            "load_bytes": after["VmRSS"] - before["VmRSS"], "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
+            "load_file_bytes": after["RssFile"] - before["RssFile"],
+            "tokenizer_bytes": before["VmRSS"] - before_tokenizer["VmRSS"],
+            "decode_peak_bytes": end["VmHWM"] - before["VmRSS"] if inputs else None,
+            "inputs": len(inputs), "threads": threads}
+
+
+def engine_bytes(row: dict) -> int:
+    """What the engine itself holds: load()'s growth less the tokenizer and the host's KV cache."""
+    return row["load_bytes"] - row["tokenizer_bytes"] - row["kv_cache_bytes"]
+
+
+def markdown(rows: list[dict]) -> str:
+    mib = lambda value: "-" if value is None else f"{value / MIB:.0f}"  # noqa: E731
+    lines = ["| backend | artifact files (MiB) | RSS added by load() | anonymous | file-backed | of which tokenizer "
+             "| of which KV cache | the engine: the rest | engine / files | peak while decoding, above pre-load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        engine = engine_bytes(r)
+        lines.append(f"| {r['backend']} | {mib(r['file_bytes'])} | {mib(r['load_bytes'])} | {mib(r['load_anon_bytes'])} "
+                     f"| {mib(r['load_file_bytes'])} | {mib(r['tokenizer_bytes'])} | {mib(r['kv_cache_bytes'])} "
+                     f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x | {mib(r['decode_peak_bytes'])} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifact", type=Path, required=True, help="an exported artifact folder (manifest.json)")
+    parser.add_argument("--backends", default="executorch,onnxruntime",
+                        help="comma-separated; those the artifact was not built for are skipped (default: %(default)s)")
+    parser.add_argument("--task", default=None, help="decode this task's inputs after loading (e.g. dialogsum)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=3, help="inputs to decode (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one backend, in a fresh process
+    parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _child_command(args: argparse.Namespace, backend: str, data: Path | None) -> list[str]:
+    command = [sys.executable, "-m", "streamfuse.tools.memory", "--artifact", str(args.artifact), "--child", backend,
+               "--limit", str(args.limit), "--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
+    return command + (["--data", str(data)] if data is not None else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        print(f"error: tools.memory reads /proc (Linux); this is {sys.platform}", file=sys.stderr)
+        return 2
+    if args.child:
+        from streamfuse.runtime.backends.sessions import MissingBackend
+
+        try:
+            row = measure_backend(args.artifact, args.child, args.data, args.limit, args.threads, args.max_new_tokens)
+        except MissingBackend as error:  # e.g. Core ML off macOS: a skip with its reason, not a failure
+            row = {"backend": args.child, "skipped": str(error)}
+        print(json.dumps(row))
+        return 0
+    from streamfuse.runtime.artifact import Artifact, ArtifactError
+    from streamfuse.runtime.loader import ARTIFACT_FILES
+    from streamfuse.tools.bench_data import task_file
+    from streamfuse.tools.bench_report import write_atomic
+
+    try:
+        built = Artifact.open(args.artifact).manifest["files"]
+        data = task_file(args.task, args.split) if args.task else None
+    except (ArtifactError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    backends = args.backends.split(",")
+    unknown = [b for b in backends if b not in ARTIFACT_FILES]
+    if unknown:
+        print(f"error: --backends {','.join(unknown)}: not an exported backend (choose from "
+              f"{', '.join(ARTIFACT_FILES)})", file=sys.stderr)
+        return 2
+    rows = []
+    for backend in backends:
+        if ARTIFACT_FILES.get(backend) not in built:
+            print(f"[memory] {backend}: not in {args.artifact} (built: {', '.join(built)}); skipped", file=sys.stderr)
+            continue
+        result = subprocess.run(_child_command(args, backend, data), capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"error: measuring {backend} failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return 1
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        if "skipped" in row:
+            print(f"[memory] {backend}: skipped: {row['skipped']}", file=sys.stderr)
+            continue
+        rows.append(row)
+    if not rows:
+        print(f"error: none of {args.backends} runs here from {args.artifact}", file=sys.stderr)
+        return 1
+    print(markdown(rows))
+    if args.out is not None:
+        write_atomic(args.out, json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
