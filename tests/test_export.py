@@ -175,6 +175,9 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
         assert row["kv_cache_bytes"] == cache and row["inputs"] == 1
         assert row["load_bytes"] > 0 and row["decode_peak_bytes"] >= row["load_bytes"]  # the peak holds the load
     assert "| executorch |" in capsys.readouterr().out
+    for bad, message in ((["--backends", "bogus"], "not an exported backend"), (["--limit", "0"], "must be >= 1")):
+        assert memory.main(["--artifact", str(artifact), *bad]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_coreml_package_has_the_five_functions_with_static_shapes(artifact):

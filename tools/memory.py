@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.limit < 1 or args.threads < 1 or args.max_new_tokens < 1:
+        print("error: --limit, --threads and --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
     backends = args.backends.split(",")
     unknown = [b for b in backends if b not in ARTIFACT_FILES]
     if unknown:
