@@ -27,20 +27,27 @@ def quantize_weights(model: nn.Module, scheme: str) -> None:
     """In place: replace the linear layers' weights by torchao's quantized tensors."""
     if scheme == "none":
         return
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization import quantize_
 
-    # The Intx config leaves quantize/dequantize patterns that XNNPACK fuses into its kernels
-    # (Int8DynamicActivationInt8WeightConfig lowers to aten._int_mm, which XNNPACK does not take).
-    if scheme == "int8":
-        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-    elif scheme == "8da4w":
-        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP))
-    else:
-        raise ValueError(f"quantization {scheme!r} is not one of {QUANTIZATIONS}")
     # Group-wise int4 needs in_features divisible by the group; the rank-8 pruning head is not
     # (and is not in the exported graphs anyway), so only such linears are quantized.
-    quantize_(model, config, filter_fn=lambda module, _: isinstance(module, nn.Linear) and module.in_features % GROUP == 0)
+    quantize_(model, torchao_config(scheme),
+              filter_fn=lambda module, _: isinstance(module, nn.Linear) and module.in_features % GROUP == 0)
+
+
+def torchao_config(scheme: str):
+    """torchao's weight config for "int8" (per output channel) or "8da4w" (int4 per group of 32),
+    both with int8 activations per token. The Intx config leaves quantize/dequantize patterns that
+    XNNPACK fuses into its kernels (Int8DynamicActivationInt8WeightConfig lowers to aten._int_mm,
+    which XNNPACK does not take)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    if scheme == "int8":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    if scheme == "8da4w":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP))
+    raise ValueError(f"quantization {scheme!r} is not one of {QUANTIZATIONS}")
 
 
 DELEGATES = ("xnnpack", "coreml")

@@ -21,6 +21,7 @@ from torch import nn
 
 from streamfuse.adapters.gguf_codes import BLOCK
 from streamfuse.export.low_bit import ZERO_POINT, Q4Linear, Q8Embedding, Q8Linear, unpack_nibbles
+from streamfuse.export.to_executorch import torchao_config
 
 
 def _quantize(linear: nn.Linear, config) -> nn.Linear:
@@ -44,9 +45,6 @@ class XnnpackQ4Linear(nn.Module):
 
     def __init__(self, layer: Q4Linear):
         super().__init__()
-        from torchao.quantization import Int8DynamicActivationIntxWeightConfig
-        from torchao.quantization.granularity import PerGroup
-
         rows, groups = layer.out_features, layer.in_features // BLOCK
         zeros = layer.block_zeros().float()  # [N, K/32]
         codes = unpack_nibbles(layer.packed).float() - ZERO_POINT  # q - 8 in every block
@@ -54,8 +52,7 @@ class XnnpackQ4Linear(nn.Module):
         shift = ZERO_POINT - zeros  # a block Q4Linear kept at zero point 0 (offset m) gets offset m + 8d
         linear = nn.Linear(layer.in_features, rows, bias=False)
         linear.weight.data = (codes * scales[..., None]).reshape(rows, -1)
-        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(BLOCK))
-        self.base = _quantize(linear, config)
+        self.base = _quantize(linear, torchao_config("8da4w"))  # 8da4w's groups are GGUF's blocks of 32
         weight = self.base.weight  # torchao re-derives its own scales: put the GGUF's codes and scales back
         weight.qdata.copy_(codes.reshape(rows, -1).to(torch.int8))
         weight.scale.copy_(scales)
@@ -85,7 +82,7 @@ class XnnpackQ8Head(nn.Module):
         super().__init__()
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight.data = weight.float()
-        self.base = _quantize(linear, _per_channel_int8())
+        self.base = _quantize(linear, torchao_config("int8"))
 
     @classmethod
     def from_q8(cls, head: Q8Linear) -> "XnnpackQ8Head":
@@ -112,7 +109,7 @@ class XnnpackQ8Embedding(nn.Module):
 
     def __init__(self, head: XnnpackQ8Head):
         super().__init__()
-        weight = head.base.weight
+        weight = head.weight
         self.register_buffer("codes", weight.qdata.clone())  # [V, K] int8
         self.register_buffer("scales", weight.scale.reshape(-1).float().clone())  # [V]
         zero = weight.zero_point.reshape(-1).float()
@@ -121,13 +118,6 @@ class XnnpackQ8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes[ids].float() * self.scales[ids][..., None]
-
-
-def _per_channel_int8():
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
-    from torchao.quantization.granularity import PerAxis
-
-    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
 
 
 def use_xnnpack_codes(model) -> dict:
@@ -147,7 +137,7 @@ def use_xnnpack_codes(model) -> dict:
 
     model.replace_modules(lambda m: isinstance(m, Q4Linear), convert)
     head = XnnpackQ8Head.from_q8(heads[0])
-    head_error = float((head.base.weight.dequantize().double() - heads[0].dequantized().double()).abs().max())
+    head_error = float((head.weight.dequantize().double() - heads[0].dequantized().double()).abs().max())
     model.replace_modules(lambda m: isinstance(m, Q8Embedding), lambda _: XnnpackQ8Embedding(head))
     model.replace_modules(lambda m: m is heads[0], lambda _: head)
     return {"linear": "q4_1 codes as q - 8 with bf16 scales (XNNPACK qb4w) + fp32 min term",
