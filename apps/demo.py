@@ -22,14 +22,15 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 
 from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES  # noqa: E402
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifact", type=Path, default=None,
                         help="model folder to open at start (default: none; the window says how to build one)")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="execution engine")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
                         help="fused: streams at every tree node in one pass; deferred: streams of the last accepted "
                              "node only (cheaper on CPUs)")
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     examples = tuple(read_examples(args.examples)) if args.examples and args.examples.is_file() else ()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     engine = Engine()
-    window = MainWindow(engine, WindowOptions(args.artifact, args.backend, args.stream_schedule, args.max_new_tokens,
+    backend = args.backend or (fastest_backend(args.artifact) if args.artifact is not None else BACKENDS[0])
+    window = MainWindow(engine, WindowOptions(args.artifact, backend, args.stream_schedule, args.max_new_tokens,
                                               examples, args.example))
     pilot = Autopilot(window, args.autorun, args.screenshot, args.quit_after)
     window.show()

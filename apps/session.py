@@ -99,8 +99,12 @@ class Session:
 
     def default_tree(self) -> str:
         """What an empty tree setting means for the loaded artifact."""
-        tree = self._loaded().tree
-        return DEFAULT_TREE if tree is None else f"the artifact's tree ({tree.num_nodes} nodes, depth {tree.depth})"
+        loaded = self._loaded()
+        tree = loaded.tree
+        if tree is None:
+            return DEFAULT_TREE
+        whose = "the tree calibrated for this backend" if loaded.calibration else "the artifact's tree"
+        return f"{whose} ({tree.num_nodes} nodes, depth {tree.depth})"
 
     def describe(self) -> str:
         if self.loaded is None:
@@ -114,8 +118,9 @@ class Session:
     def settings(self, request: GenerationRequest) -> DecodeSettings:
         method_named(request.method)
         rules = StopRules(request.max_new_tokens, self._loaded().stop_token_ids)
-        return DecodeSettings(request.method, choose_tree(request.tree or None, self._loaded()), rules,
-                              SamplingConfig(request.temperature), None, request.seed)
+        tree = choose_tree(request.tree or None, self._loaded())
+        return DecodeSettings(request.method, tree, rules, SamplingConfig(request.temperature), None, request.seed,
+                              self._loaded().fallback(tree))
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
         """Run one generation; `on_update(new_segments, stats)` after every model call.

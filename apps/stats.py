@@ -7,7 +7,7 @@ tokens per verify step (the profiler's mean_accepted_depth; the correction token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.trace import RunRecord
@@ -23,14 +23,20 @@ class RunStats:
     model_calls: int = 0  # one step event per model call, the prefill included
     verify_steps: int = 0  # calls that checked a draft
     accepted_drafts: int = 0
+    plain_steps: int = 0  # SS: steps decoded plainly while the fallback had switched speculation off
+    switches: int = 0  # SS: times the fallback switched between speculating and plain decoding
     seconds: float = 0.0
     stop_reason: str = ""  # the runtime's ("eos", "max_new_tokens", ...) or "stopped"; "" while running
+    _last_plain: bool = field(default=False, repr=False)  # the last event's mode (the prefill's: speculative)
 
     def add(self, event: StepEvent, seconds: float) -> None:
         self.new_tokens += len(event.tokens)
         self.model_calls += 1
         self.verify_steps += bool(event.drafted)
         self.accepted_drafts += event.accepted_drafts
+        self.switches += event.plain != self._last_plain
+        self.plain_steps += event.plain
+        self._last_plain = event.plain
         self.seconds = seconds
 
     def finish(self, record: RunRecord) -> None:
@@ -59,12 +65,14 @@ def stat_fields(stats: RunStats) -> list[tuple[str, str]]:
 
     started = stats.model_calls > 0
     stop = STOP_LABELS.get(stats.stop_reason, stats.stop_reason) or ("running" if started else "-")
+    fallback = f"{stats.plain_steps} plain steps, {stats.switches} switches" if stats.plain_steps else "-"
     return [
         ("tokens", str(stats.new_tokens)),
         ("tokens/s", number(stats.tokens_per_second, 1)),
         ("model calls", str(stats.model_calls)),
         ("CR", number(stats.call_reduction, 2)),
         ("mean accepted", number(stats.mean_accepted, 2)),
+        ("fallback", fallback),
         ("time", f"{stats.seconds:.2f} s" if started else "-"),
         ("stop", stop),
     ]

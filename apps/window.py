@@ -17,7 +17,7 @@ from streamfuse.apps.session import BUILD_HINT, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
 from streamfuse.apps.worker import Engine
 from streamfuse.runtime.generate import DEFAULT_TREE
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend
 
 SEQUENTIAL_NOTE = ("Both panes run one after the other on the same input: run at once, they would share "
                    "the CPU cores and disturb each other's timings.")
@@ -52,7 +52,7 @@ class MainWindow(QMainWindow):
         self._build(options)
         self._connect_worker()
         if options.artifact is not None:
-            self.open_artifact(options.artifact)
+            self.open_artifact(options.artifact, options.backend)
         else:
             self._show_build_hint()
 
@@ -199,9 +199,11 @@ class MainWindow(QMainWindow):
         if folder:
             self.open_artifact(Path(folder))
 
-    def open_artifact(self, folder: Path) -> None:
+    def open_artifact(self, folder: Path, backend: str | None = None) -> None:
+        """backend None: the fastest the artifact has on this machine (its calibrations)."""
         self.artifact = Path(folder)
         self.artifact_edit.setText(str(self.artifact))
+        self.backend_box.setCurrentText(backend or fastest_backend(self.artifact))
         self.reload()
 
     @Slot()

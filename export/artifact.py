@@ -29,6 +29,7 @@ from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, backend_parity, eager_tokens
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
+from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
@@ -54,7 +55,9 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
 @dataclass(frozen=True)
 class ExportConfig:
     backends: tuple[str, ...] = DEFAULT_BACKENDS
-    tree: str = "gamma=3,k=1"  # the 4-node chain: the fastest tree on CPUs (docs/benchmarks.md)
+    # The draft trees with step graphs, the default first: the build puts its calibrated choices here
+    # (export/calibration.py); without them, the 4-node chain (the fastest fixed tree on CPUs measured).
+    trees: tuple[str, ...] = ("gamma=3,k=1",)
     capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
     prefill_chunk: int = 64
     quantize: str = "none"  # weights: none | int8 | 8da4w | q4-native, where a backend offers it (FORMATS)
@@ -76,15 +79,16 @@ class ExportConfig:
             raise ValueError(f"--export-workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
             raise ValueError(f"--draft-vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
-        tree = TreeSpec.parse(self.tree)
-        graph.greedy_schedule(tree, self.greedy_schedule)
-        graph.GraphShapes(self.capacity, self.prefill_chunk, tree)
+        trees = tuple(TreeSpec.parse(tree) for tree in self.trees)
+        for tree in trees:
+            graph.greedy_schedule(tree, self.greedy_schedule)
+        graph.GraphShapes(self.capacity, self.prefill_chunk, trees)
 
     def key(self, training_key: str, weights: str, draft: DraftVocab | None) -> str:
         """What the graphs depend on: the checkpoint's settings and its weights (weights_digest), these
         settings, the draft vocabulary. The backend list is not part of it: an artifact with the same
         key lends its finished exports to a build that asks for more backends."""
-        payload = {"schema": SCHEMA, "training": training_key, "weights": weights, "methods": list(graph.INPUT_NAMES),
+        payload = {"schema": SCHEMA, "training": training_key, "weights": weights, "methods": method_names(len(self.trees)),
                    **asdict(self),
                    "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
         payload.pop("backends")
@@ -103,7 +107,8 @@ def versions() -> dict[str, str]:
 
 
 class ArtifactBuilder:
-    """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens)."""
+    """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens). The manifest's
+    calibration section starts empty: the build's calibrate stage fills it (export/build.py)."""
 
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
                  max_new_tokens: int, info: dict, draft: DraftVocab | None = None):
@@ -264,6 +269,7 @@ class ArtifactBuilder:
             print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
                   f"unquantized", flush=True)
         modules, inputs = self.modules(model, in_place=backend in IN_PLACE), graph.example_inputs(model, self.shapes())
+        input_names, output_names = graph.names_of(modules)
         if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
 
@@ -278,13 +284,13 @@ class ArtifactBuilder:
             folder = self.staging / "onnx"
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-            model, weights = export_onnx(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, folder)
+            model, weights = export_onnx(modules, inputs, input_names, output_names, folder)
             files = {"model": self._entry(folder / model), "weights": self._entry(folder / weights)}
             return {"files": files, "format": fmt}
         from streamfuse.export.to_coreml import export_mlpackage, spec_signature
 
         target = self.staging / "model.mlpackage"
-        export_mlpackage(modules, inputs, graph.INPUT_NAMES, graph.OUTPUT_NAMES, target, self.config.coreml_precision)
+        export_mlpackage(modules, inputs, input_names, output_names, target, self.config.coreml_precision)
         return {"files": {"package": self._entry(target)}, "spec": spec_signature(target), "format": fmt}
 
     def _parity(self, backend: str, files: dict) -> dict:
@@ -302,9 +308,11 @@ class ArtifactBuilder:
             result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
                                     self.rules(), plain_prompts=len(self.prompts), relative_tolerance=None)
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
+        others = result["other_trees"]
         print(f"[verify] {backend} ({fmt}): SS == torch eager fp32 on {result['ss_equals_torch_eager']}/"
               f"{result['prompts']} prompts; SS == own plain on {result['ss_equals_own_plain']}/"
-              f"{result['plain_prompts']}; step outputs within tolerance: {result['within_tolerance']}", flush=True)
+              f"{result['plain_prompts']}; other trees SS == own plain: {sorted(others['ss_equals_own_plain'].values())}"
+              f"/{others['prompts']}; step outputs within tolerance: {result['within_tolerance']}", flush=True)
         return result
 
     # --- shared state -----------------------------------------------------------------------
@@ -315,23 +323,21 @@ class ArtifactBuilder:
         return self._model
 
     def shapes(self, in_place: bool = False) -> graph.GraphShapes:
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, TreeSpec.parse(self.config.tree),
-                                 in_place)
+        trees = tuple(TreeSpec.parse(tree) for tree in self.config.trees)
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, trees, in_place)
 
-    def greedy_schedule(self) -> str:
-        return graph.greedy_schedule(self.shapes().tree, self.config.greedy_schedule)
+    def greedy_schedules(self) -> list[str]:
+        return [graph.greedy_schedule(tree, self.config.greedy_schedule) for tree in self.shapes().trees]
 
     def modules(self, model, in_place: bool = False) -> dict:
         return graph.graph_modules(model, self.shapes(in_place), self.draft.ids if self.draft else None,
-                                   self.greedy_schedule())
+                                   self.greedy_schedules())
 
-    def graph_spec(self):
-        from streamfuse.runtime.backends.static_graph import GraphSpec
-
+    def graph_spec(self) -> GraphSpec:
         model, shapes = self.model_and_tokenizer()[0], self.shapes()
         parts = model.parts
         return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                         shapes.capacity, shapes.prefill_chunk, shapes.tree, greedy_schedule=self.greedy_schedule())
+                         shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(self.greedy_schedules()))
 
     def rules(self) -> StopRules:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
@@ -346,7 +352,7 @@ class ArtifactBuilder:
     def _eager_tokens(self) -> dict:
         # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
         eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
-        return {"tokens": eager_tokens(eager, self.shapes().tree, self.prompts, self.rules())}
+        return {"tokens": eager_tokens(eager, self.shapes().trees[0], self.prompts, self.rules())}
 
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
@@ -363,14 +369,16 @@ class ArtifactBuilder:
             "prompt": checkpoint["info"].get("prompt"),
             "model": {"base_model": checkpoint["base_model"], "num_layers": parts.num_layers,
                       "hidden_size": parts.hidden_size, "num_kv_heads": parts.num_kv_heads, "head_dim": parts.head_dim,
-                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions},
+                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions,
+                      "num_parameters": sum(p.numel() for p in model.parameters())},
             "streams": checkpoint["streams"],
-            "tree": shapes.tree.to_dict(),
+            "trees": [tree.to_dict() for tree in shapes.trees],
+            "calibration": {"acceptance": None, "backends": {}},
             "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "dtype": "float32",
                        "stream_schedule": "deferred", "quantize": {b: f["name"] for b, f in formats.items()},
                        "formats": formats,
                        "coreml_precision": self.config.coreml_precision,
-                       "greedy_step": {"schedule": self.greedy_schedule(),
+                       "greedy_step": {"schedules": self.greedy_schedules(),
                                        "draft_vocab": self.draft.to_dict() if self.draft else None},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],

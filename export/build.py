@@ -10,8 +10,11 @@ Stages (each one reuses its output when rerun with the same settings):
   evaluate  zero-shot base, LoRA baseline and SS model on the test split (greedy), stream
             accuracy on validation against the references, and on the test split against the SS
             model's own greedy answers (the ones its ROUGE is scored on); eval.json goes into the SS checkpoint
-  export    static-shape graphs (fixed tree mask, static KV cache) for ExecuTorch (.pte, XNNPACK),
-            ONNX and Core ML (.mlpackage), LoRA merged, into one self-describing artifact folder
+  calibrate the acceptance model (own answers to validation inputs, teacher-forced stream ranks) and
+            the step cost of the best tree of each size on this machine: which trees the graphs get
+  export    static-shape graphs (fixed tree masks, static KV cache) for ExecuTorch (.pte, XNNPACK),
+            ONNX and Core ML (.mlpackage), LoRA merged, into one self-describing artifact folder;
+            then each backend that runs here times the artifact's trees and records its choice
   verify    each backend that runs here against torch eager: greedy tokens and step outputs
   profile   SS vs plain decoding on test inputs with the artifact: speed-up, CR, time split
 """
@@ -28,6 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
@@ -45,6 +49,7 @@ from streamfuse.export import report  # noqa: E402
 from streamfuse.export.artifact import (  # noqa: E402
     DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest,
 )
+from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export  # noqa: E402
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
 from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
 from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
@@ -53,9 +58,13 @@ from streamfuse.export.evaluation import (answer_quality, greedy_answer_ids, pac
                                           stream_accuracy, task_quality)
 from streamfuse.export.frozen_states import FrozenStates  # noqa: E402
 from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
+from streamfuse.export.tasks.base import UNLABELLED  # noqa: E402
 from streamfuse.export.profiling import profile_artifact  # noqa: E402
 from streamfuse.export.train import train  # noqa: E402
 from streamfuse.runtime.artifact import Artifact  # noqa: E402
+from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration  # noqa: E402
+from streamfuse.runtime.loader import fastest_backend  # noqa: E402
+from streamfuse.tools.calibrate import calibrate_sources  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--distill-with-references", action=argparse.BooleanOptionalAction, default=None,
                         help="with --distill-main-targets frozen: the streams train on the reference answers as well "
                              "as the model's own")
+    parser.add_argument("--distill-unlabelled", action=argparse.BooleanOptionalAction, default=None,
+                        help="the self-distillation stage also trains on the task's unlabelled inputs (their targets: "
+                             "the model's own answers; DialogSum: 1,398 dialogues; default: the preset's, cpu-distill on)")
     parser.add_argument("--distill-epochs", type=float, default=None,
                         help="override the self-distillation stage's epochs")
     parser.add_argument("--distill-lr", type=float, default=None,
@@ -106,9 +118,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                         help="comma-separated export targets among torch, executorch (XNNPACK), onnx, coreml "
                              "(.mlpackage), executorch_coreml (.pte with the Core ML delegate); 'torch' skips export")
-    parser.add_argument("--tree", default=ExportConfig.tree, help="the draft tree fixed in the step graph: 'gamma=G,k=K', "
-                        "a JSON list of paths, or a JSON file of paths (default: the 4-node chain, the fastest on "
-                        "CPUs; wider trees pay on memory-bound accelerators, see docs/benchmarks.md)")
+    parser.add_argument("--tree", default=None, help="the draft trees with step graphs, ';'-separated, the default "
+                        "first: each 'gamma=G,k=K', a JSON list of paths or a JSON file (default: calibrated, the "
+                        "tree that pays most on this machine and the best of up to 8 nodes, plus the 2-node tree "
+                        "when quantized)")
+    parser.add_argument("--calibration-inputs", type=int, default=4,
+                        help="validation inputs each backend's calibration times (step cost per tree)")
     parser.add_argument("--quantize", default="none",
                         help="weights: none; q4-native (the base GGUF's own 4-bit codes, LoRA in fp32: exact on "
                              "ONNX, bf16 scales on ExecuTorch); int8 (ExecuTorch, ONNX); 8da4w (ExecuTorch). Backends "
@@ -135,7 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def export_config(args: argparse.Namespace) -> ExportConfig:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    config = ExportConfig(backends, args.tree, args.context, args.prefill_chunk, args.quantize,
+    trees = tuple(t.strip() for t in args.tree.split(";") if t.strip()) if args.tree else ExportConfig.trees
+    config = ExportConfig(backends, trees, args.context, args.prefill_chunk, args.quantize,
                           parity_prompts=args.parity_prompts, draft_vocab=args.draft_vocab,
                           greedy_schedule=args.greedy_schedule, workers=args.export_workers)
     config.validate()
@@ -156,7 +172,7 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
     distill = _override(config.distill, enabled=args.distill, stream_weight=args.distill_stream_weight,
                         main_targets=args.distill_main_targets, init_rank=args.distill_init_rank,
                         learning_rate=args.distill_lr, epochs=args.distill_epochs,
-                        with_references=with_references)
+                        with_references=with_references, unlabelled=args.distill_unlabelled)
     streams = _stream_override(config.streams, args)
     if streams.init_rank and args.distill_init_rank is None:  # the first stage has f_eta: train it on, grow none
         distill = dataclasses.replace(distill, init_rank=0)
@@ -275,7 +291,11 @@ class Build:
             print(f"[distil] reusing {directory} (same settings)", flush=True)
             return directory
         distill = self.config.distill
-        answers = self.own_answers(self.inference_model(first_dir), model_key(first_dir), self.train_examples, "train")
+        first_model, first_key = self.inference_model(first_dir), model_key(first_dir)
+        answers = self.own_answers(first_model, first_key, self.train_examples, "train")
+        if distill.unlabelled:  # inputs without references: their own answers are their only targets
+            answers += self.own_answers(first_model, first_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
+        del first_model
         # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
         model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
         if distill.init_rank:
@@ -340,6 +360,58 @@ class Build:
         # "own:test": own-answer accuracy moved from validation to the test answers (older results recompute).
         return self.cached(label, self.eval_key(key) + (" own:test" if with_streams else ""), compute)
 
+    # --- calibrate --------------------------------------------------------------------------
+    def acceptance(self, ss_dir: Path) -> AcceptanceModel:
+        """The acceptance model: the SS model's own greedy answers to the validation inputs, their
+        stream ranks teacher-forced (export/calibration.py); cached with the evaluations."""
+        def compute() -> dict:
+            model = self.inference_model(ss_dir)
+            ev = self.config.eval
+            prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens)
+                       for ex in self.validation]
+            answers = greedy_answer_ids(model.model, self.tokenizer, prompts, ev.max_new_tokens, ev.batch_size,
+                                        "generate validation")
+            items = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
+                     zip(self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers)]
+            return acceptance_model(model, items, self.pad_id).to_dict()
+
+        return AcceptanceModel.from_dict(self.cached("acceptance", self.eval_key(model_key(ss_dir)) + " acceptance/2",
+                                                     compute))
+
+    def calibration_sources(self) -> list[str]:
+        return [ex.source for ex in self.validation[: self.args.calibration_inputs]]
+
+    def calibrate_torch(self, ss_dir: Path, acceptance: AcceptanceModel) -> BackendCalibration:
+        """Step costs of the best tree of every size on this machine (the torch backend runs any tree)."""
+        def compute() -> dict:
+            return in_fresh_process(calibrate_sources, ss_dir, "torch", self.calibration_sources(), self.args.threads,
+                                    CALIBRATION_TOKENS, acceptance.to_dict())
+
+        model = hashlib.sha256(json.dumps(acceptance.to_dict()).encode()).hexdigest()[:16]
+        key = json.dumps([self.eval_key(model_key(ss_dir)), "calibrate torch", self.args.threads,
+                          self.args.calibration_inputs, CALIBRATION_TOKENS, model])
+        calibration = BackendCalibration.from_dict(self.cached("calibration-torch", key, compute))
+        print(f"[calibrate] torch on {calibration.device}: {calibration.tree.num_nodes}-node tree, expected "
+              f"{calibration.best.speedup(calibration.plain_seconds):.2f}x plain decoding", flush=True)
+        return calibration
+
+    def calibrate_artifact(self, artifact: Path, acceptance: AcceptanceModel,
+                           torch_calibration: BackendCalibration) -> None:
+        """The acceptance model into the manifest, then each backend that runs here times the artifact's
+        trees; its choice goes into the manifest (kept while the acceptance model is the same)."""
+        opened = Artifact.open(artifact)
+        opened.save_acceptance(acceptance)
+        opened.save_calibration("torch", torch_calibration)
+        for files, backend in RUNS_HERE.items():
+            if files not in opened.manifest["files"]:
+                continue
+            if opened.calibration(backend) is None:
+                data = in_fresh_process(calibrate_sources, artifact, backend, self.calibration_sources(),
+                                        self.args.threads, CALIBRATION_TOKENS)
+                opened.save_calibration(backend, BackendCalibration.from_dict(data))
+            else:
+                print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
+
     # --- export, verify, profile ----------------------------------------------------------
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:
         out = self.args.out or Path("artifacts") / self.task.name
@@ -358,10 +430,10 @@ class Build:
                   f"answer tokens", flush=True)
         return draft
 
-    def profile(self, artifact: Path, backends: tuple[str, ...]) -> dict | None:
-        """SS vs plain on the first --profile-limit test inputs, with the fastest backend built here."""
+    def profile(self, artifact: Path) -> dict | None:
+        """SS vs plain on the first --profile-limit test inputs, with the fastest backend here (calibrated)."""
         limit = self.args.profile_limit
-        backend = next((RUNS_HERE[b] for b in ("executorch", "onnx") if b in backends), "torch")
+        backend = fastest_backend(artifact)
         manifest = Artifact.open(artifact).manifest
         stored = manifest.get("profile")
         if stored and stored.get("limit") == limit and stored.get("backend_choice") == backend:
@@ -369,9 +441,8 @@ class Build:
             return stored
         sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
         # A fresh process: its peak memory is the runtime's own, not this one's from training.
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            result = pool.submit(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
-                                 self.args.threads, artifact.parent / f"{artifact.name}-profile").result()
+        result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
+                                  self.args.threads, artifact.parent / f"{artifact.name}-profile")
         result.update(limit=limit, backend_choice=backend)
         update_manifest(artifact, profile=result)
         return result
@@ -382,6 +453,18 @@ class Build:
             return {"test": self.quality(packed_for_inference(base), "zero-shot")}
 
         return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
+
+
+# Tokens per timed calibration run: enough steps for a median, few enough that 15 candidate trees on 4
+# inputs take a few minutes on 2 cores.
+CALIBRATION_TOKENS = 48
+
+
+def in_fresh_process(function, *args):
+    """function(*args) in a spawned process: a measurement there sees the runtime alone, not this
+    process's training memory or its threads."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,10 +492,17 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(summary), flush=True)
     print(f"[done] eval.json written to {ss_dir / 'eval.json'}", flush=True)
     if [b for b in export.backends if b != "torch"]:
+        acceptance = build.acceptance(ss_dir)
+        torch_calibration = build.calibrate_torch(ss_dir, acceptance)
+        if args.tree is None:  # the graphs get the trees calibration picks
+            chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none")
+            export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
         artifact = build.export(ss_dir, export, summary)
+        build.calibrate_artifact(artifact, acceptance, torch_calibration)
         print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)
+        print(report.calibration_markdown(Artifact.open(artifact).manifest), flush=True)
         if args.profile_limit > 0:
-            build.profile(artifact, export.backends)
+            build.profile(artifact)
             print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

@@ -81,6 +81,7 @@ class DistillConfig:
     init_rank: int = 128
     init_per_stream: bool = True
     with_references: bool = False  # frozen only: the streams train on the reference answers too
+    unlabelled: bool = False  # the task's unlabelled inputs too (their own answers; DialogSum: 1,398 dialogues)
     batch_size: int = 8  # generation batch
 
     def validate(self) -> None:
@@ -145,6 +146,8 @@ class BuildConfig:
                 distill.pop(name)
         if not self.distill.with_references:
             distill.pop("with_references")
+        if not self.distill.unlabelled:
+            distill.pop("unlabelled")
         payload = {"first": first_stage_key, "distill": distill, "answer_tokens": self.data.max_target_tokens,
                    "finished_answers_only": True}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
@@ -195,7 +198,7 @@ PRESETS: dict[str, BuildConfig] = {
         preset="cpu-distill",
         streams=StreamConfig(num_streams=3, msa_layers=8),
         train=TrainConfig(epochs=2.0, learning_rate=5e-4, grad_accumulation=4),
-        distill=DistillConfig(enabled=True, epochs=2.0, with_references=True),
+        distill=DistillConfig(enabled=True, epochs=2.0, with_references=True, unlabelled=True),
     ),
     # The paper's recipe (A.2): 5 epochs, lr 5e-4, linear schedule, bf16, N_s = N/2; for a GPU.
     "paper": BuildConfig(

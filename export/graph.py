@@ -4,10 +4,12 @@ Every method is a pure function of explicit tensors; the host owns the KV cache:
 
     prefill(ids [1,P], cache_len [1], last [1], keys, values) -> logits [1,V], anchor [1,H], new_keys, new_values
     decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], new_keys, new_values
-    step   (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], new_keys, new_values
+    step_i (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], new_keys, new_values
     streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V]
-    greedy_step(ids [1,T], cache_len [1], keys, values)        -> targets [T], accepted [1], drafts [gamma,K],
+    greedy_step_i(ids [1,T], cache_len [1], keys, values)      -> targets [T], accepted [1], drafts [gamma,K],
                                                                   new_keys, new_values
+step_i and greedy_step_i exist for each draft tree i the artifact carries (T: that tree's nodes;
+calibration picks one per device, runtime/calibration.py).
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
 the rest are masked out, so C (the capacity) is the only cache shape a graph ever sees.
@@ -37,7 +39,7 @@ from torch import nn
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, base_method, tree_method
 from streamfuse.runtime.tree import TreeSpec
 
 # The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
@@ -54,7 +56,7 @@ class GraphShapes:
 
     capacity: int  # C: KV rows the graphs attend over (prompt + generated + one step)
     prefill_chunk: int  # P: prompt tokens per prefill call
-    tree: TreeSpec  # the step graph's draft tree (T = tree.num_nodes)
+    trees: tuple[TreeSpec, ...]  # the draft trees with step graphs (T = tree.num_nodes), the default first
     # Where a call's new rows sit for attention: False, after the C cache rows; True, at slots
     # cache_len.. of the cache (MainPass): a chain node then sees exactly what plain decoding of its
     # token sees, slot for slot, so reductions add the same terms in the same order (ONNX Runtime's
@@ -62,9 +64,14 @@ class GraphShapes:
     in_place: bool = False
 
     def __post_init__(self):
-        if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + self.tree.num_nodes:
+        if not self.trees:
+            raise ValueError("the graphs need at least one draft tree")
+        if len({tree.hash() for tree in self.trees}) != len(self.trees):
+            raise ValueError("the draft trees repeat a shape: give each tree once")
+        largest = max(tree.num_nodes for tree in self.trees)
+        if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + largest:
             raise ValueError(f"capacity {self.capacity} must hold at least one prefill chunk ({self.prefill_chunk}) "
-                             f"plus one tree ({self.tree.num_nodes} nodes)")
+                             f"plus one tree ({largest} nodes)")
 
 
 def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:
@@ -247,17 +254,20 @@ def chain_visibility(count: int) -> torch.Tensor:
 
 
 def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids: Sequence[int] | None = None,
-                  schedule: str = "deferred") -> dict[str, nn.Module]:
-    """method name -> module; the same model weights are shared by all of them. draft_ids and
-    schedule shape greedy_step only (GreedyStepPass)."""
-    chunk, tree, capacity, in_place = shapes.prefill_chunk, shapes.tree, shapes.capacity, shapes.in_place
-    return {
+                  schedules: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """method name -> module, in static_graph.method_names order; the same model weights are shared by
+    all of them. draft_ids and schedules (one per tree; default deferred) shape greedy_step only."""
+    chunk, capacity, in_place = shapes.prefill_chunk, shapes.capacity, shapes.in_place
+    schedules = schedules or ["deferred"] * len(shapes.trees)
+    modules = {
         "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), True, in_place),
         "decode": MainPass(model, chain_visibility(1), [0], False, in_place),
-        "step": MainPass(model, tree.ancestor_mask, tree.depths, False, in_place),
         "streams": StreamsPass(model, capacity),
-        "greedy_step": GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place),
     }
+    for index, (tree, schedule) in enumerate(zip(shapes.trees, schedules, strict=True)):
+        modules[tree_method("step", index)] = MainPass(model, tree.ancestor_mask, tree.depths, False, in_place)
+        modules[tree_method("greedy_step", index)] = GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place)
+    return modules
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -271,13 +281,20 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
     def ids(count: int) -> torch.Tensor:
         return torch.zeros(1, count, dtype=torch.long)
 
-    return {
+    inputs = {
         "prefill": (ids(shapes.prefill_chunk), length, keys, values, torch.tensor([shapes.prefill_chunk - 1])),
         "decode": (ids(1), length, keys, values),
-        "step": (ids(shapes.tree.num_nodes), length, keys, values),
         "streams": (torch.zeros(1, parts.hidden_size), length, keys, values),
-        "greedy_step": (ids(shapes.tree.num_nodes), length, keys, values),
     }
+    for index, tree in enumerate(shapes.trees):
+        for method in ("step", "greedy_step"):
+            inputs[tree_method(method, index)] = (ids(tree.num_nodes), length, keys, values)
+    return inputs
+
+
+def names_of(methods) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Input and output tensor names of each exported method (a tree's methods: those of step / greedy_step)."""
+    return ({m: INPUT_NAMES[base_method(m)] for m in methods}, {m: OUTPUT_NAMES[base_method(m)] for m in methods})
 
 
 def signature(modules: dict[str, nn.Module], inputs: dict[str, tuple[torch.Tensor, ...]]) -> dict:
@@ -288,8 +305,8 @@ def signature(modules: dict[str, nn.Module], inputs: dict[str, tuple[torch.Tenso
             outputs = module(*inputs[name])
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             result[name] = {
-                "inputs": [_describe(n, t) for n, t in zip(INPUT_NAMES[name], inputs[name])],
-                "outputs": [_describe(n, t) for n, t in zip(OUTPUT_NAMES[name], outputs)],
+                "inputs": [_describe(n, t) for n, t in zip(INPUT_NAMES[base_method(name)], inputs[name])],
+                "outputs": [_describe(n, t) for n, t in zip(OUTPUT_NAMES[base_method(name)], outputs)],
             }
     return result
 

@@ -51,21 +51,21 @@ def parse_args(argv):
 def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
     """label -> (module, example inputs) for every graph to time."""
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
-    first = GraphShapes(args.capacity, PREFILL_CHUNK, trees[0])
+    first = GraphShapes(args.capacity, PREFILL_CHUNK, (trees[0],))
     variants = {"decode": (MainPass(model, torch.ones(1, 1, dtype=torch.bool), [0], False),
                            example_inputs(model, first)["decode"])}
     vocab = model.parts.vocab_size
     for tree in trees:
-        inputs = example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, tree))
+        inputs = example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (tree,)))
         name = f"{tree.num_nodes} nodes"
         variants[f"step, {name}"] = (MainPass(model, tree.ancestor_mask, tree.depths, False),
-                                     inputs["step"])
+                                     inputs["step_0"])
         variants[f"streams (after step, {name})"] = (StreamsPass(model, args.capacity), inputs["streams"])
         for schedule in args.schedules.split(","):
             for size in (int(s) for s in args.draft_vocab.split(",")):
                 ids = range(size) if 0 < size < vocab else None
                 label = f"greedy_step, {name}, {schedule}, draft vocab {size or vocab}"
-                variants[label] = (GreedyStepPass(model, tree, args.capacity, ids, schedule), inputs["greedy_step"])
+                variants[label] = (GreedyStepPass(model, tree, args.capacity, ids, schedule), inputs["greedy_step_0"])
     return variants
 
 

@@ -2,8 +2,8 @@
 
 ONNX has one entry point per model, and a session per method graph prepacks its own copy of every
 weight (5 graphs: 811 MiB of RSS for a 132 MiB q4 artifact). Here each method's graph becomes the
-then-branch of an If at the top of one model; the input `method` (its index in METHODS) picks the
-branch, every weight is an initializer of the top graph, and each method's outputs are
+then-branch of an If at the top of one model; the input `method` (its index in the model's method
+list, kept in its metadata under METHODS_METADATA) picks the branch, every weight is an initializer of the top graph, and each method's outputs are
 <method>.<name> (runtime/backends/static_graph.py owns these names). Measured with ONNX Runtime
 1.31.1 on SmolLM2's layers: one session prepacks the weights once for all the If branches that
 read them from the enclosing graph (docs/export.md; an If nested in another If's branch would not
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 
-from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, method_output
+from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS_METADATA, method_output
 
 
 def strip_debug_info(model) -> None:
@@ -35,12 +36,13 @@ def strip_debug_info(model) -> None:
 
 def combine_methods(models: dict):
     """{method: ModelProto, each self-contained} -> one ModelProto: inputs are the union of the methods'
-    (plus METHOD_INPUT), a dim the methods disagree on is named; outputs <method>.<name>."""
+    (plus METHOD_INPUT), a dim the methods disagree on is named; outputs <method>.<name>. METHOD_INPUT
+    picks a method by its index in `models`, an order the model's metadata keeps."""
     from onnx import TensorProto, helper
 
     shared: dict[str, object] = {}  # content key -> the top graph's initializer
     nodes, outputs = [], []
-    for method, model in models.items():
+    for position, (method, model) in enumerate(models.items()):
         then_branch, names = _branch(method, model.graph, shared)
         empties = [helper.make_node("Constant", [], [f"{method}/skip/{name}"],
                                     value=helper.make_tensor(f"{method}/skip/{name}", dtype, [0], []))
@@ -50,7 +52,7 @@ def combine_methods(models: dict):
                                          zip(empties, names)])
         index, chosen = f"{method}/index", f"{method}/chosen"
         nodes += [helper.make_node("Constant", [], [index],
-                                   value=helper.make_tensor(index, TensorProto.INT64, [], [METHODS.index(method)])),
+                                   value=helper.make_tensor(index, TensorProto.INT64, [], [position])),
                   helper.make_node("Equal", [METHOD_INPUT, index], [chosen]),
                   helper.make_node("If", [chosen], [method_output(method, name) for name, _ in names],
                                    then_branch=then_branch, else_branch=else_branch, name=method)]
@@ -58,7 +60,9 @@ def combine_methods(models: dict):
     inputs = [helper.make_tensor_value_info(METHOD_INPUT, TensorProto.INT64, [])] + _union_inputs(models)
     top = helper.make_graph(nodes, "streamfuse", inputs, outputs, initializer=list(shared.values()))
     first = next(iter(models.values()))
-    return helper.make_model(top, opset_imports=_union_opsets(models), ir_version=first.ir_version)
+    model = helper.make_model(top, opset_imports=_union_opsets(models), ir_version=first.ir_version)
+    helper.set_model_props(model, {METHODS_METADATA: json.dumps(list(models))})
+    return model
 
 
 def method_graph(model, method: str):

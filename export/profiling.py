@@ -26,7 +26,7 @@ def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]
         torch.set_num_threads(threads)  # the torch backend's; the exported engines take it from load()
     loaded = load(artifact, backend, threads=threads)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
-    ss = DecodeSettings("ss", loaded.tree, rules, SamplingConfig(), None, 0)
+    ss = DecodeSettings("ss", loaded.tree, rules, SamplingConfig(), None, 0, loaded.fallback(loaded.tree))
     ar = replace(ss, method="ar")
     meta = dict(backend=loaded.backend.name, device="cpu", num_streams=loaded.backend.num_streams, threads=threads)
     traces = {"ss": Trace(method="ss", tree=loaded.tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}

@@ -123,7 +123,8 @@ TOLERANCE = {True: "yes", False: "NO", None: "n/a (low-bit)"}
 
 def artifact_markdown(manifest: dict) -> str:
     """Files, sizes, export times and parity of an exported artifact."""
-    lines = [f"## Artifact: tree {manifest['tree']['num_nodes']} nodes, KV capacity {manifest['graphs']['capacity']}, "
+    nodes = ", ".join(str(tree["num_nodes"]) for tree in manifest["trees"])
+    lines = [f"## Artifact: trees of {nodes} nodes (the default first), KV capacity {manifest['graphs']['capacity']}, "
              f"prefill chunk {manifest['graphs']['prefill_chunk']}", "",
              "| backend | weights | files | MiB | export s | SS == torch eager fp32 | SS == own plain | step outputs in "
              "tolerance |", "|---|---|---|---:|---:|---:|---:|---|"]
@@ -156,3 +157,19 @@ def profile_markdown(manifest: dict) -> str:
         f"| tokens/s median, plain / SS | {bench['ar_tokens_per_s_median']:.1f} / {bench['ss_tokens_per_s_median']:.1f} |",
         f"| peak process memory | {bench['peak_memory_bytes'] / 2**20:.0f} MiB |",
     ])
+
+
+def calibration_markdown(manifest: dict) -> str:
+    """Per backend calibrated here: the plain step, the chosen tree, its cost and expected speed-up."""
+    backends = manifest["calibration"]["backends"]
+    if not backends:
+        return "No calibration in the manifest."
+    lines = ["## Calibration: the draft tree per backend on this machine", "",
+             "| backend | plain step ms | tree nodes | step ms (x plain) | tokens / step: model (timed runs) "
+             "| expected speed-up |", "|---|---:|---:|---:|---:|---:|"]
+    for backend, data in backends.items():
+        chosen = next(row for row in data["trees"] if row["tree"]["hash"] == data["choice"]["hash"])
+        lines.append(f"| {backend} | {data['plain_ms']:.1f} | {chosen['tree']['num_nodes']} | {chosen['step_ms']:.1f} "
+                     f"(x{chosen['step_cost']:.2f}) | {chosen['expected_tokens']:.2f} ({chosen['realised_tokens']:.2f}) | "
+                     f"{data['expected_speedup']:.2f}x |")
+    return "\n".join(lines)

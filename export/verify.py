@@ -7,7 +7,8 @@ Two checks per backend, on the same prompts:
   same inputs, differs by at most the tolerance (max |diff| per output name is recorded; integer
   outputs, greedy_step's token ids, must be equal: their figure is the count of differing ids).
 The first numeric prompt runs the separate step + streams calls (what sampling uses), the others
-greedy_step where the artifact has it.
+greedy_step. The artifact's other draft trees decode the first `plain_prompts` prompts too, each
+against the backend's own plain decoding (lossless on every tree calibration may pick).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend
+from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend, base_method
 from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
 
@@ -53,7 +54,7 @@ class ReplaySession:
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         inputs = [t.clone() for t in inputs]  # the host mutates its cache after the call
         outputs = self.session.run(method, inputs)
-        for name, out, ref in zip(OUTPUT_NAMES[method], outputs, self.reference.run(method, inputs)):
+        for name, out, ref in zip(OUTPUT_NAMES[base_method(method)], outputs, self.reference.run(method, inputs)):
             key = f"{method}.{name}"
             exact = not ref.dtype.is_floating_point
             diff = float((out != ref).sum()) if exact else float((out.float() - ref.float()).abs().max())
@@ -78,16 +79,21 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
     fast = StaticGraphBackend(session, spec)
     checked = [StaticGraphBackend(replay, spec, use_greedy_step=False), StaticGraphBackend(replay, spec)]
     same_as_eager = same_as_plain = 0
+    plain = []
     for index, (ids, want) in enumerate(zip(prompts, expected)):
         backend = checked[min(index, 1)] if index < numeric_prompts else fast
         tokens = generate_speculative(backend, ids, spec.tree, rules).token_ids
         same_as_eager += tokens == list(want)
         if index < plain_prompts:
-            same_as_plain += tokens == generate_autoregressive(fast, ids, rules).token_ids
+            plain.append(generate_autoregressive(fast, ids, rules).token_ids)
+            same_as_plain += tokens == plain[-1]
+    others = {tree.hash(): sum(generate_speculative(fast, ids, tree, rules).token_ids == want
+                               for ids, want in zip(prompts, plain)) for tree in spec.trees[1:]}
     tolerance = {} if relative_tolerance is None else {
         k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}
     return {"prompts": len(prompts), "ss_equals_torch_eager": same_as_eager,
             "plain_prompts": min(plain_prompts, len(prompts)), "ss_equals_own_plain": same_as_plain,
+            "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others},
             "numeric_prompts": min(numeric_prompts, len(prompts)), "tolerance": tolerance,
             "max_abs_diff": replay.max_diff,
             "within_tolerance": None if relative_tolerance is None else

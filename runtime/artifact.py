@@ -1,11 +1,12 @@
 """The exported artifact's contract: manifest.json, read and checked before anything runs.
 
-    <artifact>/manifest.json   schema, model dims, tree, graphs (methods, shapes), KV layout,
-                               tokenizer, files (bytes + sha256), parity, eval, versions
+    <artifact>/manifest.json   schema, model dims, draft trees, calibration (acceptance model; per
+                               backend: step costs and the chosen tree), graphs (methods, shapes),
+                               KV layout, tokenizer, files (bytes + sha256), parity, eval, versions
     <artifact>/tokenizer/      the tokenizer the model was trained with
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
-    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/step/streams/greedy_step
+    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_i/greedy_step_i per tree
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamfuse.runtime.backends.static_graph import GraphSpec
+from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/4"  # /4: one ONNX model holds every method (static_graph.METHOD_INPUT)
+SCHEMA = "streamfuse.artifact/5"  # /5: several draft trees (step_i, greedy_step_i) and their calibration
 MANIFEST = "manifest.json"
 
 
@@ -67,14 +70,47 @@ class Artifact:
         return cls(path, manifest)
 
     @property
+    def trees(self) -> tuple[TreeSpec, ...]:
+        """The trees the graphs were exported for, the build's default first."""
+        return tuple(TreeSpec.from_dict(tree) for tree in self.manifest["trees"])
+
+    @property
     def tree(self) -> TreeSpec:
-        return TreeSpec.from_dict(self.manifest["tree"])
+        return self.trees[0]
+
+    @property
+    def acceptance(self) -> AcceptanceModel | None:
+        data = self.manifest["calibration"]["acceptance"]
+        return AcceptanceModel.from_dict(data) if data else None
+
+    def calibration(self, backend: str) -> BackendCalibration | None:
+        """The calibration tools/calibrate recorded for a runtime backend (on the device it ran on)."""
+        data = self.manifest["calibration"]["backends"].get(backend)
+        return BackendCalibration.from_dict(data) if data else None
+
+    def save_acceptance(self, acceptance: AcceptanceModel) -> None:
+        """Record the acceptance model; another one than recorded drops the backends' calibrations,
+        whose expected tokens came from it."""
+        if self.acceptance != acceptance:
+            self.manifest["calibration"] = {"acceptance": acceptance.to_dict(), "backends": {}}
+            self._write()
+
+    def save_calibration(self, backend: str, calibration: BackendCalibration) -> None:
+        """Record a backend's calibration in the manifest."""
+        self.manifest["calibration"]["backends"][backend] = calibration.to_dict()
+        self._write()
+
+    def _write(self) -> None:
+        """An atomic rewrite of the manifest: readers never see half of one."""
+        file, tmp = self.path / MANIFEST, self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=2))
+        os.replace(tmp, file)
 
     def graph_spec(self) -> GraphSpec:
         model, graphs = self.manifest["model"], self.manifest["graphs"]
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
-                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.tree,
-                         greedy_schedule=graphs.get("greedy_step", {}).get("schedule"))
+                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.trees,
+                         tuple(graphs["greedy_step"]["schedules"]))
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""

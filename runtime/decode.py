@@ -3,7 +3,8 @@
     prefill(prompt, streams at its last token) -> root = target token, drafts = stream top-k
     loop: step(tree of root + drafts) -> accept a path -> commit its K/V
           -> emit accepted drafts + correction -> drafts from the streams of the last accepted node
-One model call per step; the correction token becomes the next tree's root.
+One model call per step; the correction token becomes the next tree's root. With a fallback
+(runtime/fallback.py) the loop decodes the root plainly while speculation does not pay.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import Backend, PruneConfig
 from streamfuse.runtime.emitter import Emitter, StopRules
+from streamfuse.runtime.fallback import Fallback, FallbackConfig
 from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.sampling import SamplingConfig, choose
-from streamfuse.runtime.trace import RunRecord, StepRecord, Trace
+from streamfuse.runtime.trace import RunRecord, StepRecord, Switch, Trace
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -28,6 +30,7 @@ class StepEvent:
     tokens: list[int]  # newly emitted tokens (accepted drafts, then the correction)
     accepted_drafts: int  # how many of them came from the draft
     drafted: list[int]  # the tokens of the draft's top-1 chain that was verified
+    plain: bool = False  # a plain decoding step of a speculative run (its fallback had switched speculation off)
 
 
 @dataclass
@@ -127,25 +130,57 @@ def generate_speculative(
     prune: PruneConfig | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
     seed: int = 0,
+    fallback: FallbackConfig | None = None,
 ) -> GenerationResult:
+    """fallback: switch to plain decoding while speculation does not pay (runtime/fallback.py)."""
     tree.check_streams(backend.num_streams)
     run = DecodeRun.begin(backend, prompt_ids, rules, tree, trace, run_id, decode, seed)
     target = lambda logits: choose(logits, sampling, run.generator)  # noqa: E731
+    width = max(tree.widths)
     with run.span("prefill"):
         out = backend.prefill(prompt_ids, with_streams=True)
         root = target(out.main_logits[0])
-        width = max(tree.widths)
         streams = out.stream_top(0, width)
     run.record.model_calls = 1
     notify(on_step, run.emitter.emit([root]), 0, [])
     lookup = PromptLookup([*prompt_ids, root]) if tree.lookup else None
+    switch = Fallback(fallback) if fallback is not None else None
+    speculate = Speculation(run, tree, target, prune, sampling.greedy, lookup)
     while not run.emitter.done:
+        if switch is not None and not switch.speculating:
+            root, fresh = plain_token(run, root, target, width if switch.last_plain_token else 0, lookup, on_step)
+            if switch.after_plain_token():
+                streams = fresh
+                run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
+            continue
+        root, streams, tokens = speculate(root, streams, width, on_step)
+        rate = switch.after_step(tokens) if switch is not None else None
+        if rate is not None:
+            run.record.switches.append(Switch(len(run.emitter.tokens), "plain", round(rate, 3)))
+    return run.finish()
+
+
+@dataclass
+class Speculation:
+    """One verify-and-speculate step: draft the tree, one model call, accept, commit, next drafts."""
+
+    run: DecodeRun
+    tree: TreeSpec
+    target: Callable[[torch.Tensor], int]
+    prune: PruneConfig | None
+    greedy: bool
+    lookup: PromptLookup | None
+
+    def __call__(self, root: int, streams: torch.Tensor, width: int, on_step) -> tuple[int, torch.Tensor, int]:
+        """Returns the next root, the next drafts and how many tokens the step emitted (or would have: the
+        emitter may stop early)."""
+        run, tree, backend, lookup = self.run, self.tree, self.run.backend, self.lookup
         with run.span("host"):
             tokens, filled = draft_tokens(tree, root, streams, lookup.draft(len(tree.lookup)) if lookup else ())
         with run.span("forward"):
-            out = backend.step(tokens, tree, with_streams=True, prune=prune, greedy=sampling.greedy)
+            out = backend.step(tokens, tree, with_streams=True, prune=self.prune, greedy=self.greedy)
         with run.span("accept"):
-            result = accept(tree, tokens, lambda n: out.next_token(n, target), out.kept)
+            result = accept(tree, tokens, lambda n: out.next_token(n, self.target), out.kept)
         with run.span("cache"):
             backend.commit(result.path)
         with run.span("streams"):
@@ -153,16 +188,40 @@ def generate_speculative(
         with run.span("host"):
             drafts = [tokens[n] for n in result.path[1:]]
             emitted = run.emitter.emit(drafts + [result.correction])
-            root = result.correction
             if lookup is not None:
-                lookup.extend(drafts + [root])
+                lookup.extend(drafts + [result.correction])
         run.record.model_calls += 1
         kept = sum(out.kept) if out.kept is not None else tree.num_nodes
         from_lookup = len(set(result.path) & set(tree.lookup_nodes[:filled]))
         run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup))
         if on_step is not None:  # the top-1 chain is only for the callback, not the hot path
             notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
-    return run.finish()
+        return result.correction, streams, len(result.path)
+
+
+def plain_token(run: DecodeRun, root: int, target, width: int, lookup: PromptLookup | None,
+                on_step) -> tuple[int, torch.Tensor | None]:
+    """One plain decoding step inside a speculative run (the fallback): feeds the root, emits the next
+    token. width > 0 also returns the new root's drafts (for the probe that follows)."""
+    backend = run.backend
+    with run.span("forward"):
+        out = backend.step([root], None, with_streams=width > 0)
+    with run.span("accept"):
+        token = target(out.main_logits[0])
+    with run.span("cache"):
+        backend.commit([0])
+    streams = None
+    if width:
+        with run.span("streams"):
+            streams = out.stream_top(0, width)
+    with run.span("host"):
+        emitted = run.emitter.emit([token])
+        if lookup is not None:
+            lookup.extend([token])
+    run.record.model_calls += 1
+    run.record.plain_calls += 1
+    notify(on_step, emitted, 0, [], plain=True)
+    return token, streams
 
 
 def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
@@ -176,6 +235,6 @@ def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
         node = child
 
 
-def notify(on_step, tokens: list[int], accepted: int, drafted: list[int]) -> None:
+def notify(on_step, tokens: list[int], accepted: int, drafted: list[int], plain: bool = False) -> None:
     if on_step is not None and tokens:
-        on_step(StepEvent(tokens, accepted, drafted))
+        on_step(StepEvent(tokens, accepted, drafted, plain))

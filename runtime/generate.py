@@ -19,7 +19,8 @@ from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.base import PruneConfig, prune_config
 from streamfuse.runtime.decode import GenerationResult, generate_speculative
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, load
+from streamfuse.runtime.fallback import FallbackConfig
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
@@ -44,6 +45,7 @@ class DecodeSettings:
     sampling: SamplingConfig
     prune: PruneConfig | None
     seed: int
+    fallback: FallbackConfig | None = None  # plain decoding where speculation does not pay (runtime/fallback.py)
 
 
 def read_requests(path: Path, loaded: Loaded, as_task: bool, limit: int | None) -> Iterator[Request]:
@@ -88,7 +90,7 @@ def run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Trace |
         return generate_autoregressive(loaded.backend, ids, settings.rules, settings.sampling, trace, run_id, on_step,
                                        decode, settings.seed)
     return generate_speculative(loaded.backend, ids, settings.tree, settings.rules, settings.sampling, trace, run_id,
-                                on_step, settings.prune, decode, settings.seed)
+                                on_step, settings.prune, decode, settings.seed, settings.fallback)
 
 
 def result_record(request: Request, loaded: Loaded, result: GenerationResult, settings: DecodeSettings) -> dict:
@@ -118,13 +120,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", help="format inputs with the task prompt the model was fine-tuned with (e.g. dialogsum)")
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
     parser.add_argument("--method", choices=("ss", "ar"), default="ss", help="ss: speculative streaming; ar: plain decoding")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="execution engine")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
                         help="fused: streams ride along every tree node in one pass (memory-bound devices); "
                              "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file "
-                        f"(default: the artifact's tree, else {DEFAULT_TREE})")
+                        f"(default: the tree calibrated for the backend, else the artifact's, else {DEFAULT_TREE})")
+    parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
+                        help="auto: decode plainly while speculation does not pay, judged against the step cost "
+                             "calibrated for the tree (tools/calibrate.py; off where none was measured)")
     parser.add_argument("--prune-threshold", type=float, default=None, help="prune tree nodes whose early-exit transition probability is below this")
     parser.add_argument("--prune-budget", type=int, default=None, help="keep at most this many non-root tree nodes (by path probability)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
@@ -140,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
-    """--tree, else the tree the artifact was exported for, else the default."""
+    """--tree, else the backend's calibrated tree or the artifact's default, else DEFAULT_TREE."""
     if text is not None:
         return TreeSpec.parse(text)
     return loaded.tree if loaded.tree is not None else TreeSpec.parse(DEFAULT_TREE)
@@ -148,8 +154,10 @@ def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
 
 def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
-    return DecodeSettings(args.method, choose_tree(args.tree, loaded), rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
-                          prune_config(args.prune_threshold, args.prune_budget), args.seed)
+    tree = choose_tree(args.tree, loaded)
+    fallback = loaded.fallback(tree) if args.fallback == "auto" else None
+    return DecodeSettings(args.method, tree, rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
+                          prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     StopRules(args.max_new_tokens)  # reject bad limits before the (slow) model load
-    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads)
+    backend = args.backend or fastest_backend(args.artifact)
+    loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
     settings = settings_from(args, loaded)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:

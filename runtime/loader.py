@@ -11,14 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfuse.runtime.artifact import MANIFEST, Artifact
+from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
+from streamfuse.runtime.calibration import BackendCalibration
+from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 # backend name -> the key of its files in the artifact manifest
 ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
+# Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
+PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
 
 
 @dataclass
@@ -27,11 +31,53 @@ class Loaded:
     tokenizer: object
     info: dict  # the checkpoint's training info (task, preset, ...)
     prompt: PromptFormat | None  # the task's prompt format, when the model was fine-tuned on one
-    tree: TreeSpec | None = None  # the tree an exported artifact's step graph was built for
+    default_tree: TreeSpec | None = None  # an exported artifact's default tree (its graphs' first)
+    trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
+    calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.eos_token_id,)
+
+    @property
+    def tree(self) -> TreeSpec | None:
+        """The tree to decode with: the calibrated choice for this backend, else the artifact's default."""
+        if self.calibration is not None:
+            return self.calibration.tree
+        return self.default_tree
+
+    def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
+        """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration."""
+        cost = self.calibration.step_cost(tree) if self.calibration is not None else None
+        return FallbackConfig(cost) if cost is not None else None
+
+
+def runnable_backends(artifact: Path) -> list[str]:
+    """The backends an artifact (or a checkpoint: torch) has files for that can run on this machine."""
+    import platform
+
+    if not (Path(artifact) / MANIFEST).is_file():
+        return ["torch"]
+    files = Artifact.open(artifact).manifest["files"]
+    return [b for b in BACKENDS if b == "torch" or (ARTIFACT_FILES[b] in files and
+                                                    (b != "coreml" or platform.system() == "Darwin"))]
+
+
+def fastest_backend(artifact: Path) -> str:
+    """The runnable backend with the most tokens per second in the artifact's calibrations (its chosen
+    tree's expected tokens per measured step), else the first of PREFERENCE it has. A folder that is
+    not a loadable artifact gives torch: loading it then says what is wrong."""
+    try:
+        runnable = runnable_backends(artifact)
+    except ArtifactError:
+        return "torch"
+    if runnable == ["torch"]:
+        return "torch"
+    opened = Artifact.open(artifact)
+    rates = {b: c.best.expected_tokens / c.best.step_seconds for b in runnable if (c := opened.calibration(b))}
+    if rates:
+        return max(rates, key=rates.get)
+    return next(b for b in PREFERENCE if b in runnable)
 
 
 def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused",
@@ -53,13 +99,16 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
     return _load_checkpoint(artifact, device, stream_schedule)
 
 
-def _load_checkpoint(folder: Path, device: str, stream_schedule: str, tree: TreeSpec | None = None) -> Loaded:
+def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None) -> Loaded:
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
-    return Loaded(TorchBackend(model, device, stream_schedule), tokenizer, manifest["info"],
-                  _prompt(manifest["info"].get("prompt")), tree)
+    backend = TorchBackend(model, device, stream_schedule)
+    if artifact is None:
+        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")))
+    return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), artifact.tree,
+                  None, artifact.calibration("torch"))
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
@@ -68,7 +117,7 @@ def _prompt(data: dict | None) -> PromptFormat | None:
 
 def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None) -> Loaded:
     if backend == "torch":
-        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact.tree)
+        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact)
     from streamfuse.runtime.backends.sessions import open_session
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
@@ -76,4 +125,5 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     session = open_session(key, artifact.backend_files(key), threads)
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
-                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), artifact.tree)
+                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
+                  artifact.tree, artifact.trees, artifact.calibration(backend))

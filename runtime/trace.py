@@ -1,15 +1,19 @@
 """Decode traces: what each generation did, step by step, for the profiler and benchmarks.
 
-Schema "streamfuse.trace/1" (JSON):
-    {"schema": "streamfuse.trace/1",
+Schema "streamfuse.trace/2" (JSON):
+    {"schema": "streamfuse.trace/2",
      "meta": {"backend": str, "device": str, "method": "ss"|"ar", "num_streams": int,
               "tree": {...TreeSpec.to_dict()} | null, "threads": int, ...free-form...},
      "runs": [{"id": str, "prompt_tokens": int, "new_tokens": int, "model_calls": int,
-               "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null,
+               "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null, "plain_calls": int,
                "spans": {"prefill": s, "forward": s, "streams": s, "accept": s, "cache": s, "host": s},
                "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
-                          "tokens": int, "lookup_accepted": int}]}]}
+                          "tokens": int, "lookup_accepted": int}],
+               "switches": [{"at_token": int, "to": "plain"|"ss", "tokens_per_step": float | null}]}]}
 model_calls counts the prefill: plain decoding of n tokens makes n calls (prefill + n - 1).
+steps are the speculative steps only; plain_calls counts the plain steps a speculative run made
+while its fallback had switched speculation off (runtime/fallback.py), and switches says when:
+at_token is how many tokens had been emitted, tokens_per_step the failed block's rate.
 accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
 tokens = d + 1 (the accepted drafts plus the main stream's correction token).
 lookup_accepted: how many of the accepted drafts were prompt-lookup tokens (a lookup branch).
@@ -26,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SCHEMA = "streamfuse.trace/1"
+SCHEMA = "streamfuse.trace/2"
 SPANS = ("prefill", "forward", "streams", "accept", "cache", "host")
 
 
@@ -40,6 +44,13 @@ class StepRecord:
 
 
 @dataclass
+class Switch:
+    at_token: int
+    to: str  # "plain" | "ss"
+    tokens_per_step: float | None = None  # the failed block's rate (switches to plain)
+
+
+@dataclass
 class RunRecord:
     id: str
     prompt_tokens: int
@@ -48,8 +59,10 @@ class RunRecord:
     seconds: float = 0.0
     stop_reason: str = ""
     peak_memory_bytes: int | None = None
+    plain_calls: int = 0
     spans: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
     steps: list[StepRecord] = field(default_factory=list)
+    switches: list[Switch] = field(default_factory=list)
 
 
 class Trace:

@@ -90,6 +90,9 @@ def write_tiny_dialogsum(directory, seed: int = 0, rows: int = 24):
                 else:
                     record["summary"] = summary
                 handle.write(json.dumps(record) + "\n")
+    with (directory / "dialogsum.train-unlabelled.jsonl").open("w") as handle:  # dialogues only
+        for index in range(4):
+            handle.write(json.dumps({"fname": f"unlabelled_{index}", "dialogue": row(index)[0]}) + "\n")
     return directory
 
 

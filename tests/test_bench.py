@@ -158,12 +158,13 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
 
 def test_artifact_and_backends_default_to_the_build_output(onnx_artifact, checkpoint, tmp_path, monkeypatch):
     """`python tools/bench.py --task dialogsum --split test` benchmarks artifacts/<task> on every
-    backend it was built for that runs here (torch from its adapter, plus the exported engines)."""
+    backend it was built for that runs here (torch from its adapter, plus the exported engines), the
+    fastest first (uncalibrated: the CPU preference order)."""
     (tmp_path / "artifacts").mkdir()
     (tmp_path / "artifacts" / "dialogsum").symlink_to(onnx_artifact)
     monkeypatch.chdir(tmp_path)
     args = bench.parse_args(["--task", "dialogsum", "--split", "test"])
-    assert args.artifact == Path("artifacts/dialogsum") and args.backends == ["torch", "onnxruntime"]
+    assert args.artifact == Path("artifacts/dialogsum") and args.backends == ["onnxruntime", "torch"]
     assert bench.parse_args(["--task", "dialogsum", "--split", "test", "--artifact", str(checkpoint / "ckpt")]).backends == ["torch"]
 
 
@@ -175,3 +176,17 @@ def test_speed_up_after_the_first_token_leaves_prompt_time_out():
     found = _speedups(fast, slow)
     assert found["speedup_total_time"] == pytest.approx(5 / 3)  # 11/3 vs 11/5 tokens/s
     assert found["speedup_after_first_token"] == pytest.approx(2.0)  # 10 tokens in 2 s vs in 4 s
+
+
+def test_speed_up_per_fifth_of_the_inputs_is_each_fifths_time_ratio():
+    from streamfuse.tools.bench_summary import _speedups
+
+    def runs(seconds):
+        return [{"new_tokens": 10, "seconds": s, "ttft_s": 0.5, "token_ids": [1]} for s in seconds]
+
+    # ten inputs: fifths of two; SS is twice as fast on the first fifth only
+    ss = runs([1, 1] + [2] * 8)
+    ar = runs([2, 2] + [2] * 8)
+    found = _speedups(ss, ar)
+    assert found["speedup_by_fifth"] == pytest.approx([2.0, 1.0, 1.0, 1.0, 1.0])
+    assert _speedups(ss[:4], ar[:4])["speedup_by_fifth"] is None  # fewer than five inputs

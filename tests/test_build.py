@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.export import build, distill
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
+from streamfuse.runtime.calibration import AcceptanceModel
+from streamfuse.runtime.tree import TreeSpec
 
 
 def run_build(base, data, work, *extra):
@@ -32,6 +34,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # Frozen (the cpu recipe): only the streams, with a per-stream f_eta, train in the second stage,
     # on the own answers and the references.
     export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4", "--distill-with-references",
+              "--distill-unlabelled",
               "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
               "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
@@ -49,6 +52,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
     own_answers = run_dir / "distill" / f"{build.model_key(run_dir / 'ss_stage1')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16
+    unlabelled = own_answers.with_name(own_answers.name.replace("-train.jsonl", "-unlabelled.jsonl"))
+    assert len(unlabelled.read_text().splitlines()) == 4  # the dialogues without references
     assert summary["test_examples"] == 6 and len(summary["bars"]) == 3
     # identifiers 3 x 32, f_eta down 32 x (3 * 4) and up 3 x 4 x 32, pruning head 2 x 32 x 8
     assert summary["extra_parameters"]["total"] == 3 * 32 + 2 * 3 * 4 * 32 + 2 * 32 * 8
@@ -58,13 +63,28 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
-    assert "on 8 of 16 own answers (the rest did not finish) and 16 references" in out
+    assert "on 10 of 20 own answers (the rest did not finish) and 16 references" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
     greedy = artifact["graphs"]["greedy_step"]
-    assert artifact["tree"]["paths"] == [[0], [0, 0], [0, 0, 0]]  # the default tree: the 4-node chain
-    assert greedy["schedule"] == "fused" and greedy["draft_vocab"]["size"] == 40  # the default chain: fused
+    # Calibrated: the acceptance model from validation answers, the best tree of each size timed on torch here;
+    # the graphs get its choice first, then the tree of up to 8 nodes with most expected tokens (fp32: no 2-node tree).
+    calibration = artifact["calibration"]
+    assert calibration["acceptance"]["positions"] > 0 and calibration["acceptance"]["depth"] == 3
+    assert set(calibration["backends"]) == {"torch", "onnxruntime"}
+    trees = [TreeSpec.from_dict(tree) for tree in artifact["trees"]]
+    assert trees[0].hash() == calibration["backends"]["torch"]["choice"]["hash"]
+    acceptance = AcceptanceModel.from_dict(calibration["acceptance"])
+    wide = [t for n, t in acceptance.best_trees().items() if n <= 8]
+    assert trees[-1] == max(wide, key=acceptance.expected_tokens) and len(trees) <= 2
+    assert len(calibration["backends"]["torch"]["trees"]) >= 2  # every size the acceptance model reaches
+    onnx_trees = calibration["backends"]["onnxruntime"]["trees"]
+    assert [row["tree"]["hash"] for row in onnx_trees] == [tree.hash() for tree in trees]  # the graphs it has
+    assert all(row["step_ms"] > 0 and row["expected_tokens"] >= 1 and row["realised_tokens"] >= 1 for row in onnx_trees)
+    assert greedy["schedules"] == ["fused" if t.num_nodes <= 7 else "deferred" for t in trees]
+    assert greedy["draft_vocab"]["size"] == 40
+    assert "## Calibration: the draft tree per backend on this machine" in out
     assert 0.3 < greedy["draft_vocab"]["coverage"] <= 1.0 and "draft vocabulary: 40 tokens" in out
     assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
     # Profiled in a fresh process: its peak is the runtime's, below this process's (which trained and exported).
@@ -75,8 +95,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # A rerun with the same settings trains, evaluates, exports and profiles nothing.
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     out = capsys.readouterr().out
-    assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 3
-    assert "[export] reusing" in out and "[profile] reusing" in out
+    assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
+    assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
 
     # Other first-stage weights under the same settings (a retrain, a copied-in checkpoint): what
     # was computed from the old ones is stale. The second stage trains again, from them; its new

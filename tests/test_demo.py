@@ -52,7 +52,7 @@ def test_stats_call_reduction_and_mean_accepted_length():
     stats = RunStats("ss")
     assert stats.call_reduction is None and stats.mean_accepted is None and stats.tokens_per_second is None
     assert dict(stat_fields(stats)) == {"tokens": "0", "tokens/s": "-", "model calls": "0", "CR": "-",
-                                        "mean accepted": "-", "time": "-", "stop": "-"}
+                                        "mean accepted": "-", "fallback": "-", "time": "-", "stop": "-"}
     stats.add(StepEvent([1], 0, []), 0.5)  # prefill: a call, not a verify step
     stats.add(StepEvent([2, 3, 4], 2, [2, 3, 9]), 1.0)
     stats.add(StepEvent([5], 0, [7, 8]), 2.0)
@@ -61,6 +61,10 @@ def test_stats_call_reduction_and_mean_accepted_length():
     assert stats.tokens_per_second == 2.5
     fields = dict(stat_fields(stats))
     assert fields["CR"] == "1.67" and fields["mean accepted"] == "1.00" and fields["stop"] == "running"
+    for event in (StepEvent([6], 0, [], plain=True), StepEvent([7], 0, [], plain=True), StepEvent([8, 9], 1, [8, 3])):
+        stats.add(event, 2.5)  # the fallback decodes two tokens plainly, then speculation resumes
+    assert (stats.plain_steps, stats.switches, stats.verify_steps) == (2, 2, 3)
+    assert dict(stat_fields(stats))["fallback"] == "2 plain steps, 2 switches"
     stats.finish(RunRecord("0", 10, new_tokens=6, model_calls=4, seconds=3.0, stop_reason="eos"))
     assert stats.call_reduction == 1.5 and dict(stat_fields(stats))["stop"] == "eos"
 

@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -15,6 +16,7 @@ from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
 from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.backends.static_graph import method_names
 from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.kv_cache import CapacityError
@@ -26,10 +28,12 @@ pytest.importorskip("executorch", reason="the executorch extra is not installed"
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
 pytest.importorskip("coremltools", reason="the coreml extra is not installed")
 
-# The 15-node tree with streams beside every node (auto would pick deferred, which test_build runs),
-# and a draft vocabulary of 60 of the tiny model's 97 tokens; two export processes, as make build runs.
-CONFIG = ExportConfig(backends=BACKENDS, tree="gamma=3,k=2", capacity=128, prefill_chunk=16, parity_prompts=4,
-                      greedy_schedule="fused", workers=2)
+# Two trees: the 15-node tree (the default) and the chain, both with streams beside every node (auto
+# would pick deferred for 15 nodes, which test_build runs), and a draft vocabulary of 60 of the tiny
+# model's 97 tokens; two export processes, as make build runs.
+CONFIG = ExportConfig(backends=BACKENDS, trees=("gamma=3,k=2", "gamma=3,k=1"), capacity=128, prefill_chunk=16,
+                      parity_prompts=4, greedy_schedule="fused", workers=2)
+TREES = tuple(TreeSpec.parse(tree) for tree in CONFIG.trees)
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
 
 
@@ -64,9 +68,10 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
         assert result["ss_equals_torch_eager"] == result["prompts"] == 4
         assert result["ss_equals_own_plain"] == result["plain_prompts"]
         assert result["within_tolerance"], result["max_abs_diff"]
-        assert set(result["max_abs_diff"]) >= {"step.logits", "streams.stream_logits", "prefill.new_keys",
-                                               "greedy_step.drafts", "greedy_step.new_keys"}
-        assert result["tolerance"]["greedy_step.targets"] == 0.0  # token ids must be equal
+        assert set(result["max_abs_diff"]) >= {"step_0.logits", "streams.stream_logits", "prefill.new_keys",
+                                               "greedy_step_0.drafts", "greedy_step_0.new_keys"}
+        assert result["tolerance"]["greedy_step_0.targets"] == 0.0  # token ids must be equal
+        assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4}}
 
 
 @pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
@@ -74,7 +79,7 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     loaded = load(artifact, backend)
     eager = load(artifact, "torch", stream_schedule="deferred")
     tree = loaded.tree
-    assert tree == TreeSpec.parse(CONFIG.tree) and eager.tree == tree
+    assert tree == TREES[0] and eager.tree == tree and loaded.trees == TREES  # no calibration: the default tree
     rules = StopRules(30)
     # The same shape with a prompt-lookup branch: only the host's drafts change; repeated prompts give it matches.
     lookup_tree = TreeSpec(tree.paths, lookup=(1, 1, 1))
@@ -82,6 +87,7 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
         expected = generate_autoregressive(eager.backend, ids, rules).token_ids
         assert generate_speculative(loaded.backend, ids, tree, rules).token_ids == expected
         assert generate_speculative(loaded.backend, ids, lookup_tree, rules).token_ids == expected
+        assert generate_speculative(loaded.backend, ids, TREES[1], rules).token_ids == expected
         assert generate_autoregressive(loaded.backend, ids, rules).token_ids == expected
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
 
@@ -105,12 +111,15 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     result = generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules,
                                   on_step=lambda event: drafted.extend(event.drafted))
     steps = result.run.model_calls - 1
-    assert steps > 0 and counting.calls["greedy_step"] == steps
+    assert steps > 0 and counting.calls["greedy_step_0"] == steps
     assert set(drafted[3:]) <= set(DRAFT.ids)  # after the prefill's drafts, only the draft vocabulary
-    assert counting.calls["streams"] == 1 and counting.calls["step"] == 0  # streams: the prefill's only
+    assert counting.calls["streams"] == 1 and counting.calls["step_0"] == 0  # streams: the prefill's only
     counting.calls.clear()
     generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules, SamplingConfig(temperature=1.0))
-    assert counting.calls["greedy_step"] == 0 and counting.calls["step"] == counting.calls["streams"] - 1 > 0
+    assert counting.calls["greedy_step_0"] == 0 and counting.calls["step_0"] == counting.calls["streams"] - 1 > 0
+    counting.calls.clear()
+    generate_speculative(loaded.backend, prompts(1, seed=4)[0], TREES[1], rules)
+    assert counting.calls["greedy_step_1"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_1"}
 
 
 def test_prefill_spanning_several_chunks_matches_eager(artifact):
@@ -129,16 +138,20 @@ def test_prefill_spanning_several_chunks_matches_eager(artifact):
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)
     assert data["schema"] == SCHEMA
-    assert data["tree"]["hash"] == TreeSpec.parse(CONFIG.tree).hash()
+    assert [tree["hash"] for tree in data["trees"]] == [tree.hash() for tree in TREES]
+    assert data["calibration"] == {"acceptance": None, "backends": {}}  # the builder was given no acceptance model
     assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
-    step = data["graphs"]["methods"]["step"]
+    assert list(data["graphs"]["methods"]) == method_names(2)
+    assert data["graphs"]["methods"]["step_1"]["inputs"][0]["shape"] == [1, 4]  # the chain
+    step = data["graphs"]["methods"]["step_0"]
     assert step["inputs"][0] == {"name": "ids", "shape": [1, 15], "dtype": "int64"}
     assert step["outputs"][0]["shape"] == [15, data["model"]["vocab_size"]]
     assert data["graphs"]["methods"]["streams"]["outputs"][0]["shape"] == [3, data["model"]["vocab_size"]]
-    greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step"]["outputs"]}
+    greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step_0"]["outputs"]}
     assert greedy["targets"]["shape"] == [15] and greedy["accepted"]["shape"] == [1]
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
-    assert data["graphs"]["greedy_step"] == {"schedule": "fused", "draft_vocab": {"size": 60, "coverage": 0.5}}
+    assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"],
+                                             "draft_vocab": {"size": 60, "coverage": 0.5}}
     assert {"torch", "executorch", "onnx", "coremltools"} <= set(data["versions"])
 
 
@@ -180,12 +193,12 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
         assert message in capsys.readouterr().err
 
 
-def test_coreml_package_has_the_five_functions_with_static_shapes(artifact):
+def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
-    assert set(spec) == {"prefill", "decode", "step", "streams", "greedy_step"}
+    assert set(spec) == set(method_names(2))
     for method, signature in data["graphs"]["methods"].items():
         want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
         assert spec[method]["inputs"] == want
@@ -198,14 +211,16 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     import onnx
     from onnx import numpy_helper
 
-    from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, OUTPUT_NAMES, method_output
+    from streamfuse.runtime.backends.static_graph import METHOD_INPUT, OUTPUT_NAMES, base_method, method_output
 
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    assert [n.name for n in model.graph.node if n.op_type == "If"] == list(METHODS)
+    methods = method_names(2)
+    assert [n.name for n in model.graph.node if n.op_type == "If"] == methods
     assert METHOD_INPUT in [i.name for i in model.graph.input]
-    assert [o.name for o in model.graph.output] == [method_output(m, n) for m in METHODS for n in OUTPUT_NAMES[m]]
+    assert [o.name for o in model.graph.output] == [method_output(m, n) for m in methods
+                                                    for n in OUTPUT_NAMES[base_method(m)]]
     for node in model.graph.node:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
@@ -261,8 +276,8 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
 
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
-    with pytest.raises(ValueError, match="exported for tree .* omit --tree"):
-        generate_speculative(loaded.backend, [5, 6, 7], TreeSpec.chain(3), StopRules(8))
+    with pytest.raises(ValueError, match="has step graphs for the trees .* omit --tree"):
+        generate_speculative(loaded.backend, [5, 6, 7], TreeSpec.chain(2), StopRules(8))
     with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
         generate_speculative(loaded.backend, [5] * 100, loaded.tree, StopRules(20))
     with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
@@ -328,7 +343,7 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shal
         assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
 
 
-def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(artifact):
+def test_coreml_delegate_pte_lowers_to_a_program_with_every_method(artifact):
     """The Core ML-delegated .pte: built here, run in an app on the device (no such runtime here)."""
     from executorch.exir._serialize import _deserialize_pte_binary
 
@@ -338,6 +353,82 @@ def test_coreml_delegate_pte_lowers_to_a_program_with_the_five_methods(artifact)
     pte = artifact / data["files"][variant]["program"]["path"]
     program = _deserialize_pte_binary(pte.read_bytes()).program
     plans = {plan.name: plan for plan in program.execution_plan}
-    assert set(plans) == {"prefill", "decode", "step", "streams", "greedy_step"}
+    assert set(plans) == set(method_names(2))
     delegate_ids = {d.id for plan in plans.values() for d in plan.delegates}
     assert delegate_ids == {"CoreMLBackend"}
+
+
+class SlowSession:
+    """One method made artificially expensive: calibration must notice."""
+
+    def __init__(self, session, method: str, seconds: float):
+        self.session, self.name, self.method, self.seconds = session, session.name, method, seconds
+
+    def run(self, method, inputs):
+        if method == self.method:
+            time.sleep(self.seconds)
+        return self.session.run(method, inputs)
+
+
+def with_acceptance(artifact, tmp_path):
+    """A copy whose manifest carries an acceptance model (the build measures one; the fixture has none)."""
+    from test_calibration import MODEL
+
+    copy = copy_of(artifact, tmp_path)
+    data = manifest(copy)
+    data["calibration"]["acceptance"] = MODEL.to_dict()
+    (copy / "manifest.json").write_text(json.dumps(data))
+    return copy
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
+    from test_calibration import MODEL
+
+    from streamfuse.tools.calibrate import calibrate_backend
+
+    loaded = load(artifact, "onnxruntime", threads=1)
+    loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{slow}", 0.01)
+    calibration = calibrate_backend(loaded, MODEL, prompts(2, seed=5), StopRules(12), "cpu", 1)
+    assert [cost.tree for cost in calibration.trees] == list(TREES)
+    assert calibration.tree == TREES[1 - slow]
+    assert calibration.step_cost(TREES[slow]) > calibration.step_cost(TREES[1 - slow]) + 1.0  # 10 ms over ~1 ms
+
+
+def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, tmp_path, capsys):
+    from streamfuse.runtime.generate import main as generate
+    from streamfuse.runtime.loader import fastest_backend
+    from streamfuse.tools import calibrate
+
+    copy = with_acceptance(artifact, tmp_path)
+    assert fastest_backend(copy) == "executorch"  # no calibration yet: the CPU preference order
+    for backend in ("onnxruntime", "executorch"):
+        assert calibrate.main(["--artifact", str(copy), "--backend", backend, "--limit", "2", "--max-new-tokens", "8",
+                               "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "<- chosen" in printed and "written to" in printed
+    opened = Artifact.open(copy)
+    rates = {}
+    for backend in ("onnxruntime", "executorch"):
+        calibration = opened.calibration(backend)
+        assert {cost.tree.hash() for cost in calibration.trees} == {tree.hash() for tree in TREES}
+        assert all(cost.realised_tokens >= 1 and cost.step_seconds > 0 for cost in calibration.trees)
+        loaded = load(copy, backend)
+        assert loaded.tree == calibration.tree and loaded.calibration == calibration
+        assert loaded.fallback(loaded.tree).step_cost == pytest.approx(calibration.step_cost(loaded.tree))
+        rates[backend] = calibration.best.expected_tokens / calibration.best.step_seconds
+    assert fastest_backend(copy) == max(rates, key=rates.get)
+    assert generate(["--artifact", str(copy), "--prompt", "hello", "--max-new-tokens", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"].startswith(fastest_backend(copy))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "onnxruntime", "--limit", "0"], "--limit must be >= 1"),
+    (["--backend", "onnxruntime", "--max-nodes", "1"], "--max-nodes must be >= 2"),
+    (["--backend", "onnxruntime"], "has no acceptance model"),
+])
+def test_calibrate_bad_input_is_one_line(artifact, argv, message, capsys):
+    from streamfuse.tools import calibrate
+
+    with pytest.raises(SystemExit, match=message):
+        calibrate.main(["--artifact", str(artifact), *argv])

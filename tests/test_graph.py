@@ -14,7 +14,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, GreedyStepPass, graph_modules, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
-from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend
+from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend, base_method, method_names
 from streamfuse.runtime.tree import TreeSpec
 
 TREES = [TreeSpec.full(3, 2), TreeSpec.chain(3), TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 0, 0), (1, 0, 1)))]
@@ -25,11 +25,11 @@ def tiny_model() -> SpeculativeStreamingLM:
 
 
 def backend_for(model, tree: TreeSpec, draft_ids=None, schedule="deferred") -> tuple[StaticGraphBackend, EagerSession]:
-    shapes = GraphShapes(capacity=64, prefill_chunk=8, tree=tree)
-    session = EagerSession(graph_modules(model, shapes, draft_ids, schedule))
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=(tree,))
+    session = EagerSession(graph_modules(model, shapes, draft_ids, [schedule]))
     parts = model.parts
     spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, tree, greedy_schedule=schedule)
+                     shapes.capacity, shapes.prefill_chunk, (tree,), (schedule,))
     return StaticGraphBackend(session, spec, use_greedy_step=False), session
 
 
@@ -40,7 +40,7 @@ def draft_the_targets(session, backend, tree: TreeSpec, root: int, rng: random.R
     tokens = [root] + [0] * (tree.num_nodes - 1)
     for depth in range(tree.depth):
         inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), backend.keys, backend.values]
-        targets = session.run("step", inputs)[0].argmax(-1).tolist()
+        targets = session.run("step_0", inputs)[0].argmax(-1).tolist()
         for parent in (n for n in range(tree.num_nodes) if tree.depths[n] == depth and tree.children[n]):
             children = tree.children[parent]
             matching = rng.choice(children) if rng.random() < 0.8 else None
@@ -72,7 +72,7 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
     for _ in range(6):
         tokens = draft_the_targets(session, backend, tree, root, rng)
         inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), backend.keys.clone(), backend.values.clone()]
-        targets, accepted, drafts, new_keys, new_values = session.run("greedy_step", inputs)
+        targets, accepted, drafts, new_keys, new_values = session.run("greedy_step_0", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
         torch.testing.assert_close(new_keys, backend._pending[0], atol=1e-5, rtol=0)
@@ -114,3 +114,46 @@ def test_auto_schedule_fuses_small_trees_only():
     assert greedy_schedule(TreeSpec.full(3, 2), "fused") == "fused"
     with pytest.raises(ValueError, match="must be one of auto, fused, deferred"):
         greedy_schedule(TreeSpec.chain(3), "eager")
+
+
+# method name -> the method whose tensors it has
+BASE_METHODS = [("prefill", "prefill"), ("step_0", "step"), ("greedy_step_12", "greedy_step"), ("streams", "streams"),
+                ("decode_1", "decode_1")]
+
+
+@pytest.mark.parametrize("name, base", BASE_METHODS)
+def test_tree_methods_are_named_by_their_tree(name, base):
+    assert base_method(name) == base
+
+
+class CountingSession(EagerSession):
+    def __init__(self, modules):
+        super().__init__(modules)
+        self.calls = []
+
+    def run(self, method, inputs):
+        self.calls.append(method)
+        return super().run(method, inputs)
+
+
+@torch.no_grad()
+def test_each_tree_runs_its_own_graphs_and_an_unknown_tree_is_a_clear_error():
+    model, trees = tiny_model(), (TreeSpec.chain(3), TreeSpec.full(2, 2))
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=trees)
+    modules = graph_modules(model, shapes, None, ["fused", "deferred"])
+    assert list(modules) == method_names(2)
+    session = CountingSession(modules)
+    parts = model.parts
+    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                     shapes.capacity, shapes.prefill_chunk, trees, ("fused", "deferred"))
+    backend = StaticGraphBackend(session, spec)
+    backend.reset(64)
+    backend.prefill([1, 2, 3], with_streams=False)
+    for index, tree in enumerate(trees):
+        backend.step([4] * tree.num_nodes, tree, with_streams=True, greedy=True)
+        backend.step([4] * tree.num_nodes, tree, with_streams=True)
+        assert session.calls[-2:] == [f"greedy_step_{index}", f"step_{index}"]
+    with pytest.raises(ValueError, match="has step graphs for the trees .* not \\[\\[0\\]\\]"):
+        backend.step([4, 5], TreeSpec.chain(1), with_streams=True)
+    with pytest.raises(ValueError, match="repeat a shape"):
+        GraphShapes(capacity=64, prefill_chunk=8, trees=(TreeSpec.chain(3), TreeSpec.chain(3)))

@@ -25,11 +25,11 @@ def step(nodes: int, kept: int, depth: int) -> dict:
 
 
 def run(run_id: str, calls: int, tokens: int, seconds: float, steps: list[dict], peak: int | None = None,
-        **spans: float) -> dict:
+        plain: int = 0, switches: tuple[str, ...] = (), **spans: float) -> dict:
     return {"id": run_id, "prompt_tokens": 5, "new_tokens": tokens, "model_calls": calls, "seconds": seconds,
-            "stop_reason": "eos", "peak_memory_bytes": peak,
+            "stop_reason": "eos", "peak_memory_bytes": peak, "plain_calls": plain,
             "spans": {"prefill": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
-            "steps": steps}
+            "steps": steps, "switches": [{"at_token": 1, "to": to, "tokens_per_step": None} for to in switches]}
 
 
 def trace(method: str, runs: list[dict], tree_depth: int | None = None) -> dict:
@@ -197,3 +197,14 @@ def test_a_spawned_process_reports_its_own_peak_memory_not_its_parents():
     del ballast
     assert parent > 512 * 2**20
     assert 0 < child < parent - 256 * 2**20
+
+
+def test_a_fallbacks_plain_calls_count_in_cr_and_latency_but_not_in_acceptance():
+    """Run a: 1 prefill + 2 verify steps (depths 1, 0: 3 tokens) + 3 plain calls (3 tokens) = 6 calls, 7 tokens;
+    it switched to plain once and back once, then to plain again."""
+    metrics = profile_trace(trace("ss", [run("a", 6, 7, 3.0, [step(4, 4, 1), step(4, 4, 0)], plain=3,
+                                             switches=("plain", "ss", "plain"), prefill=0.5, forward=2.5)], 3))
+    assert metrics["call_reduction"] == pytest.approx(7 / 6)
+    assert metrics["plain_calls"] == 3 and (metrics["switches_to_plain"], metrics["switches_to_ss"]) == (2, 1)
+    assert metrics["mean_tokens_per_step"] == pytest.approx(1.5)  # speculative steps only
+    assert metrics["forward_latency_s"] == pytest.approx(2.5 / 5)  # 2 steps + 3 plain calls

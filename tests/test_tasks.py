@@ -248,3 +248,17 @@ def test_real_e2e_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(train) + sum(len(e.references) for e in val) == 4672
     assert 30 <= len(val) <= 80  # ~10% of 547 distinct MRs
     assert all(held_out(e.source) for e in val) and not any(held_out(e.source) for e in train)
+
+
+def test_dialogsum_unlabelled_dialogues_load_without_references(tmp_path):
+    from conftest import write_tiny_dialogsum
+
+    from streamfuse.export.tasks import get_task
+    from streamfuse.export.tasks.base import UNLABELLED
+
+    data = write_tiny_dialogsum(tmp_path / "data")
+    rows = get_task("dialogsum").load(UNLABELLED, data)
+    assert [ex.id for ex in rows] == [f"unlabelled_{i}" for i in range(4)]
+    assert all(ex.references == () and ex.source.startswith("#Person1#:") for ex in rows)
+    with pytest.raises(ValueError, match="unknown split 'unlabelled' for task e2e_nlg"):
+        get_task("e2e_nlg").load(UNLABELLED, data)

@@ -52,15 +52,12 @@ VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltoo
 
 
 def default_backends(artifact: Path) -> str:
-    """Every backend the artifact was built for that runs on this machine (a checkpoint: torch)."""
-    from streamfuse.runtime.artifact import MANIFEST, Artifact
-    from streamfuse.runtime.loader import ARTIFACT_FILES
+    """Every backend the artifact was built for that runs on this machine (a checkpoint: torch), the
+    fastest first (by the artifact's calibrations)."""
+    from streamfuse.runtime.loader import fastest_backend, runnable_backends
 
-    if not (Path(artifact) / MANIFEST).is_file():
-        return "torch"
-    built = Artifact.open(artifact).manifest["files"]
-    runnable = [b for b, files in ARTIFACT_FILES.items() if files in built and (b != "coreml" or sys.platform == "darwin")]
-    return ",".join(["torch", *runnable])
+    fastest = fastest_backend(artifact)
+    return ",".join([fastest, *(b for b in runnable_backends(artifact) if b != fastest)])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(also sizes ExecuTorch's XNNPACK pool)")
     parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K' or a JSON list of paths "
                         f"(default: the artifact's tree, else {DEFAULT_TREE})")
+    parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
+                        help="SS decodes plainly while speculation does not pay, against the calibrated step cost "
+                             "(runtime/fallback.py; off where the artifact has no calibration for the backend)")
     parser.add_argument("--prune-threshold", type=float, default=None)
     parser.add_argument("--prune-budget", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=96)

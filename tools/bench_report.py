@@ -63,6 +63,9 @@ def markdown(report: dict) -> str:
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the prefill as a call; AR rows have CR = mean accepted tokens = 1.",
         f"SS output != AR output on its own backend: {s['parity_mismatches']} (inputs, all backends).",
+        *(f"{r['name']}: speed-up per fifth of the inputs (total time) "
+          f"{' / '.join(f'{x:.2f}x' for x in r['speedup_by_fifth'])}."
+          for r in report["table"] if r["kind"] == "streamfuse" and r["method"] != "ar" and r.get("speedup_by_fifth")),
     ]
     for c in s["matched_precision"]:
         lines.append(f"Fastest fine-tuned peer at {c['precision']}: {c['peer']} {c['peer_tokens_per_s']:.1f} tokens/s; "

@@ -55,13 +55,16 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         prune = prune_config(args.prune_threshold, args.prune_budget)
         meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
                     threads=args.threads)
-        settings = {m: DecodeSettings(m, tree, rules, SamplingConfig(), prune, 0) for m in args.methods}
+        fallback = loaded.fallback(tree) if args.fallback == "auto" else None
+        settings = {m: DecodeSettings(m, tree, rules, SamplingConfig(), prune, 0, fallback) for m in args.methods}
         warm_up(loaded, tree)
         info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
                        "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
         if isinstance(loaded.backend, TorchBackend):
             info[entry]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
-        traces = {m: Trace(method=m, tree=tree.to_dict() if m == "ss" else None, **meta) for m in args.methods}
+        traces = {m: Trace(method=m, tree=tree.to_dict() if m == "ss" else None,
+                           fallback_step_cost=fallback.step_cost if fallback and m == "ss" else None, **meta)
+                  for m in args.methods}
         out[entry] = Engine(loaded, settings, traces)
     return out
 

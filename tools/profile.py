@@ -1,4 +1,4 @@
-"""Call-reduction profiler for decode traces ("streamfuse.trace/1") of any backend.
+"""Call-reduction profiler for decode traces ("streamfuse.trace/2") of any backend.
 
     python -m streamfuse.tools.profile TRACE.json [--baseline AR_TRACE.json] --out DIR
 
@@ -47,7 +47,13 @@ LEGEND = {
     "pruned_fraction": "sum(tree_nodes - kept_nodes) / sum(tree_nodes)",
     "time_split": "each span summed over runs; fraction of total = max(sum(seconds), sum(spans)); "
                   "'other' = time no span covered",
-    "forward_latency_s": "forward span / verify calls (steps; model_calls - 1 per run without steps)",
+    "plain_calls": "plain decoding calls speculative runs made while their fallback had switched "
+                   "speculation off (runtime/fallback.py); their tokens count in call_reduction",
+    "switches_to_plain": "times a run's fallback switched to plain decoding (a block of steps yielded fewer "
+                         "tokens than it cost)",
+    "switches_to_ss": "times a run went back to speculating (a probe) after a plain stretch",
+    "forward_latency_s": "forward span / calls after the prefill (steps + plain_calls; model_calls - 1 per run "
+                         "without steps)",
     "streams_latency_s": "streams span / verify calls: getting the next draft's stream logits (a pass of "
                          "their own with deferred streams)",
     "prefill_per_run_s": "prefill span / runs",
@@ -148,7 +154,8 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
     tokens = sum(run["new_tokens"] for run in runs)
     seconds = sum(run["seconds"] for run in runs)
     # AR traces may record no steps: then every call but the prefill is a decode call.
-    verify_calls = sum(len(run["steps"]) or max(run["model_calls"] - 1, 0) for run in runs)
+    verify_calls = sum(len(run["steps"]) + run["plain_calls"] or max(run["model_calls"] - 1, 0) for run in runs)
+    switches = Counter(switch["to"] for run in runs for switch in run["switches"])
     split = _time_split(runs)
     peaks = [run["peak_memory_bytes"] for run in runs if run.get("peak_memory_bytes") is not None]
     return {
@@ -156,6 +163,8 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
         "runs": len(runs), "model_calls": calls, "new_tokens": tokens, "seconds": seconds,
         "tokens_per_s": _ratio(tokens, seconds), "call_reduction": _ratio(tokens, calls),
         **_step_metrics(steps, ((meta.get("tree") or {}).get("depth") or 0)),
+        "plain_calls": sum(run["plain_calls"] for run in runs),
+        "switches_to_plain": switches["plain"], "switches_to_ss": switches["ss"],
         "time_split": split,
         "forward_latency_s": _ratio(split["spans"]["forward"]["seconds"], verify_calls),
         "streams_latency_s": _ratio(split["spans"]["streams"]["seconds"], verify_calls),
@@ -190,7 +199,8 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
 
 HEADLINE = ("runs", "model_calls", "new_tokens", "seconds", "tokens_per_s", "call_reduction", "steps",
             "mean_tokens_per_step", "mean_accepted_depth", "tree_utilisation", "mean_step_utilisation",
-            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
+            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "plain_calls", "switches_to_plain",
+            "switches_to_ss", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
 
 
 def render_markdown(metrics: dict) -> str:
@@ -289,9 +299,9 @@ def write_report(metrics: dict, out_dir: Path) -> list[Path]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m streamfuse.tools.profile",
-        description="Profile a streamfuse.trace/1 decode trace: call reduction, acceptance per depth "
+        description="Profile a streamfuse.trace/2 decode trace: call reduction, acceptance per depth "
                     "(= per stream), tree utilisation, pruning, time split, memory.")
-    parser.add_argument("trace", type=Path, help="decode trace JSON (schema streamfuse.trace/1) to profile")
+    parser.add_argument("trace", type=Path, help="decode trace JSON (schema streamfuse.trace/2) to profile")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="trace of plain (ar) decoding on the same prompts: adds measured call ratio and "
                              "wall-clock speed-up over the run ids present in both traces")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "validation", "test")
+UNLABELLED = "unlabelled"  # inputs without references: self-distillation's targets are the model's own answers
 DATA_DIR_ENV = "STREAMFUSE_DATA_DIR"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Module global (not inlined) so tests can point it elsewhere.
@@ -49,6 +50,7 @@ class Task(ABC):
     hub_id: str  # e.g. "knkarthick/dialogsum"
     headline_metrics: tuple[str, ...]  # the metrics the paper reports
     hub_revision: str | None = None  # hub branch to load, when main is not loadable
+    has_unlabelled: bool = False  # the task's data has an UNLABELLED split (local files only)
     data_help: str  # expected local file names and fields, shown in errors
 
     # --- what each task provides -------------------------------------------
@@ -80,8 +82,9 @@ class Task(ABC):
 
     def load(self, split: str, data_dir: Path | None = None, limit: int | None = None) -> list[Example]:
         """Examples of *split* in a deterministic order; ``limit`` keeps the first N."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        if split not in SPLITS and not (split == UNLABELLED and self.has_unlabelled):
+            known = (*SPLITS, UNLABELLED) if self.has_unlabelled else SPLITS
+            raise ValueError(f"unknown split {split!r} for task {self.name}; expected one of {', '.join(known)}")
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         examples = self._load_all(split, None if data_dir is None else Path(data_dir))

@@ -14,6 +14,7 @@ _FILES = {
     "train": "dialogsum.train.jsonl",
     "validation": "dialogsum.dev.jsonl",
     "test": "dialogsum.test.jsonl",
+    "unlabelled": "dialogsum.train-unlabelled.jsonl",  # dialogues only (fname, dialogue)
 }
 TEST_REFERENCES = 3
 # The hub stores each test dialogue three times ("test_0_1".."test_0_3"), one
@@ -25,12 +26,14 @@ class DialogSum(Task):
     name = "dialogsum"
     hub_id = "knkarthick/dialogsum"
     headline_metrics = ("rouge1", "rougeLsum")
+    has_unlabelled = True
     instruction_template = "Summarize the following dialogue in a few sentences.\n\n{source}"
     source_template = "{dialogue}"
     data_help = (
         "  dialogsum.train.jsonl, dialogsum.dev.jsonl: one JSON object per line with fields "
         "fname, dialogue, summary\n"
-        "  dialogsum.test.jsonl: fields fname, dialogue, summary1, summary2, summary3"
+        "  dialogsum.test.jsonl: fields fname, dialogue, summary1, summary2, summary3\n"
+        "  dialogsum.train-unlabelled.jsonl (self-distillation only): fields fname, dialogue"
     )
 
     def local_files(self, split: str) -> tuple[str, ...]:
@@ -43,6 +46,8 @@ class DialogSum(Task):
     def _from_row(split: str, row: Row) -> Example:
         if split == "test":
             refs = tuple(row.text(f"summary{k}") for k in range(1, TEST_REFERENCES + 1))
+        elif split == "unlabelled":
+            refs = ()
         else:
             refs = (row.text("summary"),)
         return Example(id=row.text("fname"), source=row.text("dialogue"), references=refs)

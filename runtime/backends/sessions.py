@@ -3,14 +3,16 @@ a missing optional package is a clear error naming the extra to install."""
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN, INPUT_NAMES, METHOD_INPUT, METHODS,
-                                                      OUTPUT_NAMES, Session, layer_input, method_output)
+from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN, INPUT_NAMES, METHOD_INPUT,
+                                                      METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
+                                                      layer_input, method_output)
 from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 
 
@@ -83,9 +85,10 @@ class OnnxRuntimeSession:
         if not Path(model).is_file():
             raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
         self.session = ort.InferenceSession(str(model), options, providers=[provider])
-        names = {out.name for out in self.session.get_outputs()}
-        self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[method]] for method in METHODS
-                        if method_output(method, OUTPUT_NAMES[method][0]) in names}
+        methods = json.loads(self.session.get_modelmeta().custom_metadata_map.get(METHODS_METADATA, "[]"))
+        self.index = {method: position for position, method in enumerate(methods)}
+        self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[base_method(method)]]
+                        for method in methods}
         # Inputs a method does not read still need a value: the smallest of the declared shape.
         self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
                              for i in self.session.get_inputs()}
@@ -100,10 +103,10 @@ class OnnxRuntimeSession:
     def _feed(self, method: str, inputs: list[torch.Tensor]) -> dict:
         """Inputs by graph name. The cache goes in per layer, as views of the host's tensors (no copy),
         cut to the rows up to the call's own where the method takes that (DYNAMIC_SPAN)."""
-        named = dict(zip(INPUT_NAMES[method], inputs))
+        named = dict(zip(INPUT_NAMES[base_method(method)], inputs))
         rows = int(named["cache_len"][0]) + named["ids"].shape[1] if method in DYNAMIC_SPAN else None
         feed = dict(self.placeholders)
-        feed[METHOD_INPUT] = np.array(METHODS.index(method), dtype=np.int64)
+        feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         for name, tensor in named.items():
             if name in CACHE_INPUTS:
                 feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows].numpy()
@@ -126,7 +129,7 @@ class CoreMLSession:
         ct = _require("coremltools", "coreml")
         units = getattr(ct.ComputeUnit, compute_units)
         spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
-        functions = [f.name for f in spec.description.functions if f.name in METHODS]  # older packages have fewer
+        functions = [f.name for f in spec.description.functions]
         self.models = {name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
                        for name in functions}
         self.inputs = {name: [i.name for i in m.get_spec().description.input] for name, m in self.models.items()}

@@ -19,8 +19,10 @@ from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.tree import TreeSpec
 
 
-# The exported methods and their tensors, in call order (export/graph.py builds graphs to this).
+# The exported methods and their tensors (export/graph.py builds graphs to this). An artifact holds
+# several draft trees: each has its own step and greedy_step, named tree_method(method, index).
 METHODS = ("prefill", "decode", "step", "streams", "greedy_step")
+TREE_METHODS = ("step", "greedy_step")
 INPUT_NAMES = {
     "prefill": ["ids", "cache_len", "keys", "values", "last"],
     "decode": ["ids", "cache_len", "keys", "values"],
@@ -36,6 +38,26 @@ OUTPUT_NAMES = {
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values"],
 }
 
+
+
+def tree_method(method: str, index: int) -> str:
+    """The name of tree `index`'s step or greedy_step: step_0, greedy_step_1, ..."""
+    if method not in TREE_METHODS:
+        raise ValueError(f"{method!r} does not depend on the tree; tree methods: {', '.join(TREE_METHODS)}")
+    return f"{method}_{index}"
+
+
+def base_method(name: str) -> str:
+    """The method an exported name runs (greedy_step_1 -> greedy_step), which gives its tensors' names."""
+    head, _, index = name.rpartition("_")
+    return head if index.isdigit() and head in TREE_METHODS else name
+
+
+def method_names(trees: int) -> list[str]:
+    """Every method of an artifact with `trees` draft trees, in the order exporters list them."""
+    return ["prefill", "decode", "streams"] + [tree_method(m, i) for i in range(trees) for m in TREE_METHODS]
+
+
 # The host's cache tensors [L, kv_heads, C, d]. ONNX graphs take them as L inputs each, <name>_<layer>
 # [1, kv_heads, C, d] (zero-copy views of the host's tensors): one [L, ...] input would be split
 # into per-layer copies inside every call, 35 MB for SmolLM2 at C = 768 (docs/export.md).
@@ -47,10 +69,11 @@ def layer_input(name: str, layer: int) -> str:
 
 
 # ONNX has one entry point per model, so one ONNX model holds every method (export/onnx_methods.py):
-# the int64 scalar input METHOD_INPUT picks one by its index in METHODS, the model's inputs are the
+# the int64 scalar input METHOD_INPUT picks one by its index in method_names(trees), the model's inputs are the
 # union of the methods' (each call feeds all; those its method does not read may be any placeholder),
 # and the method's outputs are named method_output(method, name).
 METHOD_INPUT = "method"
+METHODS_METADATA = "streamfuse.methods"  # the ONNX model's metadata key: its methods in METHOD_INPUT's order
 
 
 def method_output(method: str, name: str) -> str:
@@ -82,21 +105,35 @@ class GraphSpec:
     num_streams: int
     capacity: int  # KV rows the graphs attend over
     prefill_chunk: int
-    tree: TreeSpec  # the one tree the step graph was built for
-    greedy_schedule: str | None = None  # greedy_step's streams schedule; None: no greedy_step (older artifacts)
+    trees: tuple[TreeSpec, ...]  # the trees with step graphs, tree i's methods are step_i and greedy_step_i
+    greedy_schedules: tuple[str, ...]  # each tree's greedy_step streams schedule
+
+    @property
+    def tree(self) -> TreeSpec:
+        """The artifact's default tree (the first)."""
+        return self.trees[0]
+
+    def tree_index(self, tree: TreeSpec) -> int:
+        for index, exported in enumerate(self.trees):
+            if exported.hash() == tree.hash():
+                return index
+        shapes = "; ".join(str(t.to_dict()["paths"]) for t in self.trees)
+        raise ValueError(f"the artifact has step graphs for the trees {shapes}, not {tree.to_dict()['paths']} (hash "
+                         f"{tree.hash()}): omit --tree to use the calibrated one, or rebuild the artifact with "
+                         f"export/build.py --tree")
 
 
 class StaticGraphBackend:
-    """Backend protocol over a Session. Greedy steps run greedy_step, one call, where the artifact
-    has it (unless use_greedy_step is False); otherwise, and for sampling, `step` and then, after
-    the commit, a `streams` call for the accepted node (the deferred schedule)."""
+    """Backend protocol over a Session. Greedy steps run the tree's greedy_step, one call (unless
+    use_greedy_step is False); otherwise, and for sampling, its `step` and then, after the commit,
+    a `streams` call for the accepted node (the deferred schedule)."""
 
     def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True):
         self.session = session
         self.spec = spec
-        self.use_greedy_step = use_greedy_step and spec.greedy_schedule is not None
-        # What greedy runs (the benchmarks' setting) do: greedy_step's own schedule, else deferred.
-        self.stream_schedule = spec.greedy_schedule if self.use_greedy_step else "deferred"
+        self.use_greedy_step = use_greedy_step
+        # What greedy runs of the default tree (the benchmarks' setting) do: greedy_step's schedule, else deferred.
+        self.stream_schedule = spec.greedy_schedules[0] if self.use_greedy_step else "deferred"
         self.name = session.name
         self.device = device
         self.num_streams = spec.num_streams
@@ -130,18 +167,15 @@ class StaticGraphBackend:
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
         if prune is not None:
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
-        if tree is not None and tree.hash() != self.spec.tree.hash():
-            raise ValueError(f"the artifact's step graph was exported for tree {self.spec.tree.to_dict()['paths']} "
-                             f"(hash {self.spec.tree.hash()}), not {tree.hash()}: omit --tree to use it, or rebuild "
-                             f"the artifact with export/build.py --tree")
-        method = "step" if tree is not None else "decode"
+        index = self.spec.tree_index(tree) if tree is not None else None
+        method = tree_method("step", index) if tree is not None else "decode"
         if len(tokens) != (tree.num_nodes if tree is not None else 1):
             raise ValueError(f"{method} takes {tree.num_nodes if tree else 1} tokens, got {len(tokens)}")
         if self.length + len(tokens) > self.spec.capacity:
             raise CapacityError(f"KV cache full: {self.length} committed + {len(tokens)} new > capacity {self.spec.capacity}")
         inputs = [torch.tensor([list(tokens)]), self._length(), self.keys, self.values]
         if greedy and with_streams and tree is not None and self.use_greedy_step:
-            return self._greedy_step(inputs)
+            return self._greedy_step(tree_method("greedy_step", index), inputs)
         logits, anchors, new_keys, new_values = self.session.run(method, inputs)
         self._pending = (new_keys, new_values)
         source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
@@ -168,8 +202,8 @@ class StaticGraphBackend:
         self.values[:, :, self.length : self.length + count] = values
         self.length += count
 
-    def _greedy_step(self, inputs: list[torch.Tensor]) -> StepOutput:
-        targets, accepted, drafts, new_keys, new_values = self.session.run("greedy_step", inputs)
+    def _greedy_step(self, method: str, inputs: list[torch.Tensor]) -> StepOutput:
+        targets, accepted, drafts, new_keys, new_values = self.session.run(method, inputs)
         self._pending = (new_keys, new_values)
         graph_node = int(accepted[0])
 
