@@ -86,7 +86,12 @@ class Artifact:
     def calibration(self, backend: str) -> BackendCalibration | None:
         """The calibration tools/calibrate recorded for a runtime backend (on the device it ran on)."""
         data = self.manifest["calibration"]["backends"].get(backend)
-        return BackendCalibration.from_dict(data) if data else None
+        try:
+            return BackendCalibration.from_dict(data) if data else None
+        except (KeyError, TypeError, ValueError):
+            raise ArtifactError(f"{self.path / MANIFEST}: the calibration recorded for {backend} is not one this "
+                                f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
+                                f"{self.path} --backend {backend}") from None
 
     def save_acceptance(self, acceptance: AcceptanceModel) -> None:
         """Record the acceptance model; another one than recorded drops the backends' calibrations,

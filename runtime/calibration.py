@@ -148,12 +148,21 @@ class TreeCost:
 
 @dataclass(frozen=True)
 class BackendCalibration:
-    """The calibration of one backend on one device: plain step cost, every candidate's, the choice."""
+    """The calibration of one backend on one device: plain step cost, every candidate's, the choice, and
+    the prefill's cost (backends differ there too, and it weighs in which is fastest end to end)."""
 
     device: str  # the machine, in words (CPU model, accelerator)
     threads: int
     plain_seconds: float
     trees: tuple[TreeCost, ...]
+    prefill_seconds_per_token: float
+    prompt_tokens: float  # the mean prompt length of the timed inputs
+
+    def request_seconds(self, new_tokens: float) -> float:
+        """A request of the timed inputs' mean prompt length writing `new_tokens` with the chosen tree."""
+        best = self.best
+        return (self.prompt_tokens * self.prefill_seconds_per_token
+                + max(new_tokens - 1, 0) / best.expected_tokens * best.step_seconds)
 
     @property
     def best(self) -> TreeCost:
@@ -170,6 +179,8 @@ class BackendCalibration:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "threads": self.threads, "plain_ms": round(1e3 * self.plain_seconds, 3),
+                "prefill_ms_per_token": round(1e3 * self.prefill_seconds_per_token, 4),
+                "prompt_tokens": round(self.prompt_tokens, 1),
                 "choice": self.tree.to_dict(), "expected_speedup": round(self.best.speedup(self.plain_seconds), 4),
                 "trees": [{"tree": cost.tree.to_dict(), "step_ms": round(1e3 * cost.step_seconds, 3),
                            "step_cost": round(cost.step_seconds / self.plain_seconds, 4),
@@ -181,15 +192,27 @@ class BackendCalibration:
     def from_dict(cls, data: dict) -> "BackendCalibration":
         trees = tuple(TreeCost(TreeSpec.from_dict(row["tree"]), row["step_ms"] / 1e3, row["expected_tokens"],
                                row["realised_tokens"]) for row in data["trees"])
-        return cls(data["device"], int(data["threads"]), data["plain_ms"] / 1e3, trees)
+        return cls(data["device"], int(data["threads"]), data["plain_ms"] / 1e3, trees,
+                   data["prefill_ms_per_token"] / 1e3, data["prompt_tokens"])
 
 
-def calibrate(model: AcceptanceModel, plain: Sequence[float], steps: dict[TreeSpec, Sequence[float]],
-              realised: dict[TreeSpec, float], device: str, threads: int) -> BackendCalibration:
-    """Measured seconds (plain steps, each tree's steps; medians) and each tree's realised tokens per
-    step -> the calibration."""
-    if not plain or not steps or not all(steps.values()):
-        raise ValueError("calibration needs timed plain steps and timed steps of every candidate tree")
-    costs = tuple(TreeCost(tree, statistics.median(times), model.expected_tokens(tree), realised[tree])
-                  for tree, times in steps.items())
-    return BackendCalibration(device, threads, statistics.median(plain), costs)
+@dataclass(frozen=True)
+class Timings:
+    """What tools/calibrate.py measured: seconds per plain step and per step of each tree (one per timed
+    run), each tree's tokens per step over its runs, prefill seconds per prompt token per run."""
+
+    plain: Sequence[float]
+    steps: dict[TreeSpec, Sequence[float]]
+    realised: dict[TreeSpec, float]
+    prefill: Sequence[float]
+    prompt_tokens: float
+
+
+def calibrate(model: AcceptanceModel, timings: Timings, device: str, threads: int) -> BackendCalibration:
+    """Timings (medians of each) and the acceptance model -> the calibration."""
+    if not timings.plain or not timings.steps or not all(timings.steps.values()) or not timings.prefill:
+        raise ValueError("calibration needs timed plain steps, prefills and steps of every candidate tree")
+    costs = tuple(TreeCost(tree, statistics.median(times), model.expected_tokens(tree), timings.realised[tree])
+                  for tree, times in timings.steps.items())
+    return BackendCalibration(device, threads, statistics.median(timings.plain), costs,
+                              statistics.median(timings.prefill), timings.prompt_tokens)

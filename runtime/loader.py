@@ -23,6 +23,7 @@ BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
+TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
 
 
 @dataclass
@@ -64,24 +65,27 @@ def runnable_backends(artifact: Path) -> list[str]:
 
 
 def fastest_backend(artifact: Path) -> str:
-    """The runnable backend with the most tokens per second in the artifact's calibrations (its chosen
-    tree's expected tokens per measured step), else the first of PREFERENCE it has. A folder that is
-    not a loadable artifact gives torch: loading it then says what is wrong."""
+    """The runnable backend that the artifact's calibrations say answers a typical request soonest (the
+    validation answers' mean length, after a prompt of the timed inputs' length), else the first of
+    PREFERENCE it has. A folder that is not a loadable artifact gives torch: loading it says what is wrong."""
     try:
         runnable = runnable_backends(artifact)
+        if runnable == ["torch"]:
+            return "torch"
+        opened = Artifact.open(artifact)
+        acceptance = opened.acceptance
+        answer = 1 + acceptance.positions / len(acceptance.answers) if acceptance else TYPICAL_ANSWER_TOKENS
+        seconds = {b: c.request_seconds(answer) for b in runnable if (c := opened.calibration(b))}
     except ArtifactError:
         return "torch"
-    if runnable == ["torch"]:
-        return "torch"
-    opened = Artifact.open(artifact)
-    rates = {b: c.best.expected_tokens / c.best.step_seconds for b in runnable if (c := opened.calibration(b))}
-    if rates:
-        return max(rates, key=rates.get)
+    if seconds:
+        return min(seconds, key=seconds.get)
     return next(b for b in PREFERENCE if b in runnable)
 
 
 def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused",
-         threads: int | None = None) -> Loaded:
+         threads: int | None = None, calibrated: bool = True) -> Loaded:
+    """calibrated False: leave the artifact's calibration out (tools/calibrate.py measures afresh)."""
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available; choose one of {', '.join(BACKENDS)}")
@@ -89,7 +93,7 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
         raise FileNotFoundError(f"{artifact} is not a folder: pass an artifact or checkpoint made by export/build.py "
                                 f"(e.g. artifacts/dialogsum or checkpoints/dialogsum-cpu/ss)")
     if (artifact / MANIFEST).is_file():
-        return _load_artifact(Artifact.open(artifact), backend, device, stream_schedule, threads)
+        return _load_artifact(Artifact.open(artifact), backend, device, stream_schedule, threads, calibrated)
     if not (artifact / "streamfuse.json").is_file():
         raise FileNotFoundError(f"{artifact} has neither manifest.json (an exported artifact) nor streamfuse.json (a "
                                 f"checkpoint): build one with `python export/build.py --task dialogsum`")
@@ -99,7 +103,8 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
     return _load_checkpoint(artifact, device, stream_schedule)
 
 
-def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None) -> Loaded:
+def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None,
+                     calibrated: bool = True) -> Loaded:
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
@@ -108,16 +113,18 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: 
     if artifact is None:
         return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")))
     return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), artifact.tree,
-                  None, artifact.calibration("torch"))
+                  None, artifact.calibration("torch") if calibrated else None)
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
     return PromptFormat.from_dict(data) if data else None
 
 
-def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None) -> Loaded:
+def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None,
+                   calibrated: bool) -> Loaded:
     if backend == "torch":
-        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact)
+        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact,
+                                calibrated)
     from streamfuse.runtime.backends.sessions import open_session
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
@@ -126,4 +133,4 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.trees, artifact.calibration(backend))
+                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None)

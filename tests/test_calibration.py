@@ -2,7 +2,7 @@
 
 import pytest
 
-from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost, calibrate
+from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, Timings, TreeCost, calibrate
 from streamfuse.runtime.tree import TreeSpec
 
 # Two answers. Per position: the rank of the true token in stream 1, 2, 3 (a rank >= 4 or -1 is a miss,
@@ -67,13 +67,18 @@ def test_the_choice_is_expected_tokens_over_measured_cost(chain_ms, choice):
     # plain 10 ms; the chain yields 2.0 tokens per step, the lookup tree 2.6 at 30 ms (0.87x)
     steps = {CHAIN: [chain_ms / 1e3, 1.0, chain_ms / 1e3], CHAIN.with_lookup(3): [0.03]}
     realised = {CHAIN: 1.9, CHAIN.with_lookup(3): 2.4}  # what the timed runs got: shown, not what chooses
-    calibration = calibrate(MODEL, [0.01, 0.01, 5.0], steps, realised, "test cpu", threads=2)  # medians
+    timings = Timings([0.01, 0.01, 5.0], steps, realised, prefill=[0.002, 0.004, 0.002], prompt_tokens=250.0)
+    calibration = calibrate(MODEL, timings, "test cpu", threads=2)  # medians: outliers ignored
     assert calibration.tree == choice
     assert calibration.step_cost(CHAIN) == pytest.approx(chain_ms / 10)
     assert calibration.step_cost(TreeSpec.chain(1)) is None
     again = BackendCalibration.from_dict(calibration.to_dict())
     assert again.tree == choice and again.plain_seconds == pytest.approx(0.01)
     assert [cost.realised_tokens for cost in again.trees] == [1.9, 2.4]
+    assert again.prefill_seconds_per_token == pytest.approx(0.002) and again.prompt_tokens == 250.0
+    # a request of 250 prompt tokens and 61 new ones: 0.5 s of prefill, then 60 tokens at the chosen tree's rate
+    best = calibration.best
+    assert calibration.request_seconds(61) == pytest.approx(0.5 + 60 / best.expected_tokens * best.step_seconds)
     assert calibration.to_dict()["expected_speedup"] == pytest.approx(max(2.0 * 10 / chain_ms, 2.6 / 3), abs=1e-4)
 
 
@@ -81,5 +86,5 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no answer positions"):
         AcceptanceModel.from_answers([([], [])], 4, 3)
     with pytest.raises(ValueError, match="timed plain steps"):
-        calibrate(MODEL, [], {CHAIN: [0.1]}, {CHAIN: 1.0}, "cpu", 1)
+        calibrate(MODEL, Timings([], {CHAIN: [0.1]}, {CHAIN: 1.0}, [0.001], 10.0), "cpu", 1)
     assert TreeCost(CHAIN, 0.02, 2.4, 2.0).speedup(0.01) == pytest.approx(1.2)

@@ -408,7 +408,7 @@ def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, t
     printed = capsys.readouterr().out
     assert "<- chosen" in printed and "written to" in printed
     opened = Artifact.open(copy)
-    rates = {}
+    seconds = {}
     for backend in ("onnxruntime", "executorch"):
         calibration = opened.calibration(backend)
         assert {cost.tree.hash() for cost in calibration.trees} == {tree.hash() for tree in TREES}
@@ -416,8 +416,10 @@ def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, t
         loaded = load(copy, backend)
         assert loaded.tree == calibration.tree and loaded.calibration == calibration
         assert loaded.fallback(loaded.tree).step_cost == pytest.approx(calibration.step_cost(loaded.tree))
-        rates[backend] = calibration.best.expected_tokens / calibration.best.step_seconds
-    assert fastest_backend(copy) == max(rates, key=rates.get)
+        assert calibration.prefill_seconds_per_token > 0 and calibration.prompt_tokens > 0
+        answer = 1 + opened.acceptance.positions / len(opened.acceptance.answers)  # the validation answers' mean
+        seconds[backend] = calibration.request_seconds(answer)
+    assert fastest_backend(copy) == min(seconds, key=seconds.get)
     assert generate(["--artifact", str(copy), "--prompt", "hello", "--max-new-tokens", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"].startswith(fastest_backend(copy))
 
@@ -432,3 +434,17 @@ def test_calibrate_bad_input_is_one_line(artifact, argv, message, capsys):
 
     with pytest.raises(SystemExit, match=message):
         calibrate.main(["--artifact", str(artifact), *argv])
+
+
+def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(artifact, tmp_path):
+    from streamfuse.tools import calibrate
+
+    copy = with_acceptance(artifact, tmp_path)
+    data = manifest(copy)
+    data["calibration"]["backends"]["onnxruntime"] = {"device": "a calibration of another format"}
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="calibration recorded for onnxruntime .*tools.calibrate"):
+        load(copy, "onnxruntime")
+    assert calibrate.main(["--artifact", str(copy), "--backend", "onnxruntime", "--limit", "1", "--max-new-tokens",
+                           "4", "--threads", "1"]) == 0
+    assert load(copy, "onnxruntime").calibration.tree in TREES

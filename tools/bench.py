@@ -42,6 +42,7 @@ from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: 
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
 from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend  # noqa: E402
 from streamfuse.tools.bench_matrix import Engine, Matrix, pair, run_matrix  # noqa: E402
 from streamfuse.tools.bench_setup import load_engines, load_peers  # noqa: E402
 from streamfuse.tools.bench_summary import matched_precision, table  # noqa: E402
@@ -58,6 +59,12 @@ def default_backends(artifact: Path) -> str:
 
     fastest = fastest_backend(artifact)
     return ",".join([fastest, *(b for b in runnable_backends(artifact) if b != fastest)])
+
+
+def schedule_of(engine: Engine) -> str:
+    """Where the benchmarked tree's streams run on this engine (fused or deferred)."""
+    backend, tree = engine.loaded.backend, engine.settings["ar"].tree
+    return backend.stream_schedule(tree) if isinstance(backend, StaticGraphBackend) else backend.stream_schedule
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -202,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {
         "task": args.task, "split": args.split, "data": str(data), "backends": args.backends, "methods": args.methods,
         "peers": list(matrix.peers), "device": args.device, "threads": args.threads,
-        # exported graphs always run deferred; the flag applies to torch only
-        "stream_schedule": {b: getattr(e.loaded.backend, "stream_schedule", args.stream_schedule)
-                            for b, e in matrix.engines.items()},
+        # torch: the flag; exported graphs: the schedule of the tree's greedy_step
+        "stream_schedule": {b: schedule_of(e) for b, e in matrix.engines.items()},
         "trees": {b: e.settings["ar"].tree.to_dict()["paths"] for b, e in matrix.engines.items()},
         "tree_nodes": {b: e.settings["ar"].tree.num_nodes for b, e in matrix.engines.items()},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "warmup": args.warmup,

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime.artifact import Artifact, ArtifactError  # noqa: E402
 from streamfuse.runtime.autoregressive import generate_autoregressive  # noqa: E402
-from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration, calibrate  # noqa: E402
+from streamfuse.runtime.calibration import (MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings,  # noqa: E402
+                                            calibrate)
 from streamfuse.runtime.decode import generate_speculative  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import prompt_ids  # noqa: E402
@@ -67,11 +68,12 @@ def seconds_per_call(run: RunRecord) -> float | None:
 
 
 def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequence[int]], rules: StopRules,
-               rounds: int = 1) -> tuple[list[float], dict[TreeSpec, list[float]], dict[TreeSpec, float]]:
+               rounds: int = 1) -> Timings:
     """Per run (prompt x round): plain decoding's seconds per step, and each tree's, interleaved per
-    prompt (the order rotating) so background load touches every candidate alike; and each tree's
-    tokens per step over all its runs."""
+    prompt (the order rotating) so background load touches every candidate alike; each tree's tokens
+    per step over all its runs; every run's prefill seconds per prompt token."""
     plain: list[float] = []
+    prefill: list[float] = []
     steps: dict[TreeSpec, list[float]] = {tree: [] for tree in trees}
     made: dict[TreeSpec, list[int]] = {tree: [] for tree in trees}  # tokens of every speculative step
     jobs = [None, *trees]  # None: plain decoding
@@ -85,12 +87,13 @@ def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequ
             else:
                 generate_speculative(loaded.backend, ids, job, rules, trace=trace)
             seconds = seconds_per_call(trace.runs[0])
+            prefill.append(trace.runs[0].spans["prefill"] / len(ids))
             if seconds is not None:
                 (plain if job is None else steps[job]).append(seconds)
             if job is not None:
                 made[job] += [step.tokens for step in trace.runs[0].steps]
     realised = {tree: sum(tokens) / len(tokens) if tokens else 1.0 for tree, tokens in made.items()}
-    return plain, steps, realised
+    return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts))
 
 
 def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequence[Sequence[int]],
@@ -102,8 +105,7 @@ def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequ
     warm = prompts[0][:8]
     for tree in trees:  # engines may prepare a method on its first call
         generate_speculative(loaded.backend, warm, tree, StopRules(2, rules.stop_token_ids))
-    plain, steps, realised = time_trees(loaded, trees, prompts, rules, rounds)
-    return calibrate(acceptance, plain, steps, realised, device_name(device), threads)
+    return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
 
 
 def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], threads: int | None, max_new_tokens: int,
@@ -113,7 +115,7 @@ def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], thread
     if threads:
         torch.set_num_threads(threads)
     model = AcceptanceModel.from_dict(acceptance) if acceptance else Artifact.open(folder).acceptance
-    loaded = load(folder, backend, threads=threads)
+    loaded = load(folder, backend, threads=threads, calibrated=False)
     prompts = [prompt_ids(loaded, text, True) for text in sources]
     calibration = calibrate_backend(loaded, model, prompts, StopRules(max_new_tokens, loaded.stop_token_ids), "cpu",
                                     torch.get_num_threads())
@@ -123,7 +125,7 @@ def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], thread
 
 def report(calibration: BackendCalibration) -> str:
     lines = [f"plain step: {1e3 * calibration.plain_seconds:.2f} ms on {calibration.device}, "
-             f"{calibration.threads} threads",
+             f"{calibration.threads} threads; prefill {1e3 * calibration.prefill_seconds_per_token:.2f} ms per prompt token",
              "nodes  tokens/step (model, timed runs)  step ms  x plain  expected speed-up  tree"]
     for cost in sorted(calibration.trees, key=lambda c: c.tree.num_nodes):
         mark = " <- chosen" if cost.tree == calibration.tree else ""
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if acceptance is None:
             raise ArtifactError(f"{args.artifact} has no acceptance model; rebuild it with this streamfuse "
                                 f"(export/build.py measures one on validation dialogues)")
-        loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads)
+        loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, calibrated=False)
         prompts = inputs_for(args, loaded)
         calibration = calibrate_backend(loaded, acceptance, prompts, StopRules(args.max_new_tokens, loaded.stop_token_ids),
                                         args.device, torch.get_num_threads(), args.max_nodes, args.rounds)

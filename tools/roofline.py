@@ -45,6 +45,10 @@ DEVICES = {
                            "weights"),
     "iphone-15-pro-ane": Device(51.2e9, 35e12, 2.0, "A17 Pro Neural Engine: 35 TOPS; LPDDR5-6400 64-bit 51.2 GB/s; "
                                 "fp16 weights"),
+    # The machine calibrate measures on, to hold the model against measurements: 2 Zen 4 cores at ~3 GHz,
+    # 32 fp32 FLOPs per cycle each; the bandwidth a 24 ms fp32 ExecuTorch plain step implies (540 MB).
+    "zen4-2-cores": Device(22.5e9, 192e9, 4.0, "this benchmark VM: 2 Zen 4 cores (192 GFLOPS fp32 peak), "
+                           "22.5 GB/s as ExecuTorch's fp32 plain step implies; fp32 weights"),
 }
 
 

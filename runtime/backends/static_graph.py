@@ -132,8 +132,6 @@ class StaticGraphBackend:
         self.session = session
         self.spec = spec
         self.use_greedy_step = use_greedy_step
-        # What greedy runs of the default tree (the benchmarks' setting) do: greedy_step's schedule, else deferred.
-        self.stream_schedule = spec.greedy_schedules[0] if self.use_greedy_step else "deferred"
         self.name = session.name
         self.device = device
         self.num_streams = spec.num_streams
@@ -180,6 +178,10 @@ class StaticGraphBackend:
         self._pending = (new_keys, new_values)
         source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
         return StepOutput(logits.float(), source)
+
+    def stream_schedule(self, tree: TreeSpec) -> str:
+        """Where a greedy step of `tree` runs its streams (greedy_step's schedule), else deferred."""
+        return self.spec.greedy_schedules[self.spec.tree_index(tree)] if self.use_greedy_step else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
