@@ -145,7 +145,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="test inputs for the backend parity check")
     parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
     parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.calibration_inputs < 1:
+        parser.error(f"--calibration-inputs must be >= 1 (validation inputs to time), got {args.calibration_inputs}")
+    return args
 
 
 def export_config(args: argparse.Namespace) -> ExportConfig:
@@ -375,7 +378,7 @@ class Build:
                      zip(self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers)]
             return acceptance_model(model, items, self.pad_id).to_dict()
 
-        return AcceptanceModel.from_dict(self.cached("acceptance", self.eval_key(model_key(ss_dir)) + " acceptance/2",
+        return AcceptanceModel.from_dict(self.cached("acceptance", self.eval_key(model_key(ss_dir)) + " acceptance",
                                                      compute))
 
     def calibration_sources(self) -> list[str]:

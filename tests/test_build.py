@@ -222,3 +222,9 @@ def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tin
     for name, value in first.items():
         assert torch.equal(value, second[name]), name
     assert any(value.abs().sum() > 0 and "init" in name for name, value in first.items())  # f_eta: random, not zeros
+
+
+def test_calibration_inputs_below_one_are_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        build.parse_args(["--calibration-inputs", "0"])
+    assert "--calibration-inputs must be >= 1" in capsys.readouterr().err
