@@ -89,7 +89,7 @@ class Session:
         initialisation), and would otherwise be charged to whichever pane runs first."""
         loaded = self._loaded()
         streams = loaded.backend.num_streams
-        # Static graphs take only the tree they were exported for; a checkpoint takes any that fits its streams.
+        # An artifact: its calibrated (or default) tree, which its graphs have; a checkpoint takes any that fits.
         tree = "" if loaded.tree is not None else f"gamma={min(3, streams)},k=2"
         for method in METHODS:
             if method.drafts and not streams:

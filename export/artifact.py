@@ -408,10 +408,3 @@ def export_stages(arguments: tuple, backends: list[str]) -> None:
         result = builder._stage(backend, lambda b=backend: builder._export(b))
         builder._parity_stage(backend, result["files"])
 
-
-def update_manifest(artifact: Path, **fields) -> None:
-    """Add results (eval, profile) to a finished artifact's manifest (atomic rewrite)."""
-    path = Path(artifact) / MANIFEST
-    manifest = Artifact.open(artifact).manifest
-    manifest.update(fields)
-    write_json(path, manifest)

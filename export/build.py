@@ -47,7 +47,7 @@ from streamfuse.adapters.lora import add_lora  # noqa: E402
 from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
 from streamfuse.export import report  # noqa: E402
 from streamfuse.export.artifact import (  # noqa: E402
-    DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig, update_manifest,
+    DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig,
 )
 from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export  # noqa: E402
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
@@ -447,7 +447,7 @@ class Build:
         result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
                                   self.args.threads, artifact.parent / f"{artifact.name}-profile")
         result.update(limit=limit, backend_choice=backend)
-        update_manifest(artifact, profile=result)
+        Artifact.open(artifact).update(profile=result)
         return result
 
     def evaluate_zero_shot(self) -> dict:

@@ -93,6 +93,11 @@ class Artifact:
                                 f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
                                 f"{self.path} --backend {backend}") from None
 
+    def update(self, **fields) -> None:
+        """Add results (the build's profile) to the manifest."""
+        self.manifest.update(fields)
+        self._write()
+
     def save_acceptance(self, acceptance: AcceptanceModel) -> None:
         """Record the acceptance model; another one than recorded drops the backends' calibrations,
         whose expected tokens came from it."""

@@ -56,8 +56,7 @@ def device_name(device: str = "cpu") -> str:
 def candidates(loaded: Loaded, acceptance: AcceptanceModel, max_nodes: int) -> list[TreeSpec]:
     """The trees this backend can run: an artifact's exported graphs, or (torch) the best of each size."""
     if loaded.trees:
-        usable = [tree for tree in loaded.trees if tree.depth <= loaded.backend.num_streams]
-        return usable
+        return list(loaded.trees)
     return list(acceptance.best_trees(min(max_nodes, loaded.backend.max_positions)).values())
 
 
