@@ -10,19 +10,14 @@ token (bold), with live tokens/s, model calls, call reduction and mean accepted 
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
-# Run as a script, Python would put apps/ first on sys.path, where its modules (examples.py,
-# stats.py, ...) would shadow same-named top-level modules of other packages.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-
-from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend  # noqa: E402
+from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples
+from streamfuse.runtime import cli
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,9 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--screenshot", type=Path, default=None,
                         help="save a PNG of the window when the autorun (or the load) is done")
     parser.add_argument("--quit-after", action="store_true", help="exit after the autorun / screenshot")
+    cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.autorun and args.artifact is None:
         parser.error("--autorun needs --artifact")
+    if args.threads is not None and args.threads < 1 or args.max_new_tokens < 1:
+        parser.error("--threads and --max-new-tokens must be >= 1")
+    if args.examples != DEFAULT_EXAMPLES and not args.examples.is_file():
+        parser.error(f"--examples {args.examples}: no such file")
     return args
 
 
@@ -94,4 +94,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, prog="streamfuse-demo"))

@@ -15,9 +15,10 @@ from streamfuse.apps.markup import Segment, SegmentBuilder
 from streamfuse.apps.stats import RunStats
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, choose_tree, prompt_ids, run
+from streamfuse.runtime.generate import DEFAULT_TREE, choose_tree, prompt_ids, run
 from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 
 BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
               "or `python export/build.py --task dialogsum --preset smoke` (minutes), then open "
@@ -119,8 +120,8 @@ class Session:
         method_named(request.method)
         rules = StopRules(request.max_new_tokens, self._loaded().stop_token_ids)
         tree = choose_tree(request.tree or None, self._loaded())
-        return DecodeSettings(request.method, tree, rules, SamplingConfig(request.temperature), None, request.seed,
-                              self._loaded().fallback(tree))
+        return DecodeSettings(request.method, rules, tree=tree, sampling=SamplingConfig(request.temperature),
+                              seed=request.seed, fallback=self._loaded().fallback(tree))
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
         """Run one generation; `on_update(new_segments, stats)` after every model call.

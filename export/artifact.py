@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -26,8 +27,8 @@ from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weigh
 from streamfuse.export import graph
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
-from streamfuse.export.verify import EagerSession, backend_parity, eager_tokens
-from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, file_digest
+from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
+from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
@@ -111,11 +112,12 @@ class ArtifactBuilder:
     calibration section starts empty: the build's calibrate stage fills it (export/build.py)."""
 
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
-                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None):
+                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = ()):
         config.validate()
-        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft)  # for worker processes
+        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names)  # for workers
         self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
+        self.prompt_names = tuple(prompt_names)[: config.parity_prompts]  # for a parity failure's message
         self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"),
                               weights_digest(checkpoint), draft)
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
@@ -125,7 +127,11 @@ class ArtifactBuilder:
     def existing(self) -> dict | None:
         """The manifest of a finished artifact with the same settings, if there is one."""
         if (self.out / MANIFEST).is_file():
-            manifest = Artifact.open(self.out).manifest
+            try:
+                manifest = Artifact.open(self.out).manifest
+            except ArtifactError as error:  # another schema: replaced once this build is complete
+                print(f"[export] {self.out} will be replaced: {error}", flush=True)
+                return None
             if manifest.get("build_key") == self.key:
                 return manifest
         return None
@@ -147,6 +153,7 @@ class ArtifactBuilder:
         formats = {backend: done["format"] for backend, done in exported.items()}
         seconds = {backend: done["seconds"] for backend, done in exported.items()}
         parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
+        self._gate(parity)
         manifest = self._manifest(files, parity, seconds, formats)
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if self.out.exists():
@@ -154,6 +161,16 @@ class ArtifactBuilder:
         self.staging.rename(self.out)
         shutil.rmtree(self.out / "done")  # kept until the rename, so an interrupted swap still resumes
         return manifest
+
+    def _gate(self, parity: dict[str, dict]) -> None:
+        """Refuse an artifact that is not lossless: the staging folder goes (a rerun exports afresh,
+        for a fixed exporter), the installed artifact stays as it was."""
+        try:
+            for backend, result in parity.items():
+                check_parity(backend, result, against_eager=self.format(backend) == "none", names=self.prompt_names)
+        except ParityError:
+            shutil.rmtree(self.staging)
+            raise
 
     # --- stages -----------------------------------------------------------------------------
     def _seed(self, manifest: dict) -> None:

@@ -21,50 +21,47 @@ Stages (each one reuses its output when rerun with the same settings):
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-# Run as a script, Python would put export/ first on sys.path, where data.py, config.py and
-# train.py would shadow same-named top-level modules of other packages.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import torch
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor  # noqa: E402
-
-import torch  # noqa: E402
-
-from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model  # noqa: E402
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest  # noqa: E402
-from streamfuse.adapters.config import StreamConfig  # noqa: E402
-from streamfuse.adapters.lora import add_lora  # noqa: E402
-from streamfuse.adapters.model import SpeculativeStreamingLM  # noqa: E402
-from streamfuse.export import report  # noqa: E402
-from streamfuse.export.artifact import (  # noqa: E402
+from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, load_base_model
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
+from streamfuse.adapters.config import StreamConfig
+from streamfuse.adapters.lora import add_lora
+from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export import report
+from streamfuse.export.artifact import (
     DEFAULT_BACKENDS, RUNS_HERE, ArtifactBuilder, ExportConfig,
 )
-from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export  # noqa: E402
-from streamfuse.export.draft_vocab import DraftVocab, draft_vocab  # noqa: E402
-from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset  # noqa: E402
-from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text  # noqa: E402
-from streamfuse.export.distill import distill_rows, self_distilled  # noqa: E402
-from streamfuse.export.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,  # noqa: E402
+from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
+from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
+from streamfuse.export.config import MAIN_TARGETS, PRESETS, BuildConfig, preset
+from streamfuse.export.data import Encoded, encode, prompt_format, prompt_text
+from streamfuse.export.distill import distill_rows, self_distilled
+from streamfuse.export.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,
                                           stream_accuracy, task_quality)
-from streamfuse.export.frozen_states import FrozenStates  # noqa: E402
-from streamfuse.export.tasks import TASKS, get_task  # noqa: E402
-from streamfuse.export.tasks.base import UNLABELLED  # noqa: E402
-from streamfuse.export.profiling import profile_artifact  # noqa: E402
-from streamfuse.export.train import train  # noqa: E402
-from streamfuse.runtime.artifact import Artifact  # noqa: E402
-from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration  # noqa: E402
-from streamfuse.runtime.loader import fastest_backend  # noqa: E402
-from streamfuse.tools.calibrate import calibrate_sources  # noqa: E402
+from streamfuse.export.frozen_states import FrozenStates
+from streamfuse.export.tasks import TASKS, get_task
+from streamfuse.export.tasks.base import UNLABELLED
+from streamfuse.export.profiling import profile_artifact
+from streamfuse.export.train import train
+from streamfuse.export.lock import exclusive
+from streamfuse.export.verify import ParityError
+from streamfuse.runtime import cli
+from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.loader import fastest_backend
+from streamfuse.tools.calibrate import calibrate_sources
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -145,7 +142,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="test inputs for the backend parity check")
     parser.add_argument("--profile-limit", type=int, default=20, help="test inputs for the profile stage (0 skips it)")
     parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
+    cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
+    args.out = args.out or Path("artifacts") / args.task
     if args.calibration_inputs < 1:
         parser.error(f"--calibration-inputs must be >= 1 (validation inputs to time), got {args.calibration_inputs}")
     return args
@@ -336,7 +335,7 @@ class Build:
         return result
 
     def eval_key(self, checkpoint_key: str) -> str:
-        return json.dumps([checkpoint_key, dataclasses.asdict(self.config.eval), self.config.data.test_limit,
+        return json.dumps([EVAL_FORMAT, checkpoint_key, dataclasses.asdict(self.config.eval), self.config.data.test_limit,
                            self.config.data.validation_limit, self.config.data.max_source_tokens])
 
     def quality(self, model, label: str) -> dict:
@@ -360,8 +359,7 @@ class Build:
                     "stream_accuracy": stream_accuracy(model, self.validation_items, self.pad_id, ev.top_k),
                     "stream_accuracy_own": stream_accuracy(model, own, self.pad_id, ev.top_k)}
 
-        # "own:test": own-answer accuracy moved from validation to the test answers (older results recompute).
-        return self.cached(label, self.eval_key(key) + (" own:test" if with_streams else ""), compute)
+        return self.cached(label, self.eval_key(key), compute)
 
     # --- calibrate --------------------------------------------------------------------------
     def acceptance(self, ss_dir: Path) -> AcceptanceModel:
@@ -417,7 +415,7 @@ class Build:
 
     # --- export, verify, profile ----------------------------------------------------------
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:
-        out = self.args.out or Path("artifacts") / self.task.name
+        out = self.args.out
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         info = {"preset": self.config.preset, "eval": summary}
         ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
@@ -441,13 +439,18 @@ class Build:
         stored = manifest.get("profile")
         if stored and stored.get("limit") == limit and stored.get("backend_choice") == backend:
             print(f"[profile] reusing the profile in {artifact / 'manifest.json'}", flush=True)
-            return stored
-        sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
-        # A fresh process: its peak memory is the runtime's own, not this one's from training.
-        result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
-                                  self.args.threads, artifact.parent / f"{artifact.name}-profile")
-        result.update(limit=limit, backend_choice=backend)
-        Artifact.open(artifact).update(profile=result)
+            result = stored
+        else:
+            sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
+            # A fresh process: its peak memory is the runtime's own, not this one's from training.
+            result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
+                                      self.args.threads, artifact.parent / f"{artifact.name}-profile")
+            result.update(limit=limit, backend_choice=backend)
+            Artifact.open(artifact).update(profile=result)
+        if result["bench"]["mismatched_inputs"]:
+            raise ParityError(f"profile: SS differs from plain decoding on {backend} for test inputs "
+                              f"{', '.join(result['bench']['mismatched_inputs'])} (recorded in {artifact}/manifest.json "
+                              f"under profile): the artifact is not lossless; report it with that manifest")
         return result
 
     def evaluate_zero_shot(self) -> dict:
@@ -457,6 +460,9 @@ class Build:
 
         return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
 
+
+# Cached evaluations (eval/*.json under the run folder) of another format are computed again.
+EVAL_FORMAT = "eval/2"
 
 # Tokens per timed calibration run: enough steps for a median, few enough that 15 candidate trees on 4
 # inputs take a few minutes on 2 cores.
@@ -475,9 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = build_config(args)
-    export = export_config(args)  # bad export flags fail before hours of training
+    config = cli.usage(lambda: build_config(args))
+    export = cli.usage(lambda: export_config(args))  # bad export flags fail before hours of training
     build = Build(args, config)
+    with exclusive(build.run_dir), exclusive(args.out):  # one build per checkpoint run and artifact folder
+        return run_build(args, config, export, build)
+
+
+def run_build(args: argparse.Namespace, config: BuildConfig, export: ExportConfig, build: "Build") -> int:
     build.load_data()
     # The model users open is always <run>/ss; with self-distillation, its first stage sits beside it.
     ss_dir = build.ensure_trained("ss_stage1" if config.distill.enabled else "ss", with_streams=True)
@@ -512,4 +523,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, prog="build.py"))

@@ -105,6 +105,10 @@ class EvalConfig:
     top_k: int = 5  # stream accuracy is reported as top-1 and top-k
 
 
+# TrainConfig fields that only the streams use: the next-token baseline's key leaves them out.
+STREAM_TRAIN_FIELDS = ("stream_weight", "pruning_weight", "stream_lr_scale", "init_lr_scale")
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     preset: str
@@ -117,39 +121,24 @@ class BuildConfig:
 
     def training_key(self, task: str, base_model: str, with_streams: bool) -> str:
         """Hash of everything that determines the trained weights: a checkpoint is reused only
-        when this matches. The next-token baseline ignores the stream settings."""
-        payload = {"task": task, "base": base_model, "lora": asdict(self.lora), "data": asdict(self.data),
-                   "train": asdict(self.train)}
-        payload["data"].pop("test_limit")
-        if self.data.train_on_validation_rest:  # then validation_limit decides which rows train
-            payload["data"]["train_on_validation_rest"] = True
-        else:  # added later: older checkpoints' keys stay valid
-            for field_name in ("validation_limit", "train_on_validation_rest"):
-                payload["data"].pop(field_name)
-        if self.train.init_lr_scale == 1.0:  # added later: older checkpoints' keys stay valid
-            payload["train"].pop("init_lr_scale")
+        when this matches. The next-token baseline ignores the stream settings; the test cut and,
+        unless its rest trains, the validation cut do not change what trains."""
+        data, train = asdict(self.data), asdict(self.train)
+        data.pop("test_limit")
+        if not self.data.train_on_validation_rest:
+            data.pop("validation_limit")
+        payload = {"task": task, "base": base_model, "lora": asdict(self.lora), "data": data, "train": train}
         if with_streams:
             payload["streams"] = asdict(self.streams)
-            if not self.streams.init_per_stream:  # added later: older checkpoints' keys stay valid
-                payload["streams"].pop("init_per_stream")
         else:
-            for field_name in ("stream_weight", "pruning_weight", "stream_lr_scale", "init_lr_scale"):
-                payload["train"].pop(field_name, None)
+            for field_name in STREAM_TRAIN_FIELDS:
+                train.pop(field_name)
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
         return digest + ("-ss" if with_streams else "-lora")
 
     def distill_key(self, first_stage_key: str) -> str:
         """The distilled model depends on the first stage, the answers' length and the stage's recipe."""
-        distill = asdict(self.distill)
-        if not self.distill.init_rank:  # added later: older checkpoints' keys stay valid
-            for name in ("init_rank", "init_per_stream"):
-                distill.pop(name)
-        if not self.distill.with_references:
-            distill.pop("with_references")
-        if not self.distill.unlabelled:
-            distill.pop("unlabelled")
-        payload = {"first": first_stage_key, "distill": distill, "answer_tokens": self.data.max_target_tokens,
-                   "finished_answers_only": True}
+        payload = {"first": first_stage_key, "distill": asdict(self.distill), "answer_tokens": self.data.max_target_tokens}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
 
     def as_dict(self) -> dict:

@@ -1,5 +1,5 @@
 """The build's last stage: decode test inputs with the artifact, SS and plain interleaved, and
-profile where the speed-up comes from (tools/bench.py's loop, tools/profile.py's report).
+profile where the speed-up comes from (tools/bench.py's loop, tools/profiler.py's report).
 The build runs it in a fresh process, so the peak memory it reports is the runtime's alone."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DecodeSettings, Request
+from streamfuse.runtime.generate import Request
 from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
-from streamfuse.tools import bench, profile
+from streamfuse.tools import bench, profiler
 
 
 def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,
@@ -26,7 +26,7 @@ def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]
         torch.set_num_threads(threads)  # the torch backend's; the exported engines take it from load()
     loaded = load(artifact, backend, threads=threads)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
-    ss = DecodeSettings("ss", loaded.tree, rules, SamplingConfig(), None, 0, loaded.fallback(loaded.tree))
+    ss = DecodeSettings("ss", rules, tree=loaded.tree, fallback=loaded.fallback(loaded.tree))
     ar = replace(ss, method="ar")
     meta = dict(backend=loaded.backend.name, device="cpu", num_streams=loaded.backend.num_streams, threads=threads)
     traces = {"ss": Trace(method="ss", tree=loaded.tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}
@@ -35,8 +35,9 @@ def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]
     out.mkdir(parents=True, exist_ok=True)
     for name, trace in traces.items():
         trace.save(out / f"trace_{name}.json")
-    metrics = profile.profile_files(out / "trace_ss.json", out / "trace_ar.json")
-    profile.write_report(metrics, out / "profile")
+    metrics = profiler.profile_files(out / "trace_ss.json", out / "trace_ar.json")
+    profiler.write_report(metrics, out / "profile")
     summary = bench.summarise(rows)
-    summary.update(backend=loaded.backend.name, threads=threads, load_average=[load_start, os.getloadavg()[0]])
+    summary.update(backend=loaded.backend.name, threads=threads, load_average=[load_start, os.getloadavg()[0]],
+                   mismatched_inputs=[r["id"] for r in rows if not r["same_tokens"]])
     return {"bench": summary, "profile": {k: v for k, v in metrics.items() if k not in ("runs", "meta")}}

@@ -9,6 +9,8 @@ Two checks per backend, on the same prompts:
 The first numeric prompt runs the separate step + streams calls (what sampling uses), the others
 greedy_step. The artifact's other draft trees decode the first `plain_prompts` prompts too, each
 against the backend's own plain decoding (lossless on every tree calibration may pick).
+Every differing prompt is recorded with its first differing token; `check_parity` refuses the
+artifact on any (a low-bit format: on any against its own plain decoding; docs/low-bit.md).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend, base_method
 from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.settings import DecodeSettings
 
 # Absolute tolerance per output, relative to the output's largest magnitude (fp32 graphs).
 RELATIVE_TOLERANCE = 1e-4
+EAGER, OWN_PLAIN = "SS vs torch eager fp32", "SS vs its own plain decoding"
+
+
+class ParityError(ValueError):
+    """An exported backend is not lossless: the build refuses the artifact."""
 
 
 class EagerSession:
@@ -65,7 +73,7 @@ class ReplaySession:
 
 def eager_tokens(eager: TorchBackend, tree, prompts: Sequence[Sequence[int]], rules: StopRules) -> list[list[int]]:
     """Greedy SS tokens of the torch eager model: the reference of every backend's token parity."""
-    return [generate_speculative(eager, ids, tree, rules).token_ids for ids in prompts]
+    return [generate_speculative(eager, ids, DecodeSettings("ss", rules, tree=tree)).token_ids for ids in prompts]
 
 
 def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, prompts: Sequence[Sequence[int]],
@@ -78,23 +86,61 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
     replay = ReplaySession(session, reference)
     fast = StaticGraphBackend(session, spec)
     checked = [StaticGraphBackend(replay, spec, use_greedy_step=False), StaticGraphBackend(replay, spec)]
+    mismatches: list[dict] = []
+
+    def same(check: str, index: int, got: list[int], want: Sequence[int]) -> bool:
+        position = first_difference(got, want)
+        if position is not None:
+            mismatches.append({"check": check, "prompt": index, "position": position})
+        return position is None
+
     same_as_eager = same_as_plain = 0
     plain = []
     for index, (ids, want) in enumerate(zip(prompts, expected)):
         backend = checked[min(index, 1)] if index < numeric_prompts else fast
-        tokens = generate_speculative(backend, ids, spec.tree, rules).token_ids
-        same_as_eager += tokens == list(want)
+        tokens = generate_speculative(backend, ids, DecodeSettings("ss", rules, tree=spec.tree)).token_ids
+        same_as_eager += same(EAGER, index, tokens, want)
         if index < plain_prompts:
-            plain.append(generate_autoregressive(fast, ids, rules).token_ids)
-            same_as_plain += tokens == plain[-1]
-    others = {tree.hash(): sum(generate_speculative(fast, ids, tree, rules).token_ids == want
-                               for ids, want in zip(prompts, plain)) for tree in spec.trees[1:]}
+            plain.append(generate_autoregressive(fast, ids, DecodeSettings("ar", rules)).token_ids)
+            same_as_plain += same(OWN_PLAIN, index, tokens, plain[-1])
+    others = {}
+    for tree in spec.trees[1:]:
+        settings = DecodeSettings("ss", rules, tree=tree)
+        others[tree.hash()] = sum(same(f"{OWN_PLAIN}, tree {tree.hash()}", index,
+                                       generate_speculative(fast, ids, settings).token_ids, want)
+                                  for index, (ids, want) in enumerate(zip(prompts, plain)))
     tolerance = {} if relative_tolerance is None else {
         k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}
     return {"prompts": len(prompts), "ss_equals_torch_eager": same_as_eager,
             "plain_prompts": min(plain_prompts, len(prompts)), "ss_equals_own_plain": same_as_plain,
             "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others},
             "numeric_prompts": min(numeric_prompts, len(prompts)), "tolerance": tolerance,
-            "max_abs_diff": replay.max_diff,
+            "max_abs_diff": replay.max_diff, "mismatches": mismatches,
             "within_tolerance": None if relative_tolerance is None else
             all(replay.max_diff[k] <= tolerance[k] for k in tolerance)}
+
+
+def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """The first token index where two outputs differ (the shorter one's end if one is a prefix); None if equal."""
+    for index, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return index
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def check_parity(backend: str, result: dict, against_eager: bool, names: Sequence[str] = ()) -> None:
+    """ParityError naming the backend, the prompt and the first differing token, unless `result`
+    (backend_parity's) is lossless: SS equals its own plain decoding on every tree, and with
+    against_eager (fp32 graphs) also torch eager's tokens, every step output within tolerance.
+    names: the prompts' input ids (dialogue ids), for the message."""
+    failed = [m for m in result["mismatches"] if against_eager or m["check"] != EAGER]
+    if failed:
+        first = failed[0]
+        prompt = names[first["prompt"]] if first["prompt"] < len(names) else f"parity prompt {first['prompt']}"
+        raise ParityError(f"parity failed on {backend}: {first['check']} differs on {prompt} from generated token "
+                          f"{first['position']} ({len(failed)} mismatches in all); the artifact was not installed")
+    if against_eager and result["within_tolerance"] is False:
+        over = sorted(k for k,
+                      diff in result["max_abs_diff"].items() if diff > result["tolerance"].get(k, float("inf")))
+        raise ParityError(f"parity failed on {backend}: step outputs {', '.join(over)} differ from torch eager beyond "
+                          f"tolerance ({RELATIVE_TOLERANCE:g} relative); the artifact was not installed")

@@ -25,7 +25,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/5"  # /5: several draft trees (step_i, greedy_step_i) and their calibration
+SCHEMA = "streamfuse.artifact/6"  # /6: parity records each mismatch (prompt, first differing token)
 MANIFEST = "manifest.json"
 
 

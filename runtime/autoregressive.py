@@ -6,23 +6,24 @@ from collections.abc import Callable, Sequence
 
 from streamfuse.runtime.backends.base import Backend
 from streamfuse.runtime.decode import DecodeRun, GenerationResult, StepEvent, notify
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig, choose
+from streamfuse.runtime.sampling import choose
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 
 
 def generate_autoregressive(
     backend: Backend,
     prompt_ids: Sequence[int],
-    rules: StopRules,
-    sampling: SamplingConfig = SamplingConfig(),
+    settings: DecodeSettings,
+    *,
     trace: Trace | None = None,
     run_id: str = "0",
     on_step: Callable[[StepEvent], None] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
-    seed: int = 0,
 ) -> GenerationResult:
-    run = DecodeRun.begin(backend, prompt_ids, rules, None, trace, run_id, decode, seed)
+    """One model call per token; settings.tree, prune and fallback do not apply."""
+    sampling = settings.sampling
+    run = DecodeRun.begin(backend, prompt_ids, settings.rules, None, trace, run_id, decode, settings.seed)
     with run.span("prefill"):
         token = choose(backend.prefill(prompt_ids, with_streams=False).main_logits[0], sampling, run.generator)
     run.record.model_calls = 1

@@ -18,9 +18,10 @@ import torch
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import Backend, PruneConfig
 from streamfuse.runtime.emitter import Emitter, StopRules
-from streamfuse.runtime.fallback import Fallback, FallbackConfig
+from streamfuse.runtime.fallback import Fallback
 from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.sampling import SamplingConfig, choose
+from streamfuse.runtime.sampling import choose
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import RunRecord, StepRecord, Switch, Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -121,20 +122,18 @@ class DecodeRun:
 def generate_speculative(
     backend: Backend,
     prompt_ids: Sequence[int],
-    tree: TreeSpec,
-    rules: StopRules,
-    sampling: SamplingConfig = SamplingConfig(),
+    settings: DecodeSettings,
+    *,
     trace: Trace | None = None,
     run_id: str = "0",
     on_step: Callable[[StepEvent], None] | None = None,
-    prune: PruneConfig | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
-    seed: int = 0,
-    fallback: FallbackConfig | None = None,
 ) -> GenerationResult:
-    """fallback: switch to plain decoding while speculation does not pay (runtime/fallback.py)."""
+    """settings.tree drafts; settings.fallback switches to plain decoding while speculation does not
+    pay (runtime/fallback.py). decode: token ids -> text, for stop strings."""
+    tree, sampling, fallback = settings.tree, settings.sampling, settings.fallback
     tree.check_streams(backend.num_streams)
-    run = DecodeRun.begin(backend, prompt_ids, rules, tree, trace, run_id, decode, seed)
+    run = DecodeRun.begin(backend, prompt_ids, settings.rules, tree, trace, run_id, decode, settings.seed)
     target = lambda logits: choose(logits, sampling, run.generator)  # noqa: E731
     width = max(tree.widths)
     with run.span("prefill"):
@@ -145,7 +144,7 @@ def generate_speculative(
     notify(on_step, run.emitter.emit([root]), 0, [])
     lookup = PromptLookup([*prompt_ids, root]) if tree.lookup else None
     switch = Fallback(fallback) if fallback is not None else None
-    speculate = Speculation(run, tree, target, prune, sampling.greedy, lookup)
+    speculate = Speculation(run, tree, target, settings.prune, sampling.greedy, lookup)
     while not run.emitter.done:
         if switch is not None and not switch.speculating:
             root, fresh = plain_token(run, root, target, width if switch.last_plain_token else 0, lookup, on_step)

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
+from streamfuse.runtime import cli
 from streamfuse.runtime.autoregressive import generate_autoregressive
-from streamfuse.runtime.backends.base import PruneConfig, prune_config
+from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.decode import GenerationResult, generate_speculative
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -37,32 +38,19 @@ class Request:
     text: str  # task source (with --task) or a plain user message
 
 
-@dataclass(frozen=True)
-class DecodeSettings:
-    method: str  # "ss" or "ar"
-    tree: TreeSpec
-    rules: StopRules
-    sampling: SamplingConfig
-    prune: PruneConfig | None
-    seed: int
-    fallback: FallbackConfig | None = None  # plain decoding where speculation does not pay (runtime/fallback.py)
-
-
 def read_requests(path: Path, loaded: Loaded, as_task: bool, limit: int | None) -> Iterator[Request]:
     """JSON lines: with --task, each row gives the task's source fields (e.g. "dialogue") or
-    "source"; otherwise each row needs "prompt". Ids come from "id", "fname" or the line number."""
-    with Path(path).open(encoding="utf-8") as handle:
+    "source"; otherwise each row needs "prompt". Ids come from "id", "fname" or the line number.
+    A file with no input is an error, not an empty run."""
+    with Path(path).open("rb") as handle:
         count = 0
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
+        for number, raw in enumerate(handle, 1):
             if limit is not None and count >= limit:
                 return
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
             where = f"{path}:{number}"
+            row = _json_row(raw, where)
+            if row is None:
+                continue
             if as_task:
                 text = loaded.prompt.fill_source(row, where)
             elif isinstance(row.get("prompt"), str):
@@ -71,6 +59,33 @@ def read_requests(path: Path, loaded: Loaded, as_task: bool, limit: int | None) 
                 raise ValueError(f"{where}: needs a 'prompt' field (or pass --task to read the task's fields)")
             count += 1
             yield Request(str(row.get("id", row.get("fname", number))), text)
+    if count == 0:
+        raise ValueError(f"--input-file {path}: no inputs (one JSON object per line)")
+
+
+def _json_row(raw: bytes, where: str) -> dict | None:
+    """One line's JSON object; None for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not UTF-8 text ({error.reason} at byte {error.start}): save the file as "
+                         f"UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a line must be one JSON object, got {type(row).__name__}")
+    return row
+
+
+def source_overflow(loaded: Loaded, text: str, as_task: bool) -> int:
+    """How many of a task source's tokens the prompt cuts off (as training did); 0 when it fits."""
+    if not as_task:
+        return 0
+    return loaded.prompt.overflow(loaded.tokenizer, text)
 
 
 def prompt_ids(loaded: Loaded, text: str, as_task: bool) -> list[int]:
@@ -85,12 +100,9 @@ def prompt_ids(loaded: Loaded, text: str, as_task: bool) -> list[int]:
 
 def run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Trace | None = None,
         run_id: str = "0", on_step=None) -> GenerationResult:
-    decode = loaded.tokenizer.decode
-    if settings.method == "ar":
-        return generate_autoregressive(loaded.backend, ids, settings.rules, settings.sampling, trace, run_id, on_step,
-                                       decode, settings.seed)
-    return generate_speculative(loaded.backend, ids, settings.tree, settings.rules, settings.sampling, trace, run_id,
-                                on_step, settings.prune, decode, settings.seed, settings.fallback)
+    generate = generate_autoregressive if settings.method == "ar" else generate_speculative
+    return generate(loaded.backend, ids, settings, trace=trace, run_id=run_id, on_step=on_step,
+                    decode=loaded.tokenizer.decode)
 
 
 def result_record(request: Request, loaded: Loaded, result: GenerationResult, settings: DecodeSettings) -> dict:
@@ -140,9 +152,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--trace", type=Path, default=None, help="write a decode trace (JSON) for tools/profile.py")
+    parser.add_argument("--trace", type=Path, default=None, help="write a decode trace (JSON) for tools/profiler.py")
     parser.add_argument("--json", action="store_true", help="print one JSON object per input instead of text")
+    cli.add_debug_flag(parser)
     return parser.parse_args(argv)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse bad values before the (slow) model load."""
+    cli.check(args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}")
+    cli.check(args.limit is None or args.limit >= 1, f"--limit must be >= 1, got {args.limit}")
+    cli.check(args.input_file is None or args.input_file.is_file(), f"--input-file {args.input_file}: no such file")
+    cli.usage(lambda: StopRules(args.max_new_tokens))
+    cli.usage(lambda: SamplingConfig(args.temperature, args.top_k, args.top_p))
+    cli.usage(lambda: prune_config(args.prune_threshold, args.prune_budget))
+    if args.tree is not None:
+        cli.usage(lambda: TreeSpec.parse(args.tree))
 
 
 def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
@@ -155,33 +180,39 @@ def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
 def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
     tree = choose_tree(args.tree, loaded)
+    if args.method == "ss":
+        cli.usage(lambda: loaded.check_tree(tree))
     fallback = loaded.fallback(tree) if args.fallback == "auto" else None
-    return DecodeSettings(args.method, tree, rules, SamplingConfig(args.temperature, args.top_k, args.top_p),
+    return DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
                           prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    StopRules(args.max_new_tokens)  # reject bad limits before the (slow) model load
     backend = args.backend or fastest_backend(args.artifact)
     loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
     settings = settings_from(args, loaded)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:
-        raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "
+        raise cli.UsageError(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "
                          f"use that task name or drop --task")
     if as_task and loaded.prompt is None:
-        raise SystemExit(f"--task {args.task}: {args.artifact} records no prompt format; rerun export/build.py "
+        raise cli.UsageError(f"--task {args.task}: {args.artifact} records no prompt format; rerun export/build.py "
                          f"(it adds it without retraining) or pass plain prompts without --task")
     requests = [Request("0", args.prompt)] if args.prompt is not None else read_requests(args.input_file, loaded, as_task, args.limit)
     trace = Trace(enabled=args.trace is not None, backend=loaded.backend.name, device=args.device, method=settings.method,
                   num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method == "ss" else None,
                   threads=torch.get_num_threads())
     for request in requests:
+        cut = source_overflow(loaded, request.text, as_task)
+        if cut:
+            print(f"warning: input {request.id}: the source is {cut} tokens over the {loaded.prompt.max_source_tokens} "
+                  f"the model was fine-tuned on; its end is cut", file=sys.stderr)
         result = run(loaded, prompt_ids(loaded, request.text, as_task), settings, trace, request.id)
-        record = result_record(request, loaded, result, settings)
+        record = {**result_record(request, loaded, result, settings), "source_truncated": cut > 0}
         print(json.dumps(record) if args.json else f"[{record['id']}] {record['text']}\n  ({record['new_tokens']} tokens, "
               f"{record['model_calls']} calls, CR {record['call_reduction']:.2f}, {record['seconds']:.2f} s)", flush=True)
     if args.trace is not None:
@@ -190,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

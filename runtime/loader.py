@@ -47,6 +47,11 @@ class Loaded:
             return self.calibration.tree
         return self.default_tree
 
+    def check_tree(self, tree: TreeSpec) -> None:
+        """ValueError naming the trees the backend has graphs for, unless it can run `tree`."""
+        if self.trees is not None:
+            self.backend.spec.tree_index(tree)
+
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration."""
         cost = self.calibration.step_cost(tree) if self.calibration is not None else None

@@ -25,6 +25,10 @@ class PromptFormat:
             raise ValueError(f"{where}: lacks field {missing}; this task's rows need "
                              f"{self.source_template!r} fields or a 'source' field") from None
 
+    def overflow(self, tokenizer, source: str) -> int:
+        """Tokens of the source past max_source_tokens, which render cuts off."""
+        return max(0, len(tokenizer(source, add_special_tokens=False)["input_ids"]) - self.max_source_tokens)
+
     def render(self, tokenizer, source: str) -> str:
         """Chat-formatted prompt text ending where the assistant's answer starts."""
         ids = tokenizer(source, add_special_tokens=False)["input_ids"]

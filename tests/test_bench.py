@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.tools import bench, bench_data, quality
 
 
@@ -139,14 +140,13 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     from dataclasses import replace
 
     from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, Request
+    from streamfuse.runtime.generate import DEFAULT_TREE, Request
     from streamfuse.runtime.loader import load
-    from streamfuse.runtime.sampling import SamplingConfig
     from streamfuse.runtime.trace import Trace
     from streamfuse.runtime.tree import TreeSpec
 
     loaded = load(checkpoint / "ckpt")
-    ss = DecodeSettings("ss", TreeSpec.parse(DEFAULT_TREE), StopRules(6, loaded.stop_token_ids), SamplingConfig(), None, 0)
+    ss = DecodeSettings("ss", StopRules(6, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))
     traces = {"ss": Trace(method="ss"), "ar": Trace(method="ar")}
     requests = [Request(str(i), "a b c") for i in range(3)]
     rows = bench.interleaved(loaded, requests, ss, replace(ss, method="ar"), traces, warmup=1)

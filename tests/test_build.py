@@ -98,6 +98,19 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
     assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
 
+    # A profile whose SS output differs from plain decoding fails the build, naming the inputs.
+    from streamfuse.runtime import cli
+    from streamfuse.runtime.artifact import Artifact
+
+    opened = Artifact.open(tmp_path / "artifact")
+    opened.update(profile={**opened.manifest["profile"], "bench": {**opened.manifest["profile"]["bench"],
+                                                                   "mismatched_inputs": ["test_1"]}})
+    argv = ["--task", "dialogsum", "--preset", "smoke", "--base-model", str(tiny_base_dir), "--data-dir", str(data),
+            "--work-dir", str(tmp_path / "work"), *export]
+    assert cli.run(build.main, argv, prog="build.py") == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err
+
     # Other first-stage weights under the same settings (a retrain, a copied-in checkpoint): what
     # was computed from the old ones is stale. The second stage trains again, from them; its new
     # weights keep their key, and still its evaluation, export and profile run again.
@@ -200,13 +213,22 @@ def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_pa
         dataclasses.replace(config.data, validation_limit=None).validate()
 
 
-def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_older_keys_stand():
+def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_the_key_follows_what_trains():
+    from dataclasses import replace
+
     from streamfuse.export.config import preset
 
     assert preset("cpu").data.train_on_validation_rest and not preset("cpu-distill").data.train_on_validation_rest
     assert (preset("cpu").lora.dropout, preset("cpu-distill").lora.dropout) == (0.0, 0.05)
-    # cpu-distill's first-stage key from before the option existed (docs/results.md's checkpoints).
-    assert preset("cpu-distill").training_key("dialogsum", "smollm2-135m-instruct", True) == "814c46a2e2617fa2-ss"
+
+    def key(config):
+        return config.training_key("dialogsum", "m", True)
+
+    for name in ("cpu", "cpu-distill"):  # the test cut never trains; the validation cut only where its rest does
+        config = preset(name)
+        assert key(config) == key(replace(config, data=replace(config.data, test_limit=7)))
+        moved = key(replace(config, data=replace(config.data, validation_limit=50)))
+        assert (moved != key(config)) == config.data.train_on_validation_rest
     off = build.build_config(build.parse_args(["--preset", "cpu", "--no-train-on-validation-rest"]))
     assert not off.data.train_on_validation_rest
 
@@ -228,3 +250,37 @@ def test_calibration_inputs_below_one_are_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         build.parse_args(["--calibration-inputs", "0"])
     assert "--calibration-inputs must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "gamma=x"], "gamma=x"),
+    (["--backends", "tflite"], "tflite"),
+])
+def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, capsys, argv, message):
+    from streamfuse.runtime import cli
+
+    argv = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--work-dir", str(tmp_path / "work"), *argv]
+    assert cli.run(build.main, argv, prog="build.py") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("build.py: error: ") and message in err
+    assert not (tmp_path / "work").exists()  # refused before any work
+
+
+def test_a_second_build_into_the_same_folder_refuses_with_one_line(tiny_base_dir, tmp_path, capsys):
+    import os
+
+    from streamfuse.export.lock import FolderBusy, exclusive
+    from streamfuse.runtime import cli
+
+    out = tmp_path / "artifact"
+    with exclusive(out):
+        with pytest.raises(FolderBusy, match=rf"being written by another build \(pid {os.getpid()}\)"):
+            with exclusive(out):
+                pass
+        argv = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--work-dir", str(tmp_path / "work"),
+                "--out", str(out)]
+        assert cli.run(build.main, argv, prog="build.py") == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("build.py: error: ") and "being written by another build" in err and "--out" in err
+    with exclusive(out):  # released with its holder
+        pass

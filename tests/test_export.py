@@ -1,5 +1,6 @@
 """Export to ExecuTorch / ONNX / Core ML on a tiny model: parity, the artifact contract, bad input."""
 
+import importlib.util
 import json
 import math
 import shutil
@@ -22,16 +23,32 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
-pytest.importorskip("executorch", reason="the executorch extra is not installed")
-pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-pytest.importorskip("coremltools", reason="the coreml extra is not installed")
+
+def installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(module) is not None for module in modules)
+
+
+# export backend -> the packages it needs; a test skips, with the reason, only for what it uses
+REQUIRES = {"torch": (), "executorch": ("executorch",), "onnx": ("onnx", "onnxruntime"), "coreml": ("coremltools",),
+            "executorch_coreml": ("executorch", "coremltools")}
+HERE = tuple(b for b in BACKENDS if installed(*REQUIRES[b]))
+
+
+def needs(*backends: str):
+    missing = [b for b in backends if b not in HERE]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed here: the packages for {', '.join(missing)}")
+
+
+# runtime backend -> its parametrization, skipped where its packages are missing
+EXPORTED = [pytest.param("executorch", marks=needs("executorch")), pytest.param("onnxruntime", marks=needs("onnx"))]
 
 # Two trees: the 15-node tree (the default) and the chain, both with streams beside every node (auto
 # would pick deferred for 15 nodes, which test_build runs), and a draft vocabulary of 60 of the tiny
 # model's 97 tokens; two export processes, as make build runs.
-CONFIG = ExportConfig(backends=BACKENDS, trees=("gamma=3,k=2", "gamma=3,k=1"), capacity=128, prefill_chunk=16,
+CONFIG = ExportConfig(backends=HERE, trees=("gamma=3,k=2", "gamma=3,k=1"), capacity=128, prefill_chunk=16,
                       parity_prompts=4, greedy_schedule="fused", workers=2)
 TREES = tuple(TreeSpec.parse(tree) for tree in CONFIG.trees)
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
@@ -61,6 +78,7 @@ def test_export_workers_do_not_change_the_artifact_key():
         ExportConfig(workers=0).validate()
 
 
+@needs("executorch", "onnx")
 def test_build_records_parity_for_backends_that_run_here(artifact):
     parity = manifest(artifact)["parity"]
     assert set(parity) == {"executorch", "onnx"}
@@ -74,7 +92,7 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
         assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4}}
 
 
-@pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
+@pytest.mark.parametrize("backend", EXPORTED)
 def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     loaded = load(artifact, backend)
     eager = load(artifact, "torch", stream_schedule="deferred")
@@ -84,11 +102,11 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     # The same shape with a prompt-lookup branch: only the host's drafts change; repeated prompts give it matches.
     lookup_tree = TreeSpec(tree.paths, lookup=(1, 1, 1))
     for ids in prompts(4, seed=1) + [ids * 2 for ids in prompts(2, seed=2)]:
-        expected = generate_autoregressive(eager.backend, ids, rules).token_ids
-        assert generate_speculative(loaded.backend, ids, tree, rules).token_ids == expected
-        assert generate_speculative(loaded.backend, ids, lookup_tree, rules).token_ids == expected
-        assert generate_speculative(loaded.backend, ids, TREES[1], rules).token_ids == expected
-        assert generate_autoregressive(loaded.backend, ids, rules).token_ids == expected
+        expected = generate_autoregressive(eager.backend, ids, DecodeSettings("ar", rules)).token_ids
+        for drafts in (tree, lookup_tree, TREES[1]):
+            settings = DecodeSettings("ss", rules, tree=drafts)
+            assert generate_speculative(loaded.backend, ids, settings).token_ids == expected
+        assert generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids == expected
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
 
 
@@ -101,27 +119,29 @@ class CountingSession:
         return self.session.run(method, inputs)
 
 
-@pytest.mark.parametrize("backend", ["executorch", "onnxruntime"])
+@pytest.mark.parametrize("backend", EXPORTED)
 def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(artifact, backend):
     loaded = load(artifact, backend)
     counting = CountingSession(loaded.backend.session)
     loaded.backend.session = counting
     rules = StopRules(30)
     drafted = []
-    result = generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules,
+    result = generate_speculative(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=loaded.tree),
                                   on_step=lambda event: drafted.extend(event.drafted))
     steps = result.run.model_calls - 1
     assert steps > 0 and counting.calls["greedy_step_0"] == steps
     assert set(drafted[3:]) <= set(DRAFT.ids)  # after the prefill's drafts, only the draft vocabulary
     assert counting.calls["streams"] == 1 and counting.calls["step_0"] == 0  # streams: the prefill's only
     counting.calls.clear()
-    generate_speculative(loaded.backend, prompts(1, seed=4)[0], loaded.tree, rules, SamplingConfig(temperature=1.0))
+    sampled = DecodeSettings("ss", rules, tree=loaded.tree, sampling=SamplingConfig(temperature=1.0))
+    generate_speculative(loaded.backend, prompts(1, seed=4)[0], sampled)
     assert counting.calls["greedy_step_0"] == 0 and counting.calls["step_0"] == counting.calls["streams"] - 1 > 0
     counting.calls.clear()
-    generate_speculative(loaded.backend, prompts(1, seed=4)[0], TREES[1], rules)
+    generate_speculative(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
     assert counting.calls["greedy_step_1"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_1"}
 
 
+@needs("onnx")
 def test_prefill_spanning_several_chunks_matches_eager(artifact):
     loaded, eager = load(artifact, "onnxruntime"), load(artifact, "torch")
     ids = prompts(1, seed=2)[0] * 3  # > 2 chunks of 16
@@ -135,6 +155,7 @@ def test_prefill_spanning_several_chunks_matches_eager(artifact):
     torch.testing.assert_close(got.stream_logits(0), want.stream_logits(0), atol=1e-4, rtol=1e-4)
 
 
+@needs("executorch", "onnx")
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)
     assert data["schema"] == SCHEMA
@@ -152,9 +173,10 @@ def test_manifest_describes_the_graphs(artifact):
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
     assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"],
                                              "draft_vocab": {"size": 60, "coverage": 0.5}}
-    assert {"torch", "executorch", "onnx", "coremltools"} <= set(data["versions"])
+    assert {"torch", "executorch", "onnx"} <= set(data["versions"])
 
 
+@needs("executorch")
 def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(artifact):
     """No input is planned into the program's arena (the KV cache would be copied in every call),
     and the session loads the methods with XNNPACK's weight cache on."""
@@ -171,12 +193,14 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
     assert ExecuTorchSession(pte, threads=1).shares_weights
 
 
+@needs("executorch", "onnx")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tools.memory reads /proc")
 def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, tmp_path):
     from streamfuse.tools import memory
 
     out = tmp_path / "memory.json"
-    assert memory.main(["--artifact", str(artifact), "--backends", "executorch,onnxruntime,coreml", "--task",
+    engines = "executorch,onnxruntime" + (",coreml" if "coreml" in HERE else "")
+    assert memory.main(["--artifact", str(artifact), "--backends", engines, "--task",
                         "dialogsum", "--limit", "1", "--threads", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
     rows = {r["backend"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"executorch", "onnxruntime"}  # coreml: built, but not run on Linux
@@ -193,6 +217,7 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
         assert message in capsys.readouterr().err
 
 
+@needs("coreml")
 def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature
 
@@ -205,6 +230,7 @@ def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
         assert spec[method]["outputs"] == [o["name"] for o in signature["outputs"]]
 
 
+@needs("onnx")
 def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     """One model: an If per method side by side at the top (a nested If's branch would not find the
     top graph's weights to prepack), every weight an initializer of the top graph, each tensor once."""
@@ -242,6 +268,7 @@ def copy_of(artifact, tmp_path):
     return target
 
 
+@needs("executorch", "onnx")
 def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
     broken = copy_of(artifact, tmp_path)
     pte = broken / "model.pte"
@@ -256,6 +283,7 @@ def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
         load(broken, "onnxruntime")
 
 
+@needs("onnx")
 def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, tmp_path):
     broken = copy_of(artifact, tmp_path)
     data = manifest(broken)
@@ -274,12 +302,13 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
         load(broken, "onnxruntime")
 
 
+@needs("onnx", "coreml")
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
     with pytest.raises(ValueError, match="has step graphs for the trees .* omit --tree"):
-        generate_speculative(loaded.backend, [5, 6, 7], TreeSpec.chain(2), StopRules(8))
+        generate_speculative(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.chain(2)))
     with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
-        generate_speculative(loaded.backend, [5] * 100, loaded.tree, StopRules(20))
+        generate_speculative(loaded.backend, [5] * 100, DecodeSettings("ss", StopRules(20), tree=loaded.tree))
     with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
         loaded.backend.reset(129)
     with pytest.raises(MissingBackend, match="macOS only"):
@@ -288,6 +317,7 @@ def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
         load(checkpoint / "ckpt", "executorch")
 
 
+@needs("onnx", "coreml", "executorch_coreml")
 def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "artifact"
     config = ExportConfig(backends=("torch", "onnx", "coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
@@ -323,12 +353,79 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
 
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_a_thousand_generations_keep_memory_and_file_handles_flat(artifact, backend):
+    from streamfuse.tools.soak import soak
+
+    loaded = load(artifact, backend, threads=1)
+    settings = DecodeSettings("ss", StopRules(6), tree=loaded.tree)
+    result = soak(loaded, prompts(4, seed=8), settings, generations=1000, warmup=100)
+    assert result.tokens >= 1000 and result.rss_after_warmup > 0
+    assert result.passed(), result.to_dict()
+
+
+@needs("onnx")
+def test_the_soak_catches_a_leak_of_memory_or_of_a_file(artifact, monkeypatch, tmp_path):
+    from streamfuse.tools import soak
+
+    loaded = load(artifact, "onnxruntime", threads=1)
+    settings = DecodeSettings("ss", StopRules(2), tree=loaded.tree)
+    real, kept = soak.run, []
+    monkeypatch.setattr(soak, "run", lambda *args: kept.append(bytearray(1 << 20)) or real(*args))  # 1 MiB a call
+    leaking = soak.soak(loaded, prompts(2), settings, generations=120, warmup=20)
+    assert leaking.growth > 0.05 and not leaking.passed()
+    kept.clear()
+    handle = tmp_path / "handle"
+    monkeypatch.setattr(soak, "run", lambda *args: kept.append(open(handle, "a")) or real(*args))
+    leaking = soak.soak(loaded, prompts(2), settings, generations=40, warmup=20)
+    assert leaking.fds_end == leaking.fds_after_warmup + 20 and not leaking.passed()
+    for file in kept:
+        file.close()
+
+
+class Biased:
+    """Plain decoding's logits pushed towards one token: the backend is no longer lossless."""
+
+    def __init__(self, session):
+        self.session, self.name = session, session.name
+
+    def run(self, method, inputs):
+        outputs = self.session.run(method, inputs)
+        if method == "decode":
+            outputs[0][..., 42] += 100.0
+        return outputs
+
+
+@needs("onnx")
+def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(checkpoint, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from streamfuse.export.verify import ParityError
+    from streamfuse.runtime.backends import sessions
+
+    out = tmp_path / "artifact"
+    good = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    ArtifactBuilder(checkpoint / "ckpt", out, good, prompts(2), 16, {}).build()
+    installed = (out / "manifest.json").read_bytes()
+    real = sessions.open_session
+    monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
+    names = ["dialogue_a", "dialogue_b", "dialogue_c"]
+    with pytest.raises(ParityError, match=r"^parity failed on onnx: SS vs its own plain decoding differs on dialogue_a "
+                                          r"from generated token \d+ \(\d+ mismatches in all\); the artifact was not"):
+        ArtifactBuilder(checkpoint / "ckpt", out, replace(good, parity_prompts=3), prompts(3), 16, {},
+                        prompt_names=names).build()
+    assert (out / "manifest.json").read_bytes() == installed  # the earlier artifact, untouched
+    assert not list(tmp_path.glob(".artifact.partial-*"))  # nothing half-written left
+    assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
+
+
 @pytest.fixture(scope="module")
 def shallow_checkpoint(tmp_path_factory):
     """Two layers, one of them multi-stream: quantized lowering time grows with the graph's size."""
     return write_checkpoint(tmp_path_factory.mktemp("shallow"), layers=2, msa_layers=1)
 
 
+@needs("executorch")
 @pytest.mark.parametrize("scheme", ["int8", "8da4w"])
 def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shallow_checkpoint, tmp_path, scheme):
     config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3)
@@ -339,10 +436,12 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shal
     loaded = load(out, "executorch")
     for ids in prompts(4, seed=3):
         rules = StopRules(24)
-        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
-        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
+        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
+        ss = DecodeSettings("ss", rules, tree=loaded.tree)
+        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
 
 
+@needs("executorch_coreml")
 def test_coreml_delegate_pte_lowers_to_a_program_with_every_method(artifact):
     """The Core ML-delegated .pte: built here, run in an app on the device (no such runtime here)."""
     from executorch.exir._serialize import _deserialize_pte_binary
@@ -381,6 +480,7 @@ def with_acceptance(artifact, tmp_path):
     return copy
 
 
+@needs("onnx")
 @pytest.mark.parametrize("slow", [0, 1])
 def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
     from test_calibration import MODEL
@@ -395,6 +495,7 @@ def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, t
     assert calibration.step_cost(TREES[slow]) > calibration.step_cost(TREES[1 - slow]) + 1.0  # 10 ms over ~1 ms
 
 
+@needs("executorch", "onnx")
 def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, tmp_path, capsys):
     from streamfuse.runtime.generate import main as generate
     from streamfuse.runtime.loader import fastest_backend
@@ -424,18 +525,74 @@ def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, t
     assert json.loads(capsys.readouterr().out)["backend"].startswith(fastest_backend(copy))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--backend", "onnxruntime", "--limit", "0"], "--limit must be >= 1"),
-    (["--backend", "onnxruntime", "--max-nodes", "1"], "--max-nodes must be >= 2"),
-    (["--backend", "onnxruntime"], "has no acceptance model"),
+def last_line(err: str) -> str:
+    """stderr's last line, after any progress bar's carriage returns."""
+    return err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["--backend", "onnxruntime", "--limit", "0"], 2, "--limit must be >= 1"),
+    (["--backend", "onnxruntime", "--threads", "0"], 2, "--threads must be >= 1"),
+    (["--backend", "onnxruntime", "--max-nodes", "1"], 2, "--max-nodes must be >= 2"),
+    (["--backend", "onnxruntime"], 1, "has no acceptance model"),
 ])
-def test_calibrate_bad_input_is_one_line(artifact, argv, message, capsys):
+@needs("onnx")
+def test_calibrate_bad_input_is_one_line(artifact, argv, status, message, capsys):
+    from streamfuse.runtime import cli
     from streamfuse.tools import calibrate
 
-    with pytest.raises(SystemExit, match=message):
-        calibrate.main(["--artifact", str(artifact), *argv])
+    assert cli.run(calibrate.main, ["--artifact", str(artifact), *argv], prog="calibrate") == status
+    err = capsys.readouterr().err
+    assert last_line(err) .startswith("calibrate: error: ") and message in err and "Traceback" not in err
 
 
+# The issue's probes on an exported artifact: argv, how to break a copy of it -> exit status, stderr's line
+ARTIFACT_PROBES = [
+    (["--backend", "onnxruntime", "--tree", "gamma=2,k=1"], None, 2, "has step graphs for the trees"),
+    (["--backend", "coreml"], None, 1, "macOS only"),
+    (["--backend", "onnxruntime"], "manifest", 1, "manifest.json is not valid JSON"),
+    (["--backend", "executorch"], "pte", 1, "model.pte has"),
+]
+
+
+@pytest.mark.parametrize("argv, broken, status, message", ARTIFACT_PROBES, ids=[p[3] for p in ARTIFACT_PROBES])
+@needs("executorch", "onnx", "coreml")
+def test_generate_on_a_bad_artifact_or_tree_is_one_line(artifact, tmp_path, capsys, argv, broken, status, message):
+    from streamfuse.runtime import cli
+    from streamfuse.runtime.generate import main as generate
+
+    folder = copy_of(artifact, tmp_path) if broken else artifact
+    if broken:
+        victim = folder / ("manifest.json" if broken == "manifest" else "model.pte")
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert cli.run(generate, ["--artifact", str(folder), "--prompt", "the water", *argv], prog="generate") == status
+    err = capsys.readouterr().err
+    assert last_line(err).startswith("generate: error: ") and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_seeded_sampling_ss_equals_plain_sampling_on_exported_backends(artifact, backend):
+    """With one seed each emitted token costs one draw from the target in both loops (test_decode),
+    so sampled SS equals sampled plain decoding token for token: with the lookup branch and without,
+    on every tree the graphs hold."""
+    loaded = load(artifact, backend)
+    rules = StopRules(24)
+    sampling = SamplingConfig(temperature=0.8, top_k=30, top_p=0.95)
+    lookup_tree = TreeSpec(TREES[0].paths, lookup=(1, 1, 1))
+    accepted = Counter()
+    for seed, ids in enumerate(prompts(2, seed=6) + [ids * 2 for ids in prompts(1, seed=7)]):
+        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules, sampling=sampling, seed=seed))
+        plain = plain.token_ids
+        assert len(set(plain)) > 1
+        for index, tree in enumerate((*TREES, lookup_tree)):
+            settings = DecodeSettings("ss", rules, tree=tree, sampling=sampling, seed=seed)
+            fast = generate_speculative(loaded.backend, ids, settings)
+            assert fast.token_ids == plain
+            accepted[index] += fast.run.new_tokens - fast.run.model_calls
+    assert len(accepted) == 3 and all(count > 0 for count in accepted.values()), accepted  # the rule was exercised
+
+
+@needs("onnx")
 def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(artifact, tmp_path):
     from streamfuse.tools import calibrate
 

@@ -15,6 +15,7 @@ from streamfuse.runtime.decode import generate_speculative
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from test_export import DRAFT, prompts
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
@@ -58,10 +59,12 @@ def test_low_bit_ss_equals_its_own_plain_decoding_greedy_and_sampled(artifacts, 
     rules = StopRules(30)
     sampling = SamplingConfig(temperature=0.9, top_k=20)
     for seed, ids in enumerate(prompts(6, seed=5) + [ids * 2 for ids in prompts(2, seed=6)]):
-        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
-        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
-        plain = generate_autoregressive(loaded.backend, ids, rules, sampling, seed=seed).token_ids
-        assert generate_speculative(loaded.backend, ids, loaded.tree, rules, sampling, seed=seed).token_ids == plain
+        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
+        ss = DecodeSettings("ss", rules, tree=loaded.tree)
+        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
+        ss = DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)
+        plain = generate_autoregressive(loaded.backend, ids, ss).token_ids
+        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
 
 
 def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
@@ -166,10 +169,12 @@ def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp
     loaded = load(out, "executorch")
     rules, sampling = StopRules(24), SamplingConfig(temperature=0.9, top_k=20)
     for seed, ids in enumerate(prompts(4, seed=7)):
-        plain = generate_autoregressive(loaded.backend, ids, rules).token_ids
-        assert generate_speculative(loaded.backend, ids, loaded.tree, rules).token_ids == plain
-        plain = generate_autoregressive(loaded.backend, ids, rules, sampling, seed=seed).token_ids
-        assert generate_speculative(loaded.backend, ids, loaded.tree, rules, sampling, seed=seed).token_ids == plain
+        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
+        ss = DecodeSettings("ss", rules, tree=loaded.tree)
+        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
+        ss = DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)
+        plain = generate_autoregressive(loaded.backend, ids, ss).token_ids
+        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
 
 
 def test_q4_native_needs_the_base_models_gguf(checkpoint, tmp_path):

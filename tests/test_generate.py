@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from streamfuse.runtime import generate
+from streamfuse.runtime import cli, generate
 
 
 def run_cli(capsys, *argv):
@@ -28,16 +28,66 @@ def test_json_records_and_speculative_equals_plain(checkpoint, capsys, tmp_path)
     assert trace["meta"]["tree"]["num_nodes"] == 5  # the default tree [[0],[1],[0,0],[0,0,0]] and its root
 
 
-def test_plain_prompt_and_bad_inputs(checkpoint, capsys, tmp_path):
+def test_plain_prompt(checkpoint, capsys):
     records = run_cli(capsys, "--artifact", str(checkpoint / "ckpt"), "--prompt", "the water", "--max-new-tokens", "5", "--json")
-    assert len(records) == 1 and records[0]["new_tokens"] <= 5
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"dialogue": "x"}\n{"other": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2: lacks field 'dialogue'"):
-        generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(bad)])
-    with pytest.raises(SystemExit, match="fine-tuned for 'dialogsum'"):
-        generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "e2e_nlg", "--prompt", "x"])
-    with pytest.raises(FileNotFoundError, match="neither manifest.json .* nor streamfuse.json"):
-        generate.main(["--artifact", str(tmp_path), "--prompt", "x"])
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        generate.main(["--artifact", str(checkpoint / "ckpt"), "--prompt", "x", "--max-new-tokens", "0"])
+    assert len(records) == 1 and records[0]["new_tokens"] <= 5 and records[0]["source_truncated"] is False
+
+
+INPUT_FILES = {  # name -> bytes of an --input-file
+    "malformed": b'{"dialogue": "x"}\n{"dialogue": \n',
+    "no_dialogue": b'{"dialogue": "x"}\n{"other": 1}\n',
+    "latin1": b'{"dialogue": "caf\xe9"}\n',
+    "empty": b"\n\n",
+    "not_object": b'["dialogue"]\n',
+}
+
+# The probes: argv (ARTIFACT = the tiny checkpoint, FILE = a file above) -> exit status, stderr's line
+PROBES = [
+    (["--artifact", "missing", "--prompt", "x"], 1, "missing is not a folder"),
+    (["--task", "dialogsum", "--input-file", "FILE:malformed"], 1, "malformed.jsonl:2: not valid JSON"),
+    (["--task", "dialogsum", "--input-file", "FILE:no_dialogue"], 1, "no_dialogue.jsonl:2: lacks field 'dialogue'"),
+    (["--task", "dialogsum", "--input-file", "FILE:latin1"], 1, "latin1.jsonl:1: not UTF-8 text"),
+    (["--task", "dialogsum", "--input-file", "FILE:empty"], 1, "empty.jsonl: no inputs"),
+    (["--task", "dialogsum", "--input-file", "FILE:not_object"], 1, "not_object.jsonl:1: a line must be one JSON object"),
+    (["--input-file", "nowhere.jsonl"], 2, "nowhere.jsonl: no such file"),
+    (["--prompt", "x", "--tree", "gamma=x"], 2, "gamma=x"),
+    (["--prompt", "x", "--max-new-tokens", "-5"], 2, "max_new_tokens must be > 0, got -5"),
+    (["--prompt", "x", "--temperature", "-1"], 2, "need temperature >= 0"),
+    (["--prompt", "x", "--top-p", "1.5"], 2, "0 < top_p <= 1"),
+    (["--prompt", "x", "--threads", "0"], 2, "--threads must be >= 1, got 0"),
+    (["--prompt", "x", "--limit", "0"], 2, "--limit must be >= 1"),
+    (["--prompt", "x", "--backend", "onnxruntime"], 1, "is a checkpoint, which only the torch backend runs"),
+    (["--prompt", "x", "--task", "e2e_nlg"], 2, "fine-tuned for 'dialogsum'"),
+]
+
+
+@pytest.mark.parametrize("argv, status, message", PROBES, ids=[" ".join(p[0][:4]) for p in PROBES])
+def test_bad_input_is_one_line_and_a_nonzero_exit(checkpoint, tmp_path, capsys, argv, status, message):
+    def resolve(arg: str) -> str:
+        if arg.startswith("FILE:"):
+            name = arg.removeprefix("FILE:")
+            (tmp_path / f"{name}.jsonl").write_bytes(INPUT_FILES[name])
+            return str(tmp_path / f"{name}.jsonl")
+        return str(tmp_path / arg) if arg in ("missing", "nowhere.jsonl") else arg
+
+    argv = [resolve(a) for a in argv]
+    if "--artifact" not in argv:
+        argv = ["--artifact", str(checkpoint / "ckpt"), *argv]
+    assert cli.run(generate.main, argv, prog="generate") == status
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # after any progress bar of the model load
+    assert last.startswith("generate: error: ") and message in last and "Traceback" not in err, err
+    with pytest.raises((ValueError, OSError)):  # --debug: the traceback
+        generate.main([*argv, "--debug"])
+
+
+def test_a_source_longer_than_training_is_cut_with_a_warning(checkpoint, tmp_path, capsys):
+    rows = tmp_path / "long.jsonl"
+    rows.write_text(json.dumps({"id": "long", "dialogue": " ".join(["the water"] * 60)}) + "\n" +
+                    json.dumps({"id": "short", "dialogue": "the water"}) + "\n")
+    records = run_cli(capsys, "--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
+                      "--max-new-tokens", "3", "--json")
+    assert [r["source_truncated"] for r in records] == [True, False]
+    generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
+                   "--max-new-tokens", "3", "--limit", "1"])
+    assert "warning: input long: the source is 56 tokens over the 64" in capsys.readouterr().err

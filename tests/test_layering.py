@@ -1,6 +1,8 @@
 """One-way data flow: runtime/ is the bottom layer; tools/ and apps/ reach models only through it."""
 
 import ast
+import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,22 @@ def test_imports_flow_one_way(package):
     for path in (ROOT / package).rglob("*.py"):
         bad = imported_packages(path) - ALLOWED[package]
         assert not bad, f"{path.relative_to(ROOT)} imports streamfuse.{sorted(bad)}: against the data flow"
+
+
+# Folders whose files run as scripts (python export/build.py): Python puts the folder first on sys.path.
+SCRIPT_FOLDERS = ("export", "tools", "apps")
+
+
+@pytest.mark.parametrize("folder", SCRIPT_FOLDERS)
+def test_no_module_shadows_an_installed_or_standard_one(folder):
+    """So no entry script needs to edit sys.path: a module here named like one of the standard
+    library or an installed package would be imported in its place by everything the script runs."""
+    elsewhere = {m.name for m in pkgutil.iter_modules() if Path(m.module_finder.path).resolve() != ROOT / folder}
+    ours = {path.stem for path in (ROOT / folder).glob("*.py")} - {"__init__"}
+    clashes = ours & (elsewhere | set(sys.stdlib_module_names))
+    assert not clashes, f"{folder}/ modules {sorted(clashes)} shadow top-level modules: rename them"
+
+
+def test_no_source_edits_sys_path():
+    for path in [*ROOT.glob("*.py"), *(p for package in ALLOWED for p in (ROOT / package).rglob("*.py"))]:
+        assert "sys.path[" not in path.read_text() and "sys.path.insert" not in path.read_text(), path

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, prompt_ids, read_requests, run
+from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests, run
 from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools import peers, peers_gguf
 
@@ -31,8 +31,7 @@ def prompts(checkpoint, loaded):
 
 
 def plain_tokens(loaded, ids, max_new=MAX_NEW):
-    settings = DecodeSettings("ar", TreeSpec.parse(DEFAULT_TREE), StopRules(max_new, loaded.stop_token_ids),
-                              SamplingConfig(), None, 0)
+    settings = DecodeSettings("ar", StopRules(max_new, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))
     return run(loaded, ids, settings).token_ids
 
 

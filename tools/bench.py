@@ -20,11 +20,6 @@ import os
 import sys
 from pathlib import Path
 
-# Run as a script (python tools/bench.py), Python puts tools/ first on sys.path, where profile.py
-# would shadow the standard library's profile module.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spin-waiting threads distort CPU timings
 
 import argparse  # noqa: E402
@@ -36,9 +31,11 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from streamfuse.runtime import cli  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, prompt_ids  # noqa: E402
+from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
+from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
 from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
@@ -79,9 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files (or a <task>/ subfolder)")
     parser.add_argument("--limit", type=int, default=100, help="number of timed inputs (the first N of the file)")
     parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: "
-                        "--backend); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
+                        "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
                         "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
-    parser.add_argument("--backend", choices=BACKENDS, default=None, help="one backend (kept for old commands)")
     parser.add_argument("--methods", default="ar,ss", help="streamfuse methods: 'ar,ss' or 'ar' (AR is every speed-up's baseline)")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
@@ -102,9 +98,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="inputs run once, untimed, by every row first")
     parser.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (0: longest prompt + new tokens, rounded up)")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="folder for bench.json, bench.md, plots and traces")
+    cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
     args.artifact = args.artifact or Path("artifacts") / args.task
-    args.backends = [b for b in (args.backends or args.backend or default_backends(args.artifact)).split(",") if b]
+    args.backends = [b for b in (args.backends or default_backends(args.artifact)).split(",") if b]
     args.methods = [m for m in args.methods.split(",") if m]
     args.peers = [p for p in args.peers.split(",") if p]
     if bad := [b for b in args.backends if b.partition("@")[0] not in BACKENDS]:
@@ -115,8 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--methods {','.join(args.methods)}: use 'ar' or 'ar,ss' (AR is the baseline of every speed-up)")
     if args.input_file is None and args.split is None:
         parser.error("pass --split (with --task) or --input-file")
-    if args.repeats < 1 or args.limit < 1:
-        parser.error("--repeats and --limit must be >= 1")
+    if args.repeats < 1 or args.limit < 1 or args.threads < 1 or args.warmup < 0:
+        parser.error("--repeats, --limit and --threads must be >= 1, --warmup >= 0")
     return args
 
 
@@ -185,14 +182,14 @@ def headline(rows: list[dict], rows_table: list[dict], primary: str, methods: li
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    StopRules(args.max_new_tokens)  # reject a bad limit before the (slow) model loads
+    cli.usage(lambda: StopRules(args.max_new_tokens))  # reject a bad limit before the (slow) model loads
     data = args.input_file or task_file(args.task, args.split, args.data_dir)
     info: dict[str, dict] = {}
     report = {"machine": machine(), "command": "python -m streamfuse.tools.bench " + " ".join(argv or sys.argv[1:])}
     matrix = Matrix(load_engines(args, info), {}, None, args.max_new_tokens, args.repeats)
     primary = matrix.engines[args.backends[0]].loaded
     if primary.info.get("task") != args.task or primary.prompt is None:
-        raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {primary.info.get('task')!r} "
+        raise cli.UsageError(f"--task {args.task}: {args.artifact} was fine-tuned for {primary.info.get('task')!r} "
                          f"(prompt format recorded: {primary.prompt is not None})")
     inputs = read_inputs(data, primary.prompt, args.limit)
     skipped = {}
@@ -231,6 +228,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     start = time.perf_counter()
-    code = main()
+    code = cli.run(main, prog="bench")
     print(f"[bench] {time.perf_counter() - start:.0f} s", file=sys.stderr)
     sys.exit(code)

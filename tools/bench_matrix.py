@@ -17,8 +17,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.generate import DecodeSettings, prompt_ids, run
+from streamfuse.runtime.generate import prompt_ids, run
 from streamfuse.runtime.loader import Loaded
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.peers_runners import PeerRunner

@@ -13,9 +13,9 @@ from streamfuse.runtime.artifact import MANIFEST
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DecodeSettings, choose_tree, prompt_ids
+from streamfuse.runtime.generate import choose_tree, prompt_ids
 from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
-from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.bench_matrix import Engine, current_rss
@@ -56,7 +56,7 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
                     threads=args.threads)
         fallback = loaded.fallback(tree) if args.fallback == "auto" else None
-        settings = {m: DecodeSettings(m, tree, rules, SamplingConfig(), prune, 0, fallback) for m in args.methods}
+        settings = {m: DecodeSettings(m, rules, tree=tree, prune=prune, fallback=fallback) for m in args.methods}
         warm_up(loaded, tree)
         info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
                        "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
@@ -75,8 +75,8 @@ def warm_up(loaded: Loaded, tree) -> None:
     from streamfuse.runtime.decode import generate_speculative
 
     ids = prompt_ids(loaded, "Hello.", loaded.prompt is not None)
-    generate_autoregressive(loaded.backend, ids, StopRules(2))
-    generate_speculative(loaded.backend, ids, tree, StopRules(2))
+    generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", StopRules(2)))
+    generate_speculative(loaded.backend, ids, DecodeSettings("ss", StopRules(2), tree=tree))
 
 
 def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:

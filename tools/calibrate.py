@@ -27,6 +27,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from streamfuse.runtime import cli  # noqa: E402
 from streamfuse.runtime.artifact import Artifact, ArtifactError  # noqa: E402
 from streamfuse.runtime.autoregressive import generate_autoregressive  # noqa: E402
 from streamfuse.runtime.calibration import (MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings,  # noqa: E402
@@ -35,6 +36,7 @@ from streamfuse.runtime.decode import generate_speculative  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, Loaded, load  # noqa: E402
+from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
 from streamfuse.runtime.trace import RunRecord, Trace  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
@@ -82,9 +84,9 @@ def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequ
         for job in jobs[shift:] + jobs[:shift]:
             trace = Trace()
             if job is None:
-                generate_autoregressive(loaded.backend, ids, rules, trace=trace)
+                generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules), trace=trace)
             else:
-                generate_speculative(loaded.backend, ids, job, rules, trace=trace)
+                generate_speculative(loaded.backend, ids, DecodeSettings("ss", rules, tree=job), trace=trace)
             seconds = seconds_per_call(trace.runs[0])
             prefill.append(trace.runs[0].spans["prefill"] / len(ids))
             if seconds is not None:
@@ -103,7 +105,7 @@ def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequ
         raise ValueError(f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams")
     warm = prompts[0][:8]
     for tree in trees:  # engines may prepare a method on its first call
-        generate_speculative(loaded.backend, warm, tree, StopRules(2, rules.stop_token_ids))
+        generate_speculative(loaded.backend, warm, DecodeSettings("ss", StopRules(2, rules.stop_token_ids), tree=tree))
     return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
 
 
@@ -153,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the torch backend's streams schedule")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument("--dry-run", action="store_true", help="print the calibration, leave the manifest as it is")
+    cli.add_debug_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -166,25 +169,21 @@ def inputs_for(args: argparse.Namespace, loaded: Loaded) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for flag in ("limit", "rounds", "max_new_tokens"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_nodes < 2:
-        raise SystemExit(f"--max-nodes must be >= 2 (a root and one draft), got {args.max_nodes}")
+    for flag in ("limit", "rounds", "max_new_tokens", "threads"):
+        value = getattr(args, flag)
+        cli.check(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    cli.check(args.max_nodes >= 2, f"--max-nodes must be >= 2 (a root and one draft), got {args.max_nodes}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        artifact = Artifact.open(args.artifact)
-        acceptance = artifact.acceptance
-        if acceptance is None:
-            raise ArtifactError(f"{args.artifact} has no acceptance model; rebuild it with this streamfuse "
-                                f"(export/build.py measures one on validation dialogues)")
-        loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, calibrated=False)
-        prompts = inputs_for(args, loaded)
-        calibration = calibrate_backend(loaded, acceptance, prompts, StopRules(args.max_new_tokens, loaded.stop_token_ids),
-                                        args.device, torch.get_num_threads(), args.max_nodes, args.rounds)
-    except (ArtifactError, FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"calibrate: {error}") from None
+    artifact = Artifact.open(args.artifact)
+    acceptance = artifact.acceptance
+    if acceptance is None:
+        raise ArtifactError(f"{args.artifact} has no acceptance model; rebuild it with this streamfuse "
+                            f"(export/build.py measures one on validation dialogues)")
+    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, calibrated=False)
+    prompts = inputs_for(args, loaded)
+    calibration = calibrate_backend(loaded, acceptance, prompts, StopRules(args.max_new_tokens, loaded.stop_token_ids),
+                                    args.device, torch.get_num_threads(), args.max_nodes, args.rounds)
     print(report(calibration))
     if not args.dry_run:
         artifact.save_calibration(args.backend, calibration)
@@ -193,4 +192,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -42,7 +42,8 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
 
     from streamfuse.runtime.artifact import Artifact
     from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.generate import DecodeSettings, prompt_ids, run
+    from streamfuse.runtime.generate import prompt_ids, run
+    from streamfuse.runtime.settings import DecodeSettings
     from streamfuse.runtime.loader import ARTIFACT_FILES, load
     from streamfuse.runtime.sampling import SamplingConfig
     from streamfuse.tools.bench_data import read_inputs
@@ -60,7 +61,7 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     for item in inputs:
         ids = prompt_ids(loaded, item.text, as_task=True)
         for method in ("ar", "ss"):
-            run(loaded, ids, DecodeSettings(method, loaded.tree, rules, sampling, None, 0))
+            run(loaded, ids, DecodeSettings(method, rules, tree=loaded.tree, sampling=sampling))
     end = status()
     files = opened.backend_files(ARTIFACT_FILES[backend])
     cache = loaded.backend.keys.nbytes + loaded.backend.values.nbytes  # the host's KV cache, all rows written

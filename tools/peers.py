@@ -52,9 +52,9 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DEFAULT_TREE, DecodeSettings, prompt_ids, read_requests  # noqa: E402
+from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests  # noqa: E402
 from streamfuse.runtime.loader import STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.sampling import SamplingConfig  # noqa: E402
+from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 from streamfuse.tools import peers_gguf, peers_optimum  # noqa: E402
 from streamfuse.tools.peers_runners import (  # noqa: E402
@@ -279,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(ids) for _, ids in inputs) + args.max_new_tokens + args.pld_tokens + 1
     context = PeerContext(loaded, args.artifact, args.threads, args.n_ctx or -(-longest // 256) * 256,
                           args.pld_tokens, args.pld_ngram)
-    base = DecodeSettings("ar", TreeSpec.parse(args.tree), StopRules(args.max_new_tokens, loaded.stop_token_ids),
-                          SamplingConfig(), None, 0)
+    base = DecodeSettings("ar", StopRules(args.max_new_tokens, loaded.stop_token_ids), tree=TreeSpec.parse(args.tree))
     runners: dict[str, PeerRunner] = {}
     for method in args.streamfuse.split(","):
         if method not in ("ar", "ss"):

@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DecodeSettings
 from streamfuse.runtime.generate import run as decode
 from streamfuse.runtime.loader import Loaded
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.tools import peers_gguf
 
 

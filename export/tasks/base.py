@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 
 
-class DataError(Exception):
+class DataError(ValueError):
     """Task data is missing or malformed; the message says where and how to fix it."""
 
 

@@ -1,4 +1,4 @@
-"""tools/profile.py on hand-made traces whose metrics are worked out by hand below (no model)."""
+"""tools/profiler.py on hand-made traces whose metrics are worked out by hand below (no model)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ import torch
 
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.trace import SCHEMA
-from streamfuse.tools.profile import PLOTS, main, profile_files, profile_trace
+from streamfuse.tools.profiler import PLOTS, main, profile_files, profile_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def step(nodes: int, kept: int, depth: int) -> dict:
-    return {"tree_nodes": nodes, "kept_nodes": kept, "accepted_depth": depth, "tokens": depth + 1}
+def step(nodes: int, kept: int, depth: int, lookup: int = 0) -> dict:
+    return {"tree_nodes": nodes, "kept_nodes": kept, "accepted_depth": depth, "tokens": depth + 1,
+            "lookup_accepted": lookup}
 
 
 def run(run_id: str, calls: int, tokens: int, seconds: float, steps: list[dict], peak: int | None = None,
@@ -163,9 +164,9 @@ def test_cli_writes_report(tmp_path, capsys):
 
 
 def test_script_mode_on_ar_trace(tmp_path):
-    """Run as a file: tools/ must not shadow the stdlib `profile`; AR traces plot 'no data' panels."""
+    """Run as a file (tools/ first on sys.path); AR traces plot 'no data' panels."""
     trace_path = write(tmp_path / "ar.json", ar_trace())
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "profile.py"), str(trace_path),
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "profiler.py"), str(trace_path),
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert all((tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC for name in PLOTS.values())
@@ -181,8 +182,8 @@ def test_wrong_schema_names_the_file(tmp_path, capsys):
 
 
 def test_lookup_share_counts_accepted_drafts_from_the_lookup_branch():
-    assert profile_trace(ss_trace())["lookup_share"] == 0.0  # steps recorded before lookup branches
-    steps = [{**step(7, 7, 3), "lookup_accepted": 3}, {**step(7, 7, 1), "lookup_accepted": 0}, step(7, 7, 0)]
+    assert profile_trace(ss_trace())["lookup_share"] == 0.0  # no tree with a lookup branch
+    steps = [step(7, 7, 3, lookup=3), step(7, 7, 1), step(7, 7, 0)]
     metrics = profile_trace(trace("ss", [run("a", 4, 7, 1.0, steps)]))
     assert metrics["lookup_share"] == pytest.approx(3 / 4)
 

@@ -1,6 +1,6 @@
 """Call-reduction profiler for decode traces ("streamfuse.trace/2") of any backend.
 
-    python -m streamfuse.tools.profile TRACE.json [--baseline AR_TRACE.json] --out DIR
+    python -m streamfuse.tools.profiler TRACE.json [--baseline AR_TRACE.json] --out DIR
 
 Writes DIR/profile.json, DIR/profile.md and three PNG plots. Pure Python + matplotlib (Agg):
 no torch, so a trace recorded on any accelerator can be profiled on any machine.
@@ -9,21 +9,15 @@ Every metric is defined in LEGEND, which profile.md repeats.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+from collections import Counter
 from pathlib import Path
+from statistics import fmean
 
-# Run as a script, Python would put tools/ first on sys.path, where this file would shadow the
-# stdlib `profile` module (cProfile and others import it).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-from collections import Counter  # noqa: E402
-from statistics import fmean  # noqa: E402
-
-from streamfuse.runtime.trace import SPANS, load_trace  # noqa: E402
+from streamfuse.runtime.trace import SPANS, load_trace
 
 SCHEMA = "streamfuse.profile/1"
 PLOTS = {"acceptance": "acceptance.png", "tokens_per_call": "tokens_per_call.png", "time_split": "time_split.png"}
@@ -100,8 +94,7 @@ def _step_metrics(steps: list[dict], tree_depth: int) -> dict:
         "tree_utilisation": _ratio(sum(accepted_nodes), sum(nodes)),
         # Steps with no tree (tree_nodes 0) have no utilisation to average.
         "mean_step_utilisation": _mean([used / n for used, n in zip(accepted_nodes, nodes) if n]),
-        # Traces from before lookup branches have no lookup_accepted: none came from lookup.
-        "lookup_share": _ratio(sum(step.get("lookup_accepted", 0) for step in steps),
+        "lookup_share": _ratio(sum(step["lookup_accepted"] for step in steps),
                                sum(step["accepted_depth"] for step in steps)),
         "mean_pruned_nodes": _mean(pruned),
         "pruned_fraction": _ratio(sum(pruned), sum(nodes)),
@@ -148,7 +141,7 @@ def compare(trace: dict, baseline: dict) -> dict:
 def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
     """All metrics of a loaded trace (see LEGEND); `baseline` adds the comparison block."""
     runs = trace["runs"]
-    meta = trace.get("meta", {})
+    meta = trace["meta"]
     steps = [step for run in runs for step in run["steps"]]
     calls = sum(run["model_calls"] for run in runs)
     tokens = sum(run["new_tokens"] for run in runs)
@@ -157,7 +150,7 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
     verify_calls = sum(len(run["steps"]) + run["plain_calls"] or max(run["model_calls"] - 1, 0) for run in runs)
     switches = Counter(switch["to"] for run in runs for switch in run["switches"])
     split = _time_split(runs)
-    peaks = [run["peak_memory_bytes"] for run in runs if run.get("peak_memory_bytes") is not None]
+    peaks = [run["peak_memory_bytes"] for run in runs if run["peak_memory_bytes"] is not None]
     return {
         "schema": SCHEMA, "meta": meta,
         "runs": len(runs), "model_calls": calls, "new_tokens": tokens, "seconds": seconds,
@@ -298,7 +291,7 @@ def write_report(metrics: dict, out_dir: Path) -> list[Path]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m streamfuse.tools.profile",
+        prog="python -m streamfuse.tools.profiler",
         description="Profile a streamfuse.trace/2 decode trace: call reduction, acceptance per depth "
                     "(= per stream), tree utilisation, pruning, time split, memory.")
     parser.add_argument("trace", type=Path, help="decode trace JSON (schema streamfuse.trace/2) to profile")

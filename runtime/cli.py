@@ -1,0 +1,77 @@
+"""What every command-line entry point does with an error: one line, never a traceback.
+
+The project's checks already name the problem and the fix; a user should read that line, not a
+stack. Bad flags exit 2 (as argparse's own errors do), everything else 1; `--debug` (or
+STREAMFUSE_DEBUG=1) re-raises for the traceback.
+
+    if __name__ == "__main__":
+        sys.exit(cli.run(main))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from streamfuse.runtime.artifact import ArtifactError
+from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.kv_cache import CapacityError
+
+DEBUG_FLAG = "--debug"
+DEBUG_HELP = "show the traceback of an error instead of its one line"
+
+
+class UsageError(ValueError):
+    """A flag the user can fix: exit status 2."""
+
+
+# What a user can cause and fix: bad files and values (ValueError covers UnicodeDecodeError and
+# ArtifactError), missing files or folders, an engine not installed, a prompt longer than the cache.
+USER_ERRORS = (ValueError, OSError, ArtifactError, MissingBackend, CapacityError)
+
+
+def add_debug_flag(parser) -> None:
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+
+
+def check(condition: bool, message: str) -> None:
+    """A flag check: UsageError(message) unless condition."""
+    if not condition:
+        raise UsageError(message)
+
+
+def usage(check_flags: Callable[[], object]) -> object:
+    """Run flag validation that raises ValueError (TreeSpec.parse, SamplingConfig, ...) as a usage error."""
+    try:
+        return check_flags()
+    except UsageError:
+        raise
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, UnicodeDecodeError):
+        text = f"not UTF-8 text ({error.reason} at byte {error.start}): save the file as UTF-8"
+    return " ".join(text.split())
+
+
+def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None, prog: str | None = None) -> int:
+    """main(argv) with the project's errors as one line on stderr; the exit status to return."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = DEBUG_FLAG in argv or os.environ.get("STREAMFUSE_DEBUG") == "1"
+    name = prog or os.path.basename(sys.argv[0]) or "streamfuse"
+    try:
+        return main(argv)
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        print(f"{name}: error: {one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
