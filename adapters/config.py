@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 StreamInit = Literal["embedding", "value_rotation"]
@@ -73,9 +72,6 @@ class StreamConfig:
             return self.rotation_step
         return math.pi / (2 * (max_positions + self.num_streams))
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
     @classmethod
     def from_dict(cls, data: dict) -> "StreamConfig":
         known = {f for f in cls.__dataclass_fields__}
@@ -110,10 +106,3 @@ class LoraSettings:
             return None
         return list(range(num_layers - self.top_layers, num_layers))
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything needed to rebuild the trainable model around a base model."""
-
-    streams: StreamConfig = field(default_factory=StreamConfig)
-    lora: LoraSettings = field(default_factory=LoraSettings)

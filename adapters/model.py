@@ -18,7 +18,8 @@ from torch import nn
 
 from . import hf
 from .config import StreamConfig
-from .msa import KeyValues, StepKeyValues, multi_stream_mask, stream_block
+from .masks import multi_stream_mask, stream_block
+from .msa import KeyValues, StepKeyValues
 from .pruning import PruningHead
 from .streams import StreamInit
 
@@ -248,18 +249,3 @@ def swap_modules(root: nn.Module, match: Callable[[nn.Module], bool], convert: C
                 setattr(module, name, convert(child))
                 swapped += 1
     return swapped
-
-
-def causal_mask(padding: torch.Tensor, dtype: torch.dtype = torch.float32, past: int = 0) -> torch.Tensor:
-    """Additive causal mask [B, 1, T, past + T] from a [B, T] 1/0 padding mask (1 = real token).
-
-    Padded keys are masked; padded query rows still see earlier tokens so they never go NaN.
-    """
-    batch, tokens = padding.shape
-    keys = past + tokens
-    query_pos = torch.arange(tokens, device=padding.device)[:, None] + past
-    allowed = torch.arange(keys, device=padding.device)[None, :] <= query_pos  # [T, K]
-    key_valid = torch.cat([padding.new_ones(batch, past), padding], dim=1).bool()  # [B, K]
-    allowed = allowed[None] & key_valid[:, None, :]
-    mask = torch.zeros(batch, 1, tokens, keys, dtype=dtype, device=padding.device)
-    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)

@@ -16,41 +16,6 @@ from collections.abc import Sequence
 import torch
 
 
-def masked_value(dtype: torch.dtype) -> float:
-    """Additive mask value: the dtype's most negative number (-inf would turn empty rows into NaN)."""
-    return torch.finfo(dtype).min
-
-
-def stream_block(num_anchors: int, num_streams: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """[A*g, A*g] additive mask among stream tokens, laid out anchor-major: 0 where both tokens
-    belong to the same anchor and the key's stream index <= the query's, else masked."""
-    anchor = torch.arange(num_anchors, device=device).repeat_interleave(num_streams)
-    stream = torch.arange(num_streams, device=device).repeat(num_anchors)
-    # logical_and, not `&`: Core ML's converter knows the former only.
-    allowed = torch.logical_and(anchor[:, None] == anchor[None, :], stream[None, :] <= stream[:, None])
-    block = torch.full(allowed.shape, masked_value(dtype), dtype=dtype, device=device)
-    return block.masked_fill(allowed, 0.0)
-
-
-def multi_stream_mask(main_mask: torch.Tensor, anchors: torch.Tensor, num_streams: int) -> torch.Tensor:
-    """Extend the main-stream mask to main + stream tokens.
-
-    main_mask: [B, 1, T, K] additive (K = past + T key columns).
-    anchors:   [B, A] indices into the T main tokens where streams are inserted.
-    returns:   [B, 1, T + A*g, K + A*g].
-    """
-    batch, _, tokens, keys = main_mask.shape
-    num_anchors = anchors.shape[1]
-    width = num_anchors * num_streams
-    fill = masked_value(main_mask.dtype)
-    main_rows = torch.cat([main_mask, main_mask.new_full((batch, 1, tokens, width), fill)], dim=-1)
-    index = anchors[:, None, :, None].expand(batch, 1, num_anchors, keys)
-    anchor_rows = torch.gather(main_mask, 2, index).repeat_interleave(num_streams, dim=2)
-    block = stream_block(num_anchors, num_streams, main_mask.dtype, main_mask.device)
-    stream_rows = torch.cat([anchor_rows, block.expand(batch, 1, width, width)], dim=-1)
-    return torch.cat([main_rows, stream_rows], dim=2)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -28,6 +28,7 @@ from streamfuse.export import graph
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
+from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
@@ -71,15 +72,17 @@ class ExportConfig:
     workers: int = 1
 
     def validate(self) -> None:
+        if not self.trees:
+            raise ValueError("export.trees is empty: give at least one draft tree")
         unknown = set(self.backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
         if self.quantize not in FORMATS:
-            raise ValueError(f"--quantize must be one of {', '.join(FORMATS)}, got {self.quantize!r}")
+            raise ValueError(f"export.quantize (--quantize) must be one of {', '.join(FORMATS)}, got {self.quantize!r}")
         if self.workers < 1:
-            raise ValueError(f"--export-workers must be >= 1, got {self.workers}")
+            raise ValueError(f"export.workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
-            raise ValueError(f"--draft-vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
+            raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
         trees = tuple(TreeSpec.parse(tree) for tree in self.trees)
         for tree in trees:
             graph.greedy_schedule(tree, self.greedy_schedule)
@@ -198,7 +201,8 @@ class ArtifactBuilder:
         if self.config.workers < 2 or not beside:
             return {b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")}
         print(f"[export] {', '.join(beside)} in a worker process beside {backends[0]}", flush=True)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=cli.quiet_unless_debugging) as pool:
             worker = pool.submit(export_stages, self.arguments, beside)
             first = self._stage(backends[0], lambda: self._export(backends[0]))
             self._parity_stage(backends[0], first["files"])

@@ -17,9 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.data import Encoded, collate
-from streamfuse.export.loss import stream_targets
-from streamfuse.export.train import forward_batch
+from streamfuse.export.training.data import Encoded, collate
+from streamfuse.export.training.loss import stream_targets
+from streamfuse.export.training.train import forward_batch
 from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration
 from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.tree import TreeSpec

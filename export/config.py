@@ -1,12 +1,19 @@
-"""Typed build configuration and the named presets (smoke, cpu, cpu-distill, paper)."""
+"""Typed build configuration, the named presets (smoke, cpu, cpu-distill, paper) and the one way
+to change them: `--set section.field=value` (export/build.py; `--print-config` shows every field).
+A preset is self-consistent, and an override that makes it inconsistent is refused with the field
+to set, never silently compensated by changing another field."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field, replace
 
 from streamfuse.adapters.config import LoraSettings, StreamConfig
+from streamfuse.export.artifact import ExportConfig
 
 
 @dataclass(frozen=True)
@@ -86,12 +93,12 @@ class DistillConfig:
 
     def validate(self) -> None:
         if self.main_targets not in MAIN_TARGETS:
-            raise ValueError(f"distill main_targets must be one of {', '.join(MAIN_TARGETS)}, got {self.main_targets!r}")
+            raise ValueError(f"distill.main_targets must be one of {', '.join(MAIN_TARGETS)}, got {self.main_targets!r}")
         if self.init_rank < 0:
-            raise ValueError(f"distill init_rank must be >= 0, got {self.init_rank}")
+            raise ValueError(f"distill.init_rank must be >= 0, got {self.init_rank}")
         if self.with_references and self.main_targets != "frozen":
-            raise ValueError(f"distill with_references applies to main_targets 'frozen' ('references' already trains "
-                             f"on them), got main_targets {self.main_targets!r}")
+            raise ValueError(f"distill.with_references applies to distill.main_targets 'frozen' ('references' already "
+                             f"trains on them), got {self.main_targets!r}: set distill.with_references=false")
 
     def train_config(self, base: TrainConfig) -> TrainConfig:
         return replace(base, epochs=self.epochs, learning_rate=self.learning_rate, stream_weight=self.stream_weight,
@@ -110,6 +117,26 @@ STREAM_TRAIN_FIELDS = ("stream_weight", "pruning_weight", "stream_lr_scale", "in
 
 
 @dataclass(frozen=True)
+class StagesConfig:
+    """The build's stages around training: which run, and on how many inputs."""
+
+    baseline: bool = True  # train and evaluate the next-token LoRA baseline
+    zero_shot: bool = True  # evaluate the untuned base model
+    calibration_inputs: int = 4  # validation inputs each backend's calibration times (step cost per tree)
+    profile_limit: int = 20  # test inputs of the profile stage; 0 skips it
+
+    def validate(self) -> None:
+        if self.calibration_inputs < 1 or self.profile_limit < 0:
+            raise ValueError(f"stages.calibration_inputs must be >= 1 and stages.profile_limit >= 0, got "
+                             f"{self.calibration_inputs} and {self.profile_limit}")
+
+
+# The build's export settings: trees () means the ones calibration picks on this machine
+# (export/calibration.py); two export processes (ExecuTorch lowers while ONNX and Core ML export).
+BUILD_EXPORT = ExportConfig(trees=(), workers=2)
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     preset: str
     streams: StreamConfig = field(default_factory=StreamConfig)
@@ -118,6 +145,21 @@ class BuildConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = BUILD_EXPORT
+    stages: StagesConfig = field(default_factory=StagesConfig)
+
+    def validate(self) -> None:
+        """Every section's own checks, then those across sections; bad settings fail before any work."""
+        for section in (self.data, self.train, self.distill, self.stages):
+            section.validate()
+        # Trees () are picked by calibration later; the other export settings are checked meanwhile.
+        dataclasses.replace(self.export, trees=self.export.trees or ("gamma=1,k=1",)).validate()
+        if self.streams.init_per_stream and not self.streams.init_rank:
+            raise ValueError("streams.init_per_stream needs streams.init_rank > 0 (each stream's f_eta rank); "
+                             "set streams.init_per_stream=false for the identity f_eta")
+        if self.distill.enabled and self.streams.init_rank and self.distill.init_rank:
+            raise ValueError(f"the first stage already gives the streams an f_eta (streams.init_rank="
+                             f"{self.streams.init_rank}); set distill.init_rank=0 to train it on in the second stage")
 
     def training_key(self, task: str, base_model: str, with_streams: bool) -> str:
         """Hash of everything that determines the trained weights: a checkpoint is reused only
@@ -178,6 +220,7 @@ PRESETS: dict[str, BuildConfig] = {
         data=replace(_CPU_BASE.data, train_on_validation_rest=True),
         streams=StreamConfig(num_streams=3, msa_layers=8, init_rank=128, init_per_stream=True),
         train=TrainConfig(epochs=1.2, learning_rate=5e-4, grad_accumulation=4, stream_weight=0.5, init_lr_scale=4.0),
+        distill=DistillConfig(init_rank=0),  # if enabled: the streams' f_eta from the first stage trains on
     ),
     # The benchmarked model (docs/benchmarks.md): about 2 h 10 min of training and evaluation on a
     # 2-core CPU. Two epochs of eq. 5, then a streams-only second stage, two epochs on the model's
@@ -205,3 +248,46 @@ def preset(name: str, **overrides) -> BuildConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+
+
+def with_overrides(config: BuildConfig, assignments: list[str]) -> BuildConfig:
+    """config with each "section.field=value" applied in order (the value parsed by the field's type)."""
+    for assignment in assignments:
+        path, sep, text = assignment.partition("=")
+        section_name, dot, name = path.strip().partition(".")
+        sections = {f.name: f for f in dataclasses.fields(config) if dataclasses.is_dataclass(getattr(config, f.name))}
+        if not sep or not dot or section_name not in sections:
+            raise ValueError(f"--set {assignment!r}: write SECTION.FIELD=VALUE, SECTION one of {', '.join(sections)} "
+                             f"(--print-config lists every field)")
+        section = getattr(config, section_name)
+        hints = typing.get_type_hints(type(section))
+        if name not in hints or name not in {f.name for f in dataclasses.fields(section)}:
+            raise ValueError(f"--set {assignment!r}: {section_name} has no field {name!r}; its fields: "
+                             f"{', '.join(f.name for f in dataclasses.fields(section))}")
+        value = parse_value(text.strip(), hints[name], f"--set {path.strip()}")
+        config = replace(config, **{section_name: replace(section, **{name: value})})
+    return config
+
+
+def parse_value(text: str, kind, where: str):
+    """Text -> a value of the annotated type: bool, int, float, str, Literal, Optional and tuple[str, ...]."""
+    options = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if text.lower() == "none" and type(None) in options:
+            return None
+        (kind,) = [option for option in options if option is not type(None)]
+        options = typing.get_args(kind)
+    if typing.get_origin(kind) is tuple:  # ';'-separated: trees contain commas
+        return tuple(part.strip() for part in text.split(";") if part.strip())
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in options:
+            raise ValueError(f"{where}: {text!r} is not one of {', '.join(map(str, options))}")
+        return text
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"{where}: {text!r} is not true or false")
+        return text.lower() in ("true", "1", "yes")
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {text!r} is not a valid {kind.__name__}") from None

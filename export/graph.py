@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from streamfuse.adapters.masks import GRAPH_MASKED, additive
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
@@ -44,10 +45,6 @@ from streamfuse.runtime.tree import TreeSpec
 
 # The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
 Cache = torch.Tensor | list[torch.Tensor]
-
-# The graphs' masked score: finite in fp16 (Core ML computes in fp16, where 0 * -inf would be NaN)
-# and still far enough below any real score that softmax gives it exactly 0 in fp32.
-MASKED = -30000.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tenso
     """[rows, C] additive: cache row c is visible iff c < cache_len."""
     hidden = torch.arange(capacity, device=cache_len.device)[None, :] >= cache_len[:, None]
     # A product, not torch.where with a scalar: Core ML's converter has no where.ScalarOther.
-    return (hidden.to(torch.float32) * MASKED).expand(rows, capacity)
+    return (hidden.to(torch.float32) * GRAPH_MASKED).expand(rows, capacity)
 
 
 def split_cache(keys: Cache, values: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -99,8 +96,7 @@ class MainPass(nn.Module):
         self.model = model
         self.select_last = select_last
         self.in_place = in_place
-        additive = torch.zeros(visibility.shape, dtype=torch.float32).masked_fill(~visibility, MASKED)
-        self.register_buffer("tree_mask", additive, persistent=False)
+        self.register_buffer("tree_mask", additive(visibility, fill=GRAPH_MASKED), persistent=False)
         self.register_buffer("depths", torch.tensor(depths, dtype=torch.long), persistent=False)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -10,8 +10,10 @@ STREAMFUSE_DEBUG=1) re-raises for the traceback.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from streamfuse.runtime.artifact import ArtifactError
@@ -29,6 +31,30 @@ class UsageError(ValueError):
 # What a user can cause and fix: bad files and values (ValueError covers UnicodeDecodeError and
 # ArtifactError), missing files or folders, an engine not installed, a prompt longer than the cache.
 USER_ERRORS = (ValueError, OSError, ArtifactError, MissingBackend, CapacityError)
+
+
+# Known, harmless messages of the libraries below us (optional kernels not built for this machine,
+# deprecations inside torch, transformers and ExecuTorch): hidden so a console shows our progress.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "torch.onnx._internal.exporter._registration")
+NOISY_WARNINGS = (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                  r"This API is experimental")
+
+
+def quiet_known_noise() -> None:
+    """Silence NOISY_LOGGERS, NOISY_WARNINGS and transformers' weight-loading bars in this process."""
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+def quiet_unless_debugging() -> None:
+    """A spawned worker's initializer: as quiet as the command that spawned it (see run)."""
+    if os.environ.get("STREAMFUSE_DEBUG") != "1":
+        quiet_known_noise()
 
 
 def add_debug_flag(parser) -> None:
@@ -63,6 +89,10 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = DEBUG_FLAG in argv or os.environ.get("STREAMFUSE_DEBUG") == "1"
     name = prog or os.path.basename(sys.argv[0]) or "streamfuse"
+    if not debug:
+        quiet_known_noise()
+    before = os.environ.get("STREAMFUSE_DEBUG")
+    os.environ["STREAMFUSE_DEBUG"] = "1" if debug else "0"  # what spawned workers inherit
     try:
         return main(argv)
     except USER_ERRORS as error:
@@ -75,3 +105,8 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None, 
             raise
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if before is None:
+            os.environ.pop("STREAMFUSE_DEBUG")
+        else:
+            os.environ["STREAMFUSE_DEBUG"] = before

@@ -151,24 +151,6 @@ class TreeSpec:
             mask[node] |= mask[self.parents[node]]
         return mask
 
-    @cached_property
-    def retrieve_paths(self) -> torch.Tensor:
-        """[leaves, depth + 1] node indices from the root to each leaf, padded with -1."""
-        leaves = [n for n in range(self.num_nodes) if not self.children[n]]
-        rows = []
-        for leaf in leaves:
-            chain = [leaf]
-            while self.parents[chain[-1]] >= 0:
-                chain.append(self.parents[chain[-1]])
-            chain.reverse()
-            rows.append(chain + [-1] * (self.depth + 1 - len(chain)))
-        return torch.tensor(rows, dtype=torch.long)
-
-    def additive_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[T, T] additive mask (0 where visible, dtype min elsewhere)."""
-        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=dtype)
-        return mask.masked_fill(~self.ancestor_mask, torch.finfo(dtype).min)
-
     # --- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"paths": [list(p) for p in self.paths], "lookup": list(self.lookup), "num_nodes": self.num_nodes,

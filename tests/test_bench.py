@@ -9,7 +9,8 @@ import torch
 
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.tools import bench, bench_data, quality
+from streamfuse.metrics import rouge
+from streamfuse.tools import bench, bench_data
 
 
 def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
@@ -130,10 +131,11 @@ def test_task_files_and_e2e_csv_grouping(checkpoint, tmp_path, monkeypatch):
 
 
 def test_rouge_takes_the_best_reference_and_splits_sentences():
-    assert quality.split_sentences("Mr. Smith came. He left!  Then") == ["Mr. Smith came.", "He left!", "Then"]
-    scores = quality.rouge(["the cat sat"], [("a dog ran", "the cat sat")])
+    assert rouge.split_sentences("Mr. Smith came. He left!  Then") == ["Mr. Smith came.", "He left!", "Then"]
+    scores = rouge.rouge(["the cat sat"], [("a dog ran", "the cat sat")])
     assert scores["rouge1"] == scores["rougeLsum"] == 100.0
-    assert quality.rouge(["x"], [()]) is None
+    with pytest.raises(ValueError, match="every example needs at least one reference"):
+        rouge.rouge(["x"], [()])
 
 
 def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):

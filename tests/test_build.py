@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from conftest import write_tiny_dialogsum
 from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.checkpoint import weights_digest
-from streamfuse.export import build, distill
+from streamfuse.export import build, pipeline
+from streamfuse.export.training import distill
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.calibration import AcceptanceModel
 from streamfuse.runtime.tree import TreeSpec
@@ -33,10 +35,10 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
     # Frozen (the cpu recipe): only the streams, with a per-stream f_eta, train in the second stage,
     # on the own answers and the references.
-    export = ["--distill", "--distill-main-targets", "frozen", "--distill-init-rank", "4", "--distill-with-references",
-              "--distill-unlabelled",
-              "--backends", "torch,onnx", "--context", "256", "--parity-prompts", "3", "--profile-limit", "2",
-              "--draft-vocab", "40", "--out", str(tmp_path / "artifact")]
+    export = ["--backends", "torch,onnx", "--out", str(tmp_path / "artifact")] + [f"--set={a}" for a in (
+        "distill.enabled=true", "distill.main_targets=frozen", "distill.init_rank=4", "distill.with_references=true",
+        "distill.unlabelled=true", "export.capacity=256", "export.parity_prompts=3", "stages.profile_limit=2",
+        "export.draft_vocab=40")]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *export) == 0
     run_dir = tmp_path / "work" / "dialogsum-smoke"
     summary = json.loads((run_dir / "ss" / "eval.json").read_text())
@@ -50,7 +52,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     first = json.loads((run_dir / "ss_stage1" / "streamfuse.json").read_text())["info"]
     first_ss_key = json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["training_key"]
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
-    own_answers = run_dir / "distill" / f"{build.model_key(run_dir / 'ss_stage1')}-train.jsonl"
+    own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss_stage1')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16
     unlabelled = own_answers.with_name(own_answers.name.replace("-train.jsonl", "-unlabelled.jsonl"))
     assert len(unlabelled.read_text().splitlines()) == 4  # the dialogues without references
@@ -139,60 +141,91 @@ def test_baseline_checkpoint_key_ignores_stream_settings():
     assert cpu.training_key("dialogsum", "m", with_streams=False) != longer.training_key("dialogsum", "m", with_streams=False)
 
 
-def test_stream_overrides_reach_the_config():
-    config = build.build_config(build.parse_args(["--preset", "smoke", "--gamma", "2", "--msa-layers", "3",
-                                                  "--stream-weight", "0.5", "--epochs", "2"]))
-    assert (config.streams.num_streams, config.streams.msa_layers) == (2, 3)
-    assert (config.train.stream_weight, config.train.epochs) == (0.5, 2.0)
+def config_of(*argv: str):
+    return build.build_config(build.parse_args(list(argv)))
 
 
-def test_init_rank_override_gives_each_stream_its_own_f_eta():
-    config = build.build_config(build.parse_args(["--preset", "smoke", "--init-rank", "16", "--init-lr-scale", "3"]))
-    assert (config.streams.init_rank, config.streams.init_per_stream, config.train.init_lr_scale) == (16, True, 3.0)
-    identity = build.build_config(build.parse_args(["--preset", "cpu", "--init-rank", "0"]))
-    assert (identity.streams.init_rank, identity.streams.init_per_stream) == (0, False)
-    identity.streams.validate(30)
-    # A first stage with its own f_eta keeps training it in a second stage instead of growing another.
-    assert build.build_config(build.parse_args(["--preset", "cpu", "--distill"])).distill.init_rank == 0
-    assert build.build_config(build.parse_args(["--preset", "cpu-distill"])).distill.init_rank == 128
+# --set assignments -> the fields they reach (section.field: value)
+OVERRIDES = [
+    (["streams.num_streams=2", "streams.msa_layers=3"], {"streams.num_streams": 2, "streams.msa_layers": 3}),
+    (["train.stream_weight=0.5", "train.epochs=2"], {"train.stream_weight": 0.5, "train.epochs": 2.0}),
+    (["streams.init_rank=16", "streams.init_per_stream=true", "train.init_lr_scale=3"],
+     {"streams.init_rank": 16, "streams.init_per_stream": True, "train.init_lr_scale": 3.0}),
+    (["data.train_limit=none", "data.test_limit=7"], {"data.train_limit": None, "data.test_limit": 7}),
+    (["distill.enabled=true", "distill.main_targets=own", "distill.init_rank=0", "distill.learning_rate=3e-4"],
+     {"distill.enabled": True, "distill.main_targets": "own", "distill.init_rank": 0, "distill.learning_rate": 3e-4}),
+    (["export.trees=gamma=3,k=1;gamma=3,k=2", "export.capacity=512"],
+     {"export.trees": ("gamma=3,k=1", "gamma=3,k=2"), "export.capacity": 512}),
+    (["stages.baseline=false", "stages.profile_limit=0"], {"stages.baseline": False, "stages.profile_limit": 0}),
+]
 
 
-def test_the_core_ml_delegated_pte_is_asked_for_not_built_by_default():
+@pytest.mark.parametrize("assignments, expected", OVERRIDES, ids=[a[0] for a, _ in OVERRIDES])
+def test_set_reaches_exactly_the_fields_it_names(assignments, expected):
+    import dataclasses
+
+    base = config_of("--preset", "smoke")
+    config = config_of("--preset", "smoke", *(f"--set={a}" for a in assignments))
+    for path, value in expected.items():
+        section, name = path.split(".")
+        assert getattr(getattr(config, section), name) == value, path
+    changed = {f"{section}.{name}" for section, fields in dataclasses.asdict(config).items() if isinstance(fields, dict)
+               for name, value in fields.items() if value != dataclasses.asdict(base)[section][name]}
+    assert changed <= set(expected)  # nothing else moved behind the user's back
+
+
+# --set assignments on a preset -> the one-line refusal
+REFUSED = [
+    ("cpu", ["streams.gamma=2"], "streams has no field 'gamma'"),
+    ("cpu", ["training.epochs=2"], "SECTION one of"),
+    ("cpu", ["train.epochs=abc"], "'abc' is not a valid float"),
+    ("cpu", ["distill.enabled=maybe"], "'maybe' is not true or false"),
+    ("cpu", ["streams.init_rank=0"], "set streams.init_per_stream=false"),
+    ("cpu", ["distill.enabled=true", "distill.init_rank=64"], "set distill.init_rank=0"),
+    ("cpu-distill", ["distill.main_targets=own"], "set distill.with_references=false"),
+    ("cpu", ["stages.calibration_inputs=0"], "stages.calibration_inputs must be >= 1"),
+    ("cpu", ["export.trees=gamma=x"], "gamma=x"),
+]
+
+
+@pytest.mark.parametrize("name, assignments, message", REFUSED, ids=[r[1][-1] for r in REFUSED])
+def test_contradictory_or_unknown_settings_are_refused_naming_the_field(name, assignments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_of("--preset", name, *(f"--set={a}" for a in assignments))
+
+
+def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ExportConfig
+    from streamfuse.export.config import PRESETS
 
-    assert ExportConfig().backends == DEFAULT_BACKENDS == ("torch", "executorch", "onnx", "coreml")
-    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}
-    assert build.export_config(build.parse_args([])).backends == DEFAULT_BACKENDS
+    for name in PRESETS:
+        config_of("--preset", name)  # validates
+    assert config_of("--preset", "cpu-distill").distill.enabled  # the benchmarked recipe (docs/results.md)
+    assert not config_of("--preset", "cpu").distill.enabled  # make build's hour
+    assert config_of("--preset", "cpu", "--set", "distill.enabled=true").distill.init_rank == 0  # trains the first's f_eta
+    assert ExportConfig().backends == DEFAULT_BACKENDS == config_of().export.backends
+    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}  # the Core ML .pte: asked for
+    assert config_of().export.trees == ()  # calibration picks them
+    quantized = config_of("--backends", "torch,onnx", "--quantize", "int8")
+    assert (quantized.export.backends, quantized.export.quantize) == (("torch", "onnx"), "int8")
+    assert build.main(["--preset", "smoke", "--set", "train.epochs=3", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train"]["epochs"] == 3.0 and printed["preset"] == "smoke" and printed["export"]["trees"] == []
 
 
-def test_distill_flags_reach_the_config():
-    cpu = build.build_config(build.parse_args(["--preset", "cpu-distill"]))
-    assert cpu.distill.enabled and cpu.distill.main_targets == "frozen"  # the benchmarked recipe (docs/results.md)
-    assert not build.build_config(build.parse_args(["--preset", "cpu"])).distill.enabled  # make build's hour
-    assert not build.build_config(build.parse_args(["--preset", "smoke"])).distill.enabled
-    on = build.build_config(build.parse_args(["--preset", "cpu-distill", "--distill", "--distill-stream-weight", "0.2",
-                                              "--distill-main-targets", "own", "--distill-init-rank", "0",
-                                              "--distill-lr", "3e-4", "--distill-epochs", "3"]))
-    assert on.distill.stream_weight == 0.2 and on.distill.main_targets == "own" and on.distill.epochs == 3.0
-    assert (on.distill.init_rank, on.distill.learning_rate) == (0, 3e-4)
-    assert not on.distill.with_references  # the preset's choice belongs to its frozen recipe
-    assert not build.build_config(build.parse_args(["--preset", "cpu-distill", "--no-distill"])).distill.enabled
-    # The distilled model is retrained when its first stage or its own recipe changes.
-    assert on.distill_key("a-ss") != on.distill_key("b-ss") != cpu.distill_key("b-ss")
-    assert cpu.distill.with_references
-    own_only = build.build_config(build.parse_args(["--preset", "cpu-distill", "--no-distill-with-references"]))
-    assert not own_only.distill.with_references and own_only.distill_key("b-ss") != cpu.distill_key("b-ss")
-    with pytest.raises(ValueError, match="with_references applies to main_targets 'frozen'"):
-        build.build_config(build.parse_args(["--preset", "cpu-distill", "--distill-with-references",
-                                             "--distill-main-targets", "own"]))
+def test_distilled_model_is_keyed_on_its_first_stage_and_its_recipe():
+    cpu = config_of("--preset", "cpu-distill")
+    own = config_of("--preset", "cpu-distill", "--set", "distill.with_references=false")
+    assert cpu.distill_key("a-ss") != cpu.distill_key("b-ss") != own.distill_key("b-ss")
 
 
 def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_path):
     data = write_tiny_dialogsum(tmp_path / "data")  # 24 train rows, 8 dev rows
-    common = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--data-dir", str(data), "--train-limit", "30"]
-    plain = build.Build(args := build.parse_args(common), build.build_config(args))
+    common = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--data-dir", str(data), "--set", "data.train_limit=30"]
+    plain = pipeline.Build(args := build.parse_args(common), build.build_config(args))
     plain.load_data()
-    more = build.Build(args := build.parse_args([*common, "--train-on-validation-rest"]), build.build_config(args))
+    more = pipeline.Build(args := build.parse_args([*common, "--set", "data.train_on_validation_rest=true"]),
+                       build.build_config(args))
     more.load_data()
     validation = [ex.id for ex in more.validation]
     assert validation == [ex.id for ex in plain.validation] == [f"dev_{i}" for i in range(8)]  # smoke keeps 8
@@ -200,7 +233,7 @@ def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_pa
     # The smoke preset holds out all 8 dev rows, so nothing joins; with a 5-row slice, 3 do (then the limit cuts).
     assert [ex.id for ex in more.train_examples] == [f"train_{i}" for i in range(24)]
     config = dataclasses.replace(more.config, data=dataclasses.replace(more.config.data, validation_limit=5))
-    sliced = build.Build(args, config)
+    sliced = pipeline.Build(args, config)
     sliced.load_data()
     assert [ex.id for ex in sliced.validation] == [f"dev_{i}" for i in range(5)]
     assert [ex.id for ex in sliced.train_examples] == [f"train_{i}" for i in range(24)] + ["dev_5", "dev_6", "dev_7"]
@@ -229,13 +262,13 @@ def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_the_key_f
         assert key(config) == key(replace(config, data=replace(config.data, test_limit=7)))
         moved = key(replace(config, data=replace(config.data, validation_limit=50)))
         assert (moved != key(config)) == config.data.train_on_validation_rest
-    off = build.build_config(build.parse_args(["--preset", "cpu", "--no-train-on-validation-rest"]))
-    assert not off.data.train_on_validation_rest
+    assert not config_of("--preset", "cpu", "--set", "data.train_on_validation_rest=false").data.train_on_validation_rest
 
 
 def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tiny_base_dir):
-    args = build.parse_args(["--preset", "smoke", "--base-model", str(tiny_base_dir), "--init-rank", "4"])
-    builder = build.Build(args, build.build_config(args))
+    args = build.parse_args(["--preset", "smoke", "--base-model", str(tiny_base_dir), "--set", "streams.init_rank=4",
+                             "--set", "streams.init_per_stream=true"])
+    builder = pipeline.Build(args, build.build_config(args))
     first = {n: p.detach().clone() for n, p in builder.new_model().named_parameters() if p.requires_grad}
     torch.seed()  # what an import may do: reseed from the OS
     torch.rand(7)
@@ -246,15 +279,10 @@ def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tin
     assert any(value.abs().sum() > 0 and "init" in name for name, value in first.items())  # f_eta: random, not zeros
 
 
-def test_calibration_inputs_below_one_are_refused_before_any_work(capsys):
-    with pytest.raises(SystemExit):
-        build.parse_args(["--calibration-inputs", "0"])
-    assert "--calibration-inputs must be >= 1" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv, message", [
-    (["--tree", "gamma=x"], "gamma=x"),
+    (["--set", "export.trees=gamma=x"], "gamma=x"),
     (["--backends", "tflite"], "tflite"),
+    (["--set", "stages.calibration_inputs=0"], "stages.calibration_inputs must be >= 1"),
 ])
 def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, capsys, argv, message):
     from streamfuse.runtime import cli
@@ -264,6 +292,12 @@ def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("build.py: error: ") and message in err
     assert not (tmp_path / "work").exists()  # refused before any work
+
+
+def test_threads_below_one_is_an_argparse_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build.parse_args(["--threads", "0"])
+    assert exit_info.value.code == 2 and "--threads must be >= 1" in capsys.readouterr().err
 
 
 def test_a_second_build_into_the_same_folder_refuses_with_one_line(tiny_base_dir, tmp_path, capsys):

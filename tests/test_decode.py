@@ -164,7 +164,7 @@ def exact_joint(backend, sampling):
 
 
 def _causal(n):
-    from streamfuse.adapters.model import causal_mask
+    from streamfuse.adapters.masks import causal_mask
 
     return causal_mask(torch.ones(1, n, dtype=torch.long))
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama, make_tiny_tokenizer
 
-from streamfuse.export import distill
-from streamfuse.export.data import Encoded
+from streamfuse.export.training import distill
+from streamfuse.export.training.data import Encoded
 
 PROMPTS = ["<|im_start|> user the time of day <|im_end|> <|im_start|> assistant",
            "<|im_start|> user people and words <|im_end|> <|im_start|> assistant",

@@ -9,7 +9,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.calibration import (acceptance_model, lookup_matches, position_ranks, tree_text,
                                            trees_to_export)
-from streamfuse.export.data import Encoded
+from streamfuse.export.training.data import Encoded
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.calibration import BackendCalibration, TreeCost
 from streamfuse.runtime.tree import TreeSpec

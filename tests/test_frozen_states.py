@@ -10,10 +10,10 @@ from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.config import TrainConfig
-from streamfuse.export.data import collate, encode
-from streamfuse.export.frozen_states import FrozenStates
 from streamfuse.export.tasks import get_task
-from streamfuse.export.train import forward_batch, train
+from streamfuse.export.training.data import collate, encode
+from streamfuse.export.training.frozen_states import FrozenStates
+from streamfuse.export.training.train import forward_batch, train
 
 STREAMS = StreamConfig(num_streams=2, msa_layers=2)  # 4 layers: streams from layer 2
 

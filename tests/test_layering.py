@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "runtime": {"runtime", "adapters"},
     "adapters": {"adapters"},
-    "export": {"export", "adapters", "runtime", "tools"},  # the build profiles its artifact
-    "tools": {"tools", "runtime"},
+    "metrics": {"metrics"},
+    "export": {"export", "adapters", "runtime", "metrics", "tools"},  # the build calibrates and profiles its artifact
+    "tools": {"tools", "runtime", "metrics"},
     "apps": {"apps", "runtime"},
 }
 

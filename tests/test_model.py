@@ -6,7 +6,8 @@ from conftest import make_tiny_llama
 
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
-from streamfuse.adapters.model import SpeculativeStreamingLM, causal_mask
+from streamfuse.adapters.masks import causal_mask
+from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues
 
 

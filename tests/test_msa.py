@@ -2,8 +2,8 @@
 
 import torch
 
-from streamfuse.adapters.model import causal_mask
-from streamfuse.adapters.msa import StepKeyValues, multi_stream_mask, stream_block
+from streamfuse.adapters.masks import causal_mask, multi_stream_mask, stream_block
+from streamfuse.adapters.msa import StepKeyValues
 
 X = torch.finfo(torch.float32).min
 

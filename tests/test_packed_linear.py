@@ -112,7 +112,7 @@ def test_packed_speculative_equals_eager_plain(seed, schedule):
 @needs_onednn
 def test_packed_for_inference_generates_what_eager_does():
     """The build's evaluation and self-distillation generate on packed kernels: same greedy tokens."""
-    from streamfuse.export.evaluation import packed_for_inference
+    from streamfuse.export.training.evaluation import packed_for_inference
 
     prompt = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(5))
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -124,3 +124,13 @@ def test_packed_for_inference_generates_what_eager_does():
     assert torch.equal(packed, eager)
     model = packed_for_inference(tiny_model())
     assert isinstance(model.parts.lm_head, PackedLinear)
+
+
+def test_a_torch_without_the_private_onednn_ops_runs_eager(monkeypatch):
+    from streamfuse.runtime.backends import packed_linear
+
+    monkeypatch.setattr(packed_linear, "PRIVATE_OPS", ("_reorder_linear_weight", "_no_such_op"))
+    assert not packed_linear.packing_available("cpu", torch.float32)
+    assert packed_linear.resolve_kernels("auto", "cpu", torch.float32) == "eager"
+    with pytest.raises(ValueError, match="packed kernels need fp32 on a CPU with oneDNN"):
+        packed_linear.resolve_kernels("packed", "cpu", torch.float32)

@@ -8,7 +8,8 @@ import torch
 from streamfuse.adapters.base_model import bundled_gguf, load_base_model
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
-from streamfuse.adapters.model import SpeculativeStreamingLM, causal_mask
+from streamfuse.adapters.masks import causal_mask
+from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.settings import DecodeSettings
 
 try:
@@ -52,9 +53,9 @@ def test_real_model_smoke_build(tmp_path):
     except DataError as error:
         pytest.skip(f"DialogSum data unavailable: {error}")
     # ONNX only: the real model's ExecuTorch lowering takes ~10 min here, too long for CI.
-    export = ["--backends", "torch,onnx", "--parity-prompts", "2", "--profile-limit", "1", "--context", "512",
-              "--out", str(tmp_path / "artifact")]
-    assert build.main(["--preset", "smoke", "--work-dir", str(tmp_path), "--skip-zero-shot", *export]) == 0
+    export = ["--backends", "torch,onnx", "--out", str(tmp_path / "artifact"), "--set", "export.parity_prompts=2",
+              "--set", "stages.profile_limit=1", "--set", "export.capacity=512", "--set", "stages.zero_shot=false"]
+    assert build.main(["--preset", "smoke", "--work-dir", str(tmp_path), *export]) == 0
     summary = json.loads((tmp_path / "dialogsum-smoke" / "ss" / "eval.json").read_text())
     assert summary["quality"]["ss"]["rouge1"] > 5.0
     losses = summary["training"]["ss"]["final_losses"]
@@ -69,8 +70,8 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     """The fine-tuned real model's SS equals its plain decoding on test dialogues, per backend:
     greedy on its calibrated tree and on the full gamma=3,k=2 tree with a lookup branch (torch),
     and sampled with one seed (each token one draw from the target in both loops)."""
-    from streamfuse.runtime.generate import prompt_ids, run
     from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.generate import prompt_ids, run
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.sampling import SamplingConfig
     from streamfuse.runtime.tree import TreeSpec
@@ -90,9 +91,9 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
 
 
 def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
-    from streamfuse.export.data import prompt_text
     from streamfuse.export.tasks import get_task
     from streamfuse.export.tasks.base import DataError
+    from streamfuse.export.training.data import prompt_text
 
     task = get_task("dialogsum")
     try:

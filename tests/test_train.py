@@ -10,12 +10,12 @@ from streamfuse.adapters.checkpoint import load_checkpoint, save_checkpoint
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export import train as train_module
 from streamfuse.export.config import TrainConfig
-from streamfuse.export.data import collate, encode
-from streamfuse.export.loss import streaming_loss
 from streamfuse.export.tasks import get_task
-from streamfuse.export.train import forward_batch, train
+from streamfuse.export.training import train as train_module
+from streamfuse.export.training.data import collate, encode
+from streamfuse.export.training.loss import streaming_loss
+from streamfuse.export.training.train import forward_batch, train
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0)
 STREAMS = StreamConfig(num_streams=2, msa_layers=2)
@@ -122,7 +122,7 @@ def test_checkpoint_round_trip(tiny_base_dir, tmp_path, per_stream_f_eta):
 
 
 def items_for_roundtrip():
-    from streamfuse.export.data import Encoded
+    from streamfuse.export.training.data import Encoded
 
     return Encoded("r", [2, 4, 9, 12, 3, 2, 5, 20, 21, 3], prompt_len=7)
 

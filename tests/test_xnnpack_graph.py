@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attenti
 
 from streamfuse.adapters import hf
 from streamfuse.adapters.config import StreamConfig
+from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.xnnpack_graph import (PooledRMSNorm, grouped_attention, ordered_attention, views_for_xnnpack,
@@ -39,7 +40,7 @@ def test_graph_attention_is_eager_attention(attention):
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = 3, False
     query, key, value = torch.randn(1, 6, 4, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
-    mask = torch.zeros(1, 1, 4, 9).masked_fill(torch.rand(1, 1, 4, 9) < 0.4, graph.MASKED)
+    mask = torch.zeros(1, 1, 4, 9).masked_fill(torch.rand(1, 1, 4, 9) < 0.4, GRAPH_MASKED)
     mask[..., 0] = 0.0  # every row sees something
     expected, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.25)
     actual, _ = attention(module, query, key, value, mask, scaling=0.25)
@@ -99,7 +100,7 @@ def chain_attention_cases(count: int = 4, cache_len: int = 21, capacity: int = 4
     past_keys, past_values = torch.randn(1, kv_heads, capacity, size), torch.randn(1, kv_heads, capacity, size)
     keys, values, query = torch.randn(1, kv_heads, count, size), torch.randn(1, kv_heads, count, size), \
         torch.randn(1, heads, count, size) * 3
-    mask = torch.full((1, 1, count, capacity + count), graph.MASKED)
+    mask = torch.full((1, 1, count, capacity + count), GRAPH_MASKED)
     mask[..., :cache_len] = 0.0
     for node in range(count):
         mask[..., node, capacity : capacity + node + 1] = 0.0
@@ -108,7 +109,7 @@ def chain_attention_cases(count: int = 4, cache_len: int = 21, capacity: int = 4
         cache_keys, cache_values = past_keys.clone(), past_values.clone()
         cache_keys[:, :, cache_len : cache_len + node] = keys[:, :, :node]
         cache_values[:, :, cache_len : cache_len + node] = values[:, :, :node]
-        row_mask = torch.full((1, 1, 1, capacity + 1), graph.MASKED)
+        row_mask = torch.full((1, 1, 1, capacity + 1), GRAPH_MASKED)
         row_mask[..., : cache_len + node] = 0.0
         row_mask[..., capacity] = 0.0
         plain.append(tuple(t.contiguous() for t in (query[:, :, node : node + 1], cache_keys, cache_values,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from streamfuse.tools import quality
+from streamfuse.metrics.rouge import rouge
 from streamfuse.tools.bench_data import BenchInput
 
 REFERENCE = ("ar", "torch")  # (method, backend) the peers are compared with
@@ -55,7 +55,9 @@ def _stats(runs: Sequence[dict], baseline: Sequence[dict] | None, inputs: Sequen
             "decode_tokens_per_s": _decode_rate(runs),
             "prompt_ms_per_token_median": statistics.median(1e3 * r["ttft_s"] / n for r, n in zip(runs, prompt_tokens)),
             **_speedups(runs, baseline),
-            "rouge": quality.rouge([r["text"] for r in runs], [i.references for i in inputs]),
+            # inputs without references (unlabelled dialogues) have no score
+            "rouge": rouge([r["text"] for r in runs], [i.references for i in inputs])
+                     if all(i.references for i in inputs) else None,
             "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in runs)}
 
 

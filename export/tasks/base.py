@@ -70,10 +70,6 @@ class Task(ABC):
     instruction_template: str  # the user message, "{source}" marks where the source goes
     source_template: str  # how a raw input row's fields make the source, e.g. "{dialogue}"
 
-    def instruction(self, example: Example) -> str:
-        """The user message for the chat template: task wording plus ``example.source``."""
-        return self.instruction_template.replace("{source}", example.source)
-
     @abstractmethod
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         """Corpus-level metrics in percent (0-100)."""

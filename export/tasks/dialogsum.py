@@ -6,8 +6,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from streamfuse.metrics.rouge import rouge
+
 from .base import Example, Task
-from .metrics import rouge
 from .records import Row, read_jsonl
 
 _FILES = {

@@ -13,8 +13,9 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from streamfuse.metrics.rouge import rouge
+
 from .base import Example, Task
-from .metrics import rouge
 from .records import Row, read_csv
 
 DEV_FILE = "devset.csv"

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from streamfuse.metrics.sql import exact_match
+
 from .base import DataError, Example, Task
-from .metrics import exact_match
 from .records import Row, read_json_array, read_jsonl
 
 HOLDOUT = 1000

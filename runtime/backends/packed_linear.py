@@ -23,8 +23,13 @@ ROWS_HINT = 4  # oneDNN picks its weight layout for about this many rows; tree s
 ONE_ROW_PACKED_MIN_ELEMENTS = 1 << 23  # weights this large (the LM head) run packed even for one row
 
 
+# oneDNN's packing and inner-product ops are private to torch: a build without them runs eager.
+PRIVATE_OPS = ("_reorder_linear_weight", "_linear_pointwise")
+
+
 def packing_available(device: str, dtype: torch.dtype) -> bool:
-    return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and all(hasattr(torch.ops.mkldnn, op) for op in PRIVATE_OPS))
 
 
 def resolve_kernels(kernels: str, device: str, dtype: torch.dtype) -> str:

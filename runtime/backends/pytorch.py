@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from streamfuse.adapters.config import StreamConfig
+from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput, process_peak_rss_bytes
 from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
@@ -135,9 +136,8 @@ class TorchBackend:
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """[T, T] visibility among the new tokens -> additive [1, 1, T, past + T]; past all visible."""
         count, past = visible.shape[0], self.cache.length
-        mask = torch.zeros(1, 1, count, past + count, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, past:] = mask[0, 0, :, past:].masked_fill(~visible, torch.finfo(self.dtype).min)
-        return mask
+        seen = torch.cat([visible.new_ones(count, past), visible], dim=1)
+        return additive(seen, self.dtype)[None, None]
 
     def _prune(self, early_hidden: torch.Tensor, tokens: Sequence[int], tree: TreeSpec, prune: PruneConfig) -> list[bool]:
         """Transition probability parent -> child from the early-exit head at the parent."""

@@ -41,7 +41,10 @@ def set_executorch_threads(threads: int) -> None:
     if threads != _POOL_THREADS:
         from executorch.extension.pybindings import portable_lib
 
-        portable_lib._unsafe_reset_threadpool(threads)
+        reset = getattr(portable_lib, "_unsafe_reset_threadpool", None)  # private: an ExecuTorch without it
+        if reset is None:  # keeps XNNPACK's own pool size, one thread per core
+            return
+        reset(threads)
         _POOL_THREADS = threads
 
 

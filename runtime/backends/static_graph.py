@@ -120,7 +120,7 @@ class GraphSpec:
         shapes = "; ".join(str(t.to_dict()["paths"]) for t in self.trees)
         raise ValueError(f"the artifact has step graphs for the trees {shapes}, not {tree.to_dict()['paths']} (hash "
                          f"{tree.hash()}): omit --tree to use the calibrated one, or rebuild the artifact with "
-                         f"export/build.py --tree")
+                         f"export/build.py --set export.trees='TREE;...'")
 
 
 class StaticGraphBackend:
@@ -146,7 +146,7 @@ class StaticGraphBackend:
     def reset(self, capacity: int) -> None:
         if capacity > self.spec.capacity:
             raise CapacityError(f"a run needs {capacity} KV positions but the artifact was exported with capacity "
-                                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --context")
+                                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --set export.capacity=N")
         self.length = 0
         self._pending = None
 

@@ -14,10 +14,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM, swap_linears
-from streamfuse.export.data import Encoded, collate
-from streamfuse.export.loss import stream_targets
 from streamfuse.export.tasks.base import Example, Task
-from streamfuse.export.train import forward_batch
+from streamfuse.export.training.data import Encoded, collate
+from streamfuse.export.training.loss import stream_targets
+from streamfuse.export.training.train import forward_batch
 from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available
 
 
@@ -52,11 +52,6 @@ def greedy_answer_ids(model, tokenizer, prompts: Sequence[str], max_new_tokens: 
         for i, row in zip(chunk, output[:, encoded["input_ids"].shape[1] :].tolist()):
             answers[i] = row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
     return answers
-
-
-def generate_greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int, desc: str) -> list[str]:
-    answers = greedy_answer_ids(model, tokenizer, prompts, max_new_tokens, batch_size, desc)
-    return [text.strip() for text in tokenizer.batch_decode(answers, skip_special_tokens=True)]
 
 
 def task_quality(model, tokenizer, task: Task, examples: Sequence[Example], prompts: Sequence[str],

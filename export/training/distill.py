@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from streamfuse.export.data import Encoded
-from streamfuse.export.evaluation import greedy_answer_ids
+from streamfuse.export.training.data import Encoded
+from streamfuse.export.training.evaluation import greedy_answer_ids
 
 BLOCK = 32  # examples generated between appends to the cache
 

@@ -18,8 +18,9 @@ import weakref
 
 import torch
 
-from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM, causal_mask
-from streamfuse.export.data import Batch
+from streamfuse.adapters.masks import causal_mask
+from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM
+from streamfuse.export.training.data import Batch
 
 DEFAULT_BUDGET_BYTES = 3 * 2**30  # beyond this, rows are computed each time instead of stored
 

@@ -1,6 +1,6 @@
-"""Output quality for the benchmark: ROUGE F1 (x100) against every reference of a task row.
+"""ROUGE F1 (x100) against every reference of a task row: the build's evaluation and the benchmark.
 
-The build's evaluation uses it too (export/tasks/metrics.py): rouge_score's RougeScorer with the Porter stemmer, the best reference per example and metric, and
+rouge_score's RougeScorer with the Porter stemmer, the best reference per example and metric, and
 rougeLsum over sentences split by a small regex (rouge_score's own splitter needs nltk data, which
 is not available offline).
 """
@@ -35,17 +35,14 @@ def split_sentences(text: str) -> list[str]:
 
 @lru_cache(maxsize=1)
 def _scorer():
-    from rouge_score import rouge_scorer  # lazy: only the benchmark's report needs it
+    from rouge_score import rouge_scorer  # lazy: scoring is the last thing a run does
 
     return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
 
 
-def rouge(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float] | None:
-    """Mean over examples of the best-reference F1 x100 per ROUGE key; None when a row has no reference."""
-    if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predictions but {len(references)} reference lists")
-    if not predictions or any(not refs for refs in references):
-        return None
+def rouge(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Mean over examples of the best-reference F1 x100 per ROUGE key."""
+    check_lengths(predictions, references)
     totals = dict.fromkeys(ROUGE_KEYS, 0.0)
     for prediction, refs in zip(predictions, references):
         targets = ["\n".join(split_sentences(ref)) for ref in refs]
@@ -53,3 +50,12 @@ def rouge(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> di
         for key in ROUGE_KEYS:
             totals[key] += scores[key].fmeasure
     return {key: 100.0 * total / len(predictions) for key, total in totals.items()}
+
+
+def check_lengths(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> None:
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions but {len(references)} reference tuples")
+    if not predictions:
+        raise ValueError("nothing to score: no predictions")
+    if any(not refs for refs in references):
+        raise ValueError("every example needs at least one reference")

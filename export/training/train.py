@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM, causal_mask
+from streamfuse.adapters.masks import causal_mask
+from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM
 from streamfuse.export.config import TrainConfig
-from streamfuse.export.data import Batch, Encoded, epoch_batches
-from streamfuse.export.frozen_states import FrozenStates
-from streamfuse.export.loss import streaming_loss
+from streamfuse.export.training.data import Batch, Encoded, epoch_batches
+from streamfuse.export.training.frozen_states import FrozenStates
+from streamfuse.export.training.loss import streaming_loss
 
 
 @dataclass

@@ -1,0 +1,353 @@
+"""The build's stages, driven by export/build.py: data, train, distil, evaluate, calibrate, export,
+verify and profile, each reusing its output when rerun with the same settings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from streamfuse.adapters.base_model import load_base_model
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
+from streamfuse.adapters.lora import add_lora
+from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export import report
+from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig
+from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
+from streamfuse.export.config import BuildConfig
+from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
+from streamfuse.export.profiling import profile_artifact
+from streamfuse.export.tasks import get_task
+from streamfuse.export.tasks.base import UNLABELLED
+from streamfuse.export.training.data import Encoded, encode, prompt_format, prompt_text
+from streamfuse.export.training.distill import distill_rows, self_distilled
+from streamfuse.export.training.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,
+                                                   stream_accuracy, task_quality)
+from streamfuse.export.training.frozen_states import FrozenStates
+from streamfuse.export.training.train import train
+from streamfuse.export.verify import ParityError
+from streamfuse.runtime import cli
+from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.loader import fastest_backend
+from streamfuse.tools.calibrate import calibrate_sources
+
+
+def stored_info(directory: Path) -> dict:
+    """The info of the checkpoint in `directory`, or {} when there is none yet."""
+    return read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
+
+
+def model_key(directory: Path) -> str:
+    """What results computed from a checkpoint are cached under: its settings and its weights."""
+    return f"{read_manifest(directory)['info']['training_key']}-{weights_digest(directory)}"
+
+
+class Build:
+    def __init__(self, args: argparse.Namespace, config: BuildConfig):
+        self.args, self.config = args, config
+        self.task = get_task(args.task)
+        self.run_dir = args.work_dir / f"{self.task.name}-{config.preset}"
+        _, self.tokenizer = load_base_model(args.base_model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.frozen_states = FrozenStates()  # every model of this build sits on the same base model
+
+    # --- data -----------------------------------------------------------------------------
+    def load_data(self) -> None:
+        data = self.config.data
+        validation = self.task.load("validation", self.args.data_dir)
+        self.validation = validation[: data.validation_limit]
+        extra = validation[data.validation_limit :] if data.train_on_validation_rest else []
+        self.train_examples = (self.task.load("train", self.args.data_dir) + extra)[: data.train_limit]
+        self.test = self.task.load("test", self.args.data_dir, data.test_limit)
+        self.train_items = [self._encode(ex) for ex in self.train_examples]
+        self.validation_items = [self._encode(ex) for ex in self.validation]
+        self.test_prompts = [prompt_text(self.task, self.tokenizer, ex, data.max_source_tokens) for ex in self.test]
+        tokens = sum(len(item.input_ids) for item in self.train_items)
+        print(f"[data] {self.task.name}: {len(self.train_items)} train ({tokens} tokens), "
+              f"{len(self.validation_items)} validation, {len(self.test)} test", flush=True)
+
+    def _encode(self, example):
+        return encode(self.task, self.tokenizer, example, self.config.data.max_source_tokens, self.config.data.max_target_tokens)
+
+    # --- train ----------------------------------------------------------------------------
+    def ensure_trained(self, name: str, with_streams: bool) -> Path:
+        directory = self.run_dir / name
+        key = self.config.training_key(self.task.name, self.args.base_model, with_streams)
+        prompt = prompt_format(self.task, self.config.data.max_source_tokens).to_dict()
+        existing = stored_info(directory)
+        if existing.get("training_key") == key:
+            print(f"[train] reusing {directory} (same settings)", flush=True)
+            if existing.get("prompt") != prompt:
+                update_info(directory, prompt=prompt)  # checkpoints from before the prompt was recorded
+            return directory
+        model = self.new_model()
+        info = {"task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
+                "extra_parameters": model.extra_parameters()}
+        result = self._train_and_save(model, self.train_items, self.config.train, directory, key, with_streams, info)
+        print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
+        return directory
+
+    def new_model(self) -> SpeculativeStreamingLM:
+        """The base model with fresh LoRA, streams and pruning head, initialised from the training
+        seed: libraries reseed torch's generator at import, so without it no two builds match."""
+        base, _ = load_base_model(self.args.base_model)
+        torch.manual_seed(self.config.train.seed)
+        return SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
+
+    def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict):
+        """Train (resumably), then save the checkpoint with `info` plus this stage's figures."""
+        snapshot = self.run_dir / f"{directory.name}-{key}.snapshot"
+        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name, self.frozen_states)
+        stage = {"train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
+                 "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses}
+        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora,
+                        {**info, **stage, "training_key": key, "config": self.config.as_dict()})
+        shutil.rmtree(snapshot, ignore_errors=True)
+        return result
+
+    # --- distil ---------------------------------------------------------------------------
+    def own_answers(self, model, key: str, examples, split: str) -> list[Encoded]:
+        """Prompt + the model's own greedy answer for each example, cached per model and split."""
+        prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in examples]
+        cache = self.run_dir / "distill" / f"{key}-{split}.jsonl"
+        return self_distilled(model.model, self.tokenizer, [ex.id for ex in examples], prompts,
+                              self.config.data.max_target_tokens, self.config.distill.batch_size, cache, split)
+
+    def ensure_distilled(self, first_dir: Path) -> Path:
+        """Second stage: the first-stage SS model trained further on its own greedy answers."""
+        directory = self.run_dir / "ss"
+        first = read_manifest(first_dir)["info"]
+        key = self.config.distill_key(first["training_key"])
+        first_weights = weights_digest(first_dir)
+        stored = stored_info(directory)
+        # Checkpoints from before the first stage's weights were recorded are taken at their key.
+        trained_from = stored.get("first_stage", {}).get("weights", first_weights)
+        if stored.get("training_key") == key and trained_from == first_weights:
+            print(f"[distil] reusing {directory} (same settings)", flush=True)
+            return directory
+        distill = self.config.distill
+        first_model, first_key = self.inference_model(first_dir), model_key(first_dir)
+        answers = self.own_answers(first_model, first_key, self.train_examples, "train")
+        if distill.unlabelled:  # inputs without references: their own answers are their only targets
+            answers += self.own_answers(first_model, first_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
+        del first_model
+        # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
+        model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
+        if distill.init_rank:
+            torch.manual_seed(self.config.train.seed)  # the new f_eta blocks: the same every build
+            try:
+                model.grow_stream_init(distill.init_rank, distill.init_per_stream)
+            except ValueError as error:
+                raise ValueError(f"{first_dir}: {error}; pass --set distill.init_rank=0 to train its streams as they "
+                                 f"are") from error
+        items, finished = distill_rows(answers, self.train_items, self.tokenizer.eos_token_id, distill.main_targets,
+                                       self.config.data.max_target_tokens, distill.with_references)
+        first_stage = {"training_key": first["training_key"], "weights": first_weights,
+                       **{k: first[k] for k in report.STAGE_FIELDS}}
+        info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
+        result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
+        print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "
+              f"finish) and {len(items) - finished} references -> {directory}", flush=True)
+        return directory
+
+    # --- evaluate -------------------------------------------------------------------------
+    def inference_model(self, directory: Path) -> SpeculativeStreamingLM:
+        """A checkpoint as the runtime runs it (LoRA merged), on packed kernels: generation only."""
+        model, _, _ = load_checkpoint(directory, self.args.base_model, merge_lora=True)
+        return packed_for_inference(model)
+
+    def cached(self, label: str, key: str, compute) -> dict:
+        path = self.run_dir / "eval" / f"{label}.json"
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                print(f"[eval] reusing {path}", flush=True)
+                return stored["result"]
+        result = compute()
+        report.write_json(path, {"key": key, "result": result})
+        return result
+
+    def eval_key(self, checkpoint_key: str) -> str:
+        return json.dumps([EVAL_FORMAT, checkpoint_key, dataclasses.asdict(self.config.eval), self.config.data.test_limit,
+                           self.config.data.validation_limit, self.config.data.max_source_tokens])
+
+    def quality(self, model, label: str) -> dict:
+        ev = self.config.eval
+        return task_quality(model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label)
+
+    def evaluate_checkpoint(self, directory: Path, label: str, with_streams: bool) -> dict:
+        key = model_key(directory)
+
+        def compute() -> dict:
+            model = self.inference_model(directory)
+            if not with_streams:
+                return {"test": self.quality(model.model, label)}
+            ev = self.config.eval
+            answers = greedy_answer_ids(model.model, self.tokenizer, self.test_prompts, ev.max_new_tokens,
+                                        ev.batch_size, f"generate {label}")
+            # Own answers: the test answers just scored, so no second generation (~1.5 min on 2 cores).
+            own = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
+                   zip(self.test, self.tokenizer(list(self.test_prompts), add_special_tokens=False)["input_ids"], answers)]
+            return {"test": answer_quality(self.tokenizer, self.task, self.test, answers),
+                    "stream_accuracy": stream_accuracy(model, self.validation_items, self.pad_id, ev.top_k),
+                    "stream_accuracy_own": stream_accuracy(model, own, self.pad_id, ev.top_k)}
+
+        return self.cached(label, self.eval_key(key), compute)
+
+    # --- calibrate --------------------------------------------------------------------------
+    def acceptance(self, ss_dir: Path) -> AcceptanceModel:
+        """The acceptance model: the SS model's own greedy answers to the validation inputs, their
+        stream ranks teacher-forced (export/calibration.py); cached with the evaluations."""
+        def compute() -> dict:
+            model = self.inference_model(ss_dir)
+            ev = self.config.eval
+            prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens)
+                       for ex in self.validation]
+            answers = greedy_answer_ids(model.model, self.tokenizer, prompts, ev.max_new_tokens, ev.batch_size,
+                                        "generate validation")
+            items = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
+                     zip(self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers)]
+            return acceptance_model(model, items, self.pad_id).to_dict()
+
+        return AcceptanceModel.from_dict(self.cached("acceptance", self.eval_key(model_key(ss_dir)) + " acceptance",
+                                                     compute))
+
+    def calibration_sources(self) -> list[str]:
+        return [ex.source for ex in self.validation[: self.config.stages.calibration_inputs]]
+
+    def calibrate_torch(self, ss_dir: Path, acceptance: AcceptanceModel) -> BackendCalibration:
+        """Step costs of the best tree of every size on this machine (the torch backend runs any tree)."""
+        def compute() -> dict:
+            return in_fresh_process(calibrate_sources, ss_dir, "torch", self.calibration_sources(), self.args.threads,
+                                    CALIBRATION_TOKENS, acceptance.to_dict())
+
+        model = hashlib.sha256(json.dumps(acceptance.to_dict()).encode()).hexdigest()[:16]
+        key = json.dumps([self.eval_key(model_key(ss_dir)), "calibrate torch", self.args.threads,
+                          self.config.stages.calibration_inputs, CALIBRATION_TOKENS, model])
+        calibration = BackendCalibration.from_dict(self.cached("calibration-torch", key, compute))
+        print(f"[calibrate] torch on {calibration.device}: {calibration.tree.num_nodes}-node tree, expected "
+              f"{calibration.best.speedup(calibration.plain_seconds):.2f}x plain decoding", flush=True)
+        return calibration
+
+    def calibrate_artifact(self, artifact: Path, acceptance: AcceptanceModel,
+                           torch_calibration: BackendCalibration) -> None:
+        """The acceptance model into the manifest, then each backend that runs here times the artifact's
+        trees; its choice goes into the manifest (kept while the acceptance model is the same)."""
+        opened = Artifact.open(artifact)
+        opened.save_acceptance(acceptance)
+        opened.save_calibration("torch", torch_calibration)
+        for files, backend in RUNS_HERE.items():
+            if files not in opened.manifest["files"]:
+                continue
+            if opened.calibration(backend) is None:
+                data = in_fresh_process(calibrate_sources, artifact, backend, self.calibration_sources(),
+                                        self.args.threads, CALIBRATION_TOKENS)
+                opened.save_calibration(backend, BackendCalibration.from_dict(data))
+            else:
+                print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
+
+    # --- export, verify, profile ----------------------------------------------------------
+    def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:
+        out = self.args.out
+        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
+        info = {"preset": self.config.preset, "eval": summary}
+        ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
+                        self.draft_vocab(export.draft_vocab)).build()
+        return out
+
+    def draft_vocab(self, size: int) -> DraftVocab | None:
+        """From the training prompts and answers; coverage measured on the validation answers."""
+        answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
+        draft = draft_vocab([item.input_ids for item in self.train_items], answers, size, len(self.tokenizer))
+        if draft is not None:
+            print(f"[export] draft vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
+                  f"answer tokens", flush=True)
+        return draft
+
+    def profile(self, artifact: Path) -> dict | None:
+        """SS vs plain on the first --profile-limit test inputs, with the fastest backend here (calibrated)."""
+        limit = self.config.stages.profile_limit
+        backend = fastest_backend(artifact)
+        manifest = Artifact.open(artifact).manifest
+        stored = manifest.get("profile")
+        if stored and stored.get("limit") == limit and stored.get("backend_choice") == backend:
+            print(f"[profile] reusing the profile in {artifact / 'manifest.json'}", flush=True)
+            result = stored
+        else:
+            sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
+            # A fresh process: its peak memory is the runtime's own, not this one's from training.
+            result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
+                                      self.args.threads, artifact.parent / f"{artifact.name}-profile")
+            result.update(limit=limit, backend_choice=backend)
+            Artifact.open(artifact).update(profile=result)
+        if result["bench"]["mismatched_inputs"]:
+            raise ParityError(f"profile: SS differs from plain decoding on {backend} for test inputs "
+                              f"{', '.join(result['bench']['mismatched_inputs'])} (recorded in {artifact}/manifest.json "
+                              f"under profile): the artifact is not lossless; report it with that manifest")
+        return result
+
+    def evaluate_zero_shot(self) -> dict:
+        def compute() -> dict:
+            base, _ = load_base_model(self.args.base_model)
+            return {"test": self.quality(packed_for_inference(base), "zero-shot")}
+
+        return self.cached("zero_shot", self.eval_key(f"zero-shot:{self.args.base_model}"), compute)
+
+
+# Cached evaluations (eval/*.json under the run folder) of another format are computed again.
+EVAL_FORMAT = "eval/2"
+
+# Tokens per timed calibration run: enough steps for a median, few enough that 15 candidate trees on 4
+# inputs take a few minutes on 2 cores.
+CALIBRATION_TOKENS = 48
+
+
+def in_fresh_process(function, *args):
+    """function(*args) in a spawned process: a measurement there sees the runtime alone, not this
+    process's training memory or its threads."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=cli.quiet_unless_debugging) as pool:
+        return pool.submit(function, *args).result()
+
+
+def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> int:
+    build.load_data()
+    # The model users open is always <run>/ss; with self-distillation, its first stage sits beside it.
+    ss_dir = build.ensure_trained("ss_stage1" if config.distill.enabled else "ss", with_streams=True)
+    if config.distill.enabled:
+        ss_dir = build.ensure_distilled(ss_dir)
+    baseline_dir = build.ensure_trained("lora_baseline", with_streams=False) if config.stages.baseline else None
+    results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
+    if baseline_dir is not None:
+        results["lora_baseline"] = build.evaluate_checkpoint(baseline_dir, "lora_baseline", with_streams=False)
+    if config.stages.zero_shot:
+        results["zero_shot"] = build.evaluate_zero_shot()
+    summary = report.summarise(build, ss_dir, baseline_dir, results)
+    report.write_json(ss_dir / "eval.json", summary)
+    report.write_json(build.run_dir / "eval.json", summary)
+    print(report.markdown(summary), flush=True)
+    print(f"[done] eval.json written to {ss_dir / 'eval.json'}", flush=True)
+    export = config.export
+    if [b for b in export.backends if b != "torch"]:
+        acceptance = build.acceptance(ss_dir)
+        torch_calibration = build.calibrate_torch(ss_dir, acceptance)
+        if not export.trees:  # the graphs get the trees calibration picks
+            chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none")
+            export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
+        artifact = build.export(ss_dir, export, summary)
+        build.calibrate_artifact(artifact, acceptance, torch_calibration)
+        print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)
+        print(report.calibration_markdown(Artifact.open(artifact).manifest), flush=True)
+        if config.stages.profile_limit > 0:
+            build.profile(artifact)
+            print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
+        print(f"[done] artifact: {artifact}", flush=True)
+    return 0

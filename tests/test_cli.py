@@ -1,0 +1,68 @@
+"""runtime/cli.py: what an entry point does with an error, and the libraries' known noise."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from streamfuse.runtime import cli
+from streamfuse.runtime.artifact import ArtifactError
+from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.kv_cache import CapacityError
+
+# raised by main -> exit status (None: not the user's to fix, so the traceback stays)
+OUTCOMES = [
+    (cli.UsageError("--threads must be >= 1, got 0"), 2),
+    (ValueError("data.jsonl:3: not valid JSON"), 1),
+    (FileNotFoundError("artifacts/x is not a folder"), 1),
+    (ArtifactError("manifest.json is not valid JSON"), 1),
+    (MissingBackend("onnxruntime is not installed"), 1),
+    (CapacityError("KV cache full"), 1),
+    (KeyboardInterrupt(), 130),
+    (RuntimeError("a bug"), None),
+]
+
+
+@pytest.mark.parametrize("error, status", OUTCOMES, ids=[type(e).__name__ for e, _ in OUTCOMES])
+def test_errors_are_one_line_with_their_exit_status(error, status, capsys):
+    def main(argv):
+        raise error
+
+    if status is None:
+        with pytest.raises(type(error)):
+            cli.run(main, [], prog="tool")
+        return
+    assert cli.run(main, [], prog="tool") == status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tool: ")
+    assert str(error) in err if str(error) else "interrupted" in err
+    with pytest.raises(type(error)):  # --debug: the traceback
+        cli.run(main, ["--debug"], prog="tool")
+
+
+def test_a_multi_line_message_becomes_one_line(capsys):
+    def main(argv):
+        raise ValueError("first line\n   second line")
+
+    assert cli.run(main, [], prog="tool") == 1
+    assert capsys.readouterr().err == "tool: error: first line second line\n"
+
+
+LOUD = "import warnings; from streamfuse.runtime import cli; {quiet}; import torchao; " \
+       "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed', FutureWarning)"
+
+
+def test_known_library_noise_is_hidden():
+    loud = subprocess.run([sys.executable, "-c", LOUD.format(quiet="pass")], capture_output=True, text=True, timeout=300)
+    assert "is_gradient_checkpointing" in loud.stderr
+    quiet = subprocess.run([sys.executable, "-c", LOUD.format(quiet="cli.quiet_known_noise()")], capture_output=True,
+                           text=True, timeout=300)
+    assert quiet.returncode == 0 and "is_gradient_checkpointing" not in quiet.stderr
+    if "Failed to load" in loud.stderr:  # torchao's optional kernels not built for this machine
+        assert "Failed to load" not in quiet.stderr
+    with warnings.catch_warnings():  # other warnings still show
+        warnings.simplefilter("error")
+        cli.quiet_known_noise()
+        with pytest.raises(UserWarning):
+            warnings.warn("something new")
