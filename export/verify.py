@@ -10,7 +10,7 @@ The first numeric prompt runs the separate step + streams calls (what sampling u
 greedy_step. The artifact's other draft trees decode the first `plain_prompts` prompts too, each
 against the backend's own plain decoding (lossless on every tree calibration may pick).
 Every differing prompt is recorded with its first differing token; `check_parity` refuses the
-artifact on any (a low-bit format: on any against its own plain decoding; docs/low-bit.md).
+artifact on any (a low-bit format: on any against its own plain decoding; docs/export.md).
 """
 
 from __future__ import annotations

@@ -397,25 +397,22 @@ class Biased:
 
 
 @needs("onnx")
-def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(checkpoint, tmp_path, monkeypatch):
-    from dataclasses import replace
-
+def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(artifact, checkpoint, tmp_path,
+                                                                                 monkeypatch):
     from streamfuse.export.verify import ParityError
     from streamfuse.runtime.backends import sessions
 
-    out = tmp_path / "artifact"
-    good = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=2)
-    ArtifactBuilder(checkpoint / "ckpt", out, good, prompts(2), 16, {}).build()
+    out = copy_of(artifact, tmp_path)  # the installed artifact
     installed = (out / "manifest.json").read_bytes()
     real = sessions.open_session
     monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
-    names = ["dialogue_a", "dialogue_b", "dialogue_c"]
+    other = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=3)
     with pytest.raises(ParityError, match=r"^parity failed on onnx: SS vs its own plain decoding differs on dialogue_a "
                                           r"from generated token \d+ \(\d+ mismatches in all\); the artifact was not"):
-        ArtifactBuilder(checkpoint / "ckpt", out, replace(good, parity_prompts=3), prompts(3), 16, {},
-                        prompt_names=names).build()
+        ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(3), 16, {},
+                        prompt_names=["dialogue_a", "dialogue_b", "dialogue_c"]).build()
     assert (out / "manifest.json").read_bytes() == installed  # the earlier artifact, untouched
-    assert not list(tmp_path.glob(".artifact.partial-*"))  # nothing half-written left
+    assert not list(tmp_path.glob(f".{out.name}.partial-*"))  # nothing half-written left
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
 
