@@ -31,6 +31,27 @@ def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
         assert len(trace["runs"]) == 3  # warm-up runs are not traced
 
 
+# argv after the tiny checkpoint -> exit status, the one line on stderr
+BENCH_PROBES = [
+    (["--task", "e2e_nlg", "--input-file", "TEST"], 2, "fine-tuned for 'dialogsum'"),
+    (["--task", "dialogsum", "--input-file", "nowhere.jsonl"], 1, "nowhere.jsonl"),
+    (["--task", "dialogsum", "--split", "test", "--max-new-tokens", "0"], 2, "max_new_tokens must be > 0"),
+]
+
+
+@pytest.mark.parametrize("argv, status, message", BENCH_PROBES, ids=[p[2] for p in BENCH_PROBES])
+def test_bench_bad_input_is_one_line(checkpoint, tmp_path, capsys, argv, status, message):
+    from streamfuse.runtime import cli
+
+    argv = ["--artifact", str(checkpoint / "ckpt"), "--data-dir", str(checkpoint / "data"), "--out", str(tmp_path),
+            *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]]
+    argv = [str(checkpoint / "data" / "dialogsum.test.jsonl") if a == "TEST" else a for a in argv]
+    assert cli.run(bench.main, argv, prog="bench") == status
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    assert last.startswith("bench: error: ") and message in last and "Traceback" not in err, err
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

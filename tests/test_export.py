@@ -74,7 +74,7 @@ def manifest(path) -> dict:
 def test_export_workers_do_not_change_the_artifact_key():
     assert CONFIG.key("t", "w", DRAFT) == ExportConfig(**{**CONFIG.__dict__, "workers": 1}).key("t", "w", DRAFT)
     assert CONFIG.key("t", "w", DRAFT) != CONFIG.key("t", "other weights", DRAFT)
-    with pytest.raises(ValueError, match="--export-workers must be >= 1"):
+    with pytest.raises(ValueError, match="export.workers must be >= 1"):
         ExportConfig(workers=0).validate()
 
 
@@ -373,7 +373,11 @@ def test_the_soak_catches_a_leak_of_memory_or_of_a_file(artifact, monkeypatch, t
     real, kept = soak.run, []
     monkeypatch.setattr(soak, "run", lambda *args: kept.append(bytearray(1 << 20)) or real(*args))  # 1 MiB a call
     leaking = soak.soak(loaded, prompts(2), settings, generations=120, warmup=20)
-    assert leaking.growth > 0.05 and not leaking.passed()
+    grown = leaking.rss_end - leaking.rss_after_warmup
+    assert grown >= 90 * 2**20  # the 100 MiB leaked after the warm-up show in RSS
+    # Against this process's RSS (GBs in a full test run) 100 MiB may be under 2 %; in the tool's own
+    # process it is far over. Judged at half the growth it caused, the leak fails the run.
+    assert not leaking.passed(max_growth=0.5 * 100 * 2**20 / leaking.rss_after_warmup)
     kept.clear()
     handle = tmp_path / "handle"
     monkeypatch.setattr(soak, "run", lambda *args: kept.append(open(handle, "a")) or real(*args))

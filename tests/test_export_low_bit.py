@@ -56,15 +56,17 @@ def test_the_manifest_records_the_format_and_its_parity(artifacts, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_low_bit_ss_equals_its_own_plain_decoding_greedy_and_sampled(artifacts, fmt):
     loaded = load(artifacts[fmt], "onnxruntime")
-    rules = StopRules(30)
+    assert_lossless(loaded, prompts(6, seed=5) + [ids * 2 for ids in prompts(2, seed=6)], StopRules(30))
+
+
+def assert_lossless(loaded, prompt_list, rules: StopRules) -> None:
+    """SS equals the backend's own plain decoding on every prompt, greedy and sampled (one seed each)."""
     sampling = SamplingConfig(temperature=0.9, top_k=20)
-    for seed, ids in enumerate(prompts(6, seed=5) + [ids * 2 for ids in prompts(2, seed=6)]):
-        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
-        ss = DecodeSettings("ss", rules, tree=loaded.tree)
-        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
-        ss = DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)
-        plain = generate_autoregressive(loaded.backend, ids, ss).token_ids
-        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
+    for seed, ids in enumerate(prompt_list):
+        for settings in (DecodeSettings("ss", rules, tree=loaded.tree),
+                         DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)):
+            plain = generate_autoregressive(loaded.backend, ids, settings).token_ids
+            assert generate_speculative(loaded.backend, ids, settings).token_ids == plain
 
 
 def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
@@ -148,7 +150,7 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
 def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):
     builder = ArtifactBuilder(gguf_checkpoint / "ckpt", tmp_path / "a", ExportConfig(quantize="q4-native"), [], 8, {})
     assert [builder.format(b) for b in ("onnx", "executorch", "coreml")] == ["q4-native", "q4-native", "none"]
-    with pytest.raises(ValueError, match="--quantize must be one of none, int8, 8da4w, q4-native"):
+    with pytest.raises(ValueError, match=r"export.quantize \(--quantize\) must be one of none, int8, 8da4w, q4-native"):
         ExportConfig(quantize="q3").validate()
 
 
@@ -167,14 +169,7 @@ def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp
     assert 0 <= errors["linear"] < 1e-2 and 0 < errors["lm_head"] < 1e-2
     assert manifest["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")
-    rules, sampling = StopRules(24), SamplingConfig(temperature=0.9, top_k=20)
-    for seed, ids in enumerate(prompts(4, seed=7)):
-        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
-        ss = DecodeSettings("ss", rules, tree=loaded.tree)
-        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
-        ss = DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)
-        plain = generate_autoregressive(loaded.backend, ids, ss).token_ids
-        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
+    assert_lossless(loaded, prompts(4, seed=7), StopRules(24))
 
 
 def test_q4_native_needs_the_base_models_gguf(checkpoint, tmp_path):
