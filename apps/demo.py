@@ -93,5 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     return code or pilot.exit_code
 
 
+def console() -> int:
+    """The `streamfuse-demo` command: main with one-line errors."""
+    return cli.run(main, prog="streamfuse-demo")
+
+
 if __name__ == "__main__":
-    sys.exit(cli.run(main, prog="streamfuse-demo"))
+    sys.exit(console())

@@ -93,5 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_build(args, config, build)
 
 
+def console() -> int:
+    """The `streamfuse-build` command: main with one-line errors."""
+    return cli.run(main, prog="streamfuse-build")
+
+
 if __name__ == "__main__":
     sys.exit(cli.run(main, prog="build.py"))

@@ -260,7 +260,7 @@ class Build:
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         info = {"preset": self.config.preset, "eval": summary}
         ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
-                        self.draft_vocab(export.draft_vocab)).build()
+                        self.draft_vocab(export.draft_vocab), prompt_names=[ex.id for ex in self.test]).build()
         return out
 
     def draft_vocab(self, size: int) -> DraftVocab | None:

@@ -113,6 +113,20 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err
 
+    # A backend that is not lossless is refused at verify, naming the test dialogue; the installed artifact stays.
+    from test_export import Biased
+
+    from streamfuse.runtime.backends import sessions
+
+    installed = (tmp_path / "artifact" / "manifest.json").read_bytes()
+    real = sessions.open_session
+    monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
+    assert cli.run(build.main, [*argv, "--set", "export.parity_prompts=2"], prog="build.py") == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("build.py: error: parity failed on onnx: SS vs its own plain decoding differs on test_"), err
+    assert (tmp_path / "artifact" / "manifest.json").read_bytes() == installed
+    monkeypatch.setattr(sessions, "open_session", real)
+
     # Other first-stage weights under the same settings (a retrain, a copied-in checkpoint): what
     # was computed from the old ones is stale. The second stage trains again, from them; its new
     # weights keep their key, and still its evaluation, export and profile run again.
