@@ -68,7 +68,7 @@ MAIN_TARGETS = ("own", "references", "frozen")
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """Second training stage on the SS model's own greedy answers (export/distill.py).
+    """Second training stage on the SS model's own greedy answers (export/training/distill.py).
 
     It starts from the first stage's weights. main_targets "own": the main stream trains on the
     own answers too (its targets are its own argmax, which mostly holds it in place);
