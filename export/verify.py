@@ -20,10 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend, base_method
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
 
@@ -73,7 +72,7 @@ class ReplaySession:
 
 def eager_tokens(eager: TorchBackend, tree, prompts: Sequence[Sequence[int]], rules: StopRules) -> list[list[int]]:
     """Greedy SS tokens of the torch eager model: the reference of every backend's token parity."""
-    return [generate_speculative(eager, ids, DecodeSettings("ss", rules, tree=tree)).token_ids for ids in prompts]
+    return [generate(eager, ids, DecodeSettings("ss", rules, tree=tree)).token_ids for ids in prompts]
 
 
 def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, prompts: Sequence[Sequence[int]],
@@ -98,16 +97,16 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
     plain = []
     for index, (ids, want) in enumerate(zip(prompts, expected)):
         backend = checked[min(index, 1)] if index < numeric_prompts else fast
-        tokens = generate_speculative(backend, ids, DecodeSettings("ss", rules, tree=spec.tree)).token_ids
+        tokens = generate(backend, ids, DecodeSettings("ss", rules, tree=spec.tree)).token_ids
         same_as_eager += same(EAGER, index, tokens, want)
         if index < plain_prompts:
-            plain.append(generate_autoregressive(fast, ids, DecodeSettings("ar", rules)).token_ids)
+            plain.append(generate(fast, ids, DecodeSettings("ar", rules)).token_ids)
             same_as_plain += same(OWN_PLAIN, index, tokens, plain[-1])
     others = {}
     for tree in spec.trees[1:]:
         settings = DecodeSettings("ss", rules, tree=tree)
         others[tree.hash()] = sum(same(f"{OWN_PLAIN}, tree {tree.hash()}", index,
-                                       generate_speculative(fast, ids, settings).token_ids, want)
+                                       generate(fast, ids, settings).token_ids, want)
                                   for index, (ids, want) in enumerate(zip(prompts, plain)))
     tolerance = {} if relative_tolerance is None else {
         k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}

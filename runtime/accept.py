@@ -1,16 +1,25 @@
-"""Tree acceptance: which drafted path the target model agrees with. No I/O, no model.
+"""Acceptance: which drafted path the target model agrees with. No I/O, no model.
 
-Both rules walk down from the root. At node n the target's next token is decided exactly as
-plain decoding would decide it (argmax, or a draw from the target distribution); if a kept
-child of n carries that token, the walk moves there, else the token becomes the correction.
-Every emitted token is therefore the token plain decoding would produce (greedy) or a draw from
-the target conditional given the accepted prefix (sampling): lossless either way.
+`accept` (deterministic drafts: stream or head top-k, greedy draft models) walks down from the
+root. At node n the target's next token is decided exactly as plain decoding would decide it
+(argmax, or a draw from the target distribution); if a kept child of n carries that token, the
+walk moves there, else the token becomes the correction. Every emitted token is therefore the
+token plain decoding would produce (greedy) or a draw from the target conditional given the
+accepted prefix (sampling): lossless either way, and with one seed the same tokens.
+
+`accept_sampled` (a chain drawn from a draft model's distribution q) is standard speculative
+sampling (Leviathan et al. 2023, Chen et al. 2023): draft x is kept with probability
+min(1, p(x)/q(x)); the first rejected one is replaced by a draw from norm(max(0, p - q)), and a
+fully accepted chain adds a draw from p. Each emitted token is distributed as p: lossless in
+distribution, not draw for draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from streamfuse.runtime.tree import TreeSpec
 
@@ -34,3 +43,29 @@ def accept(tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], in
             return Acceptance(path, token)
         path.append(child)
         node = child
+
+
+def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: torch.Tensor, target: Callable[[int], torch.Tensor],
+                   generator: torch.Generator) -> Acceptance:
+    """tree: a chain; tokens [T] drawn from probs [T, V] (row 0, the root, unused); target(n): [V]
+    target probabilities after node n."""
+    if any(len(kids) > 1 for kids in tree.children):
+        raise ValueError("speculative sampling of drawn drafts takes a chain; a tree of drawn drafts needs "
+                         "multi-draft acceptance")
+    node, path = 0, [0]
+    while True:
+        p = target(node)
+        if not tree.children[node]:
+            return Acceptance(path, _draw(p, generator))
+        child = tree.children[node][0]
+        token, q = tokens[child], probs[child]
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):  # u < p/q
+            path.append(child)
+            node = child
+            continue
+        residual = (p - q).clamp_min(0)
+        return Acceptance(path, _draw(residual if residual.sum() > 0 else p, generator))
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(weights, 1, generator=generator))

@@ -1,10 +1,13 @@
-"""Speculative Streaming decoding: prefill, then verify-and-speculate steps.
+"""The decode loop of every method: prefill, then draft -> verify in one target call -> commit.
 
-    prefill(prompt, streams at its last token) -> root = target token, drafts = stream top-k
-    loop: step(tree of root + drafts) -> accept a path -> commit its K/V
-          -> emit accepted drafts + correction -> drafts from the streams of the last accepted node
-One model call per step; the correction token becomes the next tree's root. With a fallback
-(runtime/fallback.py) the loop decodes the root plainly while speculation does not pay.
+    prefill(prompt) -> root = the target's token; drafter.start
+    loop: draft = drafter.propose(root)           (plain decoding: the root alone)
+          step(draft) -> accept a path -> commit its K/V -> drafter.observe
+          -> emit the accepted drafts + the correction, which becomes the next root
+One target call per step; a drafter's own calls (a draft model's) are counted beside them. The
+drafters (runtime/drafter.py) differ in what they propose; acceptance, the commit, stop rules,
+the fallback (plain steps while speculation does not pay, runtime/fallback.py) and the trace are
+this loop's, so every method emits what plain decoding would.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from streamfuse.runtime.accept import accept
-from streamfuse.runtime.backends.base import Backend, PruneConfig
+from streamfuse.runtime.accept import Acceptance, accept, accept_sampled
+from streamfuse.runtime.backends.base import Backend, PruneConfig, StepOutput
+from streamfuse.runtime.drafter import Draft, Drafter, PlainDrafter
 from streamfuse.runtime.emitter import Emitter, StopRules
 from streamfuse.runtime.fallback import Fallback
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.sampling import choose
+from streamfuse.runtime.sampling import SamplingConfig, choose, target_probs
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.stream_drafter import StreamDrafter, top_chain
 from streamfuse.runtime.trace import RunRecord, StepRecord, Switch, Trace
 from streamfuse.runtime.tree import TreeSpec
+
+ROOT_ONLY = TreeSpec(())  # a plain step's shape for acceptance: no drafts below the root
 
 
 @dataclass(frozen=True)
@@ -60,30 +66,6 @@ def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None, 
     return needed
 
 
-def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:
-    """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token.
-    ranked: [gamma, K] token ids of each stream, best first (K >= the tree's widest level).
-    looked_up: prompt-lookup tokens for the tree's lookup branch, shallowest first.
-    Returns the node tokens and how many lookup-branch nodes (from the top) took lookup tokens."""
-    top = ranked.tolist()
-    tokens = [root] + [top[depth - 1][rank] for depth, rank in zip(tree.depths[1:], tree.ranks[1:])]
-    return tokens, _fill_lookup(tree, tokens, looked_up)
-
-
-def _fill_lookup(tree: TreeSpec, tokens: list[int], looked_up: Sequence[int]) -> int:
-    """Put lookup tokens on the lookup branch (in place), stopping at the first that repeats a
-    sibling's token: acceptance takes the first matching child, so siblings must stay distinct
-    (and a repeated sibling adds nothing). Below that point the branch keeps its stream tokens."""
-    filled = 0
-    for node, token in zip(tree.lookup_nodes, looked_up):
-        siblings = tree.children[tree.parents[node]]
-        if any(tokens[s] == token for s in siblings if s != node):
-            break
-        tokens[node] = token
-        filled += 1
-    return filled
-
-
 @dataclass
 class DecodeRun:
     """What one generation carries through its loop (speculative or plain)."""
@@ -94,16 +76,18 @@ class DecodeRun:
     generator: torch.Generator
     emitter: Emitter
     started: float
+    capacity: int  # KV positions the run may touch
 
     @classmethod
-    def begin(cls, backend: Backend, prompt_ids: Sequence[int], rules: StopRules, tree: TreeSpec | None,
-              trace: Trace | None, run_id: str, decode, seed: int) -> "DecodeRun":
+    def begin(cls, backend: Backend, prompt_ids: Sequence[int], settings: DecodeSettings, drafter: Drafter,
+              trace: Trace | None, run_id: str, decode) -> "DecodeRun":
         """Validate the request, then reset the backend; nothing runs before the checks pass."""
         check_prompt(prompt_ids, backend.vocab_size)
-        capacity = required_capacity(len(prompt_ids), rules, tree, backend.max_positions)
+        capacity = required_capacity(len(prompt_ids), settings.rules, drafter.tree, backend.max_positions)
         trace = trace or Trace(enabled=False)
-        run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids)), torch.Generator().manual_seed(seed),
-                  Emitter(rules, decode), time.perf_counter())
+        run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids), drafter.name),
+                  torch.Generator().manual_seed(settings.seed), Emitter(settings.rules, decode), time.perf_counter(),
+                  capacity)
         backend.reset(capacity)
         return run
 
@@ -119,119 +103,123 @@ class DecodeRun:
         return GenerationResult(emitter.tokens, emitter.stop_reason, record)
 
 
-def generate_speculative(
+def generate(
     backend: Backend,
     prompt_ids: Sequence[int],
     settings: DecodeSettings,
     *,
+    drafter: Drafter | None = None,
     trace: Trace | None = None,
     run_id: str = "0",
     on_step: Callable[[StepEvent], None] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> GenerationResult:
-    """settings.tree drafts; settings.fallback switches to plain decoding while speculation does not
-    pay (runtime/fallback.py). decode: token ids -> text, for stop strings."""
-    tree, sampling, fallback = settings.tree, settings.sampling, settings.fallback
-    tree.check_streams(backend.num_streams)
-    run = DecodeRun.begin(backend, prompt_ids, settings.rules, tree, trace, run_id, decode, settings.seed)
-    target = lambda logits: choose(logits, sampling, run.generator)  # noqa: E731
-    width = max(tree.widths)
+    """Decode with settings.method's drafter (plain and ss are built here; other methods pass theirs).
+    decode: token ids -> text, for stop strings."""
+    drafter = drafter or default_drafter(settings, backend)
+    if drafter.name != settings.method:
+        raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
+    run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode)
+    verify = Verifier(settings.sampling, run.generator)
     with run.span("prefill"):
-        out = backend.prefill(prompt_ids, with_streams=True)
-        root = target(out.main_logits[0])
-        streams = out.stream_top(0, width)
+        out = backend.prefill(prompt_ids, with_streams=drafter.uses_streams)
+        root = verify.choose(out.main_logits[0])
+    with run.span("draft"):
+        run.record.draft_calls = drafter.start(prompt_ids, out, root, run.capacity)
     run.record.model_calls = 1
     notify(on_step, run.emitter.emit([root]), 0, [])
-    lookup = PromptLookup([*prompt_ids, root]) if tree.lookup else None
-    switch = Fallback(fallback) if fallback is not None else None
-    speculate = Speculation(run, tree, target, settings.prune, sampling.greedy, lookup)
+    switch = Fallback(settings.fallback) if settings.fallback is not None and drafter.tree is not None else None
     while not run.emitter.done:
-        if switch is not None and not switch.speculating:
-            root, fresh = plain_token(run, root, target, width if switch.last_plain_token else 0, lookup, on_step)
-            if switch.after_plain_token():
-                streams = fresh
-                run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
-            continue
-        root, streams, tokens = speculate(root, streams, width, on_step)
-        rate = switch.after_step(tokens) if switch is not None else None
-        if rate is not None:
-            run.record.switches.append(Switch(len(run.emitter.tokens), "plain", round(rate, 3)))
+        speculating = switch is None or switch.speculating
+        started = time.perf_counter()
+        with run.span("draft"):
+            draft = drafter.propose(root) if speculating else Draft.plain(root)
+        drafted = time.perf_counter() - started
+        streams = drafter.uses_streams and (speculating or switch.last_plain_token)
+        root, tokens = step(run, drafter, draft, streams, verify, settings.prune, drafted, on_step)
+        if switch is not None:
+            _fallback(run, switch, speculating, tokens)
     return run.finish()
 
 
-@dataclass
-class Speculation:
-    """One verify-and-speculate step: draft the tree, one model call, accept, commit, next drafts."""
-
-    run: DecodeRun
-    tree: TreeSpec
-    target: Callable[[torch.Tensor], int]
-    prune: PruneConfig | None
-    greedy: bool
-    lookup: PromptLookup | None
-
-    def __call__(self, root: int, streams: torch.Tensor, width: int, on_step) -> tuple[int, torch.Tensor, int]:
-        """Returns the next root, the next drafts and how many tokens the step emitted (or would have: the
-        emitter may stop early)."""
-        run, tree, backend, lookup = self.run, self.tree, self.run.backend, self.lookup
-        with run.span("host"):
-            tokens, filled = draft_tokens(tree, root, streams, lookup.draft(len(tree.lookup)) if lookup else ())
-        with run.span("forward"):
-            out = backend.step(tokens, tree, with_streams=True, prune=self.prune, greedy=self.greedy)
-        with run.span("accept"):
-            result = accept(tree, tokens, lambda n: out.next_token(n, self.target), out.kept)
-        with run.span("cache"):
-            backend.commit(result.path)
-        with run.span("streams"):
-            streams = out.stream_top(result.path[-1], width)
-        with run.span("host"):
-            drafts = [tokens[n] for n in result.path[1:]]
-            emitted = run.emitter.emit(drafts + [result.correction])
-            if lookup is not None:
-                lookup.extend(drafts + [result.correction])
-        run.record.model_calls += 1
-        kept = sum(out.kept) if out.kept is not None else tree.num_nodes
-        from_lookup = len(set(result.path) & set(tree.lookup_nodes[:filled]))
-        run.record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup))
-        if on_step is not None:  # the top-1 chain is only for the callback, not the hot path
-            notify(on_step, emitted, min(len(drafts), len(emitted)), _top_chain(tree, tokens))
-        return result.correction, streams, len(result.path)
+def default_drafter(settings: DecodeSettings, backend: Backend) -> Drafter:
+    if settings.method == "ar":
+        return PlainDrafter()
+    if settings.method == "ss":
+        return StreamDrafter(settings.tree, backend.num_streams)
+    raise ValueError(f"method {settings.method!r} drafts with its own model: pass its drafter (the artifact's "
+                     f"Loaded.drafter(settings))")
 
 
-def plain_token(run: DecodeRun, root: int, target, width: int, lookup: PromptLookup | None,
-                on_step) -> tuple[int, torch.Tensor | None]:
-    """One plain decoding step inside a speculative run (the fallback): feeds the root, emits the next
-    token. width > 0 also returns the new root's drafts (for the probe that follows)."""
+def step(run: DecodeRun, drafter: Drafter, draft: Draft, streams: bool, verify: "Verifier", prune: PruneConfig | None,
+         drafted: float, on_step) -> tuple[int, int]:
+    """One target call over `draft`: accept, commit, let the drafter observe, emit. Returns the next
+    root and how many tokens the step made (the emitter may stop early)."""
     backend = run.backend
     with run.span("forward"):
-        out = backend.step([root], None, with_streams=width > 0)
+        out = backend.step(draft.tokens, draft.tree, with_streams=streams,
+                           prune=prune if draft.speculative else None, greedy=verify.greedy)
     with run.span("accept"):
-        token = target(out.main_logits[0])
+        result = verify(draft, out)
     with run.span("cache"):
-        backend.commit([0])
-    streams = None
-    if width:
-        with run.span("streams"):
-            streams = out.stream_top(0, width)
+        backend.commit(result.path)
+    with run.span("streams"):
+        drafter.observe(draft, out, result.path, result.correction)
     with run.span("host"):
-        emitted = run.emitter.emit([token])
-        if lookup is not None:
-            lookup.extend([token])
-    run.record.model_calls += 1
-    run.record.plain_calls += 1
-    notify(on_step, emitted, 0, [], plain=True)
-    return token, streams
+        accepted = [draft.tokens[n] for n in result.path[1:]]
+        emitted = run.emitter.emit(accepted + [result.correction])
+    _record(run.record, draft, out, result, drafted)
+    if on_step is not None and draft.speculative:  # the top-1 chain is only for the callback, not the hot path
+        notify(on_step, emitted, min(len(accepted), len(emitted)), top_chain(draft.tree, draft.tokens))
+    else:
+        notify(on_step, emitted, 0, [], plain=drafter.tree is not None)
+    return result.correction, len(result.path)
 
 
-def _top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
-    """Tokens of the all-rank-0 path below the root (what a chain draft would have proposed)."""
-    chain, node = [], 0
-    while True:
-        child = next((c for c in tree.children[node] if tree.ranks[c] == 0), None)
-        if child is None:
-            return chain
-        chain.append(tokens[child])
-        node = child
+def _record(record: RunRecord, draft: Draft, out: StepOutput, result: Acceptance, drafted: float) -> None:
+    record.model_calls += 1
+    if not draft.speculative:
+        record.plain_calls += 1
+        return
+    tree = draft.tree
+    kept = sum(out.kept) if out.kept is not None else tree.num_nodes
+    from_lookup = len(set(result.path) & set(tree.lookup_nodes[: draft.from_lookup]))
+    record.draft_calls += draft.calls
+    record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup,
+                                   draft.calls, drafted))
+
+
+def _fallback(run: DecodeRun, switch: Fallback, speculating: bool, tokens: int) -> None:
+    """Tell the switch how the step went; record its switches in the trace."""
+    if not speculating:
+        if switch.after_plain_token():
+            run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
+        return
+    rate = switch.after_step(tokens)
+    if rate is not None:
+        run.record.switches.append(Switch(len(run.emitter.tokens), "plain", round(rate, 3)))
+
+
+@dataclass
+class Verifier:
+    """The target's side of acceptance: its token choice and the rule for the draft's kind."""
+
+    sampling: SamplingConfig
+    generator: torch.Generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+    def choose(self, logits: torch.Tensor) -> int:
+        return choose(logits, self.sampling, self.generator)
+
+    def __call__(self, draft: Draft, out: StepOutput) -> Acceptance:
+        tree = draft.tree or ROOT_ONLY
+        if draft.probs is None or self.greedy:
+            return accept(tree, draft.tokens, lambda n: out.next_token(n, self.choose), out.kept)
+        return accept_sampled(tree, draft.tokens, draft.probs, lambda n: target_probs(out.main_logits[n], self.sampling),
+                              self.generator)
 
 
 def notify(on_step, tokens: list[int], accepted: int, drafted: list[int], plain: bool = False) -> None:

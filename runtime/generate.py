@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 from streamfuse.runtime import cli
-from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.base import prune_config
-from streamfuse.runtime.decode import GenerationResult, generate_speculative
+from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
@@ -100,7 +99,6 @@ def prompt_ids(loaded: Loaded, text: str, as_task: bool) -> list[int]:
 
 def run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Trace | None = None,
         run_id: str = "0", on_step=None) -> GenerationResult:
-    generate = generate_autoregressive if settings.method == "ar" else generate_speculative
     return generate(loaded.backend, ids, settings, trace=trace, run_id=run_id, on_step=on_step,
                     decode=loaded.tokenizer.decode)
 

@@ -41,6 +41,13 @@ class KVCache:
         self.pending = main_len
         return CacheWriter(self, main_len)
 
+    def truncate(self, length: int) -> None:
+        """Forget committed rows from `length` on (a draft model's rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate to {length}: the cache holds {self.length} committed rows")
+        self.length = length
+        self.pending = 0
+
     def commit(self, nodes: Sequence[int]) -> None:
         """Keep the scratch rows of `nodes` (indices into the last step's tokens, ascending)."""
         if any(not 0 <= n < self.pending for n in nodes) or list(nodes) != sorted(set(nodes)):

@@ -1,8 +1,8 @@
 """What one generation is asked to do: the method, its tree, when to stop, how to choose tokens.
 
-Every decode loop (runtime/decode.py, runtime/autoregressive.py) takes these settings plus
-keyword-only hooks (trace, run id, per-step callback, detokenizer), so a caller states a run
-once and hands the same settings to SS and to its plain-decoding baseline.
+The decode loop (runtime/decode.py) takes these settings plus keyword-only hooks (trace, run
+id, per-step callback, detokenizer), so a caller states a run once and hands the same settings,
+method aside, to SS, the other methods and their plain-decoding baseline.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.tree import TreeSpec
 
-METHODS = ("ss", "ar")
+# "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative decoding)
+METHODS = ("ar", "ss", "sd")
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    method: str  # "ss": speculative streaming; "ar": plain decoding
+    method: str  # one of METHODS
     rules: StopRules
-    tree: TreeSpec | None = None  # ss: the draft tree (ar ignores it)
+    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length (ar ignores it)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prune: PruneConfig | None = None  # ss on torch: drop unlikely tree nodes before the call
     seed: int = 0  # the sampling generator's seed: equal seeds give equal tokens in both methods
@@ -31,5 +32,7 @@ class DecodeSettings:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method == "ss" and self.tree is None:
-            raise ValueError("speculative decoding needs a draft tree")
+        if self.method != "ar" and self.tree is None:
+            raise ValueError(f"method {self.method} needs a draft tree")
+        if self.method == "sd" and any(len(kids) > 1 for kids in self.tree.children):
+            raise ValueError("method sd drafts a chain: give --tree gamma=G,k=1")

@@ -1,25 +1,30 @@
 """Decode traces: what each generation did, step by step, for the profiler and benchmarks.
 
-Schema "streamfuse.trace/2" (JSON):
-    {"schema": "streamfuse.trace/2",
-     "meta": {"backend": str, "device": str, "method": "ss"|"ar", "num_streams": int,
+Schema "streamfuse.trace/3" (JSON):
+    {"schema": "streamfuse.trace/3",
+     "meta": {"backend": str, "device": str, "method": str, "num_streams": int,
               "tree": {...TreeSpec.to_dict()} | null, "threads": int, ...free-form...},
-     "runs": [{"id": str, "prompt_tokens": int, "new_tokens": int, "model_calls": int,
-               "seconds": float, "stop_reason": str, "peak_memory_bytes": int | null, "plain_calls": int,
-               "spans": {"prefill": s, "forward": s, "streams": s, "accept": s, "cache": s, "host": s},
+     "runs": [{"id": str, "method": "ar"|"ss"|"sd"|..., "prompt_tokens": int, "new_tokens": int,
+               "model_calls": int, "draft_calls": int, "seconds": float, "stop_reason": str,
+               "peak_memory_bytes": int | null, "plain_calls": int,
+               "spans": {"prefill": s, "draft": s, "forward": s, "accept": s, "cache": s, "streams": s, "host": s},
                "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
-                          "tokens": int, "lookup_accepted": int}],
+                          "tokens": int, "lookup_accepted": int, "draft_calls": int, "draft_seconds": float}],
                "switches": [{"at_token": int, "to": "plain"|"ss", "tokens_per_step": float | null}]}]}
-model_calls counts the prefill: plain decoding of n tokens makes n calls (prefill + n - 1).
-steps are the speculative steps only; plain_calls counts the plain steps a speculative run made
-while its fallback had switched speculation off (runtime/fallback.py), and switches says when:
-at_token is how many tokens had been emitted, tokens_per_step the failed block's rate.
+model_calls counts the target's calls with the prefill: plain decoding of n tokens makes n calls
+(prefill + n - 1). draft_calls counts a draft model's calls (its prefill included); drafts that come
+out of the target's own pass (SS streams, Medusa heads) cost none.
+steps are the drafted steps only; plain_calls counts the calls that verified the root alone: all
+of plain decoding's after the prefill, and those a speculative run made while its fallback had
+switched speculation off (runtime/fallback.py); switches says when: at_token is how many tokens
+had been emitted, tokens_per_step the failed block's rate.
 accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
-tokens = d + 1 (the accepted drafts plus the main stream's correction token).
+tokens = d + 1 (the accepted drafts plus the target's correction token).
 lookup_accepted: how many of the accepted drafts were prompt-lookup tokens (a lookup branch).
-"streams" is the stream logits of the last accepted node (with deferred streams: their own pass
-through the MSA layers); "host" is what the host does between calls (drafting, emitting).
-A disabled Trace costs one attribute check per span.
+Spans: "draft" is the drafter's proposal (SS: filling the tree; a draft model: its calls);
+"streams" the drafter's update after the commit (SS: the stream logits of the last accepted node,
+with deferred streams their own pass through the MSA layers; a draft model: its rollback);
+"host" is emitting. A disabled Trace costs one attribute check per span.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SCHEMA = "streamfuse.trace/2"
-SPANS = ("prefill", "forward", "streams", "accept", "cache", "host")
+SCHEMA = "streamfuse.trace/3"
+SPANS = ("prefill", "draft", "forward", "accept", "cache", "streams", "host")
 
 
 @dataclass
@@ -41,6 +46,8 @@ class StepRecord:
     accepted_depth: int
     tokens: int
     lookup_accepted: int = 0
+    draft_calls: int = 0
+    draft_seconds: float = 0.0
 
 
 @dataclass
@@ -54,8 +61,10 @@ class Switch:
 class RunRecord:
     id: str
     prompt_tokens: int
+    method: str
     new_tokens: int = 0
     model_calls: int = 0
+    draft_calls: int = 0
     seconds: float = 0.0
     stop_reason: str = ""
     peak_memory_bytes: int | None = None
@@ -73,8 +82,8 @@ class Trace:
         self.meta = meta
         self.runs: list[RunRecord] = []
 
-    def start_run(self, run_id: str, prompt_tokens: int) -> RunRecord:
-        run = RunRecord(run_id, prompt_tokens)
+    def start_run(self, run_id: str, prompt_tokens: int, method: str) -> RunRecord:
+        run = RunRecord(run_id, prompt_tokens, method)
         if self.enabled:
             self.runs.append(run)
         return run

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.base import PruneConfig, StepOutput
 from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig, target_probs
 from streamfuse.runtime.settings import DecodeSettings
@@ -85,9 +84,9 @@ def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, p
     backend = backend_for(seed % 7, schedule=schedule)
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     rules = StopRules(max_new_tokens=24, stop_token_ids=(5,))
-    plain = generate_autoregressive(backend, prompt, DecodeSettings("ar", rules))
+    plain = generate(backend, prompt, DecodeSettings("ar", rules))
     for drafter in (backend, OracleDrafts(backend, plain.token_ids, noise, seed)):
-        fast = generate_speculative(drafter, prompt, DecodeSettings("ss", rules, tree=tree, prune=prune))
+        fast = generate(drafter, prompt, DecodeSettings("ss", rules, tree=tree, prune=prune))
         assert fast.token_ids == plain.token_ids
         assert fast.stop_reason == plain.stop_reason
         assert fast.run.model_calls <= plain.run.model_calls
@@ -98,11 +97,11 @@ def test_lookup_branch_drafts_are_accepted_where_the_output_repeats_its_context(
     drafts. The prompt holds the plain answer's own beginning, so lookup has copies to draw on."""
     backend = backend_for(5, schedule="deferred")
     rules = StopRules(max_new_tokens=40)
-    answer = generate_autoregressive(backend, [7, 8, 9], DecodeSettings("ar", rules)).token_ids
+    answer = generate(backend, [7, 8, 9], DecodeSettings("ar", rules)).token_ids
     prompt = [7, 8, 9, *answer[:20], 7, 8, 9]
-    plain = generate_autoregressive(backend, prompt, DecodeSettings("ar", rules))
+    plain = generate(backend, prompt, DecodeSettings("ar", rules))
     lookup = DecodeSettings("ss", rules, tree=TreeSpec.chain(3).with_lookup(3))
-    fast = generate_speculative(OracleDrafts(backend, plain.token_ids, 1.0, 0), prompt, lookup)
+    fast = generate(OracleDrafts(backend, plain.token_ids, 1.0, 0), prompt, lookup)
     assert fast.token_ids == plain.token_ids
     accepted = sum(step.accepted_depth for step in fast.run.steps)
     from_lookup = sum(step.lookup_accepted for step in fast.run.steps)
@@ -113,10 +112,10 @@ def test_lookup_branch_drafts_are_accepted_where_the_output_repeats_its_context(
 def test_oracle_drafts_cut_model_calls_by_the_tree_depth():
     backend = backend_for(3, schedule="deferred")
     rules = StopRules(max_new_tokens=30)
-    plain = generate_autoregressive(backend, [1, 2, 3], DecodeSettings("ar", rules))
+    plain = generate(backend, [1, 2, 3], DecodeSettings("ar", rules))
     trace = Trace()
     chain = DecodeSettings("ss", rules, tree=TreeSpec.chain(3))
-    fast = generate_speculative(OracleDrafts(backend, plain.token_ids, 0.0, 0), [1, 2, 3], chain, trace=trace)
+    fast = generate(OracleDrafts(backend, plain.token_ids, 0.0, 0), [1, 2, 3], chain, trace=trace)
     assert fast.token_ids == plain.token_ids
     # Every step accepts all 3 drafts + a correction: 1 prefill token, then 4 per call.
     assert [s.accepted_depth for s in fast.run.steps[:-1]] == [3] * (len(fast.run.steps) - 1)
@@ -132,9 +131,9 @@ def test_seeded_sampling_matches_plain_sampling_token_for_token(schedule):
     sampling = SamplingConfig(temperature=0.9, top_k=20, top_p=0.95)
     rules = StopRules(max_new_tokens=20)
     for seed in range(4):
-        plain = generate_autoregressive(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
+        plain = generate(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
         oracle = OracleDrafts(backend, plain.token_ids, 0.2, seed)
-        fast = generate_speculative(oracle, [4, 5, 6], DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2),
+        fast = generate(oracle, [4, 5, 6], DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2),
                                                                       sampling=sampling, seed=seed))
         assert fast.token_ids == plain.token_ids
         assert fast.run.model_calls < plain.run.model_calls
@@ -145,7 +144,7 @@ def joint_counts(backend, sampling, runs, tree):
     rules = StopRules(max_new_tokens=2)
     for seed in range(runs):
         settings = DecodeSettings("ss", rules, tree=tree, sampling=sampling, seed=seed)
-        tokens = generate_speculative(backend, [1, 2], settings).token_ids
+        tokens = generate(backend, [1, 2], settings).token_ids
         counts[tokens[0], tokens[1]] += 1
     return counts
 
@@ -194,22 +193,22 @@ def test_speculative_sampling_matches_the_target_distribution():
 @pytest.mark.parametrize("prompt, message", [([], "empty"), ([1, 200], "outside the vocabulary")])
 def test_bad_prompts_are_clear_errors(prompt, message):
     with pytest.raises(ValueError, match=message):
-        generate_speculative(backend_for(0), prompt, DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(2, 2)))
+        generate(backend_for(0), prompt, DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(2, 2)))
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error():
     backend = backend_for(0)  # max_position_embeddings 256
     with pytest.raises(ValueError, match="exceeds the model's context of 256"):
-        generate_speculative(backend, [1] * 250, DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(2, 2)))
+        generate(backend, [1] * 250, DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(2, 2)))
     with pytest.raises(ValueError, match="exceeds the model's context of 256"):
-        generate_autoregressive(backend, [1] * 200, DecodeSettings("ar", StopRules(60)))
+        generate(backend, [1] * 200, DecodeSettings("ar", StopRules(60)))
 
 
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         StopRules(0)
     with pytest.raises(ValueError, match="needs 3 streams but the model has 2"):
-        generate_speculative(backend_for(0, gamma=2), [1], DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(3, 1)))
+        generate(backend_for(0, gamma=2), [1], DecodeSettings("ss", StopRules(4), tree=TreeSpec.full(3, 1)))
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-1)
 
@@ -217,12 +216,12 @@ def test_bad_settings_are_clear_errors():
 def test_stop_strings_stop_at_the_same_token():
     backend = backend_for(2)
     decode = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731
-    plain = generate_autoregressive(backend, [7, 8], DecodeSettings("ar", StopRules(40)), decode=decode)
+    plain = generate(backend, [7, 8], DecodeSettings("ar", StopRules(40)), decode=decode)
     stop = " ".join(str(t) for t in plain.token_ids[5:7])
     rules = StopRules(40, stop_strings=(stop,))
-    a = generate_autoregressive(backend, [7, 8], DecodeSettings("ar", rules), decode=decode)
+    a = generate(backend, [7, 8], DecodeSettings("ar", rules), decode=decode)
     chain = DecodeSettings("ss", rules, tree=TreeSpec.chain(3))
-    b = generate_speculative(OracleDrafts(backend, plain.token_ids, 0.0, 1), [7, 8], chain, decode=decode)
+    b = generate(OracleDrafts(backend, plain.token_ids, 0.0, 1), [7, 8], chain, decode=decode)
     assert a.token_ids == b.token_ids == plain.token_ids[: len(a.token_ids)]
     assert a.stop_reason == b.stop_reason == "stop_string" and len(a.token_ids) <= 7
 
@@ -231,7 +230,7 @@ def test_real_stream_drafts_are_identical_under_both_schedules():
     """Not only the output: the drafted trees (hence acceptance and call counts) match too."""
     runs = []
     for schedule in ("fused", "deferred"):
-        result = generate_speculative(backend_for(4, schedule=schedule), [3, 1, 4, 1, 5],
+        result = generate(backend_for(4, schedule=schedule), [3, 1, 4, 1, 5],
                                       DecodeSettings("ss", StopRules(30), tree=TreeSpec.full(3, 2)))
         runs.append((result.token_ids, [(s.accepted_depth, s.tokens) for s in result.run.steps]))
     assert runs[0] == runs[1]

@@ -65,7 +65,7 @@ def test_stats_call_reduction_and_mean_accepted_length():
         stats.add(event, 2.5)  # the fallback decodes two tokens plainly, then speculation resumes
     assert (stats.plain_steps, stats.switches, stats.verify_steps) == (2, 2, 3)
     assert dict(stat_fields(stats))["fallback"] == "2 plain steps, 2 switches"
-    stats.finish(RunRecord("0", 10, new_tokens=6, model_calls=4, seconds=3.0, stop_reason="eos"))
+    stats.finish(RunRecord("0", 10, "ss", new_tokens=6, model_calls=4, seconds=3.0, stop_reason="eos"))
     assert stats.call_reduction == 1.5 and dict(stat_fields(stats))["stop"] == "eos"
 
 

@@ -15,10 +15,9 @@ from conftest import write_checkpoint
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
-from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.backends.static_graph import method_names
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.loader import load
@@ -102,11 +101,11 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     # The same shape with a prompt-lookup branch: only the host's drafts change; repeated prompts give it matches.
     lookup_tree = TreeSpec(tree.paths, lookup=(1, 1, 1))
     for ids in prompts(4, seed=1) + [ids * 2 for ids in prompts(2, seed=2)]:
-        expected = generate_autoregressive(eager.backend, ids, DecodeSettings("ar", rules)).token_ids
+        expected = generate(eager.backend, ids, DecodeSettings("ar", rules)).token_ids
         for drafts in (tree, lookup_tree, TREES[1]):
             settings = DecodeSettings("ss", rules, tree=drafts)
-            assert generate_speculative(loaded.backend, ids, settings).token_ids == expected
-        assert generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids == expected
+            assert generate(loaded.backend, ids, settings).token_ids == expected
+        assert generate(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids == expected
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
 
 
@@ -126,7 +125,7 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     loaded.backend.session = counting
     rules = StopRules(30)
     drafted = []
-    result = generate_speculative(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=loaded.tree),
+    result = generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=loaded.tree),
                                   on_step=lambda event: drafted.extend(event.drafted))
     steps = result.run.model_calls - 1
     assert steps > 0 and counting.calls["greedy_step_0"] == steps
@@ -134,10 +133,10 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     assert counting.calls["streams"] == 1 and counting.calls["step_0"] == 0  # streams: the prefill's only
     counting.calls.clear()
     sampled = DecodeSettings("ss", rules, tree=loaded.tree, sampling=SamplingConfig(temperature=1.0))
-    generate_speculative(loaded.backend, prompts(1, seed=4)[0], sampled)
+    generate(loaded.backend, prompts(1, seed=4)[0], sampled)
     assert counting.calls["greedy_step_0"] == 0 and counting.calls["step_0"] == counting.calls["streams"] - 1 > 0
     counting.calls.clear()
-    generate_speculative(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
+    generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
     assert counting.calls["greedy_step_1"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_1"}
 
 
@@ -306,9 +305,9 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
     with pytest.raises(ValueError, match="has step graphs for the trees .* omit --tree"):
-        generate_speculative(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.chain(2)))
+        generate(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.chain(2)))
     with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
-        generate_speculative(loaded.backend, [5] * 100, DecodeSettings("ss", StopRules(20), tree=loaded.tree))
+        generate(loaded.backend, [5] * 100, DecodeSettings("ss", StopRules(20), tree=loaded.tree))
     with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
         loaded.backend.reset(129)
     with pytest.raises(MissingBackend, match="macOS only"):
@@ -437,9 +436,9 @@ def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shal
     loaded = load(out, "executorch")
     for ids in prompts(4, seed=3):
         rules = StopRules(24)
-        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
+        plain = generate(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids
         ss = DecodeSettings("ss", rules, tree=loaded.tree)
-        assert generate_speculative(loaded.backend, ids, ss).token_ids == plain
+        assert generate(loaded.backend, ids, ss).token_ids == plain
 
 
 @needs("executorch_coreml")
@@ -582,12 +581,12 @@ def test_seeded_sampling_ss_equals_plain_sampling_on_exported_backends(artifact,
     lookup_tree = TreeSpec(TREES[0].paths, lookup=(1, 1, 1))
     accepted = Counter()
     for seed, ids in enumerate(prompts(2, seed=6) + [ids * 2 for ids in prompts(1, seed=7)]):
-        plain = generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules, sampling=sampling, seed=seed))
+        plain = generate(loaded.backend, ids, DecodeSettings("ar", rules, sampling=sampling, seed=seed))
         plain = plain.token_ids
         assert len(set(plain)) > 1
         for index, tree in enumerate((*TREES, lookup_tree)):
             settings = DecodeSettings("ss", rules, tree=tree, sampling=sampling, seed=seed)
-            fast = generate_speculative(loaded.backend, ids, settings)
+            fast = generate(loaded.backend, ids, settings)
             assert fast.token_ids == plain
             accepted[index] += fast.run.new_tokens - fast.run.model_calls
     assert len(accepted) == 3 and all(count > 0 for count in accepted.values()), accepted  # the rule was exercised

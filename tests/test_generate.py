@@ -24,7 +24,7 @@ def test_json_records_and_speculative_equals_plain(checkpoint, capsys, tmp_path)
         assert plain["model_calls"] == plain["new_tokens"] and plain["call_reduction"] == 1.0
         assert fast["call_reduction"] == fast["new_tokens"] / fast["model_calls"]
     trace = json.loads((tmp_path / "ss.json").read_text())
-    assert trace["schema"] == "streamfuse.trace/2" and len(trace["runs"]) == 3
+    assert trace["schema"] == "streamfuse.trace/3" and len(trace["runs"]) == 3
     assert trace["meta"]["tree"]["num_nodes"] == 5  # the default tree [[0],[1],[0,0],[0,0,0]] and its root
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from streamfuse.runtime.decode import draft_tokens
+from streamfuse.runtime.stream_drafter import draft_tokens
 from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.tree import TreeSpec
 

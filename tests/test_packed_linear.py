@@ -7,7 +7,6 @@ from torch import nn
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.autoregressive import generate_autoregressive
 from streamfuse.runtime.backends.packed_linear import (
     ONE_ROW_PACKED_MIN_ELEMENTS,
     PackedLinear,
@@ -15,7 +14,7 @@ from streamfuse.runtime.backends.packed_linear import (
     resolve_kernels,
 )
 from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.decode import generate_speculative
+from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
@@ -101,12 +100,12 @@ def test_packed_speculative_equals_eager_plain(seed, schedule):
     """Lossless across kernels: SS on packed weights gives eager plain decoding's tokens."""
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
     rules = StopRules(max_new_tokens=24, stop_token_ids=())
-    plain = generate_autoregressive(TorchBackend(tiny_model(seed), kernels="eager"), prompt,
+    plain = generate(TorchBackend(tiny_model(seed), kernels="eager"), prompt,
                                     DecodeSettings("ar", rules)).token_ids
     packed = TorchBackend(tiny_model(seed), stream_schedule=schedule, kernels="packed")
     assert packed.kernels == "packed"
     for tree in (TreeSpec.parse("gamma=3,k=1"), TreeSpec.parse("gamma=3,k=2")):
-        assert generate_speculative(packed, prompt, DecodeSettings("ss", rules, tree=tree)).token_ids == plain
+        assert generate(packed, prompt, DecodeSettings("ss", rules, tree=tree)).token_ids == plain
 
 
 @needs_onednn

@@ -20,16 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def step(nodes: int, kept: int, depth: int, lookup: int = 0) -> dict:
+def step(nodes: int, kept: int, depth: int, lookup: int = 0, draft_calls: int = 0) -> dict:
     return {"tree_nodes": nodes, "kept_nodes": kept, "accepted_depth": depth, "tokens": depth + 1,
-            "lookup_accepted": lookup}
+            "lookup_accepted": lookup, "draft_calls": draft_calls, "draft_seconds": 0.0}
 
 
 def run(run_id: str, calls: int, tokens: int, seconds: float, steps: list[dict], peak: int | None = None,
-        plain: int = 0, switches: tuple[str, ...] = (), **spans: float) -> dict:
-    return {"id": run_id, "prompt_tokens": 5, "new_tokens": tokens, "model_calls": calls, "seconds": seconds,
-            "stop_reason": "eos", "peak_memory_bytes": peak, "plain_calls": plain,
-            "spans": {"prefill": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
+        plain: int = 0, switches: tuple[str, ...] = (), method: str = "ss", draft_calls: int = 0,
+        **spans: float) -> dict:
+    return {"id": run_id, "method": method, "prompt_tokens": 5, "new_tokens": tokens, "model_calls": calls,
+            "draft_calls": draft_calls, "seconds": seconds, "stop_reason": "eos", "peak_memory_bytes": peak,
+            "plain_calls": plain,
+            "spans": {"prefill": 0.0, "draft": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
             "steps": steps, "switches": [{"at_token": 1, "to": to, "tokens_per_step": None} for to in switches]}
 
 
@@ -54,9 +56,9 @@ def ss_trace() -> dict:
 
 
 def ar_trace() -> dict:
-    """Plain decoding: n tokens in n calls (prefill gives the first); no steps recorded."""
-    return trace("ar", [run("a", 8, 8, 6.0, [], prefill=1.0, forward=4.4),
-                        run("c", 5, 5, 3.0, [], prefill=1.0, forward=2.0)])
+    """Plain decoding: n tokens in n calls (prefill gives the first), n - 1 plain calls, no drafted steps."""
+    return trace("ar", [run("a", 8, 8, 6.0, [], plain=7, method="ar", prefill=1.0, forward=4.4),
+                        run("c", 5, 5, 3.0, [], plain=4, method="ar", prefill=1.0, forward=2.0)])
 
 
 def test_call_reduction_and_throughput():
@@ -75,18 +77,17 @@ def test_plain_decoding_has_cr_one_and_no_depths():
     assert metrics["mean_tokens_per_step"] is None and metrics["tree_utilisation"] is None
     assert metrics["acceptance_per_depth"] == [] and metrics["tokens_per_call_histogram"] == {}
     assert metrics["peak_memory_bytes"] is None
-    # no steps: verify calls = model_calls - 1 per run = 7 + 4
+    # verify calls: the plain calls, 7 + 4
     assert metrics["forward_latency_s"] == pytest.approx(6.4 / 11)
 
 
-def test_ar_with_depth_zero_steps():
-    steps = [step(1, 1, 0)] * 3
-    metrics = profile_trace(trace("ar", [run("a", 4, 4, 1.0, steps, forward=0.6)]))
-    assert metrics["call_reduction"] == 1.0
-    assert metrics["mean_tokens_per_step"] == 1.0 and metrics["mean_accepted_depth"] == 0.0
-    assert metrics["acceptance_per_depth"] == []
-    assert metrics["tree_utilisation"] == 1.0 and metrics["pruned_fraction"] == 0.0
-    assert metrics["forward_latency_s"] == pytest.approx(0.2)
+def test_a_draft_models_calls_and_time_are_counted_beside_the_targets():
+    """SD: 2 steps of a 3-token chain cost 3 draft calls each, plus the drafter's prefill: 7 in all."""
+    steps = [step(4, 4, 3, draft_calls=3), step(4, 4, 0, draft_calls=3)]
+    metrics = profile_trace(trace("sd", [run("a", 3, 6, 1.0, steps, method="sd", draft_calls=7, draft=0.3)], 3))
+    assert (metrics["model_calls"], metrics["draft_calls"]) == (3, 7)
+    assert metrics["call_reduction"] == 2.0  # target calls only
+    assert metrics["draft_latency_s"] == pytest.approx(0.15)
 
 
 def test_acceptance_per_depth_and_stream():
@@ -117,9 +118,9 @@ def test_time_split():
     assert split["total_seconds"] == 4.0
     seconds = {name: s["seconds"] for name, s in split["spans"].items()}
     fractions = {name: s["fraction"] for name, s in split["spans"].items()}
-    assert seconds == pytest.approx({"prefill": 1.0, "forward": 2.0, "streams": 0.0, "accept": 0.5, "cache": 0.3,
+    assert seconds == pytest.approx({"prefill": 1.0, "draft": 0.0, "forward": 2.0, "streams": 0.0, "accept": 0.5, "cache": 0.3,
                                      "host": 0.0, "other": 0.2})
-    assert fractions == pytest.approx({"prefill": 0.25, "forward": 0.5, "streams": 0.0, "accept": 0.125,
+    assert fractions == pytest.approx({"prefill": 0.25, "draft": 0.0, "forward": 0.5, "streams": 0.0, "accept": 0.125,
                                        "cache": 0.075, "host": 0.0, "other": 0.05})
     assert metrics["forward_latency_s"] == 0.5  # 2.0 s over 4 verify steps
     assert metrics["prefill_per_run_s"] == 0.5

@@ -107,9 +107,8 @@ def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def test_real_model_speculative_greedy_equals_plain_greedy():
     """Untrained streams on the real base: drafts are mostly rejected, output must still match."""
-    from streamfuse.runtime.autoregressive import generate_autoregressive
     from streamfuse.runtime.backends.pytorch import TorchBackend
-    from streamfuse.runtime.decode import generate_speculative
+    from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.tree import TreeSpec
 
@@ -117,8 +116,8 @@ def test_real_model_speculative_greedy_equals_plain_greedy():
     backend = TorchBackend(SpeculativeStreamingLM(base, StreamConfig(num_streams=3, msa_layers=8)))
     rules = StopRules(24, (tokenizer.eos_token_id,))
     for ids in _dialogsum_prompts(tokenizer, 2):
-        plain = generate_autoregressive(backend, ids, DecodeSettings("ar", rules))
-        fast = generate_speculative(backend, ids, DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2)))
+        plain = generate(backend, ids, DecodeSettings("ar", rules))
+        fast = generate(backend, ids, DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2)))
         assert fast.token_ids == plain.token_ids
 
 

@@ -71,12 +71,11 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
 
 def warm_up(loaded: Loaded, tree) -> None:
     """Two tokens of plain and speculative decoding: every method a benchmark calls runs once."""
-    from streamfuse.runtime.autoregressive import generate_autoregressive
-    from streamfuse.runtime.decode import generate_speculative
+    from streamfuse.runtime.decode import generate
 
     ids = prompt_ids(loaded, "Hello.", loaded.prompt is not None)
-    generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", StopRules(2)))
-    generate_speculative(loaded.backend, ids, DecodeSettings("ss", StopRules(2), tree=tree))
+    generate(loaded.backend, ids, DecodeSettings("ar", StopRules(2)))
+    generate(loaded.backend, ids, DecodeSettings("ss", StopRules(2), tree=tree))
 
 
 def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:

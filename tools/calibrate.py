@@ -29,10 +29,9 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.runtime import cli  # noqa: E402
 from streamfuse.runtime.artifact import Artifact, ArtifactError  # noqa: E402
-from streamfuse.runtime.autoregressive import generate_autoregressive  # noqa: E402
 from streamfuse.runtime.calibration import (MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings,  # noqa: E402
                                             calibrate)
-from streamfuse.runtime.decode import generate_speculative  # noqa: E402
+from streamfuse.runtime.decode import generate  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, Loaded, load  # noqa: E402
@@ -84,9 +83,9 @@ def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequ
         for job in jobs[shift:] + jobs[:shift]:
             trace = Trace()
             if job is None:
-                generate_autoregressive(loaded.backend, ids, DecodeSettings("ar", rules), trace=trace)
+                generate(loaded.backend, ids, DecodeSettings("ar", rules), trace=trace)
             else:
-                generate_speculative(loaded.backend, ids, DecodeSettings("ss", rules, tree=job), trace=trace)
+                generate(loaded.backend, ids, DecodeSettings("ss", rules, tree=job), trace=trace)
             seconds = seconds_per_call(trace.runs[0])
             prefill.append(trace.runs[0].spans["prefill"] / len(ids))
             if seconds is not None:
@@ -105,7 +104,7 @@ def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequ
         raise ValueError(f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams")
     warm = prompts[0][:8]
     for tree in trees:  # engines may prepare a method on its first call
-        generate_speculative(loaded.backend, warm, DecodeSettings("ss", StopRules(2, rules.stop_token_ids), tree=tree))
+        generate(loaded.backend, warm, DecodeSettings("ss", StopRules(2, rules.stop_token_ids), tree=tree))
     return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
 
 

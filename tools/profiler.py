@@ -1,4 +1,4 @@
-"""Call-reduction profiler for decode traces ("streamfuse.trace/2") of any backend.
+"""Call-reduction profiler for decode traces ("streamfuse.trace/3") of any backend and method.
 
     python -m streamfuse.tools.profiler TRACE.json [--baseline AR_TRACE.json] --out DIR
 
@@ -41,13 +41,15 @@ LEGEND = {
     "pruned_fraction": "sum(tree_nodes - kept_nodes) / sum(tree_nodes)",
     "time_split": "each span summed over runs; fraction of total = max(sum(seconds), sum(spans)); "
                   "'other' = time no span covered",
-    "plain_calls": "plain decoding calls speculative runs made while their fallback had switched "
-                   "speculation off (runtime/fallback.py); their tokens count in call_reduction",
+    "plain_calls": "calls that verified the root alone: plain decoding's after the prefill, and a speculative "
+                   "run's while its fallback had switched speculation off (runtime/fallback.py)",
+    "draft_calls": "a draft model's calls summed over runs, its prefill included (0 where drafts come out "
+                   "of the target's own pass: SS streams, Medusa heads); not in model_calls",
+    "draft_latency_s": "draft span / drafted steps: proposing a draft (a draft model's calls, or filling a tree)",
     "switches_to_plain": "times a run's fallback switched to plain decoding (a block of steps yielded fewer "
                          "tokens than it cost)",
     "switches_to_ss": "times a run went back to speculating (a probe) after a plain stretch",
-    "forward_latency_s": "forward span / calls after the prefill (steps + plain_calls; model_calls - 1 per run "
-                         "without steps)",
+    "forward_latency_s": "forward span / calls after the prefill (steps + plain_calls)",
     "streams_latency_s": "streams span / verify calls: getting the next draft's stream logits (a pass of "
                          "their own with deferred streams)",
     "prefill_per_run_s": "prefill span / runs",
@@ -146,8 +148,7 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
     calls = sum(run["model_calls"] for run in runs)
     tokens = sum(run["new_tokens"] for run in runs)
     seconds = sum(run["seconds"] for run in runs)
-    # AR traces may record no steps: then every call but the prefill is a decode call.
-    verify_calls = sum(len(run["steps"]) + run["plain_calls"] or max(run["model_calls"] - 1, 0) for run in runs)
+    verify_calls = sum(len(run["steps"]) + run["plain_calls"] for run in runs)
     switches = Counter(switch["to"] for run in runs for switch in run["switches"])
     split = _time_split(runs)
     peaks = [run["peak_memory_bytes"] for run in runs if run["peak_memory_bytes"] is not None]
@@ -157,10 +158,12 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
         "tokens_per_s": _ratio(tokens, seconds), "call_reduction": _ratio(tokens, calls),
         **_step_metrics(steps, ((meta.get("tree") or {}).get("depth") or 0)),
         "plain_calls": sum(run["plain_calls"] for run in runs),
+        "draft_calls": sum(run["draft_calls"] for run in runs),
         "switches_to_plain": switches["plain"], "switches_to_ss": switches["ss"],
         "time_split": split,
         "forward_latency_s": _ratio(split["spans"]["forward"]["seconds"], verify_calls),
         "streams_latency_s": _ratio(split["spans"]["streams"]["seconds"], verify_calls),
+        "draft_latency_s": _ratio(split["spans"]["draft"]["seconds"], len(steps)),
         "prefill_per_run_s": _ratio(split["spans"]["prefill"]["seconds"], len(runs)),
         "peak_memory_bytes": max(peaks, default=None),
         "baseline": compare(trace, baseline) if baseline is not None else None,
@@ -192,8 +195,9 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
 
 HEADLINE = ("runs", "model_calls", "new_tokens", "seconds", "tokens_per_s", "call_reduction", "steps",
             "mean_tokens_per_step", "mean_accepted_depth", "tree_utilisation", "mean_step_utilisation",
-            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "plain_calls", "switches_to_plain",
-            "switches_to_ss", "forward_latency_s", "streams_latency_s", "prefill_per_run_s", "peak_memory_bytes")
+            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "plain_calls", "draft_calls", "switches_to_plain",
+            "switches_to_ss", "forward_latency_s", "streams_latency_s", "draft_latency_s", "prefill_per_run_s",
+            "peak_memory_bytes")
 
 
 def render_markdown(metrics: dict) -> str:
@@ -292,9 +296,9 @@ def write_report(metrics: dict, out_dir: Path) -> list[Path]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m streamfuse.tools.profiler",
-        description="Profile a streamfuse.trace/2 decode trace: call reduction, acceptance per depth "
+        description="Profile a streamfuse.trace/3 decode trace: call reduction, acceptance per depth "
                     "(= per stream), tree utilisation, pruning, time split, memory.")
-    parser.add_argument("trace", type=Path, help="decode trace JSON (schema streamfuse.trace/2) to profile")
+    parser.add_argument("trace", type=Path, help="decode trace JSON (schema streamfuse.trace/3) to profile")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="trace of plain (ar) decoding on the same prompts: adds measured call ratio and "
                              "wall-clock speed-up over the run ids present in both traces")

@@ -101,5 +101,8 @@ class Backend(Protocol):
     def commit(self, nodes: Sequence[int]) -> None:
         """Keep the K/V of these nodes of the last step (ascending indices)."""
 
+    def rollback(self, length: int) -> None:
+        """Forget committed positions from `length` on (a draft model's rejected drafts)."""
+
     def peak_memory_bytes(self) -> int | None:
         """Peak memory of the device, or None where it cannot be read."""

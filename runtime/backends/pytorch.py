@@ -100,6 +100,9 @@ class TorchBackend:
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
 
+    def rollback(self, length: int) -> None:
+        self.cache.truncate(length)
+
     def peak_memory_bytes(self) -> int | None:
         if self.device.startswith("cuda"):
             return int(torch.cuda.max_memory_allocated())

@@ -191,6 +191,12 @@ class StaticGraphBackend:
         self._store(new_keys.index_select(2, index), new_values.index_select(2, index))
         self._pending = None
 
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"rollback to {length}: the cache holds {self.length} committed rows")
+        self.length = length  # the graphs attend to rows below cache_len only
+        self._pending = None
+
     def peak_memory_bytes(self) -> int | None:
         return process_peak_rss_bytes()
 

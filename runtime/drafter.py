@@ -1,0 +1,75 @@
+"""The method protocol: a drafter proposes what one target call verifies.
+
+    context ─► drafter.propose(root) ─► Draft(tree, tokens, probs) ─► target.step: one call
+            ─► accept (runtime/accept.py) ─► target.commit ─► drafter.observe(draft, out, path, correction)
+
+Every decoding method is a drafter. Plain decoding proposes the root alone. Speculative
+Streaming fills a static tree from the target's own stream outputs at the last accepted node
+(runtime/stream_drafter.py). A draft model proposes a chain from its own KV cache
+(runtime/model_drafter.py). Acceptance, the target's KV commit, stop rules, the fallback and the
+trace belong to the loop (runtime/decode.py), the same for every method, so every method emits
+exactly the tokens plain decoding would (greedy) or draws from the same target (sampling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from streamfuse.runtime.backends.base import StepOutput
+from streamfuse.runtime.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class Draft:
+    tree: TreeSpec | None  # the shape the target verifies; None: the root alone (a plain step)
+    tokens: list[int]  # [T] node tokens, root first
+    probs: torch.Tensor | None = None  # [T, V] the distribution each node was drawn from (row 0 unused);
+    #                                    None: deterministic drafts, accepted by matching the target's own draw
+    from_lookup: int = 0  # lookup-branch nodes (from the top) that took prompt-lookup tokens
+    calls: int = 0  # draft-model calls this draft cost (drafts from the target's own pass cost none)
+
+    @classmethod
+    def plain(cls, root: int) -> "Draft":
+        return cls(None, [root])
+
+    @property
+    def speculative(self) -> bool:
+        return self.tree is not None
+
+
+class Drafter(Protocol):
+    name: str  # the method: "ar", "ss", "sd", ...
+    uses_streams: bool  # its drafts come out of the target's verify pass (StepOutput.stream_top)
+    tree: TreeSpec | None  # the largest tree it proposes (sizes the KV scratch rows); None: plain
+
+    def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
+        """A new run: the target has run the prompt and chosen `root` (not yet in its cache); `capacity`
+        is the target's KV positions for the run. Returns the draft-model calls it made (a prefill)."""
+
+    def propose(self, root: int) -> Draft:
+        """The draft for the next target call; its root is `root`."""
+
+    def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
+        """After the target committed `path` (nodes of `draft`) and chose `correction`, the next root.
+        Plain steps of a speculative run (its fallback) arrive as Draft.plain(root), path [0]."""
+
+
+class PlainDrafter:
+    """Plain decoding: every step verifies the root alone and emits the target's next token."""
+
+    name = "ar"
+    uses_streams = False
+    tree = None
+
+    def start(self, prompt_ids, prefill, root, capacity) -> int:
+        return 0
+
+    def propose(self, root: int) -> Draft:
+        return Draft.plain(root)
+
+    def observe(self, draft, out, path, correction) -> None:
+        pass
