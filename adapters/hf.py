@@ -90,6 +90,20 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     )
 
 
+def keep_first_layers(model: nn.Module, layers: int) -> nn.Module:
+    """Cut an HF causal LM to its first `layers` decoder layers, in place: the embedding, the final
+    norm and the (tied) LM head stay, so the cut model predicts tokens from a shallower stack."""
+    parts = decoder_parts(model)
+    if not 1 <= layers <= parts.num_layers:
+        raise ValueError(f"keep 1..{parts.num_layers} decoder layers, got {layers}")
+    del parts.layers[layers:]
+    config = unwrap_peft(model).config
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:  # families with per-layer attention kinds (qwen3)
+        config.layer_types = config.layer_types[:layers]
+    return model
+
+
 def call_layer(
     layer: nn.Module,
     hidden: torch.Tensor,
