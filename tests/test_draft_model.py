@@ -9,7 +9,6 @@ from conftest import make_tiny_llama
 from streamfuse.adapters.config import LoraSettings
 from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.hf import decoder_parts, keep_first_layers
-from streamfuse.adapters.masks import causal_mask
 from streamfuse.export.config import TrainConfig
 from streamfuse.export.training.data import Encoded
 from streamfuse.export.training.train import train
