@@ -1,6 +1,7 @@
 """Save and load a fine-tuned Speculative Streaming model as plain files.
 
-    <dir>/streamfuse.json        what the model is: base model, StreamConfig, LoRA settings
+    <dir>/streamfuse.json        what the model is: base model (and how many of its layers), StreamConfig,
+                                 LoRA settings
     <dir>/lora/                  the peft adapter (safetensors) - shareable across tasks on one base
     <dir>/streams.safetensors    stream-identifier embeddings, f_eta and the pruning head
     <dir>/tokenizer/             the tokenizer the model was trained with
@@ -21,10 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from .base_model import load_base_model
 from .config import LoraSettings, StreamConfig
+from .hf import keep_first_layers
 from .model import SpeculativeStreamingLM
 
 MANIFEST = "streamfuse.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: base_layers (a draft model keeps the base's first layers only)
 
 
 def extra_state(model: SpeculativeStreamingLM) -> dict[str, torch.Tensor]:
@@ -34,8 +36,10 @@ def extra_state(model: SpeculativeStreamingLM) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
-def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, base_model: str, lora: LoraSettings, info: dict | None = None) -> None:
-    """Write atomically: a temp folder beside the target, renamed into place when complete."""
+def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, base_model: str, lora: LoraSettings,
+                    info: dict | None = None, base_layers: int | None = None) -> None:
+    """Write atomically: a temp folder beside the target, renamed into place when complete.
+    base_layers: the model keeps the base's first this-many decoder layers (None: all)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
@@ -46,6 +50,7 @@ def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, b
         manifest = {
             "format_version": FORMAT_VERSION,
             "base_model": base_model,
+            "base_layers": base_layers,
             "streams": asdict(model.config),
             "lora": {**asdict(lora), "target_modules": list(lora.target_modules)},
             "info": info or {},
@@ -111,6 +116,8 @@ def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: 
     directory = Path(directory)
     manifest = read_manifest(directory)
     base, _ = load_base_model(base_model or manifest["base_model"])
+    if manifest["base_layers"] is not None:
+        keep_first_layers(base, manifest["base_layers"])
     if merge_lora and trainable:
         raise ValueError("a merged adapter cannot be trained: pass merge_lora or trainable, not both")
     peft_model = PeftModel.from_pretrained(base, directory / "lora", is_trainable=trainable)

@@ -409,12 +409,27 @@ class ArtifactBuilder:
                           "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
             "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key"),
                         "weights_sha256": weights_digest(self.checkpoint)},
+            "drafters": {},  # other methods' drafters, added by install_drafter (their own build stages)
             "files": files,
             "export_seconds": seconds,
             "parity": parity,
             "info": self.info,
             "versions": versions(),
         }
+
+
+def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) -> None:
+    """Copy a method's drafter checkpoint into <artifact>/drafters/<method>/ and record it in the
+    manifest: an artifact gains a method without its graphs or SS being rebuilt. The copy is staged
+    beside the target and renamed into place, so a reader never meets half of it."""
+    opened = Artifact.open(artifact)
+    target = opened.path / "drafters" / method
+    staging = target.with_name(f".{method}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint, staging, ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    opened.record_drafter(method, {**entry, "path": f"drafters/{method}", **file_digest(target)})
 
 
 def export_stages(arguments: tuple, backends: list[str]) -> None:

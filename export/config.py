@@ -106,6 +106,33 @@ class DistillConfig:
 
 
 @dataclass(frozen=True)
+class DraftModelConfig:
+    """Two-model speculative decoding, method sd (adapters/draft_model.py): the base's first `layers`
+    decoder layers with LoRA, trained on the SS model's own greedy answers (the tokens verification
+    accepts). Off unless enabled: it adds those answers' generation and its own training to the build,
+    and an existing artifact gets it added without redoing SS."""
+
+    enabled: bool = False
+    layers: int = 4
+    gamma: int = 4  # drafts per step, the chain the artifact records for it
+    lora_rank: int = 32
+    epochs: float = 1.0
+    learning_rate: float = 1e-3
+    unlabelled: bool = False  # the task's unlabelled inputs' own answers too
+
+    def validate(self) -> None:
+        if self.layers < 2 or self.gamma < 1 or self.lora_rank < 1:
+            raise ValueError(f"sd.layers must be >= 2, sd.gamma and sd.lora_rank >= 1, got {self.layers}, "
+                             f"{self.gamma} and {self.lora_rank}")
+
+    def lora(self) -> LoraSettings:
+        return LoraSettings(rank=self.lora_rank, alpha=2.0 * self.lora_rank, dropout=0.0)
+
+    def train_config(self, base: TrainConfig) -> TrainConfig:
+        return replace(base, epochs=self.epochs, learning_rate=self.learning_rate, stream_weight=0.0)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 96
     batch_size: int = 8
@@ -144,13 +171,14 @@ class BuildConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    sd: DraftModelConfig = field(default_factory=DraftModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = BUILD_EXPORT
     stages: StagesConfig = field(default_factory=StagesConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections; bad settings fail before any work."""
-        for section in (self.data, self.train, self.distill, self.stages):
+        for section in (self.data, self.train, self.distill, self.sd, self.stages):
             section.validate()
         # Trees () are picked by calibration later; the other export settings are checked meanwhile.
         dataclasses.replace(self.export, trees=self.export.trees or ("gamma=1,k=1",)).validate()
@@ -182,6 +210,14 @@ class BuildConfig:
         """The distilled model depends on the first stage, the answers' length and the stage's recipe."""
         payload = {"first": first_stage_key, "distill": asdict(self.distill), "answer_tokens": self.data.max_target_tokens}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
+
+    def sd_key(self, target_key: str) -> str:
+        """The draft model depends on the target whose answers it learns, their length and its recipe
+        (not gamma: how many it drafts per step is the runtime's choice)."""
+        recipe = {k: v for k, v in asdict(self.sd).items() if k not in ("enabled", "gamma")}
+        payload = {"target": target_key, "sd": recipe, "train": asdict(self.train),
+                   "answer_tokens": self.data.max_target_tokens}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-sd"
 
     def as_dict(self) -> dict:
         return asdict(self)

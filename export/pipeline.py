@@ -16,10 +16,11 @@ import torch
 
 from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
+from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import report
-from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig
+from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter
 from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
 from streamfuse.export.config import BuildConfig
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
@@ -41,8 +42,14 @@ from streamfuse.tools.calibrate import calibrate_sources
 
 
 def stored_info(directory: Path) -> dict:
-    """The info of the checkpoint in `directory`, or {} when there is none yet."""
-    return read_manifest(directory)["info"] if (directory / "streamfuse.json").is_file() else {}
+    """The info of the checkpoint in `directory`; {} when there is none yet, or one of another format
+    (trained again)."""
+    if not (directory / "streamfuse.json").is_file():
+        return {}
+    try:
+        return read_manifest(directory)["info"]
+    except ValueError:
+        return {}
 
 
 def model_key(directory: Path) -> str:
@@ -102,14 +109,17 @@ class Build:
         torch.manual_seed(self.config.train.seed)
         return SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
 
-    def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict):
-        """Train (resumably), then save the checkpoint with `info` plus this stage's figures."""
+    def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict,
+                        lora=None, base_layers: int | None = None):
+        """Train (resumably), then save the checkpoint with `info` plus this stage's figures. A model of
+        the base's first `base_layers` layers (a draft model) has no frozen bottom shared with the others."""
         snapshot = self.run_dir / f"{directory.name}-{key}.snapshot"
-        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name, self.frozen_states)
+        states = self.frozen_states if base_layers is None else None
+        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name, states)
         stage = {"train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
                  "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses}
-        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, self.config.lora,
-                        {**info, **stage, "training_key": key, "config": self.config.as_dict()})
+        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, lora or self.config.lora,
+                        {**info, **stage, "training_key": key, "config": self.config.as_dict()}, base_layers)
         shutil.rmtree(snapshot, ignore_errors=True)
         return result
 
@@ -156,6 +166,32 @@ class Build:
         result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
         print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "
               f"finish) and {len(items) - finished} references -> {directory}", flush=True)
+        return directory
+
+    # --- other methods --------------------------------------------------------------------
+    def ensure_draft_model(self, ss_dir: Path) -> Path:
+        """Method sd: the base's first layers with LoRA, trained on the SS model's own greedy answers
+        (cached per model: the target features every drafter shares)."""
+        directory, sd = self.run_dir / "sd", self.config.sd
+        target_key = model_key(ss_dir)
+        key = self.config.sd_key(target_key)
+        if stored_info(directory).get("training_key") == key:
+            print(f"[sd] reusing {directory} (same settings)", flush=True)
+            return directory
+        target = self.inference_model(ss_dir)
+        answers = self.own_answers(target, target_key, self.train_examples, "train")
+        if sd.unlabelled:
+            answers += self.own_answers(target, target_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
+        del target
+        items, finished = distill_rows(answers, [], self.tokenizer.eos_token_id, "own", self.config.data.max_target_tokens)
+        base, _ = load_base_model(self.args.base_model)
+        torch.manual_seed(self.config.train.seed)
+        model = draft_model(base, sd.layers, sd.lora())
+        info = {"task": self.task.name, "preset": self.config.preset, "method": "sd", "target": target_key,
+                "layers": sd.layers}
+        result = self._train_and_save(model, items, sd.train_config(self.config.train), directory, key, False, info,
+                                      sd.lora(), sd.layers)
+        print(f"[sd] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers -> {directory}", flush=True)
         return directory
 
     # --- evaluate -------------------------------------------------------------------------
@@ -330,6 +366,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         results["lora_baseline"] = build.evaluate_checkpoint(baseline_dir, "lora_baseline", with_streams=False)
     if config.stages.zero_shot:
         results["zero_shot"] = build.evaluate_zero_shot()
+    sd_dir = build.ensure_draft_model(ss_dir) if config.sd.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     report.write_json(ss_dir / "eval.json", summary)
     report.write_json(build.run_dir / "eval.json", summary)
@@ -349,5 +386,9 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         if config.stages.profile_limit > 0:
             build.profile(artifact)
             print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
+        if sd_dir is not None:
+            install_drafter(artifact, "sd", sd_dir, {"gamma": config.sd.gamma, "layers": config.sd.layers,
+                                                     "training_key": read_manifest(sd_dir)["info"]["training_key"]})
+            print(f"[sd] draft model added to {artifact}/drafters/sd", flush=True)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

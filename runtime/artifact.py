@@ -6,6 +6,7 @@
     <artifact>/tokenizer/      the tokenizer the model was trained with
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
+    <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint), run on torch
     <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_i/greedy_step_i per tree
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
@@ -25,7 +26,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/6"  # /6: parity records each mismatch (prompt, first differing token)
+SCHEMA = "streamfuse.artifact/7"  # /7: drafters of other methods (sd); checkpoints of format 2
 MANIFEST = "manifest.json"
 
 
@@ -92,6 +93,28 @@ class Artifact:
             raise ArtifactError(f"{self.path / MANIFEST}: the calibration recorded for {backend} is not one this "
                                 f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
                                 f"{self.path} --backend {backend}") from None
+
+    @property
+    def drafters(self) -> dict[str, dict]:
+        """method -> its drafter's entry (path, gamma, ...), for the methods other than plain and ss."""
+        return self.manifest["drafters"]
+
+    def drafter_path(self, method: str) -> Path:
+        """The checked folder of a method's drafter. Raises if the artifact has none or it was altered."""
+        entry = self.drafters.get(method)
+        if entry is None:
+            raise ArtifactError(f"{self.path} has no drafter for method {method} (it has: "
+                                f"{', '.join(sorted(self.drafters)) or 'none'}); add one with export/build.py "
+                                f"--set {method}.enabled=true (it reuses the SS stages)")
+        folder = self.path / entry["path"]
+        if not folder.is_dir() or file_digest(folder)["sha256"] != entry["sha256"]:
+            raise ArtifactError(f"{folder} is missing or differs from the manifest: copy the artifact again or rebuild "
+                                f"it with export/build.py --set {method}.enabled=true")
+        return folder
+
+    def record_drafter(self, method: str, entry: dict) -> None:
+        self.manifest["drafters"][method] = entry
+        self._write()
 
     def update(self, **fields) -> None:
         """Add results (the build's profile) to the manifest."""

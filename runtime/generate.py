@@ -21,7 +21,7 @@ from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.settings import METHODS, DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -99,8 +99,8 @@ def prompt_ids(loaded: Loaded, text: str, as_task: bool) -> list[int]:
 
 def run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Trace | None = None,
         run_id: str = "0", on_step=None) -> GenerationResult:
-    return generate(loaded.backend, ids, settings, trace=trace, run_id=run_id, on_step=on_step,
-                    decode=loaded.tokenizer.decode)
+    return generate(loaded.backend, ids, settings, drafter=loaded.drafter(settings), trace=trace, run_id=run_id,
+                    on_step=on_step, decode=loaded.tokenizer.decode)
 
 
 def result_record(request: Request, loaded: Loaded, result: GenerationResult, settings: DecodeSettings) -> dict:
@@ -129,7 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--input-file", type=Path, help="JSON lines, one input per line")
     parser.add_argument("--task", help="format inputs with the task prompt the model was fine-tuned with (e.g. dialogsum)")
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
-    parser.add_argument("--method", choices=("ss", "ar"), default="ss", help="ss: speculative streaming; ar: plain decoding")
+    parser.add_argument("--method", choices=METHODS, default="ss",
+                        help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
+                             "(two-model speculative decoding, added by export/build.py --set sd.enabled=true)")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -137,7 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "deferred: streams of the last accepted node only, after verification (CPUs)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file "
-                        f"(default: the tree calibrated for the backend, else the artifact's, else {DEFAULT_TREE})")
+                        f"(default: the tree calibrated for the backend, else the artifact's, else {DEFAULT_TREE}; "
+                        "sd: the chain of the length its draft model was built for)")
     parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
                         help="auto: decode plainly while speculation does not pay, judged against the step cost "
                              "calibrated for the tree (tools/calibrate.py; off where none was measured)")
@@ -168,19 +171,22 @@ def check_flags(args: argparse.Namespace) -> None:
         cli.usage(lambda: TreeSpec.parse(args.tree))
 
 
-def choose_tree(text: str | None, loaded: Loaded) -> TreeSpec:
-    """--tree, else the backend's calibrated tree or the artifact's default, else DEFAULT_TREE."""
+def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpec:
+    """--tree, else the method's own (ss: the backend's calibrated tree or the artifact's default, else
+    DEFAULT_TREE; sd: its draft model's chain)."""
     if text is not None:
         return TreeSpec.parse(text)
-    return loaded.tree if loaded.tree is not None else TreeSpec.parse(DEFAULT_TREE)
+    tree = loaded.method_tree(method) if method != "ar" else None
+    return tree if tree is not None else TreeSpec.parse(DEFAULT_TREE)
 
 
 def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
-    tree = choose_tree(args.tree, loaded)
-    if args.method == "ss":
+    tree = cli.usage(lambda: choose_tree(args.tree, loaded, args.method))
+    if args.method != "ar":
         cli.usage(lambda: loaded.check_tree(tree))
-    fallback = loaded.fallback(tree) if args.fallback == "auto" else None
+    # The calibrated step costs are SS's trees': a draft model's steps cost its calls besides.
+    fallback = loaded.fallback(tree) if args.fallback == "auto" and args.method == "ss" else None
     return DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
                           prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback)
 
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(it adds it without retraining) or pass plain prompts without --task")
     requests = [Request("0", args.prompt)] if args.prompt is not None else read_requests(args.input_file, loaded, as_task, args.limit)
     trace = Trace(enabled=args.trace is not None, backend=loaded.backend.name, device=args.device, method=settings.method,
-                  num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method == "ss" else None,
+                  num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method != "ar" else None,
                   threads=torch.get_num_threads())
     for request in requests:
         cut = source_overflow(loaded, request.text, as_task)

@@ -8,14 +8,17 @@ Two kinds of folder load:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.calibration import BackendCalibration
+from streamfuse.runtime.drafter import Drafter
 from streamfuse.runtime.fallback import FallbackConfig
+from streamfuse.runtime.model_drafter import ModelDrafter
 from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
@@ -35,6 +38,9 @@ class Loaded:
     default_tree: TreeSpec | None = None  # an exported artifact's default tree (its graphs' first)
     trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
     calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
+    artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
+    device: str = "cpu"
+    engines: dict[str, Backend] = field(default_factory=dict)  # method -> its draft model, loaded on first use
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -51,6 +57,41 @@ class Loaded:
         """ValueError naming the trees the backend has graphs for, unless it can run `tree`."""
         if self.trees is not None:
             self.backend.spec.tree_index(tree)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this artifact can decode with: plain, SS and those whose drafters it carries."""
+        return ("ar", "ss", *(sorted(self.artifact.drafters) if self.artifact is not None else ()))
+
+    def method_tree(self, method: str) -> TreeSpec | None:
+        """The draft shape a method uses unless told otherwise: ss's calibrated tree; sd's chain of its
+        recorded length; None for plain decoding."""
+        if method == "ar":
+            return None
+        if method == "ss":
+            return self.tree
+        self._check_method(method)
+        return TreeSpec.chain(self.artifact.drafters[method]["gamma"])
+
+    def drafter(self, settings: DecodeSettings) -> Drafter | None:
+        """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
+        A draft model runs on torch whatever the target's backend."""
+        if settings.method in ("ar", "ss"):
+            return None
+        self._check_method(settings.method)
+        if settings.method not in self.engines:
+            from streamfuse.adapters.checkpoint import load_checkpoint
+            from streamfuse.runtime.backends.pytorch import TorchBackend
+
+            model, _, _ = load_checkpoint(self.artifact.drafter_path(settings.method), merge_lora=True)
+            self.engines[settings.method] = TorchBackend(model, self.device)
+        return ModelDrafter(self.engines[settings.method], settings)
+
+    def _check_method(self, method: str) -> None:
+        if method not in self.methods:
+            where = "a bare checkpoint" if self.artifact is None else str(self.artifact.path)
+            raise ValueError(f"method {method}: {where} has no drafter for it (methods here: {', '.join(self.methods)}); "
+                             f"add it with export/build.py --set {method}.enabled=true and load the artifact")
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration."""
@@ -116,9 +157,9 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
     backend = TorchBackend(model, device, stream_schedule)
     if artifact is None:
-        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")))
+        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), device=device)
     return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), artifact.tree,
-                  None, artifact.calibration("torch") if calibrated else None)
+                  None, artifact.calibration("torch") if calibrated else None, artifact, device)
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
@@ -138,4 +179,4 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None)
+                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact, device)

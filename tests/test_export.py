@@ -552,6 +552,7 @@ ARTIFACT_PROBES = [
     (["--backend", "coreml"], None, 1, "macOS only"),
     (["--backend", "onnxruntime"], "manifest", 1, "manifest.json is not valid JSON"),
     (["--backend", "executorch"], "pte", 1, "model.pte has"),
+    (["--backend", "onnxruntime", "--method", "sd"], None, 2, "has no drafter for it"),
 ]
 
 

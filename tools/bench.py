@@ -35,7 +35,7 @@ from streamfuse.runtime import cli  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
+from streamfuse.runtime.settings import METHODS, DecodeSettings  # noqa: E402
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
 from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
@@ -45,7 +45,6 @@ from streamfuse.tools.bench_setup import load_engines, load_peers  # noqa: E402
 from streamfuse.tools.bench_summary import matched_precision, table  # noqa: E402
 from streamfuse.tools.peers import PEERS  # noqa: E402
 
-METHODS = ("ar", "ss")
 VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltools", "transformers", "llama-cpp-python")
 
 
@@ -78,7 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: "
                         "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
                         "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
-    parser.add_argument("--methods", default="ar,ss", help="streamfuse methods: 'ar,ss' or 'ar' (AR is every speed-up's baseline)")
+    parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(METHODS)}, 'ar' among "
+                        "them (AR is every speed-up's baseline); sd needs an artifact with a draft model "
+                        "(export/build.py --set sd.enabled=true)")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -109,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad := [p for p in args.peers if p not in PEERS]:
         parser.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
     if "ar" not in args.methods or set(args.methods) - set(METHODS):
-        parser.error(f"--methods {','.join(args.methods)}: use 'ar' or 'ar,ss' (AR is the baseline of every speed-up)")
+        parser.error(f"--methods {','.join(args.methods)}: choose among {', '.join(METHODS)}, 'ar' included (AR is the "
+                     f"baseline of every speed-up)")
     if args.input_file is None and args.split is None:
         parser.error("pass --split (with --task) or --input-file")
     if args.repeats < 1 or args.limit < 1 or args.threads < 1 or args.warmup < 0:

@@ -47,6 +47,7 @@ def measure(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Tra
     result = run(loaded, ids, settings, trace, run_id)
     record = result.run
     return {"seconds": record.seconds, "new_tokens": record.new_tokens, "model_calls": record.model_calls,
+            "draft_calls": record.draft_calls,
             "prefill_s": record.spans["prefill"], "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
             "step_tokens": [s.tokens for s in record.steps],
             "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
@@ -124,7 +125,7 @@ class Matrix:
 
 
 def run_matrix(matrix: Matrix, inputs: Sequence[BenchInput], warmup: int) -> tuple[list[dict], list[dict]]:
-    """-> (rows: one per (input, backend) with a record per method and `same_tokens`,
+    """-> (rows: one per (input, backend) with a record per method and `same_tokens` (every method's = plain's),
     peer_rows: one per input with a record per peer). The first `warmup` inputs run once untimed first."""
     for index, item in enumerate(tqdm(inputs[:warmup], desc="warm-up", unit="input", dynamic_ncols=True)):
         matrix.run_input(item, index, traced=False)
@@ -137,8 +138,8 @@ def run_matrix(matrix: Matrix, inputs: Sequence[BenchInput], warmup: int) -> tup
         for backend in matrix.engines:
             methods = results[("backend", backend)]
             row = {"id": item.id, "backend": backend, "prompt_tokens": len(ids[("backend", backend)]), **methods}
-            if {"ar", "ss"} <= set(methods):
-                row["same_tokens"] = methods["ss"]["token_ids"] == methods["ar"]["token_ids"]
+            if len(methods) > 1:
+                row["same_tokens"] = all(r["token_ids"] == methods["ar"]["token_ids"] for r in methods.values())
             rows.append(row)
         if matrix.peers:
             peer_rows.append({"id": item.id, "prompt_tokens": len(ids[("peer", next(iter(matrix.peers)))]),

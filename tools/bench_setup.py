@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from streamfuse.runtime.artifact import MANIFEST
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import choose_tree, prompt_ids
+from streamfuse.runtime.generate import choose_tree, prompt_ids, run
 from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
@@ -50,32 +51,32 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         artifact = Path(folder) if folder else args.artifact
         before = current_rss()
         loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads)
-        tree = choose_tree(args.tree, loaded)
+        tree = choose_tree(args.tree, loaded)  # SS's (plain decoding carries it along, unused, for the report)
+        trees = {m: tree if m in ("ar", "ss") else choose_tree(None, loaded, m) for m in args.methods}
         rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
         prune = prune_config(args.prune_threshold, args.prune_budget)
         meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
                     threads=args.threads)
-        fallback = loaded.fallback(tree) if args.fallback == "auto" else None
-        settings = {m: DecodeSettings(m, rules, tree=tree, prune=prune, fallback=fallback) for m in args.methods}
-        warm_up(loaded, tree)
+        fallback = loaded.fallback(tree) if args.fallback == "auto" else None  # calibrated for SS's trees
+        settings = {m: DecodeSettings(m, rules, tree=trees[m], prune=prune if m == "ss" else None,
+                                      fallback=fallback if m == "ss" else None) for m in args.methods}
+        warm_up(loaded, settings.values())
         info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
                        "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
         if isinstance(loaded.backend, TorchBackend):
             info[entry]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
-        traces = {m: Trace(method=m, tree=tree.to_dict() if m == "ss" else None,
+        traces = {m: Trace(method=m, tree=trees[m].to_dict() if m != "ar" else None,
                            fallback_step_cost=fallback.step_cost if fallback and m == "ss" else None, **meta)
                   for m in args.methods}
         out[entry] = Engine(loaded, settings, traces)
     return out
 
 
-def warm_up(loaded: Loaded, tree) -> None:
-    """Two tokens of plain and speculative decoding: every method a benchmark calls runs once."""
-    from streamfuse.runtime.decode import generate
-
+def warm_up(loaded: Loaded, settings) -> None:
+    """Two tokens of each method: every graph and draft model a benchmark calls runs once (and loads)."""
     ids = prompt_ids(loaded, "Hello.", loaded.prompt is not None)
-    generate(loaded.backend, ids, DecodeSettings("ar", StopRules(2)))
-    generate(loaded.backend, ids, DecodeSettings("ss", StopRules(2), tree=tree))
+    for each in settings:
+        run(loaded, ids, replace(each, rules=StopRules(2, each.rules.stop_token_ids)))
 
 
 def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:

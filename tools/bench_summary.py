@@ -69,7 +69,8 @@ def _streamfuse_row(method: str, backend: str, rows: Sequence[dict], inputs: Seq
             "baseline": f"ar/{backend}" if baseline else None,
             **_stats(runs, baseline, inputs, [r["prompt_tokens"] for r in rows]),
             "call_reduction": sum(r["new_tokens"] for r in runs) / sum(r["model_calls"] for r in runs),
-            "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method == "ss" else 1.0}
+            "draft_calls": sum(r["draft_calls"] for r in runs),
+            "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method != "ar" else 1.0}
 
 
 def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[BenchInput], methods: Sequence[str],
@@ -89,7 +90,7 @@ def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[Benc
         out.append({"name": name, "kind": "peer", "method": name, "backend": None,
                     "baseline": f"{method}/{backend}" if reference else None,
                     **_stats(runs, reference, inputs, [r["prompt_tokens"] for r in peer_rows]),
-                    "call_reduction": None, "mean_accepted_tokens": None, **info[name]})
+                    "call_reduction": None, "draft_calls": None, "mean_accepted_tokens": None, **info[name]})
     return out
 
 
