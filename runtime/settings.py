@@ -15,8 +15,9 @@ from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.tree import TreeSpec
 
-# "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative decoding)
-METHODS = ("ar", "ss", "sd")
+# "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative
+# decoding); "medusa": Medusa heads on the target's last hidden state
+METHODS = ("ar", "ss", "sd", "medusa")
 
 
 @dataclass(frozen=True)

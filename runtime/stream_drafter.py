@@ -1,10 +1,10 @@
-"""Speculative Streaming's drafter: the tree's nodes take the stream tokens of the last accepted node.
+"""Drafts that come out of the target's own pass: Speculative Streaming's streams, Medusa's heads.
 
 The target's verify pass also runs the γ streams (fused, or deferred after the commit), so the
 next draft costs no extra model call: node at depth d with rank r takes stream d's r-th most
 likely token. A lookup branch, if the tree has one, takes prompt-lookup tokens instead
-(runtime/lookup.py). Any backend whose StepOutput ranks γ future tokens drafts this way (Medusa
-heads rank them from the target's last hidden state).
+(runtime/lookup.py). Medusa heads rank the same γ future tokens from the target's last hidden
+state at the accepted node (HeadDrafter), so they fill the same trees.
 """
 
 from __future__ import annotations
@@ -80,5 +80,32 @@ class StreamDrafter:
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         if out.stream_logits is not None or out.ranked_drafts is not None:
             self.streams = out.stream_top(path[-1], self.width)
+        if self.lookup is not None:
+            self.lookup.extend([draft.tokens[n] for n in path[1:]] + [correction])
+
+
+class HeadDrafter(StreamDrafter):
+    """Medusa: drafts `tree` from the heads the target's backend ranks at its accepted node (its
+    streams never run). The heads run when a draft is proposed, so plain steps (the fallback) skip
+    them. The tree's depth is at most the number of heads."""
+
+    name = "medusa"
+    uses_streams = False
+
+    def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
+        if prefill.head_logits is None:
+            raise ValueError("method medusa needs Medusa heads on the target's backend (Loaded.drafter attaches the "
+                             "artifact's)")
+        self.source = (prefill, 0)
+        self.lookup = PromptLookup([*prompt_ids, root]) if self.tree.lookup else None
+        return 0
+
+    def propose(self, root: int) -> Draft:
+        out, node = self.source
+        self.streams = out.head_top(node, self.width)
+        return super().propose(root)
+
+    def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
+        self.source = (out, path[-1])
         if self.lookup is not None:
             self.lookup.extend([draft.tokens[n] for n in path[1:]] + [correction])

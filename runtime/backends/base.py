@@ -66,12 +66,17 @@ class StepOutput:
     kept: Sequence[bool] | None = None  # per node: survived pruning (None: no pruning)
     greedy_tokens: Sequence[int] | None = None  # [T] argmax after each node, chosen by the engine
     ranked_drafts: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, K] stream token ids, best first
+    head_logits: Callable[[int], torch.Tensor] | None = None  # node -> [heads, V] Medusa heads' logits there
 
     def next_token(self, node: int, choose: Callable[[torch.Tensor], int]) -> int:
         """The target's token after `node`: the engine's greedy choice, or `choose` on its logits."""
         if self.greedy_tokens is not None:
             return int(self.greedy_tokens[node])
         return choose(self.main_logits[node])
+
+    def head_top(self, node: int, width: int) -> torch.Tensor:
+        """[heads, width] token ids ranked by each Medusa head at `node`."""
+        return self.head_logits(node).topk(width, dim=-1).indices
 
     def stream_top(self, node: int, width: int) -> torch.Tensor:
         """[gamma, width] token ids ranked by each stream at `node` (call after the commit)."""

@@ -8,6 +8,7 @@ import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
+from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput, process_peak_rss_bytes
 from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
@@ -42,6 +43,12 @@ class TorchBackend:
             self.model.replace_linears(PackedLinear)
         self.cache: KVCache | None = None
         self._tree_masks: dict[str, torch.Tensor] = {}
+        self.heads: MedusaHeads | None = None
+
+    def attach_heads(self, heads: MedusaHeads) -> None:
+        """Medusa heads on the target's last hidden state: every step's output then ranks their drafts
+        too (StepOutput.head_logits), computed only for the node a drafter asks for."""
+        self.heads = heads.to(self.device, self.dtype).eval().requires_grad_(False)
 
     @classmethod
     def with_random_weights(cls, base_model: str, streams: StreamConfig, device: str = "cpu",
@@ -78,7 +85,8 @@ class TorchBackend:
         out = self.model.forward_upper(lower, anchors)
         self.cache.commit(range(count))
         return StepOutput(self.model.logits(out.hidden[0, -1:]).float(),
-                          self._stream_source(out, lower.hidden[:, -1:], [0]) if with_streams else None)
+                          self._stream_source(out, lower.hidden[:, -1:], [0]) if with_streams else None,
+                          head_logits=self._head_source(out.hidden[0, -1:]))
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -95,7 +103,8 @@ class TorchBackend:
         fused = with_streams and self.stream_schedule == "fused"
         out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
         return StepOutput(self.model.logits(out.hidden[0]).float(),
-                          self._stream_source(out, lower.hidden, nodes) if with_streams else None, kept)
+                          self._stream_source(out, lower.hidden, nodes) if with_streams else None, kept,
+                          head_logits=self._head_source(out.hidden[0]))
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
@@ -117,6 +126,13 @@ class TorchBackend:
             slot = {node: index for index, node in enumerate(nodes)}
             return lambda node: self._head(out.stream_hidden[0, slot[node]])
         return lambda node: self._head(self._deferred_streams(lower_hidden[:, node : node + 1]))
+
+    def _head_source(self, hidden: torch.Tensor):
+        """node -> [heads, V] logits of the Medusa heads on the node's final-normed state [T, H] (None:
+        no heads attached)."""
+        if self.heads is None:
+            return None
+        return lambda node: self._head(self.heads(hidden[node]))
 
     @torch.inference_mode()
     def _deferred_streams(self, anchor_hidden: torch.Tensor) -> torch.Tensor:
