@@ -133,6 +133,25 @@ class DraftModelConfig:
 
 
 @dataclass(frozen=True)
+class MedusaConfig:
+    """Medusa heads, method medusa (adapters/medusa.py): `heads` residual blocks on the frozen SS
+    model's last hidden state, trained on its states over its own greedy answers (Medusa-1, shared
+    with sd: the same cached answers). Off unless enabled; an existing artifact gets them added."""
+
+    enabled: bool = False
+    heads: int = 3
+    epochs: float = 2.0
+    learning_rate: float = 1e-3
+    batch: int = 256  # answer positions per step
+    unlabelled: bool = False  # the task's unlabelled inputs' own answers too
+
+    def validate(self) -> None:
+        if self.heads < 1 or self.batch < 1 or self.epochs <= 0:
+            raise ValueError(f"medusa.heads and medusa.batch must be >= 1 and medusa.epochs > 0, got {self.heads}, "
+                             f"{self.batch} and {self.epochs}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 96
     batch_size: int = 8
@@ -172,13 +191,14 @@ class BuildConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     sd: DraftModelConfig = field(default_factory=DraftModelConfig)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = BUILD_EXPORT
     stages: StagesConfig = field(default_factory=StagesConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections; bad settings fail before any work."""
-        for section in (self.data, self.train, self.distill, self.sd, self.stages):
+        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.stages):
             section.validate()
         # Trees () are picked by calibration later; the other export settings are checked meanwhile.
         dataclasses.replace(self.export, trees=self.export.trees or ("gamma=1,k=1",)).validate()
@@ -218,6 +238,13 @@ class BuildConfig:
         payload = {"target": target_key, "sd": recipe, "train": asdict(self.train),
                    "answer_tokens": self.data.max_target_tokens}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-sd"
+
+    def medusa_key(self, target_key: str) -> str:
+        """The heads depend on the target whose states they read, its answers' length and their recipe."""
+        recipe = {k: v for k, v in asdict(self.medusa).items() if k != "enabled"}
+        payload = {"target": target_key, "medusa": recipe, "seed": self.train.seed,
+                   "answer_tokens": self.data.max_target_tokens}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-medusa"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -18,6 +18,7 @@ from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
 from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.lora import add_lora
+from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import report
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter
@@ -32,12 +33,14 @@ from streamfuse.export.training.distill import distill_rows, self_distilled
 from streamfuse.export.training.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,
                                                    stream_accuracy, task_quality)
 from streamfuse.export.training.frozen_states import FrozenStates
+from streamfuse.export.training.medusa import HeadTraining, head_features, train_heads
 from streamfuse.export.training.train import train
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
+from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.calibrate import calibrate_sources
 
 
@@ -169,21 +172,24 @@ class Build:
         return directory
 
     # --- other methods --------------------------------------------------------------------
+    def target_answers(self, target: SpeculativeStreamingLM, target_key: str, unlabelled: bool) -> tuple[list[Encoded], int]:
+        """The SS model's own greedy answers that finished (prompt + answer), and how many it gave: what
+        every other method's drafter learns, cached per model (the target features they share)."""
+        answers = self.own_answers(target, target_key, self.train_examples, "train")
+        if unlabelled:
+            answers += self.own_answers(target, target_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
+        items, _ = distill_rows(answers, [], self.tokenizer.eos_token_id, "own", self.config.data.max_target_tokens)
+        return items, len(answers)
+
     def ensure_draft_model(self, ss_dir: Path) -> Path:
-        """Method sd: the base's first layers with LoRA, trained on the SS model's own greedy answers
-        (cached per model: the target features every drafter shares)."""
+        """Method sd: the base's first layers with LoRA, trained on the SS model's own greedy answers."""
         directory, sd = self.run_dir / "sd", self.config.sd
         target_key = model_key(ss_dir)
         key = self.config.sd_key(target_key)
         if stored_info(directory).get("training_key") == key:
             print(f"[sd] reusing {directory} (same settings)", flush=True)
             return directory
-        target = self.inference_model(ss_dir)
-        answers = self.own_answers(target, target_key, self.train_examples, "train")
-        if sd.unlabelled:
-            answers += self.own_answers(target, target_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
-        del target
-        items, finished = distill_rows(answers, [], self.tokenizer.eos_token_id, "own", self.config.data.max_target_tokens)
+        items, answers = self.target_answers(self.inference_model(ss_dir), target_key, sd.unlabelled)
         base, _ = load_base_model(self.args.base_model)
         torch.manual_seed(self.config.train.seed)
         model = draft_model(base, sd.layers, sd.lora())
@@ -191,7 +197,28 @@ class Build:
                 "layers": sd.layers}
         result = self._train_and_save(model, items, sd.train_config(self.config.train), directory, key, False, info,
                                       sd.lora(), sd.layers)
-        print(f"[sd] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers -> {directory}", flush=True)
+        print(f"[sd] {result.seconds / 60:.1f} min on {len(items)} of {answers} own answers -> {directory}", flush=True)
+        return directory
+
+    def ensure_medusa(self, ss_dir: Path) -> Path:
+        """Method medusa: heads on the frozen SS model's states over its own answers (Medusa-1)."""
+        directory, config = self.run_dir / "medusa", self.config.medusa
+        target_key = model_key(ss_dir)
+        key = self.config.medusa_key(target_key)
+        if (directory / "medusa.json").is_file() and read_heads_manifest(directory)["info"].get("training_key") == key:
+            print(f"[medusa] reusing {directory} (same settings)", flush=True)
+            return directory
+        target = self.inference_model(ss_dir)
+        items, answers = self.target_answers(target, target_key, config.unlabelled)
+        cache = self.run_dir / "distill" / f"{target_key}-medusa{config.heads}{'-unlabelled' if config.unlabelled else ''}.safetensors"
+        features = head_features(target, items, config.heads, cache)
+        torch.manual_seed(self.config.train.seed)
+        heads = MedusaHeads(config.heads, target.parts.hidden_size)
+        training = HeadTraining(config.epochs, config.learning_rate, config.batch, seed=self.config.train.seed)
+        result = train_heads(heads, target.parts.lm_head, features, training)
+        save_heads(heads, directory, {"training_key": key, "target": target_key, "answers": len(items), **result})
+        print(f"[medusa] {result['seconds'] / 60:.1f} min on {len(features.hidden)} positions of {len(items)} of "
+              f"{answers} own answers -> {directory}", flush=True)
         return directory
 
     # --- evaluate -------------------------------------------------------------------------
@@ -346,6 +373,11 @@ EVAL_FORMAT = "eval/2"
 CALIBRATION_TOKENS = 48
 
 
+def medusa_tree(ss_tree: TreeSpec, heads: int) -> TreeSpec:
+    """Medusa drafts SS's calibrated tree (its graphs exist), cut to the heads' depth."""
+    return TreeSpec(tuple(path for path in ss_tree.paths if len(path) <= heads))
+
+
 def in_fresh_process(function, *args):
     """function(*args) in a spawned process: a measurement there sees the runtime alone, not this
     process's training memory or its threads."""
@@ -367,6 +399,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
     if config.stages.zero_shot:
         results["zero_shot"] = build.evaluate_zero_shot()
     sd_dir = build.ensure_draft_model(ss_dir) if config.sd.enabled else None
+    medusa_dir = build.ensure_medusa(ss_dir) if config.medusa.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     report.write_json(ss_dir / "eval.json", summary)
     report.write_json(build.run_dir / "eval.json", summary)
@@ -387,8 +420,14 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             build.profile(artifact)
             print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
         if sd_dir is not None:
-            install_drafter(artifact, "sd", sd_dir, {"gamma": config.sd.gamma, "layers": config.sd.layers,
+            install_drafter(artifact, "sd", sd_dir, {"tree": TreeSpec.chain(config.sd.gamma).to_dict(),
+                                                     "layers": config.sd.layers,
                                                      "training_key": read_manifest(sd_dir)["info"]["training_key"]})
             print(f"[sd] draft model added to {artifact}/drafters/sd", flush=True)
+        if medusa_dir is not None:
+            tree = medusa_tree(Artifact.open(artifact).tree, config.medusa.heads)
+            install_drafter(artifact, "medusa", medusa_dir, {"tree": tree.to_dict(), "heads": config.medusa.heads,
+                                                             "training_key": read_heads_manifest(medusa_dir)["info"]["training_key"]})
+            print(f"[medusa] heads added to {artifact}/drafters/medusa (tree of {tree.num_nodes} nodes)", flush=True)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

@@ -10,9 +10,12 @@ STREAMFUSE_DEBUG=1) re-raises for the traceback.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -40,8 +43,14 @@ NOISY_WARNINGS = (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(t
                   r"This API is experimental")
 
 
+# ExecuTorch's runtime logs from C++ straight to file descriptor 2, past Python's warnings and logging.
+NATIVE_NOISE = re.compile(rb"\[(cpuinfo_utils|threadpool)\.cpp:\d+\] ")
+_native_filter: list[threading.Thread] = []
+
+
 def quiet_known_noise() -> None:
-    """Silence NOISY_LOGGERS, NOISY_WARNINGS and transformers' weight-loading bars in this process."""
+    """Silence NOISY_LOGGERS, NOISY_WARNINGS, transformers' weight-loading bars and, where this
+    process writes to its real stderr, the NATIVE_NOISE lines of C++ libraries."""
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     for message in NOISY_WARNINGS:
@@ -49,6 +58,45 @@ def quiet_known_noise() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
+    if sys.stderr is sys.__stderr__:  # not under a capture (pytest's), which owns the descriptor
+        filter_native_stderr()
+
+
+def filter_native_stderr() -> None:
+    """Route file descriptor 2 through a pipe whose reader drops NATIVE_NOISE lines and passes the
+    rest on. At exit the descriptor is restored and the pipe drained, so no last line is lost."""
+    if _native_filter:
+        return
+    sys.stderr.flush()
+    direct = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        pending = b""
+        while chunk := os.read(read, 1 << 16):
+            *lines, pending = (pending + chunk).split(b"\n")
+            out = b"".join(line + b"\n" for line in lines if not NATIVE_NOISE.search(line))
+            if b"\r" in pending:  # a progress bar redrawing its line: pass it on now, not at the newline
+                cut = pending.rindex(b"\r") + 1
+                out, pending = out + pending[:cut], pending[cut:]
+            if out:
+                os.write(direct, out)
+        if pending and not NATIVE_NOISE.search(pending):
+            os.write(direct, pending)
+        os.close(read)
+
+    thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
+    thread.start()
+    _native_filter.append(thread)
+
+    def drain() -> None:
+        sys.stderr.flush()
+        os.dup2(direct, 2)  # the pipe's last writer here closes: its reader ends once drained
+        thread.join(timeout=2.0)
+
+    atexit.register(drain)
 
 
 def quiet_unless_debugging() -> None:

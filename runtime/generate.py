@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
     parser.add_argument("--method", choices=METHODS, default="ss",
                         help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
-                             "(two-model speculative decoding, added by export/build.py --set sd.enabled=true)")
+                             "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
+                             "medusa: its Medusa heads (--set medusa.enabled=true; torch backend)")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",

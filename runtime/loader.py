@@ -19,6 +19,7 @@ from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.model_drafter import ModelDrafter
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.stream_drafter import HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
@@ -64,21 +65,23 @@ class Loaded:
         return ("ar", "ss", *(sorted(self.artifact.drafters) if self.artifact is not None else ()))
 
     def method_tree(self, method: str) -> TreeSpec | None:
-        """The draft shape a method uses unless told otherwise: ss's calibrated tree; sd's chain of its
-        recorded length; None for plain decoding."""
+        """The draft shape a method uses unless told otherwise: ss's calibrated tree; another method's,
+        as the build recorded it (sd: a chain; medusa: SS's tree to the heads' depth); None for plain."""
         if method == "ar":
             return None
         if method == "ss":
             return self.tree
         self._check_method(method)
-        return TreeSpec.chain(self.artifact.drafters[method]["gamma"])
+        return TreeSpec.from_dict(self.artifact.drafters[method]["tree"])
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
         """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
-        A draft model runs on torch whatever the target's backend."""
+        A draft model runs on torch whatever the target's backend; Medusa heads need the torch target."""
         if settings.method in ("ar", "ss"):
             return None
         self._check_method(settings.method)
+        if settings.method == "medusa":
+            return self._head_drafter(settings)
         if settings.method not in self.engines:
             from streamfuse.adapters.checkpoint import load_checkpoint
             from streamfuse.runtime.backends.pytorch import TorchBackend
@@ -86,6 +89,17 @@ class Loaded:
             model, _, _ = load_checkpoint(self.artifact.drafter_path(settings.method), merge_lora=True)
             self.engines[settings.method] = TorchBackend(model, self.device)
         return ModelDrafter(self.engines[settings.method], settings)
+
+    def _head_drafter(self, settings: DecodeSettings) -> Drafter:
+        from streamfuse.adapters.medusa import load_heads
+        from streamfuse.runtime.backends.pytorch import TorchBackend
+
+        if not isinstance(self.backend, TorchBackend):
+            raise ValueError(f"method medusa runs its heads on the torch backend (the exported graphs have no heads "
+                             f"output yet): pass --backend torch, not {self.backend.name}")
+        if self.backend.heads is None:
+            self.backend.attach_heads(load_heads(self.artifact.drafter_path("medusa")))
+        return HeadDrafter(settings.tree, self.backend.heads.num_heads)
 
     def _check_method(self, method: str) -> None:
         if method not in self.methods:

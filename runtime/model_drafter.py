@@ -3,8 +3,8 @@
     propose: feed the tokens the draft model has not seen (the last correction; after a fully
              accepted chain, also its last draft), then draw γ tokens one call each
     observe: roll the draft cache back to the accepted prefix; the correction is fed next time
-The draft model runs on any Backend (its streams unused), so it exports and loads like the
-target. Greedy drafts are the draft model's argmax and are accepted by matching the target's
+The draft model runs on any Backend (its streams unused): the runtime loads it on torch
+(Loaded.drafter). Greedy drafts are the draft model's argmax and are accepted by matching the target's
 token; sampled drafts carry the draft distribution q for speculative sampling
 (runtime/accept.py), the standard rule of Leviathan et al. (2023) and Chen et al. (2023).
 """

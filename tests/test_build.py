@@ -100,42 +100,47 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
     assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
 
-    # Method sd added to the built artifact: SS's stages, the export and the profile are reused; the draft
-    # model (the base's first 2 layers) trains on the SS model's own answers and lands in drafters/sd.
-    with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2"]
+    # Methods sd and medusa added to the built artifact: SS's stages, the export and the profile are reused;
+    # the draft model (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers
+    # and land in drafters/.
+    with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
+               "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16"]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[export] reusing" in out and "[profile] reusing" in out and out.count("[train] reusing") == 2
-    assert "[sd] draft model added to" in out
+    assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
     own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16  # the target's, beside its first stage's
     assert json.loads((run_dir / "sd" / "streamfuse.json").read_text())["base_layers"] == 2
-    drafter = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["drafters"]["sd"]
-    assert (drafter["gamma"], drafter["layers"], drafter["path"]) == (3, 2, "drafters/sd")
+    drafters = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["drafters"]
+    assert (drafters["sd"]["layers"], drafters["sd"]["path"], drafters["medusa"]["heads"]) == (2, "drafters/sd", 2)
     from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "sd") and loaded.method_tree("sd") == TreeSpec.chain(3)
+    assert loaded.methods == ("ar", "ss", "medusa", "sd") and loaded.method_tree("sd") == TreeSpec.chain(3)
+    assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     rules = StopRules(12, loaded.stop_token_ids)
-    sd = DecodeSettings("sd", rules, tree=loaded.method_tree("sd"))
-    for prompt in ([5, 9, 14, 3], [7, 7, 21]):
-        result = generate(loaded.backend, prompt, sd, drafter=loaded.drafter(sd))
-        assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
-        assert result.run.draft_calls > 0
+    for method in ("sd", "medusa"):
+        settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
+        for prompt in ([5, 9, 14, 3], [7, 7, 21]):
+            result = generate(loaded.backend, prompt, settings, drafter=loaded.drafter(settings))
+            assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
+            assert (result.run.draft_calls > 0) == (method == "sd")
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
-    assert "[sd] reusing" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[sd] reusing" in out and "[medusa] reusing" in out
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
 
     assert bench.main(["--artifact", str(tmp_path / "artifact"), "--task", "dialogsum", "--input-file",
                        str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
-                       "--threads", "1", "--backends", "torch", "--methods", "ar,ss,sd", "--out",
+                       "--threads", "1", "--backends", "torch", "--methods", "ar,ss,sd,medusa", "--out",
                        str(tmp_path / "bench")]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]}
-    assert rows["sd/torch"]["mismatches"] == rows["ss/torch"]["mismatches"] == 0
+    assert rows["sd/torch"]["mismatches"] == rows["ss/torch"]["mismatches"] == rows["medusa/torch"]["mismatches"] == 0
     assert rows["sd/torch"]["draft_calls"] > 0 and rows["ss/torch"]["draft_calls"] == rows["ar/torch"]["draft_calls"] == 0
     assert "| sd/torch |" in (tmp_path / "bench" / "bench.md").read_text()
 

@@ -66,3 +66,26 @@ def test_known_library_noise_is_hidden():
         cli.quiet_known_noise()
         with pytest.raises(UserWarning):
             warnings.warn("something new")
+
+
+NATIVE = """import os, sys, time
+from streamfuse.runtime import cli
+cli.filter_native_stderr()
+os.write(2, b"[cpuinfo_utils.cpp:71] Reading file /sys/devices/soc0/image_version\\n")
+os.write(2, b"a native line that matters\\n")
+os.write(2, b"\\rbar 1/2\\rbar 2/2")
+time.sleep(0.5)
+os.write(2, b"\\n[threadpool.cpp:66] Resetting threadpool to 2 threads.\\n")
+print("build.py: error: the last line", file=sys.stderr)
+"""
+
+
+def test_native_library_noise_is_dropped_and_everything_else_kept():
+    """ExecuTorch's C++ logging goes straight to descriptor 2: filtered there, while other native
+    lines, a progress bar's redraws (before their newline) and the last Python line all get through."""
+    result = subprocess.run([sys.executable, "-c", NATIVE], capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    err = result.stderr.decode()
+    assert "cpuinfo_utils" not in err and "threadpool.cpp" not in err
+    assert "a native line that matters\n" in err and "\rbar 1/2\rbar 2/2\n" in err
+    assert err.endswith("build.py: error: the last line\n")
