@@ -213,9 +213,11 @@ class Build:
         cache = self.run_dir / "distill" / f"{target_key}-medusa{config.heads}{'-unlabelled' if config.unlabelled else ''}.safetensors"
         features = head_features(target, items, config.heads, cache)
         torch.manual_seed(self.config.train.seed)
-        heads = MedusaHeads(config.heads, target.parts.hidden_size)
+        heads = MedusaHeads(config.heads, features.hidden.shape[1])
         training = HeadTraining(config.epochs, config.learning_rate, config.batch, seed=self.config.train.seed)
-        result = train_heads(heads, target.parts.lm_head, features, training)
+        del target  # packed for the features pass: its kernels pass no gradient, so train through the eager head
+        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
+        result = train_heads(heads, eager.parts.lm_head, features, training)
         save_heads(heads, directory, {"training_key": key, "target": target_key, "answers": len(items), **result})
         print(f"[medusa] {result['seconds'] / 60:.1f} min on {len(features.hidden)} positions of {len(items)} of "
               f"{answers} own answers -> {directory}", flush=True)

@@ -9,7 +9,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.medusa import MedusaHeads, load_heads, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.medusa import IGNORE, HeadTraining, head_features, train_heads
+from streamfuse.export.training.medusa import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
@@ -99,3 +99,21 @@ def test_trained_heads_draft_the_targets_answer(tmp_path):
 def test_medusa_without_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="needs Medusa heads"):
         medusa(backend_for(0), [1, 2], DecodeSettings("medusa", StopRules(4), tree=TreeSpec.chain(2)), 3)
+
+
+def test_an_lm_head_that_passes_no_gradient_is_refused():
+    """A packed inference kernel returns outputs without a gradient path to the heads: training through
+    it would leave them untrained, silently."""
+
+    class Detached(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden):
+            return self.inner(hidden).detach().requires_grad_()
+
+    model = SpeculativeStreamingLM(make_tiny_llama(1), StreamConfig(3, 2))
+    features = HeadFeatures(torch.randn(8, 32), torch.randint(0, 97, (8, 2)))
+    with pytest.raises(ValueError, match="got no gradient"):
+        train_heads(MedusaHeads(2, 32), Detached(model.parts.lm_head), features, HeadTraining(epochs=1, batch=4))

@@ -89,6 +89,9 @@ def train_heads(heads: MedusaHeads, lm_head: torch.nn.Module, features: HeadFeat
         rows, order = order[: config.batch], order[config.batch :]
         losses = head_losses(heads, lm_head, features.hidden[rows].float(), features.targets[rows])
         (weights * losses).sum().backward()
+        if not any(p.grad is not None and bool(p.grad.any()) for p in heads.parameters()):
+            raise ValueError("the heads got no gradient through the LM head (an inference-only kernel, such as "
+                             "a packed one?): train them through the eager LM head")
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
