@@ -40,7 +40,6 @@ class Loaded:
     trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
     calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
     artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
-    device: str = "cpu"
     engines: dict[str, Backend] = field(default_factory=dict)  # method -> its draft model, loaded on first use
 
     @property
@@ -87,7 +86,7 @@ class Loaded:
             from streamfuse.runtime.backends.pytorch import TorchBackend
 
             model, _, _ = load_checkpoint(self.artifact.drafter_path(settings.method), merge_lora=True)
-            self.engines[settings.method] = TorchBackend(model, self.device)
+            self.engines[settings.method] = TorchBackend(model, self.backend.device)
         return ModelDrafter(self.engines[settings.method], settings)
 
     def _head_drafter(self, settings: DecodeSettings) -> Drafter:
@@ -171,9 +170,9 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
     backend = TorchBackend(model, device, stream_schedule)
     if artifact is None:
-        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), device=device)
+        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")))
     return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), artifact.tree,
-                  None, artifact.calibration("torch") if calibrated else None, artifact, device)
+                  None, artifact.calibration("torch") if calibrated else None, artifact)
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
@@ -193,4 +192,4 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact, device)
+                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact)

@@ -80,6 +80,9 @@ class StreamDrafter:
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         if out.stream_logits is not None or out.ranked_drafts is not None:
             self.streams = out.stream_top(path[-1], self.width)
+        self._extend_lookup(draft, path, correction)
+
+    def _extend_lookup(self, draft: Draft, path: Sequence[int], correction: int) -> None:
         if self.lookup is not None:
             self.lookup.extend([draft.tokens[n] for n in path[1:]] + [correction])
 
@@ -107,5 +110,4 @@ class HeadDrafter(StreamDrafter):
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         self.source = (out, path[-1])
-        if self.lookup is not None:
-            self.lookup.extend([draft.tokens[n] for n in path[1:]] + [correction])
+        self._extend_lookup(draft, path, correction)
