@@ -12,12 +12,12 @@ final-normed states over its own greedy answers (export/training/medusa.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .head_files import load_head_weights, read_head_manifest, save_head
 
 MANIFEST = "medusa.json"
 FORMAT_VERSION = 1
@@ -43,31 +43,15 @@ class MedusaHeads(nn.Module):
 
 
 def save_heads(heads: MedusaHeads, directory: Path, info: dict) -> None:
-    """Write the heads and their manifest; the manifest goes last, so a folder with one is complete."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).unlink(missing_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_file(state, str(directory / "heads.safetensors"))
-    manifest = {"format_version": FORMAT_VERSION, "num_heads": heads.num_heads,
-                "hidden_size": heads.blocks[0].in_features, "info": info}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    """Write the heads and their manifest (last: a folder with one is complete)."""
+    save_head(heads, directory, MANIFEST, {"format_version": FORMAT_VERSION, "num_heads": heads.num_heads,
+                                           "hidden_size": heads.blocks[0].in_features, "info": info})
 
 
 def read_heads_manifest(directory: Path) -> dict:
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {directory} holds no Medusa heads (export/build.py "
-                                f"--set medusa.enabled=true makes them)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
-                         f"{FORMAT_VERSION}: rebuild the heads")
-    return manifest
+    return read_head_manifest(directory, MANIFEST, FORMAT_VERSION, "Medusa heads", "medusa")
 
 
 def load_heads(directory: Path) -> MedusaHeads:
     manifest = read_heads_manifest(directory)
-    heads = MedusaHeads(manifest["num_heads"], manifest["hidden_size"])
-    heads.load_state_dict(load_file(str(Path(directory) / "heads.safetensors")))
-    return heads.eval()
+    return load_head_weights(MedusaHeads(manifest["num_heads"], manifest["hidden_size"]), directory)

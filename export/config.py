@@ -152,6 +152,31 @@ class MedusaConfig:
 
 
 @dataclass(frozen=True)
+class SpecDecConfig:
+    """SpecDec++, method specdec++ (adapters/acceptance.py): an acceptance head on sd's frozen draft
+    model decides each chain's length, 2..max_drafts, stopping once P(a rejection) passes `threshold`.
+    Trained on the draft model's states over the target's own answers (export/training/acceptance.py).
+    Needs sd.enabled; an existing artifact gets it added."""
+
+    enabled: bool = False
+    max_drafts: int = 8  # γ_max: the longest chain
+    threshold: float = 0.5  # h, recorded in the artifact (the runtime's --threshold overrides it)
+    depth: int = 3  # residual blocks before the logit (the paper's D; 0: linear)
+    reject_weight: float = 6.0  # the paper's w_rej (w_acc = 1)
+    epochs: float = 3.0
+    learning_rate: float = 1e-3
+    batch: int = 512
+
+    def validate(self) -> None:
+        if self.max_drafts < 2 or self.depth < 0 or self.batch < 1 or self.epochs <= 0 or self.reject_weight <= 0:
+            raise ValueError(f"specdec.max_drafts must be >= 2, specdec.depth >= 0, specdec.batch >= 1 and "
+                             f"specdec.epochs, specdec.reject_weight > 0, got {self.max_drafts}, {self.depth}, "
+                             f"{self.batch}, {self.epochs} and {self.reject_weight}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"specdec.threshold is a probability in [0, 1], got {self.threshold}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 96
     batch_size: int = 8
@@ -192,14 +217,17 @@ class BuildConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     sd: DraftModelConfig = field(default_factory=DraftModelConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = BUILD_EXPORT
     stages: StagesConfig = field(default_factory=StagesConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections; bad settings fail before any work."""
-        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.stages):
+        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.specdec, self.stages):
             section.validate()
+        if self.specdec.enabled and not self.sd.enabled:
+            raise ValueError("specdec.enabled needs sd.enabled=true: its acceptance head reads sd's draft model")
         # Trees () are picked by calibration later; the other export settings are checked meanwhile.
         dataclasses.replace(self.export, trees=self.export.trees or ("gamma=1,k=1",)).validate()
         if self.streams.init_per_stream and not self.streams.init_rank:
@@ -245,6 +273,12 @@ class BuildConfig:
         payload = {"target": target_key, "medusa": recipe, "seed": self.train.seed,
                    "answer_tokens": self.data.max_target_tokens}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-medusa"
+
+    def specdec_key(self, draft_key: str) -> str:
+        """The head depends on the draft model it reads and its recipe (not the threshold or γ_max: runtime choices)."""
+        recipe = {k: v for k, v in asdict(self.specdec).items() if k not in ("enabled", "threshold", "max_drafts")}
+        payload = {"draft": draft_key, "specdec": recipe, "seed": self.train.seed}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-specdec"
 
     def as_dict(self) -> dict:
         return asdict(self)

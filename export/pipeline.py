@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from streamfuse.adapters.acceptance import MANIFEST as ACCEPTANCE_MANIFEST
+from streamfuse.adapters.acceptance import AcceptanceHead, read_acceptance_manifest, save_acceptance_head
 from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
 from streamfuse.adapters.draft_model import draft_model
@@ -28,6 +30,7 @@ from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
 from streamfuse.export.profiling import profile_artifact
 from streamfuse.export.tasks import get_task
 from streamfuse.export.tasks.base import UNLABELLED
+from streamfuse.export.training.acceptance import AcceptanceTraining, acceptance_features, train_acceptance
 from streamfuse.export.training.data import Encoded, encode, prompt_format, prompt_text
 from streamfuse.export.training.distill import distill_rows, self_distilled
 from streamfuse.export.training.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,
@@ -223,6 +226,30 @@ class Build:
               f"{answers} own answers -> {directory}", flush=True)
         return directory
 
+    def ensure_specdec(self, ss_dir: Path, sd_dir: Path) -> Path:
+        """Method specdec++: an acceptance head on sd's frozen draft model, over the SS model's own answers."""
+        directory, config = self.run_dir / "specdec", self.config.specdec
+        draft_key = read_manifest(sd_dir)["info"]["training_key"]
+        key = self.config.specdec_key(draft_key)
+        if (directory / ACCEPTANCE_MANIFEST).is_file() and read_acceptance_manifest(directory)["info"].get("training_key") == key:
+            print(f"[specdec++] reusing {directory} (same settings)", flush=True)
+            return directory
+        items, answers = self.target_answers(self.inference_model(ss_dir), model_key(ss_dir), self.config.sd.unlabelled)
+        draft, _, _ = load_checkpoint(sd_dir, self.args.base_model, merge_lora=True)
+        cache = self.run_dir / "distill" / f"{draft_key}-acceptance.safetensors"
+        features = acceptance_features(draft.eval(), items, cache)
+        torch.manual_seed(self.config.train.seed)
+        head = AcceptanceHead(features.hidden.shape[1], config.depth)
+        training = AcceptanceTraining(config.epochs, config.learning_rate, config.batch, config.reject_weight,
+                                      self.config.train.seed)
+        result = train_acceptance(head, features, training)
+        save_acceptance_head(head, directory, {"training_key": key, "draft": draft_key, "answers": len(items), **result})
+        print(f"[specdec++] {result['seconds'] / 60:.1f} min on {result['examples']} drafts of {len(items)} of "
+              f"{answers} own answers (accepted {result['acceptance_rate']:.0%}; mean prediction "
+              f"{result['predicted_if_accepted']} where accepted, {result['predicted_if_rejected']} where not) "
+              f"-> {directory}", flush=True)
+        return directory
+
     # --- evaluate -------------------------------------------------------------------------
     def inference_model(self, directory: Path) -> SpeculativeStreamingLM:
         """A checkpoint as the runtime runs it (LoRA merged), on packed kernels: generation only."""
@@ -402,6 +429,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         results["zero_shot"] = build.evaluate_zero_shot()
     sd_dir = build.ensure_draft_model(ss_dir) if config.sd.enabled else None
     medusa_dir = build.ensure_medusa(ss_dir) if config.medusa.enabled else None
+    specdec_dir = build.ensure_specdec(ss_dir, sd_dir) if config.specdec.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     report.write_json(ss_dir / "eval.json", summary)
     report.write_json(build.run_dir / "eval.json", summary)
@@ -431,5 +459,10 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             install_drafter(artifact, "medusa", medusa_dir, {"tree": tree.to_dict(), "heads": config.medusa.heads,
                                                              "training_key": read_heads_manifest(medusa_dir)["info"]["training_key"]})
             print(f"[medusa] heads added to {artifact}/drafters/medusa (tree of {tree.num_nodes} nodes)", flush=True)
+        if specdec_dir is not None:
+            install_drafter(artifact, "specdec++", specdec_dir, {"tree": TreeSpec.chain(config.specdec.max_drafts).to_dict(),
+                                                                 "draft": "sd", "threshold": config.specdec.threshold,
+                                                                 "training_key": read_acceptance_manifest(specdec_dir)["info"]["training_key"]})
+            print(f"[specdec++] acceptance head added to {artifact}/drafters/specdec++", flush=True)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

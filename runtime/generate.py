@@ -132,7 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, default="ss",
                         help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
                              "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
-                             "medusa: its Medusa heads (--set medusa.enabled=true; torch backend)")
+                             "medusa: its Medusa heads (--set medusa.enabled=true; torch backend); specdec++: the "
+                             "draft model with its acceptance head choosing each chain's length (--set specdec.enabled=true)")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -147,6 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "calibrated for the tree (tools/calibrate.py; off where none was measured)")
     parser.add_argument("--prune-threshold", type=float, default=None, help="prune tree nodes whose early-exit transition probability is below this")
     parser.add_argument("--prune-budget", type=int, default=None, help="keep at most this many non-root tree nodes (by path probability)")
+    parser.add_argument("--threshold", type=float, default=None, help="specdec++: stop drafting once the predicted "
+                        "probability of a rejection passes this (default: the artifact's)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples from the target")
@@ -168,13 +171,15 @@ def check_flags(args: argparse.Namespace) -> None:
     cli.usage(lambda: StopRules(args.max_new_tokens))
     cli.usage(lambda: SamplingConfig(args.temperature, args.top_k, args.top_p))
     cli.usage(lambda: prune_config(args.prune_threshold, args.prune_budget))
+    cli.check(args.threshold is None or 0.0 <= args.threshold <= 1.0,
+              f"--threshold is a probability in [0, 1], got {args.threshold}")
     if args.tree is not None:
         cli.usage(lambda: TreeSpec.parse(args.tree))
 
 
 def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpec:
     """--tree, else the method's own (ss: the backend's calibrated tree or the artifact's default, else
-    DEFAULT_TREE; sd: its draft model's chain)."""
+    DEFAULT_TREE; sd: its draft model's chain; specdec++: its longest chain)."""
     if text is not None:
         return TreeSpec.parse(text)
     tree = loaded.method_tree(method) if method != "ar" else None
@@ -185,11 +190,12 @@ def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
     tree = cli.usage(lambda: choose_tree(args.tree, loaded, args.method))
     if args.method != "ar":
-        cli.usage(lambda: loaded.check_tree(tree))
+        cli.usage(lambda: loaded.check_method_tree(args.method, tree))
     # The calibrated step costs are SS's trees': a draft model's steps cost its calls besides.
     fallback = loaded.fallback(tree) if args.fallback == "auto" and args.method == "ss" else None
-    return DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
-                          prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback)
+    return cli.usage(lambda: DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
+                                            prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback,
+                                            args.threshold))
 
 
 def main(argv: list[str] | None = None) -> int:

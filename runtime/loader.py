@@ -8,15 +8,16 @@ Two kinds of folder load:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from streamfuse.adapters.acceptance import load_acceptance_head
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.calibration import BackendCalibration
 from streamfuse.runtime.drafter import Drafter
 from streamfuse.runtime.fallback import FallbackConfig
-from streamfuse.runtime.model_drafter import ModelDrafter
+from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.stream_drafter import HeadDrafter
@@ -27,6 +28,8 @@ BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
+# The build flags that add a method whose config section is not named after it.
+BUILD_FLAGS = {"specdec++": "--set sd.enabled=true --set specdec.enabled=true"}
 TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
 
 
@@ -40,7 +43,8 @@ class Loaded:
     trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
     calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
     artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
-    engines: dict[str, Backend] = field(default_factory=dict)  # method -> its draft model, loaded on first use
+    draft_engine: Backend | None = None  # sd's draft model (specdec++ shares it), loaded on first use
+    stop_rule: StopRule | None = None  # specdec++'s acceptance head and threshold, loaded on first use
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -57,6 +61,12 @@ class Loaded:
         """ValueError naming the trees the backend has graphs for, unless it can run `tree`."""
         if self.trees is not None:
             self.backend.spec.tree_index(tree)
+
+    def check_method_tree(self, method: str, tree: TreeSpec) -> None:
+        """check_tree for every shape the method verifies: specdec++ verifies chains of 2 drafts up to `tree`'s."""
+        shapes = [TreeSpec.chain(n) for n in range(2, tree.depth + 1)] if method == "specdec++" else [tree]
+        for shape in shapes:
+            self.check_tree(shape)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -75,19 +85,32 @@ class Loaded:
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
         """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
-        A draft model runs on torch whatever the target's backend; Medusa heads need the torch target."""
+        A draft model runs on torch whatever the target's backend; Medusa heads need the torch target.
+        specdec++ drives sd's draft model with its acceptance head."""
         if settings.method in ("ar", "ss"):
             return None
         self._check_method(settings.method)
         if settings.method == "medusa":
             return self._head_drafter(settings)
-        if settings.method not in self.engines:
+        if settings.method == "sd":
+            return ModelDrafter(self._draft_engine(), settings)
+        if self.stop_rule is None:
+            folder = self.artifact.drafter_path("specdec++")
+            self.stop_rule = StopRule(load_acceptance_head(folder).to(self.backend.device),
+                                      self.artifact.drafters["specdec++"]["threshold"])
+        rule = self.stop_rule if settings.threshold is None else replace(self.stop_rule, threshold=settings.threshold)
+        return ModelDrafter(self._draft_engine(), settings, rule)
+
+    def _draft_engine(self) -> Backend:
+        """sd's draft model on torch, loaded on first use (specdec++ shares it)."""
+        self._check_method("sd")
+        if self.draft_engine is None:
             from streamfuse.adapters.checkpoint import load_checkpoint
             from streamfuse.runtime.backends.pytorch import TorchBackend
 
-            model, _, _ = load_checkpoint(self.artifact.drafter_path(settings.method), merge_lora=True)
-            self.engines[settings.method] = TorchBackend(model, self.backend.device)
-        return ModelDrafter(self.engines[settings.method], settings)
+            model, _, _ = load_checkpoint(self.artifact.drafter_path("sd"), merge_lora=True)
+            self.draft_engine = TorchBackend(model, self.backend.device)
+        return self.draft_engine
 
     def _head_drafter(self, settings: DecodeSettings) -> Drafter:
         from streamfuse.adapters.medusa import load_heads
@@ -104,7 +127,8 @@ class Loaded:
         if method not in self.methods:
             where = "a bare checkpoint" if self.artifact is None else str(self.artifact.path)
             raise ValueError(f"method {method}: {where} has no drafter for it (methods here: {', '.join(self.methods)}); "
-                             f"add it with export/build.py --set {method}.enabled=true and load the artifact")
+                             f"add it with export/build.py {BUILD_FLAGS.get(method, f'--set {method}.enabled=true')} "
+                             f"and load the artifact")
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration."""

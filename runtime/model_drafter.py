@@ -1,8 +1,12 @@
 """Two-model speculative decoding's drafter: a small draft model proposes a chain from its own KV cache.
 
     propose: feed the tokens the draft model has not seen (the last correction; after a fully
-             accepted chain, also its last draft), then draw γ tokens one call each
+             accepted chain, also its last draft), then draw up to γ tokens one call each
     observe: roll the draft cache back to the accepted prefix; the correction is fed next time
+Method sd drafts γ tokens every step. Method specdec++ (SpecDec++, Huang et al. 2024) stops early:
+its acceptance head (adapters/acceptance.py) reads the state at each fed draft and drafting stops
+once P(at least one rejection) = 1 - prod p_i passes the threshold h; the token the same call
+proposes is kept (as the authors' code does), so a chain has 2..γ drafts.
 The draft model runs on any Backend (its streams unused): the runtime loads it on torch
 (Loaded.drafter). Greedy drafts are the draft model's argmax and are accepted by matching the target's
 token; sampled drafts carry the draft distribution q for speculative sampling
@@ -12,25 +16,46 @@ token; sampled drafts carry the draft distribution q for speculative sampling
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.runtime.backends.base import Backend, StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.sampling import target_probs
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.tree import TreeSpec
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """SpecDec++'s: stop once the predicted probability of a rejection among the drafts passes `threshold`."""
+
+    head: AcceptanceHead
+    threshold: float
+
+    def __post_init__(self):
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"the SpecDec++ stop threshold is a probability in [0, 1], got {self.threshold}")
+
+    def accept_probability(self, hidden: torch.Tensor) -> float:
+        with torch.inference_mode():
+            return float(torch.sigmoid(self.head(hidden)))
 
 
 class ModelDrafter:
-    name = "sd"
     uses_streams = False
 
-    def __init__(self, engine: Backend, settings: DecodeSettings):
+    def __init__(self, engine: Backend, settings: DecodeSettings, stop: StopRule | None = None):
+        self.name = "specdec++" if stop is not None else "sd"
         if settings.method != self.name:
-            raise ValueError(f"a draft model drafts for method sd, not {settings.method!r}")
+            raise ValueError(f"this draft model drafts for method {self.name}, not {settings.method!r}")
         self.engine = engine
-        self.tree = settings.tree  # a chain (DecodeSettings checks)
+        self.tree = settings.tree  # the longest chain (DecodeSettings checks)
         self.gamma = settings.tree.depth
+        self.chains = [TreeSpec.chain(n) if n else None for n in range(self.gamma + 1)]
+        self.stop = stop
         self.sampling = settings.sampling
         self.seed = settings.seed
         self.generator = torch.Generator()
@@ -46,36 +71,45 @@ class ModelDrafter:
         return 1
 
     def propose(self, root: int) -> Draft:
-        calls = len(self.pending) + self.gamma - 1
-        logits = self._feed(self.pending)
+        calls = len(self.pending)
+        out = self._feed(self.pending)
         self.base, self.pending = self.length, []
-        tokens, probs = [root], []
-        for index in range(self.gamma):
-            token, q = self._draw(logits)
+        tokens, probs, survive = [root], [], 1.0
+        while True:
+            token, q = self._draw(out.main_logits[0])
             tokens.append(token)
             probs.append(q)
-            if index + 1 < self.gamma:
-                logits = self._feed([token])
+            if len(tokens) > self.gamma:
+                break
+            out = self._feed([token])
+            calls += 1
+            if self.stop is not None:
+                survive *= self.stop.accept_probability(out.hidden[0])
+                if 1.0 - survive > self.stop.threshold:
+                    token, q = self._draw(out.main_logits[0])  # proposed by the same call: kept
+                    tokens.append(token)
+                    probs.append(q)
+                    break
         drafted = None if self.sampling.greedy else torch.stack([torch.zeros_like(probs[0]), *probs])
-        return Draft(self.tree, tokens, drafted, calls=calls)
+        return Draft(self.chains[len(tokens) - 1], tokens, drafted, calls=calls)
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         if not draft.speculative:  # a plain step (the fallback): its root was pending already
             self.pending.append(correction)
             return
         accepted = len(path) - 1
-        fed = min(accepted, self.gamma - 1)  # the chain's last draft was never fed
+        fed = min(accepted, len(draft.tokens) - 2)  # the chain's last draft was never fed
         self.length = self.base + fed
         self.engine.rollback(self.length)
         self.pending = draft.tokens[1 + fed : 1 + accepted] + [correction]
 
-    def _feed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the draft cache one call each; the logits after the last."""
+    def _feed(self, tokens: Sequence[int]) -> StepOutput:
+        """Append tokens to the draft cache one call each; the output of the last."""
         for token in tokens:
             out = self.engine.step([token], None, with_streams=False)
             self.engine.commit([0])
             self.length += 1
-        return out.main_logits[0]
+        return out
 
     def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.sampling.greedy:

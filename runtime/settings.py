@@ -16,24 +16,29 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.tree import TreeSpec
 
 # "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative
-# decoding); "medusa": Medusa heads on the target's last hidden state
-METHODS = ("ar", "ss", "sd", "medusa")
+# decoding); "medusa": Medusa heads on the target's last hidden state; "specdec++": sd's draft model
+# with an acceptance head that chooses each chain's length
+METHODS = ("ar", "ss", "sd", "medusa", "specdec++")
+CHAIN_METHODS = ("sd", "specdec++")  # a draft model's chain: drawn drafts, accepted by speculative sampling
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
     method: str  # one of METHODS
     rules: StopRules
-    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length (ar ignores it)
+    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length; specdec++: its longest chain
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prune: PruneConfig | None = None  # ss on torch: drop unlikely tree nodes before the call
     seed: int = 0  # the sampling generator's seed: equal seeds give equal tokens in both methods
     fallback: FallbackConfig | None = None  # ss: plain decoding where speculation does not pay (runtime/fallback.py)
+    threshold: float | None = None  # specdec++: stop drafting once P(a rejection) passes it (None: the artifact's)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.method != "ar" and self.tree is None:
             raise ValueError(f"method {self.method} needs a draft tree")
-        if self.method == "sd" and any(len(kids) > 1 for kids in self.tree.children):
-            raise ValueError("method sd drafts a chain: give --tree gamma=G,k=1")
+        if self.method in CHAIN_METHODS and any(len(kids) > 1 for kids in self.tree.children):
+            raise ValueError(f"method {self.method} drafts a chain: give --tree gamma=G,k=1")
+        if self.threshold is not None and self.method != "specdec++":
+            raise ValueError(f"a stop threshold is SpecDec++'s, not method {self.method}'s: drop --threshold")

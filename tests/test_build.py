@@ -100,48 +100,56 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
     assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
 
-    # Methods sd and medusa added to the built artifact: SS's stages, the export and the profile are reused;
-    # the draft model (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers
-    # and land in drafters/.
+    # Methods sd, medusa and specdec++ added to the built artifact: SS's stages, the export and the profile
+    # are reused; the draft model (the base's first 2 layers) and 2 Medusa heads train on the SS model's own
+    # answers, the acceptance head on the draft model's states over them, and all land in drafters/.
     with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
-               "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16"]
+               "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16",
+               "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16"]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[export] reusing" in out and "[profile] reusing" in out and out.count("[train] reusing") == 2
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
+    assert "[specdec++] acceptance head added to" in out
     own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16  # the target's, beside its first stage's
     assert json.loads((run_dir / "sd" / "streamfuse.json").read_text())["base_layers"] == 2
     drafters = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["drafters"]
     assert (drafters["sd"]["layers"], drafters["sd"]["path"], drafters["medusa"]["heads"]) == (2, "drafters/sd", 2)
+    assert (drafters["specdec++"]["draft"], drafters["specdec++"]["threshold"]) == ("sd", 0.5)
     from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "medusa", "sd") and loaded.method_tree("sd") == TreeSpec.chain(3)
+    assert loaded.methods == ("ar", "ss", "medusa", "sd", "specdec++") and loaded.method_tree("sd") == TreeSpec.chain(3)
+    assert loaded.method_tree("specdec++") == TreeSpec.chain(4)
     assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     rules = StopRules(12, loaded.stop_token_ids)
-    for method in ("sd", "medusa"):
+    for method in ("sd", "medusa", "specdec++"):
         settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
             result = generate(loaded.backend, prompt, settings, drafter=loaded.drafter(settings))
             assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
-            assert (result.run.draft_calls > 0) == (method == "sd")
+            assert (result.run.draft_calls > 0) == (method != "medusa")
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
-    assert "[sd] reusing" in out and "[medusa] reusing" in out
+    assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
 
     assert bench.main(["--artifact", str(tmp_path / "artifact"), "--task", "dialogsum", "--input-file",
                        str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
-                       "--threads", "1", "--backends", "torch", "--methods", "ar,ss,sd,medusa", "--out",
+                       "--threads", "1", "--backends", "torch", "--methods", "ar,ss,sd,medusa,specdec++,sd:2,specdec++:1",
+                       "--out",
                        str(tmp_path / "bench")]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]}
     assert rows["sd/torch"]["mismatches"] == rows["ss/torch"]["mismatches"] == rows["medusa/torch"]["mismatches"] == 0
     assert rows["sd/torch"]["draft_calls"] > 0 and rows["ss/torch"]["draft_calls"] == rows["ar/torch"]["draft_calls"] == 0
+    assert rows["specdec++/torch"]["mismatches"] == rows["sd:2/torch"]["mismatches"] == 0
+    # Variants in the same run: sd:2 verifies 2 drafts a step; specdec++ at threshold 1 never stops before its 4.
+    assert rows["sd:2/torch"]["mean_draft_nodes"] == 2 and rows["specdec++:1/torch"]["mean_draft_nodes"] == 4
     assert "| sd/torch |" in (tmp_path / "bench" / "bench.md").read_text()
 
     # A profile whose SS output differs from plain decoding fails the build, naming the inputs.

@@ -78,8 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
                         "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
     parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(METHODS)}, 'ar' among "
-                        "them (AR is every speed-up's baseline); sd needs an artifact with a draft model "
-                        "(export/build.py --set sd.enabled=true)")
+                        "them (AR is every speed-up's baseline); sd, medusa and specdec++ need an artifact with their "
+                        "drafters (export/build.py --set sd.enabled=true ...). Variants in the same run: sd:G (a chain "
+                        "of G drafts), specdec++:H (stop threshold H), e.g. ar,sd:2,sd:4,specdec++:0.5")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -109,14 +110,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
     if bad := [p for p in args.peers if p not in PEERS]:
         parser.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
-    if "ar" not in args.methods or set(args.methods) - set(METHODS):
+    if "ar" not in args.methods or any(not method_label_ok(m) for m in args.methods):
         parser.error(f"--methods {','.join(args.methods)}: choose among {', '.join(METHODS)}, 'ar' included (AR is the "
-                     f"baseline of every speed-up)")
+                     f"baseline of every speed-up); variants are sd:G with an integer G >= 1 and specdec++:H with "
+                     f"0 <= H <= 1")
     if args.input_file is None and args.split is None:
         parser.error("pass --split (with --task) or --input-file")
     if args.repeats < 1 or args.limit < 1 or args.threads < 1 or args.warmup < 0:
         parser.error("--repeats, --limit and --threads must be >= 1, --warmup >= 0")
     return args
+
+
+def method_label_ok(label: str) -> bool:
+    """METHOD, sd:G or specdec++:H (see --methods)."""
+    method, colon, value = label.partition(":")
+    if not colon:
+        return method in METHODS
+    try:
+        return (method == "sd" and int(value) >= 1) or (method == "specdec++" and 0.0 <= float(value) <= 1.0)
+    except ValueError:
+        return False
 
 
 def machine() -> dict:

@@ -49,7 +49,7 @@ def measure(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Tra
     return {"seconds": record.seconds, "new_tokens": record.new_tokens, "model_calls": record.model_calls,
             "draft_calls": record.draft_calls,
             "prefill_s": record.spans["prefill"], "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
-            "step_tokens": [s.tokens for s in record.steps],
+            "step_tokens": [s.tokens for s in record.steps], "step_drafts": [s.tree_nodes - 1 for s in record.steps],
             "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
 
 

@@ -30,7 +30,7 @@ def _row(r: dict) -> str:
             f"{_num(r['speedup_total_time'], '.2f', 'x')} | {_num(r['speedup_median_per_input'], '.2f', 'x')} | "
             f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
             f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['draft_calls'], 'd')} | "
-            f"{_num(r['mean_accepted_tokens'], '.2f')} | "
+            f"{_num(r['mean_accepted_tokens'], '.2f')} | {_num(r['mean_draft_nodes'], '.2f')} | "
             f"{r['ttft_s_median']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['prompt_ms_per_token_median']:.2f} | "
             f"{_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
             f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |")
@@ -56,14 +56,17 @@ def markdown(report: dict) -> str:
         f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).", "",
         "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input "
         "| speed-up after the first token | vs "
-        "| call reduction CR (tokens / target calls) | draft-model calls | mean accepted tokens | TTFT (median, s) "
+        "| call reduction CR (tokens / target calls) | draft-model calls | mean accepted tokens | mean drafts verified "
+        "| TTFT (median, s) "
         "| tokens/s after the first token | prompt ms per token (median) | ROUGE-1 | ROUGE-Lsum "
         "| output != baseline (inputs) | RSS added at load (MiB) |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(_row(r) for r in report["table"]), "",
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the target's calls, the prefill included; AR rows have CR = mean accepted "
-        "tokens = 1. Draft-model calls are a draft model's own (sd), not in CR; SS drafts come out of the target's pass.",
+        "tokens = 1. Draft-model calls are a draft model's own (sd, specdec++), not in CR; SS and Medusa drafts come "
+        "out of the target's pass. Mean drafts verified: draft tokens per speculative target call (the tree's nodes "
+        "below the root; specdec++ chooses its chain's length per step).",
         f"A method's output != AR output on its own backend: {s['parity_mismatches']} (inputs, all backends).",
         *(f"{r['name']}: speed-up per fifth of the inputs (total time) "
           f"{' / '.join(f'{x:.2f}x' for x in r['speedup_by_fifth'])}."

@@ -18,6 +18,7 @@ from streamfuse.runtime.generate import choose_tree, prompt_ids, run
 from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
+from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.bench_matrix import Engine, current_rss
 from streamfuse.tools.peers import PEERS, PeerContext, build_peers
@@ -52,14 +53,14 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         before = current_rss()
         loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads)
         tree = choose_tree(args.tree, loaded)  # SS's (plain decoding carries it along, unused, for the report)
-        trees = {m: tree if m in ("ar", "ss") else choose_tree(None, loaded, m) for m in args.methods}
         rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
         prune = prune_config(args.prune_threshold, args.prune_budget)
         meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
                     threads=args.threads)
         fallback = loaded.fallback(tree) if args.fallback == "auto" else None  # calibrated for SS's trees
-        settings = {m: DecodeSettings(m, rules, tree=trees[m], prune=prune if m == "ss" else None,
-                                      fallback=fallback if m == "ss" else None) for m in args.methods}
+        ss = DecodeSettings("ss", rules, tree=tree, prune=prune, fallback=fallback)
+        settings = {label: method_settings(label, loaded, ss) for label in args.methods}
+        trees = {label: each.tree for label, each in settings.items()}
         warm_up(loaded, settings.values())
         info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
                        "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
@@ -70,6 +71,23 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
                   for m in args.methods}
         out[entry] = Engine(loaded, settings, traces)
     return out
+
+
+def method_settings(label: str, loaded: Loaded, ss: DecodeSettings) -> DecodeSettings:
+    """A --methods entry: METHOD, or METHOD:VALUE for a variant in the same interleaved run, sd:G (its
+    chain of G drafts) or specdec++:H (its stop threshold). ar carries SS's tree along, unused."""
+    method, _, value = label.partition(":")
+    if method in ("ar", "ss"):
+        return replace(ss, method=method, prune=ss.prune if method == "ss" else None,
+                       fallback=ss.fallback if method == "ss" else None)
+    tree, threshold = choose_tree(None, loaded, method), None
+    if method == "sd" and value:
+        tree = TreeSpec.chain(int(value))
+    if method == "specdec++" and value:
+        threshold = float(value)
+    settings = DecodeSettings(method, ss.rules, tree=tree, threshold=threshold)
+    loaded.check_method_tree(method, tree)
+    return settings
 
 
 def warm_up(loaded: Loaded, settings) -> None:

@@ -70,7 +70,8 @@ def _streamfuse_row(method: str, backend: str, rows: Sequence[dict], inputs: Seq
             **_stats(runs, baseline, inputs, [r["prompt_tokens"] for r in rows]),
             "call_reduction": sum(r["new_tokens"] for r in runs) / sum(r["model_calls"] for r in runs),
             "draft_calls": sum(r["draft_calls"] for r in runs),
-            "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method != "ar" else 1.0}
+            "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method != "ar" else 1.0,
+            "mean_draft_nodes": statistics.mean(d for r in runs for d in r["step_drafts"]) if steps else None}
 
 
 def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[BenchInput], methods: Sequence[str],
@@ -90,7 +91,8 @@ def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[Benc
         out.append({"name": name, "kind": "peer", "method": name, "backend": None,
                     "baseline": f"{method}/{backend}" if reference else None,
                     **_stats(runs, reference, inputs, [r["prompt_tokens"] for r in peer_rows]),
-                    "call_reduction": None, "draft_calls": None, "mean_accepted_tokens": None, **info[name]})
+                    "call_reduction": None, "draft_calls": None, "mean_accepted_tokens": None, "mean_draft_nodes": None,
+                    **info[name]})
     return out
 
 

@@ -104,7 +104,7 @@ class TorchBackend:
         out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
         return StepOutput(self.model.logits(out.hidden[0]).float(),
                           self._stream_source(out, lower.hidden, nodes) if with_streams else None, kept,
-                          head_logits=self._head_source(out.hidden[0]))
+                          head_logits=self._head_source(out.hidden[0]), hidden=out.hidden[0])
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
