@@ -407,6 +407,22 @@ def medusa_tree(ss_tree: TreeSpec, heads: int) -> TreeSpec:
     return TreeSpec(tuple(path for path in ss_tree.paths if len(path) <= heads))
 
 
+def method_chains(config: BuildConfig) -> list[TreeSpec]:
+    """The chains the exported target verifies for the draft-model methods: sd's, and for specdec++
+    2, 4, ... up to its longest (a shorter chain runs padded in the next one up, runtime/backends/static_graph.py)."""
+    lengths = {config.sd.gamma} if config.sd.enabled else set()
+    if config.specdec.enabled:
+        lengths |= {min(2 ** i, config.specdec.max_drafts) for i in range(1, config.specdec.max_drafts.bit_length() + 1)}
+    return [TreeSpec.chain(n) for n in sorted(lengths)]
+
+
+def with_method_chains(trees: tuple[str, ...], config: BuildConfig) -> tuple[str, ...]:
+    """The export's trees plus the method chains that none of them holds already."""
+    held = [TreeSpec.parse(text) for text in trees]
+    extra = [c for c in method_chains(config) if not any(set(c.paths) <= set(t.paths) for t in held)]
+    return trees + tuple(tree_text(chain) for chain in extra)
+
+
 def in_fresh_process(function, *args):
     """function(*args) in a spawned process: a measurement there sees the runtime alone, not this
     process's training memory or its threads."""
@@ -442,6 +458,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         if not export.trees:  # the graphs get the trees calibration picks
             chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none")
             export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
+        export = dataclasses.replace(export, trees=with_method_chains(export.trees, config))
         artifact = build.export(ss_dir, export, summary)
         build.calibrate_artifact(artifact, acceptance, torch_calibration)
         print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)

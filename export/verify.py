@@ -8,7 +8,10 @@ Two checks per backend, on the same prompts:
   outputs, greedy_step's token ids, must be equal: their figure is the count of differing ids).
 The first numeric prompt runs the separate step + streams calls (what sampling uses), the others
 greedy_step. The artifact's other draft trees decode the first `plain_prompts` prompts too, each
-against the backend's own plain decoding (lossless on every tree calibration may pick).
+against the backend's own plain decoding (lossless on every tree calibration may pick). A chain
+deeper than the streams (the draft-model methods' verification graphs) is drafted from the known
+answer instead, its last draft spoiled every other step, so its graph both commits whole chains and
+rejects.
 Every differing prompt is recorded with its first differing token; `check_parity` refuses the
 artifact on any (a low-bit format: on any against its own plain decoding; docs/export.md).
 """
@@ -23,8 +26,10 @@ from torch import nn
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend, base_method
 from streamfuse.runtime.decode import generate
+from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.tree import TreeSpec
 
 # Absolute tolerance per output, relative to the output's largest magnitude (fp32 graphs).
 RELATIVE_TOLERANCE = 1e-4
@@ -104,9 +109,11 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
             same_as_plain += same(OWN_PLAIN, index, tokens, plain[-1])
     others = {}
     for tree in spec.trees[1:]:
-        settings = DecodeSettings("ss", rules, tree=tree)
+        streams = tree.depth <= spec.num_streams
+        settings = DecodeSettings("ss" if streams else "sd", rules, tree=tree)
         others[tree.hash()] = sum(same(f"{OWN_PLAIN}, tree {tree.hash()}", index,
-                                       generate(fast, ids, settings).token_ids, want)
+                                       generate(fast, ids, settings, drafter=None if streams else
+                                                KnownAnswerDrafter(tree, want)).token_ids, want)
                                   for index, (ids, want) in enumerate(zip(prompts, plain)))
     tolerance = {} if relative_tolerance is None else {
         k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}
@@ -117,6 +124,29 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
             "max_abs_diff": replay.max_diff, "mismatches": mismatches,
             "within_tolerance": None if relative_tolerance is None else
             all(replay.max_diff[k] <= tolerance[k] for k in tolerance)}
+
+
+class KnownAnswerDrafter:
+    """Drafts a chain from the answer plain decoding gave, spoiling its last draft every other step."""
+
+    name, uses_streams = "sd", False
+
+    def __init__(self, tree: TreeSpec, answer: Sequence[int]):
+        self.tree, self.answer, self.position, self.steps = tree, list(answer), 0, 0
+
+    def start(self, prompt_ids, prefill, root, capacity) -> int:
+        self.position, self.steps = 1, 0  # the root is the answer's first token
+        return 0
+
+    def propose(self, root: int) -> Draft:
+        drafts = (self.answer[self.position : self.position + self.tree.depth] + [0] * self.tree.depth)[: self.tree.depth]
+        self.steps += 1
+        if self.steps % 2 == 0:
+            drafts[-1] = drafts[-1] - 1 if drafts[-1] else 1
+        return Draft(self.tree, [root, *drafts])
+
+    def observe(self, draft: Draft, out, path, correction) -> None:
+        self.position += len(path)  # the accepted drafts and the correction
 
 
 def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:

@@ -60,7 +60,7 @@ class Loaded:
     def check_tree(self, tree: TreeSpec) -> None:
         """ValueError naming the trees the backend has graphs for, unless it can run `tree`."""
         if self.trees is not None:
-            self.backend.spec.tree_index(tree)
+            self.backend.spec.graph_for(tree)
 
     def check_method_tree(self, method: str, tree: TreeSpec) -> None:
         """check_tree for every shape the method verifies: specdec++ verifies chains of 2 drafts up to `tree`'s."""

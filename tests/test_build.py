@@ -100,15 +100,19 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
     assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
 
-    # Methods sd, medusa and specdec++ added to the built artifact: SS's stages, the export and the profile
-    # are reused; the draft model (the base's first 2 layers) and 2 Medusa heads train on the SS model's own
-    # answers, the acceptance head on the draft model's states over them, and all land in drafters/.
+    # Methods sd, medusa and specdec++ added to the built artifact: SS's stages are reused; the draft model
+    # (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers, the acceptance head
+    # on the draft model's states over them, and all land in drafters/. The graphs are exported again with
+    # the chains the exported target verifies for sd and specdec++ (3, and 2, 4 but those the trees hold).
     with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
                "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16",
                "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16"]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
-    assert "[export] reusing" in out and "[profile] reusing" in out and out.count("[train] reusing") == 2
+    assert "[export] reusing" not in out and out.count("[train] reusing") == 2
+    exported = [TreeSpec.from_dict(t) for t in json.loads((tmp_path / "artifact" / "manifest.json").read_text())["trees"]]
+    assert exported[: len(trees)] == trees and TreeSpec.chain(4) in exported
+    assert all(any(set(TreeSpec.chain(n).paths) <= set(t.paths) for t in exported) for n in (2, 3, 4))
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
     assert "[specdec++] acceptance head added to" in out
     own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
@@ -136,6 +140,16 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
+    assert "[export] reusing" in out
+    # The draft-model methods on the exported target (ONNX Runtime): chains of every length, plain's tokens.
+    exported_target = load(tmp_path / "artifact", "onnxruntime")
+    for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0)):
+        settings = DecodeSettings(method, rules, tree=exported_target.method_tree(method), threshold=threshold)
+        exported_target.check_method_tree(method, settings.tree)
+        for prompt in ([5, 9, 14, 3], [7, 7, 21]):
+            result = generate(exported_target.backend, prompt, settings, drafter=exported_target.drafter(settings))
+            plain = generate(exported_target.backend, prompt, DecodeSettings("ar", rules))
+            assert result.token_ids == plain.token_ids
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
 
@@ -160,7 +174,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     opened.update(profile={**opened.manifest["profile"], "bench": {**opened.manifest["profile"]["bench"],
                                                                    "mismatched_inputs": ["test_1"]}})
     argv = ["--task", "dialogsum", "--preset", "smoke", "--base-model", str(tiny_base_dir), "--data-dir", str(data),
-            "--work-dir", str(tmp_path / "work"), *export]
+            "--work-dir", str(tmp_path / "work"), *with_sd]  # the artifact as it is now, chains included
     assert cli.run(build.main, argv, prog="build.py") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err

@@ -153,7 +153,61 @@ def test_each_tree_runs_its_own_graphs_and_an_unknown_tree_is_a_clear_error():
         backend.step([4] * tree.num_nodes, tree, with_streams=True, greedy=True)
         backend.step([4] * tree.num_nodes, tree, with_streams=True)
         assert session.calls[-2:] == [f"greedy_step_{index}", f"step_{index}"]
-    with pytest.raises(ValueError, match="has step graphs for the trees .* not \\[\\[0\\]\\]"):
-        backend.step([4, 5], TreeSpec.chain(1), with_streams=True)
+    with pytest.raises(ValueError, match="has step graphs for the trees .* none holding \\[\\[0\\], \\[0, 0\\], "):
+        backend.step([4] * 5, TreeSpec.chain(4), with_streams=True)
+    backend.step([4, 5], TreeSpec.chain(1), with_streams=True, greedy=True)  # held by chain(3): its padded step
+    assert session.calls[-1] == "step_0"
     with pytest.raises(ValueError, match="repeat a shape"):
         GraphShapes(capacity=64, prefill_chunk=8, trees=(TreeSpec.chain(3), TreeSpec.chain(3)))
+
+
+def spec_for(model, trees, schedules):
+    parts = model.parts
+    return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                     64, 8, trees, schedules)
+
+
+# (the exported trees, a tree they hold but do not have) -> the graph that runs it and each node's graph node
+HELD = [
+    ((TreeSpec.chain(3),), TreeSpec.chain(1), 0, [0, 1]),
+    ((TreeSpec.full(2, 2), TreeSpec.chain(3)), TreeSpec.chain(2), 1, [0, 1, 2]),  # the smaller holder
+    ((TreeSpec.full(2, 2),), TreeSpec(((1,), (1, 0))), 0, [0, 2, 5]),
+    ((TreeSpec.full(2, 2),), TreeSpec(((0,), (1,)), lookup=(1,)), 0, [0, 1, 2]),  # paths alone decide
+]
+
+
+@pytest.mark.parametrize("trees, tree, index, nodes", HELD)
+def test_a_tree_runs_padded_in_the_smallest_graph_holding_it(trees, tree, index, nodes):
+    model = tiny_model()
+    assert spec_for(model, trees, ("deferred",) * len(trees)).graph_for(tree) == (index, nodes)
+
+
+@torch.no_grad()
+def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly():
+    """chain(2) through chain(3)'s graph and through its own: the same logits, streams and cache, step after
+    step; decoding with it equals plain decoding."""
+    from streamfuse.runtime.decode import generate
+    from streamfuse.runtime.emitter import StopRules
+    from streamfuse.runtime.settings import DecodeSettings
+
+    model, tree = tiny_model(), TreeSpec.chain(2)
+    backends = []
+    for trees in ((tree,), (TreeSpec.full(2, 2), TreeSpec.chain(3))):
+        shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=trees)
+        session = EagerSession(graph_modules(model, shapes, None, ["deferred"] * len(trees)))
+        backends.append(StaticGraphBackend(session, spec_for(model, trees, ("deferred",) * len(trees))))
+    own, padded = backends
+    for backend in backends:
+        backend.reset(64)
+        backend.prefill([1, 2, 3], with_streams=False)
+    for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
+        first, second = own.step(tokens, tree, with_streams=True), padded.step(tokens, tree, with_streams=True)
+        torch.testing.assert_close(first.main_logits, second.main_logits, atol=1e-5, rtol=1e-5)
+        own.commit(path)
+        padded.commit(path)
+        torch.testing.assert_close(first.stream_logits(path[-1]), second.stream_logits(path[-1]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(own.keys[:, :, : own.length], padded.keys[:, :, : padded.length])
+    rules = StopRules(max_new_tokens=20)
+    for prompt in ([3, 1, 4], [9, 9, 2, 6]):
+        plain = generate(padded, prompt, DecodeSettings("ar", rules))
+        assert generate(padded, prompt, DecodeSettings("ss", rules, tree=tree)).token_ids == plain.token_ids

@@ -55,9 +55,10 @@ def device_name(device: str = "cpu") -> str:
 
 
 def candidates(loaded: Loaded, acceptance: AcceptanceModel, max_nodes: int) -> list[TreeSpec]:
-    """The trees this backend can run: an artifact's exported graphs, or (torch) the best of each size."""
+    """The trees SS can draft here: an artifact's exported graphs (not the chains deeper than the streams,
+    which the draft-model methods verify), or (torch) the best of each size."""
     if loaded.trees:
-        return list(loaded.trees)
+        return [tree for tree in loaded.trees if tree.depth <= loaded.backend.num_streams]
     return list(acceptance.best_trees(min(max_nodes, loaded.backend.max_positions)).values())
 
 

@@ -114,11 +114,31 @@ class GraphSpec:
         return self.trees[0]
 
     def tree_index(self, tree: TreeSpec) -> int:
+        """The graph exported for exactly `tree`."""
         for index, exported in enumerate(self.trees):
             if exported.hash() == tree.hash():
                 return index
+        raise self._missing(tree)
+
+    def graph_for(self, tree: TreeSpec) -> tuple[int, list[int] | None]:
+        """The graph that runs `tree`: its own (-> index, None), else the smallest whose paths include
+        all of tree's (-> index, the graph node of each tree node). Inside a larger tree every node
+        sees exactly its ancestors, at the same depths, so its outputs are its own graph's; the other
+        nodes ride along, padded, and are never read."""
+        for index, exported in enumerate(self.trees):
+            if exported.hash() == tree.hash():
+                return index, None
+        wanted = set(tree.paths)
+        holders = [(t.num_nodes, i) for i, t in enumerate(self.trees) if wanted <= set(t.paths)]
+        if not holders:
+            raise self._missing(tree)
+        index = min(holders)[1]
+        node = {path: n for n, path in enumerate(self.trees[index].paths, start=1)}
+        return index, [0] + [node[path] for path in tree.paths]
+
+    def _missing(self, tree: TreeSpec) -> ValueError:
         shapes = "; ".join(str(t.to_dict()["paths"]) for t in self.trees)
-        raise ValueError(f"the artifact has step graphs for the trees {shapes}, not {tree.to_dict()['paths']} (hash "
+        return ValueError(f"the artifact has step graphs for the trees {shapes}, none holding {tree.to_dict()['paths']} (hash "
                          f"{tree.hash()}): omit --tree to use the calibrated one, or rebuild the artifact with "
                          f"export/build.py --set export.trees='TREE;...'")
 
@@ -165,23 +185,39 @@ class StaticGraphBackend:
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
         if prune is not None:
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
-        index = self.spec.tree_index(tree) if tree is not None else None
+        index, nodes = self.spec.graph_for(tree) if tree is not None else (None, None)
         method = tree_method("step", index) if tree is not None else "decode"
         if len(tokens) != (tree.num_nodes if tree is not None else 1):
             raise ValueError(f"{method} takes {tree.num_nodes if tree else 1} tokens, got {len(tokens)}")
-        if self.length + len(tokens) > self.spec.capacity:
-            raise CapacityError(f"KV cache full: {self.length} committed + {len(tokens)} new > capacity {self.spec.capacity}")
-        inputs = [torch.tensor([list(tokens)]), self._length(), self.keys, self.values]
-        if greedy and with_streams and tree is not None and self.use_greedy_step:
+        width = len(tokens) if nodes is None else self.spec.trees[index].num_nodes
+        if self.length + width > self.spec.capacity:
+            raise CapacityError(f"KV cache full: {self.length} committed + {width} new > capacity {self.spec.capacity}")
+        inputs = [torch.tensor([self._padded(tokens, nodes, width)]), self._length(), self.keys, self.values]
+        if greedy and with_streams and tree is not None and self.use_greedy_step and nodes is None:
             return self._greedy_step(tree_method("greedy_step", index), inputs)
         logits, anchors, new_keys, new_values = self.session.run(method, inputs)
+        if nodes is not None:  # back to the tree's own nodes, in its order
+            rows = torch.tensor(nodes)
+            logits, anchors = logits.index_select(0, rows), anchors.index_select(0, rows)
+            new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
         self._pending = (new_keys, new_values)
         source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
         return StepOutput(logits.float(), source)
 
+    @staticmethod
+    def _padded(tokens: Sequence[int], nodes: list[int] | None, width: int) -> list[int]:
+        """The graph's input row: the tokens at their graph nodes, 0 at the nodes the tree lacks."""
+        if nodes is None:
+            return list(tokens)
+        row = [0] * width
+        for token, node in zip(tokens, nodes):
+            row[node] = token
+        return row
+
     def stream_schedule(self, tree: TreeSpec) -> str:
         """Where a greedy step of `tree` runs its streams (greedy_step's schedule), else deferred."""
-        return self.spec.greedy_schedules[self.spec.tree_index(tree)] if self.use_greedy_step else "deferred"
+        index, nodes = self.spec.graph_for(tree)
+        return self.spec.greedy_schedules[index] if self.use_greedy_step and nodes is None else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
