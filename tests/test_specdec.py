@@ -84,12 +84,12 @@ def test_greedy_specdec_equals_plain_greedy_with_a_trained_looking_head(threshol
 
 
 def test_specdec_sampling_matches_the_target_distribution():
-    """Chains of varying length still go through speculative sampling: (x1, x2) over 8 tokens,
+    """Chains of varying length still go through speculative sampling: 1500 draws of (x1, x2) over 8 tokens,
     chi-square against the exact target."""
     target, engine = backend_for(5, vocab=8, gamma=2), backend_for(9, vocab=8, gamma=2)
     stop = StopRule(constant_head(0.7), 0.5)  # 2 or 3 drafts
     counts = torch.zeros(8, 8)
-    for seed in range(2000):
+    for seed in range(1500):
         settings = DecodeSettings("specdec++", StopRules(2), tree=TreeSpec.chain(3), sampling=SamplingConfig(1.0),
                                   seed=seed)
         tokens = specdec(target, engine, [1, 2], settings, stop).token_ids
@@ -187,3 +187,29 @@ def test_a_drafter_with_a_stop_rule_drafts_for_specdec_only():
     with pytest.raises(ValueError, match="drafts for method specdec\\+\\+, not 'sd'"):
         ModelDrafter(backend_for(0), DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(3)),
                      StopRule(constant_head(0.5), 0.5))
+
+
+@torch.no_grad()
+def test_draft_model_methods_sample_the_target_through_its_static_graphs():
+    """The target as exported graphs (run by torch eager), chains padded into chain(3)'s graph, the draft
+    model on torch: sd and specdec++ at T = 1 still draw (x1, x2) from the exact target."""
+    from streamfuse.export.graph import GraphShapes, graph_modules
+    from streamfuse.export.verify import EagerSession
+    from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend
+
+    torch_target, engine = backend_for(5, vocab=8, gamma=2), backend_for(9, vocab=8, gamma=2)
+    model, trees = torch_target.model, (TreeSpec.chain(3),)
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=trees)
+    parts = model.parts
+    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                     64, 8, trees, ("deferred",))
+    target = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["deferred"])), spec)
+    exact = exact_joint(torch_target, SamplingConfig(1.0))
+    for method, stop in (("sd", None), ("specdec++", StopRule(constant_head(0.7), 0.5))):
+        counts = torch.zeros(8, 8)
+        for seed in range(1000):
+            settings = DecodeSettings(method, StopRules(2), tree=TreeSpec.chain(3 if stop else 2),
+                                      sampling=SamplingConfig(1.0), seed=seed)
+            tokens = generate(target, [1, 2], settings, drafter=ModelDrafter(engine, settings, stop)).token_ids
+            counts[tokens[0], tokens[1]] += 1
+        assert chi_square_p(counts, exact) > 1e-3, method
