@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head_files import load_head_weights, read_head_manifest, save_head
+from .head_files import load_head_weights, read_head_manifest, residual_blocks, save_head
 
 MANIFEST = "acceptance.json"
 FORMAT_VERSION = 1
@@ -28,10 +28,7 @@ class AcceptanceHead(nn.Module):
         super().__init__()
         if depth < 0:
             raise ValueError(f"an acceptance head needs depth >= 0 (0: linear), got {depth}")
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(depth))
-        for block in self.blocks:
-            nn.init.zeros_(block.weight)
-            nn.init.zeros_(block.bias)
+        self.blocks = residual_blocks(hidden_size, depth)
         self.out = nn.Linear(hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,15 @@ from torch import nn
 WEIGHTS = "heads.safetensors"
 
 
+def residual_blocks(hidden_size: int, count: int) -> nn.ModuleList:
+    """`count` blocks h + SiLU(W h + b) as their Linear layers, W and b zero: each starts as the identity."""
+    blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(count))
+    for block in blocks:
+        nn.init.zeros_(block.weight)
+        nn.init.zeros_(block.bias)
+    return blocks
+
+
 def save_head(module: nn.Module, directory: Path, manifest_name: str, manifest: dict) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head_files import load_head_weights, read_head_manifest, save_head
+from .head_files import load_head_weights, read_head_manifest, residual_blocks, save_head
 
 MANIFEST = "medusa.json"
 FORMAT_VERSION = 1
@@ -28,10 +28,7 @@ class MedusaHeads(nn.Module):
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"Medusa needs >= 1 head, got {num_heads}")
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
-        for block in self.blocks:
-            nn.init.zeros_(block.weight)
-            nn.init.zeros_(block.bias)
+        self.blocks = residual_blocks(hidden_size, num_heads)
 
     @property
     def num_heads(self) -> int:

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.training.data import Encoded
+from streamfuse.export.training.feature_cache import load_features, save_features
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,7 @@ def item_features(model: SpeculativeStreamingLM, item: Encoded) -> tuple[torch.T
 
 def acceptance_features(model: SpeculativeStreamingLM, items: Sequence[Encoded], cache: Path) -> AcceptanceFeatures:
     """Every item's examples (cached in `cache`, a safetensors file, per draft model)."""
-    if cache.is_file():
-        stored = load_file(str(cache))
+    if (stored := load_features(cache)) is not None:
         return AcceptanceFeatures(stored["hidden"], stored["accepted"])
     hidden, accepted = [], []
     for item in tqdm(items, desc="specdec++ features", unit="ex", dynamic_ncols=True):
@@ -87,10 +86,7 @@ def acceptance_features(model: SpeculativeStreamingLM, items: Sequence[Encoded],
         hidden.append(states.to(torch.float16))
         accepted.append(labels)
     features = AcceptanceFeatures(torch.cat(hidden), torch.cat(accepted))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    save_file({"hidden": features.hidden, "accepted": features.accepted}, str(tmp))
-    tmp.replace(cache)
+    save_features(cache, {"hidden": features.hidden, "accepted": features.accepted})
     return features
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.training.data import Encoded
+from streamfuse.export.training.feature_cache import load_features, save_features
 
 IGNORE = -100
 
@@ -38,8 +38,7 @@ class HeadFeatures:
 @torch.inference_mode()
 def head_features(model: SpeculativeStreamingLM, items: Sequence[Encoded], num_heads: int, cache: Path) -> HeadFeatures:
     """The target's states over every item (cached in `cache`, a safetensors file)."""
-    if cache.is_file():
-        stored = load_file(str(cache))
+    if (stored := load_features(cache)) is not None:
         return HeadFeatures(stored["hidden"], stored["targets"])
     hidden, targets = [], []
     for item in tqdm(items, desc="medusa features", unit="ex", dynamic_ncols=True):
@@ -49,10 +48,7 @@ def head_features(model: SpeculativeStreamingLM, items: Sequence[Encoded], num_h
         hidden.append(out.hidden[0, item.prompt_len - 1 : len(item.input_ids) - 1].to(torch.float16))
         targets.append(torch.tensor([[_at(item.input_ids, p + 1 + j) for j in range(1, num_heads + 1)] for p in positions]))
     features = HeadFeatures(torch.cat(hidden), torch.cat(targets))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    save_file({"hidden": features.hidden, "targets": features.targets}, str(tmp))
-    tmp.replace(cache)
+    save_features(cache, {"hidden": features.hidden, "targets": features.targets})
     return features
 
 
