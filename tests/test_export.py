@@ -304,8 +304,9 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
 @needs("onnx", "coreml")
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
+    # A 2-chain runs padded in the 3-chain's graph; a third candidate at depth 1 is in no graph.
     with pytest.raises(ValueError, match="has step graphs for the trees .* omit --tree"):
-        generate(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.chain(2)))
+        generate(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.parse("gamma=2,k=3")))
     with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
         generate(loaded.backend, [5] * 100, DecodeSettings("ss", StopRules(20), tree=loaded.tree))
     with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
@@ -548,7 +549,7 @@ def test_calibrate_bad_input_is_one_line(artifact, argv, status, message, capsys
 
 # The probes on an exported artifact: argv, how to break a copy of it -> exit status, stderr's line
 ARTIFACT_PROBES = [
-    (["--backend", "onnxruntime", "--tree", "gamma=2,k=1"], None, 2, "has step graphs for the trees"),
+    (["--backend", "onnxruntime", "--tree", "gamma=2,k=3"], None, 2, "has step graphs for the trees"),
     (["--backend", "coreml"], None, 1, "macOS only"),
     (["--backend", "onnxruntime"], "manifest", 1, "manifest.json is not valid JSON"),
     (["--backend", "executorch"], "pte", 1, "model.pte has"),
