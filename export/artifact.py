@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weights_digest
+from streamfuse.adapters.medusa import load_heads, read_heads_manifest
 from streamfuse.export import graph
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
@@ -88,12 +89,13 @@ class ExportConfig:
             graph.greedy_schedule(tree, self.greedy_schedule)
         graph.GraphShapes(self.capacity, self.prefill_chunk, trees)
 
-    def key(self, training_key: str, weights: str, draft: DraftVocab | None) -> str:
+    def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None) -> str:
         """What the graphs depend on: the checkpoint's settings and its weights (weights_digest), these
-        settings, the draft vocabulary. The backend list is not part of it: an artifact with the same
-        key lends its finished exports to a build that asks for more backends."""
-        payload = {"schema": SCHEMA, "training": training_key, "weights": weights, "methods": method_names(len(self.trees)),
-                   **asdict(self),
+        settings, the draft vocabulary, the Medusa heads (their training key). The backend list is not
+        part of it: an artifact with the same key lends its finished exports to a build that asks for
+        more backends."""
+        payload = {"schema": SCHEMA, "training": training_key, "weights": weights,
+                   "methods": method_names(len(self.trees), heads_key is not None), "heads": heads_key, **asdict(self),
                    "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
         payload.pop("backends")
         payload.pop("workers")
@@ -111,18 +113,23 @@ def versions() -> dict[str, str]:
 
 
 class ArtifactBuilder:
-    """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens). The manifest's
+    """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens). heads: a Medusa
+    heads folder (adapters/medusa.py), which gives the graphs a heads method. The manifest's
     calibration section starts empty: the build's calibrate stage fills it (export/build.py)."""
 
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
-                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = ()):
+                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = (),
+                 heads: Path | None = None):
         config.validate()
-        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names)  # for workers
+        # for workers
+        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names, heads)
         self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
         self.prompt_names = tuple(prompt_names)[: config.parity_prompts]  # for a parity failure's message
+        self.heads = None if heads is None else Path(heads)
+        self.heads_key = None if heads is None else read_heads_manifest(heads)["info"].get("training_key", "untracked")
         self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"),
-                              weights_digest(checkpoint), draft)
+                              weights_digest(checkpoint), draft, self.heads_key)
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
         self._model = None
         self._expected = None
@@ -333,7 +340,8 @@ class ArtifactBuilder:
         print(f"[verify] {backend} ({fmt}): SS == torch eager fp32 on {result['ss_equals_torch_eager']}/"
               f"{result['prompts']} prompts; SS == own plain on {result['ss_equals_own_plain']}/"
               f"{result['plain_prompts']}; other trees SS == own plain: {sorted(others['ss_equals_own_plain'].values())}"
-              f"/{others['prompts']}; step outputs within tolerance: {result['within_tolerance']}", flush=True)
+              f"/{others['prompts']}{medusa_line(result['medusa'])}; step outputs within tolerance: "
+              f"{result['within_tolerance']}", flush=True)
         return result
 
     # --- shared state -----------------------------------------------------------------------
@@ -352,13 +360,21 @@ class ArtifactBuilder:
 
     def modules(self, model, in_place: bool = False) -> dict:
         return graph.graph_modules(model, self.shapes(in_place), self.draft.ids if self.draft else None,
-                                   self.greedy_schedules())
+                                   self.greedy_schedules(), self.medusa_heads())
+
+    def medusa_heads(self) -> torch.nn.Module | None:
+        """The Medusa heads the graphs rank (fp32 whatever the format: about 1M weights), or None."""
+        return None if self.heads is None else load_heads(self.heads).eval().requires_grad_(False)
 
     def graph_spec(self) -> GraphSpec:
         model, shapes = self.model_and_tokenizer()[0], self.shapes()
         parts = model.parts
         return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                         shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(self.greedy_schedules()))
+                         shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(self.greedy_schedules()),
+                         self.num_heads())
+
+    def num_heads(self) -> int:
+        return 0 if self.heads is None else read_heads_manifest(self.heads)["num_heads"]
 
     def rules(self) -> StopRules:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
@@ -401,6 +417,7 @@ class ArtifactBuilder:
                        "coreml_precision": self.config.coreml_precision,
                        "greedy_step": {"schedules": self.greedy_schedules(),
                                        "draft_vocab": self.draft.to_dict() if self.draft else None},
+                       "heads": {"count": self.num_heads(), "training_key": self.heads_key},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
                           "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],
@@ -416,6 +433,10 @@ class ArtifactBuilder:
             "info": self.info,
             "versions": versions(),
         }
+
+
+def medusa_line(medusa: dict | None) -> str:
+    return "" if medusa is None else f"; Medusa == own plain: {medusa['medusa_equals_own_plain']}/{medusa['prompts']}"
 
 
 def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) -> None:

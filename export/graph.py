@@ -8,6 +8,7 @@ Every method is a pure function of explicit tensors; the host owns the KV cache:
     streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V]
     greedy_step_i(ids [1,T], cache_len [1], keys, values)      -> targets [T], accepted [1], drafts [gamma,K],
                                                                   new_keys, new_values
+    heads  (anchor [1,H], cache_len [1], keys, values)         -> head_logits [heads,V]   (Medusa heads only)
 step_i and greedy_step_i exist for each draft tree i the artifact carries (T: that tree's nodes;
 calibration picks one per device, runtime/calibration.py).
 
@@ -19,6 +20,10 @@ a constant folded into the graph; prefill is a causal chunk of P tokens (a chain
 chain of 1. anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
 outputs equal the fused pass's; on CPUs it is the cheaper one).
+
+heads (an artifact with Medusa heads, method medusa) reruns the top N_s layers for the node committed
+at row cache_len - 1 (its anchor), seeing the rows below it, and ranks its final state through the
+heads and the shared LM head: the step graphs stay as they are, at one extra call like the streams'.
 
 greedy_step is step + streams in one call for greedy decoding: the graph takes each node's
 argmax (targets), finds the accepted node by the greedy rule, and returns the top-K token ids
@@ -146,6 +151,25 @@ class StreamsPass(nn.Module):
         return self.model.logits(streams[0, 0])
 
 
+class HeadsPass(nn.Module):
+    """heads: Medusa's heads at the node committed at row cache_len - 1, whose state at layer N - N_s is
+    `anchor`. Its final state is recomputed, seeing the rows below (its own row comes fresh: the
+    same values the cache holds)."""
+
+    def __init__(self, model: SpeculativeStreamingLM, heads: nn.Module, capacity: int):
+        super().__init__()
+        self.model, self.heads, self.capacity = model, heads, capacity
+
+    def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        row = cache_len - 1
+        mask = torch.cat([cache_mask(row, self.capacity, 1), torch.zeros(1, 1)], dim=1)[None, None]
+        provider = StepKeyValues(len(keys), 1, split_cache(keys, values))
+        hidden, position = anchor[None], row[None]
+        lower = LowerState(hidden, position, mask, self.model.parts.rotary(hidden, position), provider, None)
+        final = self.model.forward_upper(lower).hidden[0, 0]
+        return self.model.logits(self.heads(final))
+
+
 class GreedyStepPass(nn.Module):
     """greedy_step: verify the tree, accept greedily, and draft from the accepted node's streams.
 
@@ -250,9 +274,10 @@ def chain_visibility(count: int) -> torch.Tensor:
 
 
 def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids: Sequence[int] | None = None,
-                  schedules: Sequence[str] | None = None) -> dict[str, nn.Module]:
+                  schedules: Sequence[str] | None = None, heads: nn.Module | None = None) -> dict[str, nn.Module]:
     """method name -> module, in static_graph.method_names order; the same model weights are shared by
-    all of them. draft_ids and schedules (one per tree; default deferred) shape greedy_step only."""
+    all of them. draft_ids and schedules (one per tree; default deferred) shape greedy_step only;
+    heads (Medusa's) add the heads method."""
     chunk, capacity, in_place = shapes.prefill_chunk, shapes.capacity, shapes.in_place
     schedules = schedules or ["deferred"] * len(shapes.trees)
     modules = {
@@ -263,6 +288,8 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     for index, (tree, schedule) in enumerate(zip(shapes.trees, schedules, strict=True)):
         modules[tree_method("step", index)] = MainPass(model, tree.ancestor_mask, tree.depths, False, in_place)
         modules[tree_method("greedy_step", index)] = GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place)
+    if heads is not None:
+        modules["heads"] = HeadsPass(model, heads, capacity)
     return modules
 
 
@@ -281,6 +308,7 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         "prefill": (ids(shapes.prefill_chunk), length, keys, values, torch.tensor([shapes.prefill_chunk - 1])),
         "decode": (ids(1), length, keys, values),
         "streams": (torch.zeros(1, parts.hidden_size), length, keys, values),
+        "heads": (torch.zeros(1, parts.hidden_size), length, keys, values),
     }
     for index, tree in enumerate(shapes.trees):
         for method in ("step", "greedy_step"):

@@ -43,6 +43,7 @@ from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
+from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.calibrate import calibrate_sources
 
@@ -347,12 +348,25 @@ class Build:
                 print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
 
     # --- export, verify, profile ----------------------------------------------------------
-    def export(self, ss_dir: Path, export: ExportConfig, summary: dict) -> Path:
+    def export(self, ss_dir: Path, export: ExportConfig, summary: dict, heads: Path | None = None) -> Path:
+        """The artifact; with Medusa heads (their folder), its graphs get a heads method."""
         out = self.args.out
         prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         info = {"preset": self.config.preset, "eval": summary}
         ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
-                        self.draft_vocab(export.draft_vocab), prompt_names=[ex.id for ex in self.test]).build()
+                        self.draft_vocab(export.draft_vocab), [ex.id for ex in self.test], heads).build()
+        return out
+
+    def export_draft(self, sd_dir: Path, export: ExportConfig, longest: int) -> Path:
+        """sd's draft model exported like the target, to its own small artifact (<run>/sd-export): the same
+        engines, fp32, a cache `longest` drafts past the target's; parity checked like SS's."""
+        out = self.run_dir / "sd-export"
+        config = dataclasses.replace(export, trees=("gamma=1,k=1",), capacity=export.capacity + longest, quantize="none",
+                                     draft_vocab=0, greedy_schedule="auto", parity_prompts=min(export.parity_prompts, 5))
+        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
+        print(f"[sd] exporting the draft model ({', '.join(b for b in config.backends if b != 'torch')})", flush=True)
+        ArtifactBuilder(sd_dir, out, config, prompts, self.config.eval.max_new_tokens, {"drafter": "sd"}, None,
+                        [ex.id for ex in self.test]).build()
         return out
 
     def draft_vocab(self, size: int) -> DraftVocab | None:
@@ -400,11 +414,6 @@ EVAL_FORMAT = "eval/2"
 # Tokens per timed calibration run: enough steps for a median, few enough that 15 candidate trees on 4
 # inputs take a few minutes on 2 cores.
 CALIBRATION_TOKENS = 48
-
-
-def medusa_tree(ss_tree: TreeSpec, heads: int) -> TreeSpec:
-    """Medusa drafts SS's calibrated tree (its graphs exist), cut to the heads' depth."""
-    return TreeSpec(tuple(path for path in ss_tree.paths if len(path) <= heads))
 
 
 def method_chains(config: BuildConfig) -> list[TreeSpec]:
@@ -459,7 +468,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none")
             export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
         export = dataclasses.replace(export, trees=with_method_chains(export.trees, config))
-        artifact = build.export(ss_dir, export, summary)
+        artifact = build.export(ss_dir, export, summary, medusa_dir)
         build.calibrate_artifact(artifact, acceptance, torch_calibration)
         print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)
         print(report.calibration_markdown(Artifact.open(artifact).manifest), flush=True)
@@ -467,12 +476,14 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             build.profile(artifact)
             print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
         if sd_dir is not None:
-            install_drafter(artifact, "sd", sd_dir, {"tree": TreeSpec.chain(config.sd.gamma).to_dict(),
+            longest = max(config.sd.gamma, config.specdec.max_drafts if config.specdec.enabled else 0)
+            draft = build.export_draft(sd_dir, export, longest)
+            install_drafter(artifact, "sd", draft, {"tree": TreeSpec.chain(config.sd.gamma).to_dict(),
                                                      "layers": config.sd.layers,
                                                      "training_key": read_manifest(sd_dir)["info"]["training_key"]})
             print(f"[sd] draft model added to {artifact}/drafters/sd", flush=True)
         if medusa_dir is not None:
-            tree = medusa_tree(Artifact.open(artifact).tree, config.medusa.heads)
+            tree = heads_tree(Artifact.open(artifact).tree, config.medusa.heads)
             install_drafter(artifact, "medusa", medusa_dir, {"tree": tree.to_dict(), "heads": config.medusa.heads,
                                                              "training_key": read_heads_manifest(medusa_dir)["info"]["training_key"]})
             print(f"[medusa] heads added to {artifact}/drafters/medusa (tree of {tree.num_nodes} nodes)", flush=True)

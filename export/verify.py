@@ -11,7 +11,8 @@ greedy_step. The artifact's other draft trees decode the first `plain_prompts` p
 against the backend's own plain decoding (lossless on every tree calibration may pick). A chain
 deeper than the streams (the draft-model methods' verification graphs) is drafted from the known
 answer instead, its last draft spoiled every other step, so its graph both commits whole chains and
-rejects.
+rejects. With Medusa heads in the graphs (a heads method), Medusa decodes the first `plain_prompts`
+prompts too, against the backend's own plain decoding, the first of them through the replay.
 Every differing prompt is recorded with its first differing token; `check_parity` refuses the
 artifact on any (a low-bit format: on any against its own plain decoding; docs/export.md).
 """
@@ -29,6 +30,7 @@ from streamfuse.runtime.decode import generate
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.stream_drafter import HeadDrafter, heads_tree
 from streamfuse.runtime.tree import TreeSpec
 
 # Absolute tolerance per output, relative to the output's largest magnitude (fp32 graphs).
@@ -115,15 +117,29 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
                                        generate(fast, ids, settings, drafter=None if streams else
                                                 KnownAnswerDrafter(tree, want)).token_ids, want)
                                   for index, (ids, want) in enumerate(zip(prompts, plain)))
+    medusa = medusa_parity(checked[1], fast, spec, prompts, plain, rules, same)
     tolerance = {} if relative_tolerance is None else {
         k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}
     return {"prompts": len(prompts), "ss_equals_torch_eager": same_as_eager,
             "plain_prompts": min(plain_prompts, len(prompts)), "ss_equals_own_plain": same_as_plain,
-            "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others},
+            "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others}, "medusa": medusa,
             "numeric_prompts": min(numeric_prompts, len(prompts)), "tolerance": tolerance,
             "max_abs_diff": replay.max_diff, "mismatches": mismatches,
             "within_tolerance": None if relative_tolerance is None else
             all(replay.max_diff[k] <= tolerance[k] for k in tolerance)}
+
+
+def medusa_parity(replayed, fast, spec: GraphSpec, prompts, plain, rules: StopRules, same) -> dict | None:
+    """Medusa on the heads method, SS's tree cut to the heads' depth: equal to own plain decoding on
+    each prompt of `plain` (the first replayed, so the heads' logits join the step outputs checked)."""
+    if not spec.heads:
+        return None
+    tree = heads_tree(spec.tree, spec.heads)
+    equal = sum(same(f"{OWN_PLAIN}, medusa", index, generate(replayed if index == 0 else fast, ids,
+                                                              DecodeSettings("medusa", rules, tree=tree),
+                                                              drafter=HeadDrafter(tree, spec.heads)).token_ids, want)
+                for index, (ids, want) in enumerate(zip(prompts, plain)))
+    return {"tree": tree.to_dict(), "prompts": len(plain), "medusa_equals_own_plain": equal}
 
 
 class KnownAnswerDrafter:

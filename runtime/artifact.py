@@ -6,8 +6,10 @@
     <artifact>/tokenizer/      the tokenizer the model was trained with
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
-    <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint), run on torch
+    <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint, run on torch; medusa:
+                               its heads, also in the graphs' heads method, graphs.heads)
     <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_i/greedy_step_i per tree
+                               (and heads)
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
@@ -26,7 +28,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/7"  # /7: drafters of other methods (sd); checkpoints of format 2
+SCHEMA = "streamfuse.artifact/8"  # /8: graphs.heads (a Medusa heads method); /7: drafters of other methods
 MANIFEST = "manifest.json"
 
 
@@ -143,7 +145,7 @@ class Artifact:
         model, graphs = self.manifest["model"], self.manifest["graphs"]
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
                          self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.trees,
-                         tuple(graphs["greedy_step"]["schedules"]))
+                         tuple(graphs["greedy_step"]["schedules"]), graphs["heads"]["count"])
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""

@@ -132,8 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, default="ss",
                         help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
                              "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
-                             "medusa: its Medusa heads (--set medusa.enabled=true; torch backend); specdec++: the "
-                             "draft model with its acceptance head choosing each chain's length (--set specdec.enabled=true)")
+                             "medusa: its Medusa heads (--set medusa.enabled=true; on torch, or the graphs' heads "
+                             "method); specdec++: the draft model with its acceptance head choosing each chain's "
+                             "length (--set specdec.enabled=true)")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",

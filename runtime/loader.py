@@ -8,7 +8,7 @@ Two kinds of folder load:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from streamfuse.adapters.acceptance import load_acceptance_head
@@ -43,7 +43,9 @@ class Loaded:
     trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
     calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
     artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
-    draft_engine: Backend | None = None  # sd's draft model (specdec++ shares it), loaded on first use
+    engine: str = "torch"  # the backend's name in BACKENDS
+    threads: int | None = None  # the engine's threads, as loaded
+    draft_engines: dict[str, Backend] = field(default_factory=dict)  # sd's draft model per engine, loaded on first use
     stop_rule: StopRule | None = None  # specdec++'s acceptance head and threshold, loaded on first use
 
     @property
@@ -85,43 +87,48 @@ class Loaded:
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
         """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
-        A draft model runs on torch whatever the target's backend; Medusa heads need the torch target.
-        specdec++ drives sd's draft model with its acceptance head."""
+        sd's draft model runs on the target's engine where the build exported it for that engine, else on
+        torch; specdec++ drives it with its acceptance head, which reads its final states: on torch.
+        Medusa heads run on the torch target or in the exported graphs' heads method."""
         if settings.method in ("ar", "ss"):
             return None
         self._check_method(settings.method)
         if settings.method == "medusa":
             return self._head_drafter(settings)
         if settings.method == "sd":
-            return ModelDrafter(self._draft_engine(), settings)
+            return ModelDrafter(self._draft_engine(self.engine), settings)
         if self.stop_rule is None:
             folder = self.artifact.drafter_path("specdec++")
             self.stop_rule = StopRule(load_acceptance_head(folder).to(self.backend.device),
                                       self.artifact.drafters["specdec++"]["threshold"])
         rule = self.stop_rule if settings.threshold is None else replace(self.stop_rule, threshold=settings.threshold)
-        return ModelDrafter(self._draft_engine(), settings, rule)
+        return ModelDrafter(self._draft_engine("torch"), settings, rule)
 
-    def _draft_engine(self) -> Backend:
-        """sd's draft model on torch, loaded on first use (specdec++ shares it)."""
+    def _draft_engine(self, engine: str) -> Backend:
+        """sd's draft model (its own artifact in drafters/sd) on `engine` where it was exported for it and
+        runs here, else on torch; loaded on first use."""
         self._check_method("sd")
-        if self.draft_engine is None:
-            from streamfuse.adapters.checkpoint import load_checkpoint
-            from streamfuse.runtime.backends.pytorch import TorchBackend
-
-            model, _, _ = load_checkpoint(self.artifact.drafter_path("sd"), merge_lora=True)
-            self.draft_engine = TorchBackend(model, self.backend.device)
-        return self.draft_engine
+        folder = self.artifact.drafter_path("sd")
+        engine = engine if engine in runnable_backends(folder) else "torch"
+        if engine not in self.draft_engines:
+            self.draft_engines[engine] = load(folder, engine, self.backend.device, threads=self.threads,
+                                              calibrated=False).backend
+        return self.draft_engines[engine]
 
     def _head_drafter(self, settings: DecodeSettings) -> Drafter:
         from streamfuse.adapters.medusa import load_heads
         from streamfuse.runtime.backends.pytorch import TorchBackend
 
-        if not isinstance(self.backend, TorchBackend):
-            raise ValueError(f"method medusa runs its heads on the torch backend (the exported graphs have no heads "
-                             f"output yet): pass --backend torch, not {self.backend.name}")
-        if self.backend.heads is None:
-            self.backend.attach_heads(load_heads(self.artifact.drafter_path("medusa")))
-        return HeadDrafter(settings.tree, self.backend.heads.num_heads)
+        if isinstance(self.backend, TorchBackend):
+            if self.backend.heads is None:
+                self.backend.attach_heads(load_heads(self.artifact.drafter_path("medusa")))
+            return HeadDrafter(settings.tree, self.backend.heads.num_heads)
+        graphs = self.artifact.manifest["graphs"]["heads"]
+        if graphs["training_key"] != self.artifact.drafters["medusa"]["training_key"]:
+            raise ValueError(f"method medusa: the {self.backend.name} graphs of {self.artifact.path} have no heads "
+                             f"method for its Medusa heads (they were added after the export); rebuild the artifact with "
+                             f"export/build.py --set medusa.enabled=true, or pass --backend torch")
+        return HeadDrafter(settings.tree, graphs["count"])
 
     def _check_method(self, method: str) -> None:
         if method not in self.methods:
@@ -216,4 +223,5 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact)
+                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact,
+                  backend, threads)

@@ -87,6 +87,11 @@ class StreamDrafter:
             self.lookup.extend([draft.tokens[n] for n in path[1:]] + [correction])
 
 
+def heads_tree(ss_tree: TreeSpec, heads: int) -> TreeSpec:
+    """Medusa drafts SS's calibrated tree (its graphs exist), cut to the heads' depth."""
+    return TreeSpec(tuple(path for path in ss_tree.paths if len(path) <= heads))
+
+
 class HeadDrafter(StreamDrafter):
     """Medusa: drafts `tree` from the heads the target's backend ranks at its accepted node (its
     streams never run). The heads run when a draft is proposed, so plain steps (the fallback) skip

@@ -141,15 +141,23 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     out = capsys.readouterr().out
     assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
     assert "[export] reusing" in out
-    # The draft-model methods on the exported target (ONNX Runtime): chains of every length, plain's tokens.
+    # The draft-model methods on the exported target (ONNX Runtime): chains of every length, plain's tokens;
+    # Medusa through the graphs' heads method.
     exported_target = load(tmp_path / "artifact", "onnxruntime")
-    for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0)):
+    assert json.loads((tmp_path / "artifact" / "manifest.json").read_text())["graphs"]["heads"]["count"] == 2
+    for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0), ("medusa", None)):
         settings = DecodeSettings(method, rules, tree=exported_target.method_tree(method), threshold=threshold)
         exported_target.check_method_tree(method, settings.tree)
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
             result = generate(exported_target.backend, prompt, settings, drafter=exported_target.drafter(settings))
             plain = generate(exported_target.backend, prompt, DecodeSettings("ar", rules))
             assert result.token_ids == plain.token_ids
+    # sd's draft model was exported too (its own artifact in drafters/sd, parity checked); specdec++ reads
+    # its final states, so drives it on torch.
+    assert set(exported_target.draft_engines) == {"onnxruntime", "torch"}
+    assert exported_target.draft_engines["onnxruntime"].name.startswith("onnxruntime")
+    draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnx"]
+    assert draft_parity["ss_equals_own_plain"] == draft_parity["plain_prompts"] > 0
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
 

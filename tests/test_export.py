@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import write_checkpoint
 
-from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig
+from streamfuse.adapters.medusa import MedusaHeads, save_heads
+from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
 from streamfuse.runtime.backends.sessions import MissingBackend
@@ -23,6 +24,7 @@ from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -61,8 +63,17 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def artifact(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export") / "artifact"
-    ArtifactBuilder(checkpoint / "ckpt", out, CONFIG, prompts(4), 24, {}, DRAFT).build()
+    """The tiny checkpoint exported with Medusa heads (a heads method in the graphs), installed as its drafter."""
+    root = tmp_path_factory.mktemp("export")
+    heads = MedusaHeads(2, 32)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    save_heads(heads, root / "medusa", {"training_key": "test-heads"})
+    out = root / "artifact"
+    ArtifactBuilder(checkpoint / "ckpt", out, CONFIG, prompts(4), 24, {}, DRAFT, heads=root / "medusa").build()
+    install_drafter(out, "medusa", root / "medusa", {"tree": heads_tree(TREES[0], 2).to_dict(), "heads": 2,
+                                                     "training_key": "test-heads"})
     return out
 
 
@@ -89,6 +100,8 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
                                                "greedy_step_0.drafts", "greedy_step_0.new_keys"}
         assert result["tolerance"]["greedy_step_0.targets"] == 0.0  # token ids must be equal
         assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4}}
+        assert result["medusa"]["medusa_equals_own_plain"] == result["medusa"]["prompts"] == 4
+        assert "heads.head_logits" in result["max_abs_diff"]
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
@@ -106,6 +119,8 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
             settings = DecodeSettings("ss", rules, tree=drafts)
             assert generate(loaded.backend, ids, settings).token_ids == expected
         assert generate(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids == expected
+        medusa = DecodeSettings("medusa", rules, tree=loaded.method_tree("medusa"))  # the graphs' heads method
+        assert generate(loaded.backend, ids, medusa, drafter=loaded.drafter(medusa)).token_ids == expected
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
 
 
@@ -161,7 +176,7 @@ def test_manifest_describes_the_graphs(artifact):
     assert [tree["hash"] for tree in data["trees"]] == [tree.hash() for tree in TREES]
     assert data["calibration"] == {"acceptance": None, "backends": {}}  # the builder was given no acceptance model
     assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
-    assert list(data["graphs"]["methods"]) == method_names(2)
+    assert list(data["graphs"]["methods"]) == method_names(2, heads=True)
     assert data["graphs"]["methods"]["step_1"]["inputs"][0]["shape"] == [1, 4]  # the chain
     step = data["graphs"]["methods"]["step_0"]
     assert step["inputs"][0] == {"name": "ids", "shape": [1, 15], "dtype": "int64"}
@@ -172,6 +187,8 @@ def test_manifest_describes_the_graphs(artifact):
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
     assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"],
                                              "draft_vocab": {"size": 60, "coverage": 0.5}}
+    assert data["graphs"]["heads"] == {"count": 2, "training_key": "test-heads"}
+    assert data["graphs"]["methods"]["heads"]["outputs"][0]["shape"] == [2, data["model"]["vocab_size"]]
     assert {"torch", "executorch", "onnx"} <= set(data["versions"])
 
 
@@ -222,7 +239,7 @@ def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
-    assert set(spec) == set(method_names(2))
+    assert set(spec) == set(method_names(2, heads=True))
     for method, signature in data["graphs"]["methods"].items():
         want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
         assert spec[method]["inputs"] == want
@@ -241,7 +258,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    methods = method_names(2)
+    methods = method_names(2, heads=True)
     assert [n.name for n in model.graph.node if n.op_type == "If"] == methods
     assert METHOD_INPUT in [i.name for i in model.graph.input]
     assert [o.name for o in model.graph.output] == [method_output(m, n) for m in methods
@@ -280,6 +297,17 @@ def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="weights.bin does not match its sha256"):
         load(broken, "onnxruntime")
+
+
+@needs("onnx")
+def test_medusa_heads_added_after_the_export_are_refused_on_its_graphs(artifact, tmp_path):
+    broken = copy_of(artifact, tmp_path)
+    data = manifest(broken)
+    data["drafters"]["medusa"]["training_key"] = "retrained-heads"  # heads newer than the graphs' heads method
+    (broken / "manifest.json").write_text(json.dumps(data))
+    loaded = load(broken, "onnxruntime")
+    with pytest.raises(ValueError, match="have no heads method for its Medusa heads .* --set medusa.enabled=true"):
+        loaded.drafter(DecodeSettings("medusa", StopRules(8), tree=loaded.method_tree("medusa")))
 
 
 @needs("onnx")
@@ -453,7 +481,7 @@ def test_coreml_delegate_pte_lowers_to_a_program_with_every_method(artifact):
     pte = artifact / data["files"][variant]["program"]["path"]
     program = _deserialize_pte_binary(pte.read_bytes()).program
     plans = {plan.name: plan for plan in program.execution_plan}
-    assert set(plans) == set(method_names(2))
+    assert set(plans) == set(method_names(2, heads=True))
     delegate_ids = {d.id for plan in plans.values() for d in plan.delegates}
     assert delegate_ids == {"CoreMLBackend"}
 

@@ -65,6 +65,54 @@ def test_seeded_medusa_sampling_matches_plain_sampling_token_for_token():
         assert fast.token_ids == plain.token_ids
 
 
+def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
+    """The torch backend's model and heads as static graphs with a heads method, run by torch eager."""
+    from streamfuse.export.graph import GraphShapes, graph_modules
+    from streamfuse.export.verify import EagerSession
+    from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend, method_names
+
+    model, shapes = backend.model, GraphShapes(capacity=96, prefill_chunk=8, trees=trees)
+    modules = graph_modules(model, shapes, None, ["deferred"] * len(trees), backend.heads)
+    assert list(modules) == method_names(len(trees), heads=True)
+    parts = model.parts
+    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                     shapes.capacity, shapes.prefill_chunk, trees, ("deferred",) * len(trees), backend.heads.num_heads)
+    return StaticGraphBackend(EagerSession(modules), spec)
+
+
+@torch.no_grad()
+def test_the_graphs_heads_method_ranks_as_the_torch_heads_at_each_committed_node():
+    torch_backend = with_heads(4, 0.5)
+    graphs = on_graphs(torch_backend, (TreeSpec.full(2, 2),))
+    outputs = [backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
+               for backend in (torch_backend.reset(96) or torch_backend, graphs.reset(96) or graphs)]
+    torch.testing.assert_close(outputs[0].head_logits(0), outputs[1].head_logits(0), atol=1e-4, rtol=1e-4)
+    tree = TreeSpec.chain(2)  # runs padded in full(2, 2)'s graph
+    for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
+        outputs = [backend.step(tokens, tree, with_streams=False) for backend in (torch_backend, graphs)]
+        with pytest.raises(RuntimeError, match="before its commit"):
+            outputs[1].head_logits(path[-1])
+        torch_backend.commit(path)
+        graphs.commit(path)
+        torch.testing.assert_close(outputs[0].head_logits(path[-1]), outputs[1].head_logits(path[-1]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [TreeSpec.full(2, 2), TreeSpec.chain(2)])
+def test_medusa_on_static_graphs_equals_plain_decoding_greedy_and_seeded(tree):
+    graphs = on_graphs(with_heads(5, 0.5), (TreeSpec.full(2, 2),))
+    rules = StopRules(max_new_tokens=30, stop_token_ids=(5,))
+    for prompt in ([4, 8, 15, 16], [23, 42]):
+        plain = generate(graphs, prompt, DecodeSettings("ar", rules))
+        fast = medusa(graphs, prompt, DecodeSettings("medusa", rules, tree=tree), 3)
+        assert (fast.token_ids, fast.run.method) == (plain.token_ids, "medusa")
+    sampling = SamplingConfig(temperature=0.9, top_k=20)
+    for seed in range(2):
+        plain = generate(graphs, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
+        fast = medusa(graphs, [4, 5, 6], DecodeSettings("medusa", rules, tree=tree, sampling=sampling, seed=seed), 3)
+        assert fast.token_ids == plain.token_ids
+
+
 def test_trained_heads_draft_the_targets_answer(tmp_path):
     """Heads trained on the target's own answer (its features cached on disk) get most drafts accepted;
     saved and loaded, they draft the same."""

@@ -20,8 +20,9 @@ from streamfuse.runtime.tree import TreeSpec
 
 
 # The exported methods and their tensors (export/graph.py builds graphs to this). An artifact holds
-# several draft trees: each has its own step and greedy_step, named tree_method(method, index).
-METHODS = ("prefill", "decode", "step", "streams", "greedy_step")
+# several draft trees: each has its own step and greedy_step, named tree_method(method, index); one
+# with Medusa heads (method medusa) also has "heads".
+METHODS = ("prefill", "decode", "step", "streams", "greedy_step", "heads")
 TREE_METHODS = ("step", "greedy_step")
 INPUT_NAMES = {
     "prefill": ["ids", "cache_len", "keys", "values", "last"],
@@ -29,6 +30,7 @@ INPUT_NAMES = {
     "step": ["ids", "cache_len", "keys", "values"],
     "streams": ["anchor", "cache_len", "keys", "values"],
     "greedy_step": ["ids", "cache_len", "keys", "values"],
+    "heads": ["anchor", "cache_len", "keys", "values"],
 }
 OUTPUT_NAMES = {
     "prefill": ["logits", "anchor", "new_keys", "new_values"],
@@ -36,6 +38,7 @@ OUTPUT_NAMES = {
     "step": ["logits", "anchor", "new_keys", "new_values"],
     "streams": ["stream_logits"],
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values"],
+    "heads": ["head_logits"],
 }
 
 
@@ -53,9 +56,10 @@ def base_method(name: str) -> str:
     return head if index.isdigit() and head in TREE_METHODS else name
 
 
-def method_names(trees: int) -> list[str]:
-    """Every method of an artifact with `trees` draft trees, in the order exporters list them."""
-    return ["prefill", "decode", "streams"] + [tree_method(m, i) for i in range(trees) for m in TREE_METHODS]
+def method_names(trees: int, heads: bool = False) -> list[str]:
+    """Every method of an artifact with `trees` draft trees (and Medusa heads), in the order exporters list them."""
+    tree_methods = [tree_method(m, i) for i in range(trees) for m in TREE_METHODS]
+    return ["prefill", "decode", "streams", *tree_methods, *(["heads"] if heads else [])]
 
 
 # The host's cache tensors [L, kv_heads, C, d]. ONNX graphs take them as L inputs each, <name>_<layer>
@@ -107,6 +111,7 @@ class GraphSpec:
     prefill_chunk: int
     trees: tuple[TreeSpec, ...]  # the trees with step graphs, tree i's methods are step_i and greedy_step_i
     greedy_schedules: tuple[str, ...]  # each tree's greedy_step streams schedule
+    heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
 
     @property
     def tree(self) -> TreeSpec:
@@ -179,7 +184,8 @@ class StaticGraphBackend:
             logits, anchor, new_keys, new_values = self.session.run(
                 "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
-        return StepOutput(logits.float(), self._stream_source(anchor) if with_streams else None)
+        return StepOutput(logits.float(), self._stream_source(anchor) if with_streams else None,
+                          head_logits=self._head_source(anchor, self.length - 1, [0]))
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
@@ -202,7 +208,8 @@ class StaticGraphBackend:
             new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
         self._pending = (new_keys, new_values)
         source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
-        return StepOutput(logits.float(), source)
+        depths = tree.depths if tree is not None else [0]
+        return StepOutput(logits.float(), source, head_logits=self._head_source(anchors, self.length, depths))
 
     @staticmethod
     def _padded(tokens: Sequence[int], nodes: list[int] | None, width: int) -> list[int]:
@@ -258,6 +265,23 @@ class StaticGraphBackend:
             return drafts
 
         return StepOutput(None, None, greedy_tokens=targets.tolist(), ranked_drafts=ranked)
+
+    def _head_source(self, anchors: torch.Tensor, start: int, depths: Sequence[int]):
+        """node -> [heads, V] Medusa heads' logits there (None: the graphs have no heads). Once a node is
+        committed, its row is start + its depth (a path commits one node per depth), and the heads
+        method reruns the top layers there: it sees the rows below, which never change afterwards."""
+        if not self.spec.heads:
+            return None
+
+        def logits(node: int) -> torch.Tensor:
+            row = start + depths[node]
+            if row >= self.length:
+                raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) before its commit")
+            (out,) = self.session.run("heads", [anchors[node : node + 1], torch.tensor([row + 1]), self.keys,
+                                                self.values])
+            return out.float()
+
+        return logits
 
     def _stream_source(self, anchor: torch.Tensor):
         return lambda node: self._streams(anchor)
