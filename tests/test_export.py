@@ -84,6 +84,8 @@ def manifest(path) -> dict:
 def test_export_workers_do_not_change_the_artifact_key():
     assert CONFIG.key("t", "w", DRAFT) == ExportConfig(**{**CONFIG.__dict__, "workers": 1}).key("t", "w", DRAFT)
     assert CONFIG.key("t", "w", DRAFT) != CONFIG.key("t", "other weights", DRAFT)
+    with_heads = CONFIG.key("t", "w", DRAFT, "heads-1")  # Medusa heads (their training key) are in the graphs
+    assert with_heads not in (CONFIG.key("t", "w", DRAFT), CONFIG.key("t", "w", DRAFT, "heads-2"))
     with pytest.raises(ValueError, match="export.workers must be >= 1"):
         ExportConfig(workers=0).validate()
 
