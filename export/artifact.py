@@ -127,7 +127,9 @@ class ArtifactBuilder:
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
         self.prompt_names = tuple(prompt_names)[: config.parity_prompts]  # for a parity failure's message
         self.heads = None if heads is None else Path(heads)
-        self.heads_key = None if heads is None else read_heads_manifest(heads)["info"].get("training_key", "untracked")
+        heads_manifest = None if heads is None else read_heads_manifest(self.heads)
+        self.num_heads = 0 if heads_manifest is None else heads_manifest["num_heads"]
+        self.heads_key = None if heads_manifest is None else heads_manifest["info"].get("training_key", "untracked")
         self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"),
                               weights_digest(checkpoint), draft, self.heads_key)
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
@@ -367,14 +369,7 @@ class ArtifactBuilder:
         return None if self.heads is None else load_heads(self.heads).eval().requires_grad_(False)
 
     def graph_spec(self) -> GraphSpec:
-        model, shapes = self.model_and_tokenizer()[0], self.shapes()
-        parts = model.parts
-        return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                         shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(self.greedy_schedules()),
-                         self.num_heads())
-
-    def num_heads(self) -> int:
-        return 0 if self.heads is None else read_heads_manifest(self.heads)["num_heads"]
+        return graph.graph_spec(self.model_and_tokenizer()[0], self.shapes(), self.greedy_schedules(), self.num_heads)
 
     def rules(self) -> StopRules:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
@@ -417,7 +412,7 @@ class ArtifactBuilder:
                        "coreml_precision": self.config.coreml_precision,
                        "greedy_step": {"schedules": self.greedy_schedules(),
                                        "draft_vocab": self.draft.to_dict() if self.draft else None},
-                       "heads": {"count": self.num_heads(), "training_key": self.heads_key},
+                       "heads": {"count": self.num_heads, "training_key": self.heads_key},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
                           "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],

@@ -45,7 +45,7 @@ from streamfuse.adapters.masks import GRAPH_MASKED, additive
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, base_method, tree_method
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, GraphSpec, base_method, tree_method
 from streamfuse.runtime.tree import TreeSpec
 
 # The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
@@ -291,6 +291,13 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     if heads is not None:
         modules["heads"] = HeadsPass(model, heads, capacity)
     return modules
+
+
+def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Sequence[str], heads: int = 0) -> GraphSpec:
+    """What the host must know to run graph_modules(model, shapes, ..., schedules) (and `heads` Medusa heads)."""
+    parts = model.parts
+    return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
+                     shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(schedules), heads)
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -351,9 +351,8 @@ class Build:
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict, heads: Path | None = None) -> Path:
         """The artifact; with Medusa heads (their folder), its graphs get a heads method."""
         out = self.args.out
-        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         info = {"preset": self.config.preset, "eval": summary}
-        ArtifactBuilder(ss_dir, out, export, prompts, self.config.eval.max_new_tokens, info,
+        ArtifactBuilder(ss_dir, out, export, self.parity_prompts(), self.config.eval.max_new_tokens, info,
                         self.draft_vocab(export.draft_vocab), [ex.id for ex in self.test], heads).build()
         return out
 
@@ -363,11 +362,14 @@ class Build:
         out = self.run_dir / "sd-export"
         config = dataclasses.replace(export, trees=("gamma=1,k=1",), capacity=export.capacity + longest, quantize="none",
                                      draft_vocab=0, greedy_schedule="auto", parity_prompts=min(export.parity_prompts, 5))
-        prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
         print(f"[sd] exporting the draft model ({', '.join(b for b in config.backends if b != 'torch')})", flush=True)
-        ArtifactBuilder(sd_dir, out, config, prompts, self.config.eval.max_new_tokens, {"drafter": "sd"}, None,
-                        [ex.id for ex in self.test]).build()
+        ArtifactBuilder(sd_dir, out, config, self.parity_prompts(), self.config.eval.max_new_tokens, {"drafter": "sd"},
+                        None, [ex.id for ex in self.test]).build()
         return out
+
+    def parity_prompts(self) -> list[list[int]]:
+        """The test prompts' token ids: what an export's parity check decodes (its first export.parity_prompts)."""
+        return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
 
     def draft_vocab(self, size: int) -> DraftVocab | None:
         """From the training prompts and answers; coverage measured on the validation answers."""

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.graph import GraphShapes, GreedyStepPass, graph_modules, greedy_schedule
+from streamfuse.export.graph import GraphShapes, GreedyStepPass, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
-from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend, base_method, method_names
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend, base_method, method_names
 from streamfuse.runtime.tree import TreeSpec
 
 TREES = [TreeSpec.full(3, 2), TreeSpec.chain(3), TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 0, 0), (1, 0, 1)))]
@@ -27,10 +27,7 @@ def tiny_model() -> SpeculativeStreamingLM:
 def backend_for(model, tree: TreeSpec, draft_ids=None, schedule="deferred") -> tuple[StaticGraphBackend, EagerSession]:
     shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=(tree,))
     session = EagerSession(graph_modules(model, shapes, draft_ids, [schedule]))
-    parts = model.parts
-    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, (tree,), (schedule,))
-    return StaticGraphBackend(session, spec, use_greedy_step=False), session
+    return StaticGraphBackend(session, graph_spec(model, shapes, [schedule]), use_greedy_step=False), session
 
 
 def draft_the_targets(session, backend, tree: TreeSpec, root: int, rng: random.Random) -> list[int]:
@@ -143,10 +140,7 @@ def test_each_tree_runs_its_own_graphs_and_an_unknown_tree_is_a_clear_error():
     modules = graph_modules(model, shapes, None, ["fused", "deferred"])
     assert list(modules) == method_names(2)
     session = CountingSession(modules)
-    parts = model.parts
-    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, trees, ("fused", "deferred"))
-    backend = StaticGraphBackend(session, spec)
+    backend = StaticGraphBackend(session, graph_spec(model, shapes, ["fused", "deferred"]))
     backend.reset(64)
     backend.prefill([1, 2, 3], with_streams=False)
     for index, tree in enumerate(trees):
@@ -162,9 +156,7 @@ def test_each_tree_runs_its_own_graphs_and_an_unknown_tree_is_a_clear_error():
 
 
 def spec_for(model, trees, schedules):
-    parts = model.parts
-    return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     64, 8, trees, schedules)
+    return graph_spec(model, GraphShapes(capacity=64, prefill_chunk=8, trees=trees), schedules)
 
 
 # (the exported trees, a tree they hold but do not have) -> the graph that runs it and each node's graph node

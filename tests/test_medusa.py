@@ -67,17 +67,15 @@ def test_seeded_medusa_sampling_matches_plain_sampling_token_for_token():
 
 def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     """The torch backend's model and heads as static graphs with a heads method, run by torch eager."""
-    from streamfuse.export.graph import GraphShapes, graph_modules
+    from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
     from streamfuse.export.verify import EagerSession
-    from streamfuse.runtime.backends.static_graph import GraphSpec, StaticGraphBackend, method_names
+    from streamfuse.runtime.backends.static_graph import StaticGraphBackend, method_names
 
-    model, shapes = backend.model, GraphShapes(capacity=96, prefill_chunk=8, trees=trees)
-    modules = graph_modules(model, shapes, None, ["deferred"] * len(trees), backend.heads)
+    model, schedules = backend.model, ["deferred"] * len(trees)
+    shapes = GraphShapes(capacity=96, prefill_chunk=8, trees=trees)
+    modules = graph_modules(model, shapes, None, schedules, backend.heads)
     assert list(modules) == method_names(len(trees), heads=True)
-    parts = model.parts
-    spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, trees, ("deferred",) * len(trees), backend.heads.num_heads)
-    return StaticGraphBackend(EagerSession(modules), spec)
+    return StaticGraphBackend(EagerSession(modules), graph_spec(model, shapes, schedules, backend.heads.num_heads))
 
 
 @torch.no_grad()
