@@ -293,7 +293,8 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     return modules
 
 
-def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Sequence[str], heads: int = 0) -> GraphSpec:
+def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Sequence[str],
+               heads: int = 0) -> GraphSpec:
     """What the host must know to run graph_modules(model, shapes, ..., schedules) (and `heads` Medusa heads)."""
     parts = model.parts
     return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
