@@ -1,4 +1,5 @@
-"""SpecDec++'s acceptance-prediction head (Huang et al. 2024): on the draft model's last hidden state.
+"""SpecDec++'s acceptance-prediction head (Huang et al. 2024): on the draft model's last hidden state
+(method specdec++), or on the SS model's stream states (method ss-adaptive, runtime/tree_choice.py).
 
 Read at a draft token's own position (its state has seen the token), the head predicts the
 probability that the target accepts that token, given that every draft before it was accepted.
@@ -43,10 +44,11 @@ def save_acceptance_head(head: AcceptanceHead, directory: Path, info: dict) -> N
                                           "hidden_size": head.out.in_features, "info": info})
 
 
-def read_acceptance_manifest(directory: Path) -> dict:
-    return read_head_manifest(directory, MANIFEST, FORMAT_VERSION, "acceptance head", "specdec")
+def read_acceptance_manifest(directory: Path, option: str = "specdec") -> dict:
+    """option: the build's config section that makes the head (specdec, adaptive), for the error's fix."""
+    return read_head_manifest(directory, MANIFEST, FORMAT_VERSION, "acceptance head", option)
 
 
-def load_acceptance_head(directory: Path) -> AcceptanceHead:
-    manifest = read_acceptance_manifest(directory)
+def load_acceptance_head(directory: Path, option: str = "specdec") -> AcceptanceHead:
+    manifest = read_acceptance_manifest(directory, option)
     return load_head_weights(AcceptanceHead(manifest["hidden_size"], manifest["depth"]), directory)

@@ -70,18 +70,21 @@ def lookup_matches(ids: Sequence[int], prompt_len: int, depth: int) -> list[int]
     return matches
 
 
-def trees_to_export(acceptance: AcceptanceModel, calibration: BackendCalibration, quantized: bool) -> list[TreeSpec]:
+def trees_to_export(acceptance: AcceptanceModel, calibration: BackendCalibration, quantized: bool,
+                    adaptive: bool = False) -> list[TreeSpec]:
     """The graphs' trees, the default first: the tree that pays most on this machine; the best tree of
     up to MEMORY_BOUND_NODES nodes (where a step costs about a plain one: NPUs, mobile and Jetson GPUs);
     for a quantized export also the 2-node tree (one draft, the cheapest step: a low-bit plain step is
-    cheap, so a tree step costs more of them; the 4-node tree where the default has 2 nodes). Each tree
-    adds two methods to lower (ExecuTorch: ~2 min each on 2 cores, fp32)."""
+    cheap, so a tree step costs more of them; the 4-node tree where the default has 2 nodes); for
+    method ss-adaptive the best 2- and 4-node trees too, the cheap steps it may choose where the
+    streams are unsure. Each tree adds two methods to lower (ExecuTorch: ~2 min each on 2 cores, fp32)."""
     best = acceptance.best_trees(MAX_TREE_NODES)
     default = calibration.tree
     wide = max((tree for nodes, tree in best.items() if nodes <= MEMORY_BOUND_NODES), key=acceptance.expected_tokens)
     small = [best[2] if default.num_nodes > 2 else best.get(4, default)] if quantized else []
+    cheap = [best[n] for n in (2, 4) if n in best] if adaptive else []
     trees: list[TreeSpec] = []
-    for tree in (default, wide, *small):
+    for tree in (default, wide, *small, *cheap):
         if all(tree.hash() != kept.hash() for kept in trees):
             trees.append(tree)
     return trees

@@ -177,6 +177,27 @@ class SpecDecConfig:
 
 
 @dataclass(frozen=True)
+class AdaptiveConfig:
+    """Method ss-adaptive (runtime/tree_choice.py): SpecDec++'s acceptance head on the SS model's stream
+    states picks each step's tree among the calibrated ones. Trained on the frozen SS model's own
+    answers (export/training/stream_acceptance.py); an existing artifact gets it added."""
+
+    enabled: bool = False
+    depth: int = 3  # residual blocks before the logit (0: linear)
+    reject_weight: float = 1.0  # 1: a calibrated probability, which the expected-tokens choice needs
+    epochs: float = 3.0
+    learning_rate: float = 1e-3
+    batch: int = 512
+    unlabelled: bool = False  # the task's unlabelled inputs' own answers too
+
+    def validate(self) -> None:
+        if self.depth < 0 or self.batch < 1 or self.epochs <= 0 or self.reject_weight <= 0:
+            raise ValueError(f"adaptive.depth must be >= 0, adaptive.batch >= 1 and adaptive.epochs, "
+                             f"adaptive.reject_weight > 0, got {self.depth}, {self.batch}, {self.epochs} and "
+                             f"{self.reject_weight}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     max_new_tokens: int = 96
     batch_size: int = 8
@@ -218,13 +239,15 @@ class BuildConfig:
     sd: DraftModelConfig = field(default_factory=DraftModelConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = BUILD_EXPORT
     stages: StagesConfig = field(default_factory=StagesConfig)
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections; bad settings fail before any work."""
-        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.specdec, self.stages):
+        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.specdec, self.adaptive,
+                        self.stages):
             section.validate()
         if self.specdec.enabled and not self.sd.enabled:
             raise ValueError("specdec.enabled needs sd.enabled=true: its acceptance head reads sd's draft model")
@@ -279,6 +302,13 @@ class BuildConfig:
         recipe = {k: v for k, v in asdict(self.specdec).items() if k not in ("enabled", "threshold", "max_drafts")}
         payload = {"draft": draft_key, "specdec": recipe, "seed": self.train.seed}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-specdec"
+
+    def adaptive_key(self, target_key: str) -> str:
+        """The head depends on the SS model whose streams it reads, its answers' length and its recipe."""
+        recipe = {k: v for k, v in asdict(self.adaptive).items() if k != "enabled"}
+        payload = {"target": target_key, "adaptive": recipe, "seed": self.train.seed,
+                   "answer_tokens": self.data.max_target_tokens}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-adaptive"
 
     def as_dict(self) -> dict:
         return asdict(self)

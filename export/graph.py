@@ -30,7 +30,8 @@ argmax (targets), finds the accepted node by the greedy rule, and returns the to
 (K: the tree's widest level) of that node's streams, run beside every node (fused) or for that
 node alone after verifying (deferred); see GreedyStepPass. One call per step, and no [T, V]
 logits leave the graph. The host still decides acceptance from `targets`; `accepted` only says
-whose streams the drafts are.
+whose streams the drafts are. streams and greedy_step also return the streams' final-normed states
+[gamma, H] (stream_states): method ss-adaptive's acceptance head reads them on the host.
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ class StreamsPass(nn.Module):
         position = (cache_len - 1)[None]
         past_mask = cache_mask(cache_len, self.capacity, 1)[None, None]
         provider = StepKeyValues(len(keys), 0, split_cache(keys, values))
-        streams = self.model.forward_streams(anchor[None], position, past_mask, provider)
-        return self.model.logits(streams[0, 0])
+        streams = self.model.forward_streams(anchor[None], position, past_mask, provider)[0, 0]
+        return self.model.logits(streams), streams
 
 
 class HeadsPass(nn.Module):
@@ -207,7 +208,7 @@ class GreedyStepPass(nn.Module):
         else:
             anchor = lower.hidden[0].index_select(0, accepted)
             streams = self._deferred_streams(anchor, accepted, cache_len, keys, values, new_keys, new_values)
-        return targets, accepted, self.ranked_drafts(streams), new_keys, new_values
+        return targets, accepted, self.ranked_drafts(streams), new_keys, new_values, streams
 
     def accepted_node(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[1]: the deepest node whose every ancestor's target is its child's token (runtime/accept.py's

@@ -37,6 +37,7 @@ from streamfuse.export.training.evaluation import (answer_quality, greedy_answer
                                                    stream_accuracy, task_quality)
 from streamfuse.export.training.frozen_states import FrozenStates
 from streamfuse.export.training.medusa import HeadTraining, head_features, train_heads
+from streamfuse.export.training.stream_acceptance import stream_acceptance_features
 from streamfuse.export.training.train import train
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime import cli
@@ -239,13 +240,33 @@ class Build:
         draft, _, _ = load_checkpoint(sd_dir, self.args.base_model, merge_lora=True)
         cache = self.run_dir / "distill" / f"{draft_key}-acceptance.safetensors"
         features = acceptance_features(draft.eval(), items, cache)
+        return self._acceptance_head("specdec++", features, config, directory,
+                                     {"training_key": key, "draft": draft_key, "answers": len(items)}, answers)
+
+    def ensure_adaptive(self, ss_dir: Path) -> Path:
+        """Method ss-adaptive: an acceptance head on the frozen SS model's stream states, over its own answers."""
+        directory, config = self.run_dir / "ss-adaptive", self.config.adaptive
+        target_key = model_key(ss_dir)
+        key = self.config.adaptive_key(target_key)
+        if (directory / ACCEPTANCE_MANIFEST).is_file() and read_acceptance_manifest(directory)["info"].get("training_key") == key:
+            print(f"[ss-adaptive] reusing {directory} (same settings)", flush=True)
+            return directory
+        target = self.inference_model(ss_dir)
+        items, answers = self.target_answers(target, target_key, config.unlabelled)
+        cache = self.run_dir / "distill" / f"{target_key}-stream-acceptance{'-unlabelled' if config.unlabelled else ''}.safetensors"
+        features = stream_acceptance_features(target, items, self.pad_id, cache)
+        return self._acceptance_head("ss-adaptive", features, config, directory,
+                                     {"training_key": key, "target": target_key, "answers": len(items)}, answers)
+
+    def _acceptance_head(self, method: str, features, config, directory: Path, info: dict, answers: int) -> Path:
+        """Train and save an acceptance head (specdec++'s or ss-adaptive's) on its features."""
         torch.manual_seed(self.config.train.seed)
         head = AcceptanceHead(features.hidden.shape[1], config.depth)
         training = AcceptanceTraining(config.epochs, config.learning_rate, config.batch, config.reject_weight,
                                       self.config.train.seed)
-        result = train_acceptance(head, features, training)
-        save_acceptance_head(head, directory, {"training_key": key, "draft": draft_key, "answers": len(items), **result})
-        print(f"[specdec++] {result['seconds'] / 60:.1f} min on {result['examples']} drafts of {len(items)} of "
+        result = train_acceptance(head, features, training, desc=f"train {method}")
+        save_acceptance_head(head, directory, {**info, **result})
+        print(f"[{method}] {result['seconds'] / 60:.1f} min on {result['examples']} drafts of {info['answers']} of "
               f"{answers} own answers (accepted {result['acceptance_rate']:.0%}; mean prediction "
               f"{result['predicted_if_accepted']} where accepted, {result['predicted_if_rejected']} where not) "
               f"-> {directory}", flush=True)
@@ -457,6 +478,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
     sd_dir = build.ensure_draft_model(ss_dir) if config.sd.enabled else None
     medusa_dir = build.ensure_medusa(ss_dir) if config.medusa.enabled else None
     specdec_dir = build.ensure_specdec(ss_dir, sd_dir) if config.specdec.enabled else None
+    adaptive_dir = build.ensure_adaptive(ss_dir) if config.adaptive.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     report.write_json(ss_dir / "eval.json", summary)
     report.write_json(build.run_dir / "eval.json", summary)
@@ -467,7 +489,8 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         acceptance = build.acceptance(ss_dir)
         torch_calibration = build.calibrate_torch(ss_dir, acceptance)
         if not export.trees:  # the graphs get the trees calibration picks
-            chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none")
+            chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none",
+                                     adaptive=config.adaptive.enabled)
             export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
         export = dataclasses.replace(export, trees=with_method_chains(export.trees, config))
         artifact = build.export(ss_dir, export, summary, medusa_dir)
@@ -494,5 +517,9 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
                                                                  "draft": "sd", "threshold": config.specdec.threshold,
                                                                  "training_key": read_acceptance_manifest(specdec_dir)["info"]["training_key"]})
             print(f"[specdec++] acceptance head added to {artifact}/drafters/specdec++", flush=True)
+        if adaptive_dir is not None:
+            install_drafter(artifact, "ss-adaptive", adaptive_dir, {
+                "training_key": read_acceptance_manifest(adaptive_dir)["info"]["training_key"]})
+            print(f"[ss-adaptive] acceptance head added to {artifact}/drafters/ss-adaptive", flush=True)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

@@ -21,7 +21,7 @@ from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import METHODS, DecodeSettings
+from streamfuse.runtime.settings import METHODS, STREAM_METHODS, DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -134,7 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
                              "medusa: its Medusa heads (--set medusa.enabled=true; on torch, or the graphs' heads "
                              "method); specdec++: the draft model with its acceptance head choosing each chain's "
-                             "length (--set specdec.enabled=true)")
+                             "length (--set specdec.enabled=true); ss-adaptive: SS with an acceptance head on the "
+                             "streams choosing each step's tree among the calibrated ones (--set adaptive.enabled=true)")
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -180,7 +181,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpec:
     """--tree, else the method's own (ss: the backend's calibrated tree or the artifact's default, else
-    DEFAULT_TREE; sd: its draft model's chain; specdec++: its longest chain)."""
+    DEFAULT_TREE; sd: its draft model's chain; specdec++: its longest chain; ss-adaptive: the largest
+    calibrated tree, the bound of its choice)."""
     if text is not None:
         return TreeSpec.parse(text)
     tree = loaded.method_tree(method) if method != "ar" else None
@@ -193,7 +195,7 @@ def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     if args.method != "ar":
         cli.usage(lambda: loaded.check_method_tree(args.method, tree))
     # The calibrated step costs are SS's trees': a draft model's steps cost its calls besides.
-    fallback = loaded.fallback(tree) if args.fallback == "auto" and args.method == "ss" else None
+    fallback = loaded.fallback(tree) if args.fallback == "auto" and args.method in STREAM_METHODS else None
     return cli.usage(lambda: DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
                                             prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback,
                                             args.threshold))

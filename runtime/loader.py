@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from streamfuse.adapters.acceptance import load_acceptance_head
+from streamfuse.adapters.acceptance import AcceptanceHead, load_acceptance_head
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.calibration import BackendCalibration
@@ -20,8 +20,9 @@ from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import HeadDrafter
+from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter, HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.tree_choice import TreeChoice
 
 BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 # backend name -> the key of its files in the artifact manifest
@@ -29,7 +30,8 @@ ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
 # The build flags that add a method whose config section is not named after it.
-BUILD_FLAGS = {"specdec++": "--set sd.enabled=true --set specdec.enabled=true"}
+BUILD_FLAGS = {"specdec++": "--set sd.enabled=true --set specdec.enabled=true",
+               "ss-adaptive": "--set adaptive.enabled=true"}
 TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
 
 
@@ -47,6 +49,8 @@ class Loaded:
     threads: int | None = None  # the engine's threads, as loaded
     draft_engines: dict[str, Backend] = field(default_factory=dict)  # sd's draft model per engine, loaded on first use
     stop_rule: StopRule | None = None  # specdec++'s acceptance head and threshold, loaded on first use
+    stream_head: AcceptanceHead | None = None  # ss-adaptive's acceptance head, loaded on first use
+    choices: dict[int | None, TreeChoice] = field(default_factory=dict)  # ss-adaptive's candidates by node limit
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -83,18 +87,40 @@ class Loaded:
         if method == "ss":
             return self.tree
         self._check_method(method)
+        if method == "ss-adaptive":
+            return self.tree_choice().largest
         return TreeSpec.from_dict(self.artifact.drafters[method]["tree"])
+
+    def tree_choice(self, max_nodes: int | None = None) -> TreeChoice:
+        """ss-adaptive's candidates: the trees calibrated on this backend that it runs, up to max_nodes."""
+        if self.calibration is None or self.artifact.acceptance is None:
+            raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
+                             f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
+                             f"{self.artifact.path} --backend {self.engine}")
+        if max_nodes not in self.choices:
+            runnable = (lambda tree: True) if self.trees is None else (lambda tree: any(
+                tree.hash() == exported.hash() for exported in self.trees))
+            self.choices[max_nodes] = TreeChoice.from_calibration(self.artifact.acceptance, self.calibration, runnable,
+                                                                  max_nodes)
+        return self.choices[max_nodes]
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
         """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
         sd's draft model runs on the target's engine where the build exported it for that engine, else on
         torch; specdec++ drives it with its acceptance head, which reads its final states: on torch.
-        Medusa heads run on the torch target or in the exported graphs' heads method."""
+        Medusa heads run on the torch target or in the exported graphs' heads method. ss-adaptive's head
+        reads the streams' states every backend returns, on the host."""
         if settings.method in ("ar", "ss"):
             return None
         self._check_method(settings.method)
         if settings.method == "medusa":
             return self._head_drafter(settings)
+        if settings.method == "ss-adaptive":
+            if self.stream_head is None:
+                head = load_acceptance_head(self.artifact.drafter_path("ss-adaptive"), "adaptive")
+                self.stream_head = head.to(self.backend.device)
+            choice = self.tree_choice(settings.tree.num_nodes)
+            return AdaptiveStreamDrafter(choice, self.stream_head, self.backend.num_streams)
         if settings.method == "sd":
             return ModelDrafter(self._draft_engine(self.engine), settings)
         if self.stop_rule is None:

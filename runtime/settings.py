@@ -17,20 +17,23 @@ from streamfuse.runtime.tree import TreeSpec
 
 # "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative
 # decoding); "medusa": Medusa heads on the target's last hidden state; "specdec++": sd's draft model
-# with an acceptance head that chooses each chain's length
-METHODS = ("ar", "ss", "sd", "medusa", "specdec++")
+# with an acceptance head that chooses each chain's length; "ss-adaptive": SS with an acceptance head
+# on the streams' states that chooses each step's tree among the calibrated ones
+METHODS = ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive")
 CHAIN_METHODS = ("sd", "specdec++")  # a draft model's chain: drawn drafts, accepted by speculative sampling
+STREAM_METHODS = ("ss", "ss-adaptive")  # drafts from the target's own streams: calibrated step costs, the fallback
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
     method: str  # one of METHODS
     rules: StopRules
-    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length; specdec++: its longest chain
+    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length; specdec++: its longest chain;
+    #                               ss-adaptive: the largest tree it may choose
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prune: PruneConfig | None = None  # ss on torch: drop unlikely tree nodes before the call
     seed: int = 0  # the sampling generator's seed: equal seeds give equal tokens in both methods
-    fallback: FallbackConfig | None = None  # ss: plain decoding where speculation does not pay (runtime/fallback.py)
+    fallback: FallbackConfig | None = None  # ss, ss-adaptive: plain decoding where speculation does not pay
     threshold: float | None = None  # specdec++: stop drafting once P(a rejection) passes it (None: the artifact's)
 
     def __post_init__(self):

@@ -4,7 +4,9 @@ The target's verify pass also runs the γ streams (fused, or deferred after the 
 next draft costs no extra model call: node at depth d with rank r takes stream d's r-th most
 likely token. A lookup branch, if the tree has one, takes prompt-lookup tokens instead
 (runtime/lookup.py). Medusa heads rank the same γ future tokens from the target's last hidden
-state at the accepted node (HeadDrafter), so they fill the same trees.
+state at the accepted node (HeadDrafter), so they fill the same trees. Method ss-adaptive
+(AdaptiveStreamDrafter) drafts SS's streams too, into the tree its acceptance head picks per step
+among the calibrated ones (runtime/tree_choice.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
+from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.runtime.backends.base import StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.tree_choice import TreeChoice
 
 
 def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:
@@ -115,4 +119,38 @@ class HeadDrafter(StreamDrafter):
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         self.source = (out, path[-1])
+        self._extend_lookup(draft, path, correction)
+
+
+class AdaptiveStreamDrafter(StreamDrafter):
+    """ss-adaptive: SS's streams, each step in the tree `choice` picks from the acceptance head's reading
+    of the streams' states at the accepted node. `tree` is the largest candidate (the KV scratch rows)."""
+
+    name = "ss-adaptive"
+
+    def __init__(self, choice: TreeChoice, head: AcceptanceHead, num_streams: int):
+        super().__init__(choice.largest, num_streams)
+        for candidate in choice.candidates:
+            candidate.tree.check_streams(num_streams)
+        self.choice, self.head = choice, head
+        self.width = max(max(c.tree.widths) for c in choice.candidates)
+        self.lookup_length = max(len(c.tree.lookup) for c in choice.candidates)
+        self.states: torch.Tensor | None = None  # [gamma, H] the streams' final states at the last accepted node
+
+    def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
+        self.streams, self.states = prefill.stream_top(0, self.width), prefill.stream_states(0)
+        self.lookup = PromptLookup([*prompt_ids, root]) if self.lookup_length else None
+        return 0
+
+    def propose(self, root: int) -> Draft:
+        with torch.inference_mode():
+            predicted = torch.sigmoid(self.head(self.states.to(self.head.out.weight.dtype))).tolist()
+        tree = self.choice.choose(predicted)
+        lookup = self.lookup.draft(len(tree.lookup)) if self.lookup is not None and tree.lookup else ()
+        tokens, filled = draft_tokens(tree, root, self.streams, lookup)
+        return Draft(tree, tokens, from_lookup=filled)
+
+    def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
+        if out.stream_states is not None:
+            self.streams, self.states = out.stream_top(path[-1], self.width), out.stream_states(path[-1])
         self._extend_lookup(draft, path, correction)

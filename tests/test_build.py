@@ -106,7 +106,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # the chains the exported target verifies for sd and specdec++ (3, and 2, 4 but those the trees hold).
     with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
                "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16",
-               "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16"]
+               "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16",
+               "--set=adaptive.enabled=true", "--set=adaptive.batch=16"]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[export] reusing" not in out and out.count("[train] reusing") == 2
@@ -114,7 +115,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert exported[: len(trees)] == trees and TreeSpec.chain(4) in exported
     assert all(any(set(TreeSpec.chain(n).paths) <= set(t.paths) for t in exported) for n in (2, 3, 4))
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
-    assert "[specdec++] acceptance head added to" in out
+    assert "[specdec++] acceptance head added to" in out and "[ss-adaptive] acceptance head added to" in out
     own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16  # the target's, beside its first stage's
     assert json.loads((run_dir / "sd" / "streamfuse.json").read_text())["base_layers"] == 2
@@ -127,25 +128,30 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "medusa", "sd", "specdec++") and loaded.method_tree("sd") == TreeSpec.chain(3)
+    assert loaded.methods == ("ar", "ss", "medusa", "sd", "specdec++", "ss-adaptive")
+    assert loaded.method_tree("sd") == TreeSpec.chain(3)
     assert loaded.method_tree("specdec++") == TreeSpec.chain(4)
     assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     rules = StopRules(12, loaded.stop_token_ids)
-    for method in ("sd", "medusa", "specdec++"):
+    with pytest.raises(ValueError, match="has no calibration for torch: run python -m streamfuse.tools.calibrate"):
+        dataclasses.replace(loaded, calibration=None, choices={}).tree_choice()
+    for method in ("sd", "medusa", "specdec++", "ss-adaptive"):
         settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
             result = generate(loaded.backend, prompt, settings, drafter=loaded.drafter(settings))
             assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
-            assert (result.run.draft_calls > 0) == (method != "medusa")
+            assert (result.run.draft_calls > 0) == (method in ("sd", "specdec++"))
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
+    assert "[ss-adaptive] reusing" in out
     assert "[export] reusing" in out
     # The draft-model methods on the exported target (ONNX Runtime): chains of every length, plain's tokens;
     # Medusa through the graphs' heads method.
     exported_target = load(tmp_path / "artifact", "onnxruntime")
     assert json.loads((tmp_path / "artifact" / "manifest.json").read_text())["graphs"]["heads"]["count"] == 2
-    for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0), ("medusa", None)):
+    for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0), ("medusa", None),
+                              ("ss-adaptive", None)):
         settings = DecodeSettings(method, rules, tree=exported_target.method_tree(method), threshold=threshold)
         exported_target.check_method_tree(method, settings.tree)
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
@@ -163,13 +169,15 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
 
     assert bench.main(["--artifact", str(tmp_path / "artifact"), "--task", "dialogsum", "--input-file",
                        str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
-                       "--threads", "1", "--backends", "torch", "--methods", "ar,ss,sd,medusa,specdec++,sd:2,specdec++:1",
+                       "--threads", "1", "--backends", "torch",
+                       "--methods", "ar,ss,sd,medusa,specdec++,sd:2,specdec++:1,ss-adaptive",
                        "--out",
                        str(tmp_path / "bench")]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]}
     assert rows["sd/torch"]["mismatches"] == rows["ss/torch"]["mismatches"] == rows["medusa/torch"]["mismatches"] == 0
     assert rows["sd/torch"]["draft_calls"] > 0 and rows["ss/torch"]["draft_calls"] == rows["ar/torch"]["draft_calls"] == 0
     assert rows["specdec++/torch"]["mismatches"] == rows["sd:2/torch"]["mismatches"] == 0
+    assert rows["ss-adaptive/torch"]["mismatches"] == 0 and rows["ss-adaptive/torch"]["draft_calls"] == 0
     # Variants in the same run: sd:2 verifies 2 drafts a step; specdec++ at threshold 1 never stops before its 4.
     assert rows["sd:2/torch"]["mean_draft_nodes"] == 2 and rows["specdec++:1/torch"]["mean_draft_nodes"] == 4
     assert "| sd/torch |" in (tmp_path / "bench" / "bench.md").read_text()

@@ -55,4 +55,7 @@ def test_exported_trees_are_this_machines_best_then_the_widest_then_for_low_bit_
     assert trees_to_export(MODEL, small, quantized=True) == [best[2], best[6], best[4]]
     widest = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[6], 0.011, 2.5, 2.5),), 0.002, 250.0)
     assert trees_to_export(MODEL, widest, quantized=False) == [best[6]]  # one tree when they coincide
+    # ss-adaptive chooses per step: the cheap 2- and 4-node steps join, each once.
+    assert trees_to_export(MODEL, calibration, quantized=False, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
+    assert trees_to_export(MODEL, calibration, quantized=True, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
     assert TreeSpec.parse(tree_text(best[8])) == best[8] and TreeSpec.parse(tree_text(best[8])).lookup == (2, 0)

@@ -69,7 +69,7 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
     for _ in range(6):
         tokens = draft_the_targets(session, backend, tree, root, rng)
         inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), backend.keys.clone(), backend.values.clone()]
-        targets, accepted, drafts, new_keys, new_values = session.run("greedy_step_0", inputs)
+        targets, accepted, drafts, new_keys, new_values, states = session.run("greedy_step_0", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
         torch.testing.assert_close(new_keys, backend._pending[0], atol=1e-5, rtol=0)
@@ -77,6 +77,7 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
         assert accepted.tolist() == [result.path[-1]]
         backend.commit(result.path)
         assert torch.equal(drafts, reference_drafts(reference, result.path[-1], max(tree.widths), draft_ids))
+        torch.testing.assert_close(states, reference.stream_states(result.path[-1]), atol=1e-5, rtol=0)
         depths.append(len(result.path) - 1)
         root = result.correction
     assert max(depths) == tree.depth and min(depths) < tree.depth  # deep and shallow acceptance both seen

@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
                         "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
     parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(METHODS)}, 'ar' among "
-                        "them (AR is every speed-up's baseline); sd, medusa and specdec++ need an artifact with their "
+                        "them (AR is every speed-up's baseline); sd, medusa, specdec++ and ss-adaptive need an artifact with their "
                         "drafters (export/build.py --set sd.enabled=true ...). Variants in the same run: sd:G (a chain "
                         "of G drafts), specdec++:H (stop threshold H), e.g. ar,sd:2,sd:4,specdec++:0.5")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")

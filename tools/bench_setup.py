@@ -67,7 +67,7 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         if isinstance(loaded.backend, TorchBackend):
             info[entry]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
         traces = {m: Trace(method=m, tree=trees[m].to_dict() if m != "ar" else None,
-                           fallback_step_cost=fallback.step_cost if fallback and m == "ss" else None, **meta)
+                           fallback_step_cost=settings[m].fallback.step_cost if settings[m].fallback else None, **meta)
                   for m in args.methods}
         out[entry] = Engine(loaded, settings, traces)
     return out
@@ -85,7 +85,8 @@ def method_settings(label: str, loaded: Loaded, ss: DecodeSettings) -> DecodeSet
         tree = TreeSpec.chain(int(value))
     if method == "specdec++" and value:
         threshold = float(value)
-    settings = DecodeSettings(method, ss.rules, tree=tree, threshold=threshold)
+    fallback = loaded.fallback(tree) if method == "ss-adaptive" and ss.fallback is not None else None
+    settings = DecodeSettings(method, ss.rules, tree=tree, threshold=threshold, fallback=fallback)
     loaded.check_method_tree(method, tree)
     return settings
 

@@ -104,7 +104,8 @@ def weighted_bce(logits: torch.Tensor, accepted: torch.Tensor, reject_weight: fl
     return F.binary_cross_entropy_with_logits(logits, accepted, weight=weights)
 
 
-def train_acceptance(head: AcceptanceHead, features: AcceptanceFeatures, config: AcceptanceTraining) -> dict:
+def train_acceptance(head: AcceptanceHead, features: AcceptanceFeatures, config: AcceptanceTraining,
+                     desc: str = "train specdec++") -> dict:
     """Train the head in place; returns its final loss, the acceptance rate and how well the head
     separates the examples (mean predicted probability over accepted and over rejected drafts)."""
     head.requires_grad_(True)
@@ -115,7 +116,7 @@ def train_acceptance(head: AcceptanceHead, features: AcceptanceFeatures, config:
     order, generator, running = [], random.Random(config.seed), None
     started = time.perf_counter()
     head.train()
-    for _ in tqdm(range(steps), desc="train specdec++", unit="step", dynamic_ncols=True):
+    for _ in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
         if len(order) < config.batch:
             shuffled = list(range(count))
             generator.shuffle(shuffled)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -84,9 +85,9 @@ class TorchBackend:
         lower = self.model.forward_lower(ids, positions, mask, self.cache.writer(count))
         out = self.model.forward_upper(lower, anchors)
         self.cache.commit(range(count))
-        return StepOutput(self.model.logits(out.hidden[0, -1:]).float(),
-                          self._stream_source(out, lower.hidden[:, -1:], [0]) if with_streams else None,
-                          head_logits=self._head_source(out.hidden[0, -1:]))
+        states = self._stream_states(out, lower.hidden[:, -1:], [0]) if with_streams else None
+        return StepOutput(self.model.logits(out.hidden[0, -1:]).float(), self._stream_logits(states),
+                          stream_states=states, head_logits=self._head_source(out.hidden[0, -1:]))
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -102,9 +103,9 @@ class TorchBackend:
         nodes = [n for n in range(count) if kept is None or kept[n]]
         fused = with_streams and self.stream_schedule == "fused"
         out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
-        return StepOutput(self.model.logits(out.hidden[0]).float(),
-                          self._stream_source(out, lower.hidden, nodes) if with_streams else None, kept,
-                          head_logits=self._head_source(out.hidden[0]), hidden=out.hidden[0])
+        states = self._stream_states(out, lower.hidden, nodes) if with_streams else None
+        return StepOutput(self.model.logits(out.hidden[0]).float(), self._stream_logits(states), kept,
+                          head_logits=self._head_source(out.hidden[0]), hidden=out.hidden[0], stream_states=states)
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
@@ -118,14 +119,18 @@ class TorchBackend:
         return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
-    def _stream_source(self, out, lower_hidden: torch.Tensor, nodes: list[int]):
-        """node -> [gamma, V] stream logits, computed on demand for the last accepted node only
-        (so only gamma rows ever pay the LM head). lower_hidden [1, T, H] holds each node's main
-        state at layer N - N_s; nodes are the ones that got fused streams, in order."""
+    def _stream_states(self, out, lower_hidden: torch.Tensor, nodes: list[int]):
+        """node -> [gamma, H] final-normed stream states, computed on demand for the last accepted node
+        only, once. lower_hidden [1, T, H] holds each node's main state at layer N - N_s; nodes are the
+        ones that got fused streams, in order."""
         if self.stream_schedule == "fused":
             slot = {node: index for index, node in enumerate(nodes)}
-            return lambda node: self._head(out.stream_hidden[0, slot[node]])
-        return lambda node: self._head(self._deferred_streams(lower_hidden[:, node : node + 1]))
+            return lambda node: out.stream_hidden[0, slot[node]]
+        return functools.lru_cache(maxsize=1)(lambda node: self._deferred_streams(lower_hidden[:, node : node + 1]))
+
+    def _stream_logits(self, states):
+        """node -> [gamma, V] stream logits (only gamma rows ever pay the LM head); None without streams."""
+        return None if states is None else lambda node: self._head(states(node))
 
     def _head_source(self, hidden: torch.Tensor):
         """node -> [heads, V] logits of the Medusa heads on the node's final-normed state [T, H] (None:

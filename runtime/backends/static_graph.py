@@ -36,8 +36,8 @@ OUTPUT_NAMES = {
     "prefill": ["logits", "anchor", "new_keys", "new_values"],
     "decode": ["logits", "anchor", "new_keys", "new_values"],
     "step": ["logits", "anchor", "new_keys", "new_values"],
-    "streams": ["stream_logits"],
-    "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values"],
+    "streams": ["stream_logits", "stream_states"],
+    "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values", "stream_states"],
     "heads": ["head_logits"],
 }
 
@@ -184,7 +184,9 @@ class StaticGraphBackend:
             logits, anchor, new_keys, new_values = self.session.run(
                 "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
-        return StepOutput(logits.float(), self._stream_source(anchor) if with_streams else None,
+        streams = StreamCall(self, lambda node: anchor) if with_streams else None
+        stream_logits, stream_states = StreamCall.sources(streams)
+        return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
                           head_logits=self._head_source(anchor, self.length - 1, [0]))
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -207,9 +209,11 @@ class StaticGraphBackend:
             logits, anchors = logits.index_select(0, rows), anchors.index_select(0, rows)
             new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
         self._pending = (new_keys, new_values)
-        source = (lambda node: self._streams(anchors[node : node + 1])) if with_streams else None
+        streams = StreamCall(self, lambda node: anchors[node : node + 1]) if with_streams else None
         depths = tree.depths if tree is not None else [0]
-        return StepOutput(logits.float(), source, head_logits=self._head_source(anchors, self.length, depths))
+        stream_logits, stream_states = StreamCall.sources(streams)
+        return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
+                          head_logits=self._head_source(anchors, self.length, depths))
 
     @staticmethod
     def _padded(tokens: Sequence[int], nodes: list[int] | None, width: int) -> list[int]:
@@ -254,17 +258,20 @@ class StaticGraphBackend:
         self.length += count
 
     def _greedy_step(self, method: str, inputs: list[torch.Tensor]) -> StepOutput:
-        targets, accepted, drafts, new_keys, new_values = self.session.run(method, inputs)
+        targets, accepted, drafts, new_keys, new_values, states = self.session.run(method, inputs)
         self._pending = (new_keys, new_values)
         graph_node = int(accepted[0])
 
-        def ranked(node: int) -> torch.Tensor:
-            if node != graph_node:  # the graph drafted from another node than the host accepted
-                raise RuntimeError(f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
-                                   f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it")
-            return drafts
+        def at_accepted(output: torch.Tensor):
+            def read(node: int) -> torch.Tensor:
+                if node != graph_node:  # the graph drafted from another node than the host accepted
+                    raise RuntimeError(f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
+                                       f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it")
+                return output
+            return read
 
-        return StepOutput(None, None, greedy_tokens=targets.tolist(), ranked_drafts=ranked)
+        return StepOutput(None, None, greedy_tokens=targets.tolist(), ranked_drafts=at_accepted(drafts),
+                          stream_states=at_accepted(states.float()))
 
     def _head_source(self, anchors: torch.Tensor, start: int, depths: Sequence[int]):
         """node -> [heads, V] Medusa heads' logits there (None: the graphs have no heads). Once a node is
@@ -283,10 +290,33 @@ class StaticGraphBackend:
 
         return logits
 
-    def _stream_source(self, anchor: torch.Tensor):
-        return lambda node: self._streams(anchor)
+    def _streams(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Call after the commit: the anchor node's K/V must be in the cache (it is the last row).
+        -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
+        logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
+        return logits.float(), states.float()
 
-    def _streams(self, anchor: torch.Tensor) -> torch.Tensor:
-        """Call after the commit: the anchor node's K/V must be in the cache (it is the last row)."""
-        (logits,) = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
-        return logits.float()
+
+class StreamCall:
+    """The deferred streams of a step's accepted node: one `streams` call gives both its logits and its
+    states, whichever the drafter reads first (nodes: anchor of each)."""
+
+    def __init__(self, backend: StaticGraphBackend, anchor_of):
+        self.backend, self.anchor_of = backend, anchor_of
+        self.node, self.result = None, None
+
+    def _run(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.node != node:
+            self.node, self.result = node, self.backend._streams(self.anchor_of(node))
+        return self.result
+
+    @staticmethod
+    def sources(call: "StreamCall | None") -> tuple:
+        """StepOutput's (stream_logits, stream_states) sources; (None, None) without streams."""
+        return (call.logits, call.states) if call is not None else (None, None)
+
+    def logits(self, node: int) -> torch.Tensor:
+        return self._run(node)[0]
+
+    def states(self, node: int) -> torch.Tensor:
+        return self._run(node)[1]
