@@ -27,8 +27,9 @@ heads and the shared LM head: the step graphs stay as they are, at one extra cal
 
 greedy_step is step + streams in one call for greedy decoding: the graph takes each node's
 argmax (targets), finds the accepted node by the greedy rule, and returns the top-K token ids
-(K: the tree's widest level) of that node's streams, run beside every node (fused) or for that
-node alone after verifying (deferred); see GreedyStepPass. One call per step, and no [T, V]
+(K: the widest level of any of the artifact's trees, so the next step may take any) of that
+node's streams, run beside every node (fused) or for that node alone after verifying (deferred);
+see GreedyStepPass. One call per step, and no [T, V]
 logits leave the graph. The host still decides acceptance from `targets`; `accepted` only says
 whose streams the drafts are. streams and greedy_step also return the streams' final-normed states
 [gamma, H] (stream_states): method ss-adaptive's acceptance head reads them on the host.
@@ -182,12 +183,14 @@ class GreedyStepPass(nn.Module):
     """
 
     def __init__(self, model: SpeculativeStreamingLM, tree: TreeSpec, capacity: int,
-                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False):
+                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False,
+                 width: int | None = None):
         super().__init__()
         if schedule not in STREAM_SCHEDULES:
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
         self.model, self.capacity, self.schedule = model, capacity, schedule
-        self.width = max(tree.widths)
+        # Drafts for the next step, whichever tree it takes: the widest level of all the artifact's trees.
+        self.width = width or max(tree.widths)
         self.main = MainPass(model, tree.ancestor_mask, tree.depths, select_last=False, in_place=in_place)
         self.register_buffer("parents", torch.tensor(tree.parents[1:], dtype=torch.long), persistent=False)
         self.register_buffer("ancestors", tree.ancestor_mask.to(torch.float32), persistent=False)
@@ -286,9 +289,11 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
         "decode": MainPass(model, chain_visibility(1), [0], False, in_place),
         "streams": StreamsPass(model, capacity),
     }
+    width = max(max(tree.widths) for tree in shapes.trees)
     for index, (tree, schedule) in enumerate(zip(shapes.trees, schedules, strict=True)):
         modules[tree_method("step", index)] = MainPass(model, tree.ancestor_mask, tree.depths, False, in_place)
-        modules[tree_method("greedy_step", index)] = GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place)
+        modules[tree_method("greedy_step", index)] = GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place,
+                                                                    width)
     if heads is not None:
         modules["heads"] = HeadsPass(model, heads, capacity)
     return modules

@@ -93,15 +93,15 @@ class Loaded:
 
     def tree_choice(self, max_nodes: int | None = None) -> TreeChoice:
         """ss-adaptive's candidates: the trees calibrated on this backend that it runs, up to max_nodes."""
-        if self.calibration is None or self.artifact.acceptance is None:
-            raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
-                             f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
-                             f"{self.artifact.path} --backend {self.engine}")
         if max_nodes not in self.choices:
-            runnable = (lambda tree: True) if self.trees is None else (lambda tree: any(
-                tree.hash() == exported.hash() for exported in self.trees))
-            self.choices[max_nodes] = TreeChoice.from_calibration(self.artifact.acceptance, self.calibration, runnable,
-                                                                  max_nodes)
+            acceptance = self.artifact.acceptance
+            if self.calibration is None or acceptance is None:
+                raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
+                                 f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
+                                 f"{self.artifact.path} --backend {self.engine}")
+            exported = None if self.trees is None else {tree.hash() for tree in self.trees}
+            self.choices[max_nodes] = TreeChoice.from_calibration(
+                acceptance, self.calibration, lambda tree: exported is None or tree.hash() in exported, max_nodes)
         return self.choices[max_nodes]
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:

@@ -134,6 +134,29 @@ def test_greedy_ss_adaptive_equals_plain_greedy_with_trees_changing_step_by_step
     assert len({step.tree_nodes for run in trace.runs for step in run.steps}) >= 2
 
 
+@torch.no_grad()
+def test_greedy_ss_adaptive_on_static_graphs_switches_between_narrow_and_wide_trees():
+    """greedy_step drafts as many ranks as the widest exported tree, so a step after the 1-wide chain
+    may take the 2-wide tree; every step one greedy_step call, outputs plain decoding's."""
+    from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
+    from streamfuse.export.verify import EagerSession
+    from streamfuse.runtime.backends.static_graph import StaticGraphBackend
+
+    model = backend_for(1).model
+    trees = (TreeSpec.chain(3), TreeSpec.full(3, 2))
+    shapes = GraphShapes(capacity=96, prefill_chunk=8, trees=trees)
+    graphs = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["deferred"] * 2)),
+                                graph_spec(model, shapes, ["deferred"] * 2))
+    rules, trace = StopRules(max_new_tokens=40), Trace()
+    drafter = adaptive(graphs, random_head(1), trees, (1.3, 1.6))
+    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [7, 7, 21]):
+        fast = generate(graphs, prompt, DecodeSettings("ss-adaptive", rules, tree=drafter.tree), drafter=drafter,
+                        trace=trace)
+        assert fast.token_ids == generate(graphs, prompt, DecodeSettings("ar", rules)).token_ids
+    chosen = [step.tree_nodes for run in trace.runs for step in run.steps]
+    assert any(a == 4 and b == 15 for a, b in zip(chosen, chosen[1:]))  # the chain, then the wide tree
+
+
 @pytest.mark.parametrize("probability, nodes", [(1.0, 4), (1e-9, 5)])
 def test_a_confident_head_drafts_the_deep_chain_and_a_doubtful_one_the_lookup_tree(probability, nodes):
     """Costs 1.1 / 1.4 / 1.9 / 1.5: certain acceptance pays 4 / 1.4 with the 3-chain; where every top token
