@@ -138,7 +138,7 @@ def generate(
         streams = drafter.uses_streams and (speculating or switch.last_plain_token)
         root, tokens = step(run, drafter, draft, streams, verify, settings.prune, drafted, on_step)
         if switch is not None:
-            _fallback(run, switch, speculating, tokens)
+            _fallback(run, switch, speculating, tokens, draft.tree)
     return run.finish()
 
 
@@ -189,13 +189,13 @@ def _record(record: RunRecord, draft: Draft, out: StepOutput, result: Acceptance
                                    draft.calls, drafted))
 
 
-def _fallback(run: DecodeRun, switch: Fallback, speculating: bool, tokens: int) -> None:
-    """Tell the switch how the step went; record its switches in the trace."""
+def _fallback(run: DecodeRun, switch: Fallback, speculating: bool, tokens: int, tree: TreeSpec | None) -> None:
+    """Tell the switch how the step went (at its tree's cost); record its switches in the trace."""
     if not speculating:
         if switch.after_plain_token():
             run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
         return
-    rate = switch.after_step(tokens)
+    rate = switch.after_step(tokens, switch.config.cost(tree.hash()))
     if rate is not None:
         run.record.switches.append(Switch(len(run.emitter.tokens), "plain", round(rate, 3)))
 

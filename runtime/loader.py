@@ -164,9 +164,13 @@ class Loaded:
                              f"and load the artifact")
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
-        """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration."""
+        """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration; every
+        calibrated tree's cost comes along for a method that changes trees per step (ss-adaptive)."""
         cost = self.calibration.step_cost(tree) if self.calibration is not None else None
-        return FallbackConfig(cost) if cost is not None else None
+        if cost is None:
+            return None
+        costs = tuple((c.tree.hash(), c.step_seconds / self.calibration.plain_seconds) for c in self.calibration.trees)
+        return FallbackConfig(cost, costs)
 
 
 def runnable_backends(artifact: Path) -> list[str]:

@@ -157,6 +157,65 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     assert counting.calls["greedy_step_1"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_1"}
 
 
+def second_token_marginal(eager, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """P(x2) = sum over x1 of P(x1) P(x2 | x1): the target's exact law of the second sampled token."""
+    from streamfuse.runtime.sampling import target_probs
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        eager.reset(len(ids) + 1)
+        return target_probs(eager.prefill(ids, with_streams=False).main_logits[0], sampling)
+
+    first = next_probs(prompt)
+    return sum(first[x1] * next_probs(prompt + [x1]) for x1 in range(len(first)))
+
+
+def pooled_chi_square_p(counts: torch.Tensor, probs: torch.Tensor, least: float = 5.0) -> float:
+    """Chi-square p-value with the cells expected fewer than `least` times pooled into one."""
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    small = expected < least
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    wanted = torch.cat([expected[~small], expected[small].sum()[None]])
+    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_every_method_samples_the_exact_target_on_the_engine_itself(artifact, backend):
+    """At T = 1, the second token (drafted in the first step, or its correction) of 1,000 runs per method
+    on the exported engine, against its exact law from the torch model: SS and ss-adaptive (the trees
+    chosen per step by a random head), Medusa through the heads method, sd and specdec++ with a draft
+    model on torch verifying chains in the chain graph."""
+    from test_decode import backend_for
+    from test_specdec import constant_head
+    from test_tree_choice import random_head
+
+    from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
+    from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
+    from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter
+    from streamfuse.runtime.tree_choice import TreeChoice
+
+    loaded, sampling, prompt = load(artifact, backend), SamplingConfig(temperature=1.0), [5, 9, 14]
+    exact = second_token_marginal(load(artifact, "torch").backend, prompt, sampling)
+    acceptance = AcceptanceModel(4, 3, ((((0, 0, 0), -1), ((1,), -1), ((), -1), ((0, 1), -1)),))
+    calibration = BackendCalibration("test", 1, 1.0, (TreeCost(TREES[0], 2.0, 1.0, 1.0), TreeCost(TREES[1], 1.3, 1.0, 1.0)),
+                                     0.001, 10.0)
+    adaptive = AdaptiveStreamDrafter(TreeChoice.from_calibration(acceptance, calibration), random_head(1), 3)
+    draft_model, chain = backend_for(9), TREES[1]
+    methods = {"ss": (None, TREES[0]), "ss-adaptive": (adaptive, adaptive.tree),
+               "medusa": (loaded.drafter(DecodeSettings("medusa", StopRules(3), tree=loaded.method_tree("medusa"))),
+                          loaded.method_tree("medusa")),
+               "sd": (ModelDrafter(draft_model, DecodeSettings("sd", StopRules(3), tree=chain)), chain),
+               "specdec++": (ModelDrafter(draft_model, DecodeSettings("specdec++", StopRules(3), tree=chain),
+                                          StopRule(constant_head(0.7), 0.5)), chain)}
+    for method, (drafter, tree) in methods.items():
+        counts = torch.zeros(len(exact))
+        for seed in range(1000):
+            settings = DecodeSettings(method, StopRules(3), tree=tree, sampling=sampling, seed=seed)
+            counts[generate(loaded.backend, prompt, settings, drafter=drafter).token_ids[1]] += 1
+        assert pooled_chi_square_p(counts, exact) > 1e-3, method
+
+
 @needs("onnx")
 def test_prefill_spanning_several_chunks_matches_eager(artifact):
     loaded, eager = load(artifact, "onnxruntime"), load(artifact, "torch")

@@ -47,15 +47,15 @@ def test_exported_trees_are_this_machines_best_then_the_widest_then_for_low_bit_
     best = MODEL.best_trees(16)
     calibration = BackendCalibration("cpu", 2, 0.01, (TreeCost(CHAIN, 0.014, 2.4, 2.4),), 0.002, 250.0)
     # 2.5 tokens, the most of any tree up to 8 nodes (the smallest that has them: 6 nodes)
-    assert trees_to_export(MODEL, calibration, quantized=False) == [CHAIN, best[6]]
+    assert trees_to_export(MODEL, calibration, quantized=False) == [CHAIN, best[6], best[4]]
     assert best[6] == TreeSpec(((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
     assert MODEL.expected_tokens(best[6]) == pytest.approx(2.5)
     assert trees_to_export(MODEL, calibration, quantized=True) == [CHAIN, best[6], best[2]]
     small = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[2], 0.011, 1.6, 1.6),), 0.002, 250.0)
     assert trees_to_export(MODEL, small, quantized=True) == [best[2], best[6], best[4]]
     widest = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[6], 0.011, 2.5, 2.5),), 0.002, 250.0)
-    assert trees_to_export(MODEL, widest, quantized=False) == [best[6]]  # one tree when they coincide
+    assert trees_to_export(MODEL, widest, quantized=False) == [best[6], best[4]]  # once each where they coincide
     # ss-adaptive chooses per step: the cheap 2- and 4-node steps join, each once.
-    assert trees_to_export(MODEL, calibration, quantized=False, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
+    assert trees_to_export(MODEL, calibration, quantized=False, adaptive=True) == [CHAIN, best[6], best[4], best[2]]
     assert trees_to_export(MODEL, calibration, quantized=True, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
     assert TreeSpec.parse(tree_text(best[8])) == best[8] and TreeSpec.parse(tree_text(best[8])).lookup == (2, 0)

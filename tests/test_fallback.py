@@ -30,6 +30,23 @@ def test_the_switch_judges_probes_then_blocks(tokens, fails_at):
     assert switch.speculating == (fails_at is None)
 
 
+# (each step's tokens and its tree's cost) -> the step after which the switch goes plain (or None): a
+# method whose tree changes per step (ss-adaptive) pays when its tokens cover the sum of its steps' costs.
+MIXED = [
+    ([(2, 1.2), (1, 1.9)], 2),  # 3 tokens < 3.1 plain steps of cost
+    ([(2, 1.2), (1, 1.6)], None),  # 3 >= 2.8
+    ([(3, 1.0), (1, 2.0), (1, 1.2), (1, 1.2), (2, 1.8)], 5),  # the probe pays; the block's 4 < 4.2 fails
+]
+
+
+@pytest.mark.parametrize("steps, fails_at", MIXED)
+def test_steps_of_different_trees_are_judged_at_their_own_costs(steps, fails_at):
+    switch = Fallback(FallbackConfig(step_cost=1.5, block=3, probe=2, pause=4, tree_costs=(("a", 1.2),)))
+    failed = [i + 1 for i, (tokens, cost) in enumerate(steps) if switch.after_step(tokens, cost) is not None]
+    assert failed == ([fails_at] if fails_at else [])
+    assert switch.config.cost("a") == 1.2 and switch.config.cost("unknown") == 1.5  # the default tree's
+
+
 def test_plain_stretches_double_after_each_failed_probe_and_reset_after_one_that_pays():
     switch = Fallback(FallbackConfig(step_cost=1.5, block=3, probe=2, pause=4, max_pause=8))
     stretches = []
@@ -51,6 +68,7 @@ def test_plain_stretches_double_after_each_failed_probe_and_reset_after_one_that
     ({"step_cost": 1.2, "block": 0}, "block and probe must be >= 1"),
     ({"step_cost": 1.2, "pause": 0}, "pause must be in"),
     ({"step_cost": 1.2, "pause": 600}, "pause must be in"),
+    ({"step_cost": 1.2, "tree_costs": (("a", 0.0),)}, "tree_costs must be > 0"),
 ])
 def test_bad_fallback_settings_are_clear_errors(fields, message):
     with pytest.raises(ValueError, match=message):
