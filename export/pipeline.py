@@ -49,6 +49,19 @@ from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.calibrate import calibrate_sources
 
 
+def head_info(directory: Path, manifest: str, read) -> dict:
+    """The info of the trained head in `directory` (Medusa's, an acceptance head's); {} when there is none yet."""
+    return read(directory)["info"] if (directory / manifest).is_file() else {}
+
+
+def reusing(label: str, directory: Path, info: dict, key: str) -> bool:
+    """True, and says so, when `directory` holds what `key` trains."""
+    if info.get("training_key") != key:
+        return False
+    print(f"[{label}] reusing {directory} (same settings)", flush=True)
+    return True
+
+
 def stored_info(directory: Path) -> dict:
     """The info of the checkpoint in `directory`; {} when there is none yet, or one of another format
     (trained again)."""
@@ -191,8 +204,7 @@ class Build:
         directory, sd = self.run_dir / "sd", self.config.sd
         target_key = model_key(ss_dir)
         key = self.config.sd_key(target_key)
-        if stored_info(directory).get("training_key") == key:
-            print(f"[sd] reusing {directory} (same settings)", flush=True)
+        if reusing("sd", directory, stored_info(directory), key):
             return directory
         items, answers = self.target_answers(self.inference_model(ss_dir), target_key, sd.unlabelled)
         base, _ = load_base_model(self.args.base_model)
@@ -210,8 +222,7 @@ class Build:
         directory, config = self.run_dir / "medusa", self.config.medusa
         target_key = model_key(ss_dir)
         key = self.config.medusa_key(target_key)
-        if (directory / "medusa.json").is_file() and read_heads_manifest(directory)["info"].get("training_key") == key:
-            print(f"[medusa] reusing {directory} (same settings)", flush=True)
+        if reusing("medusa", directory, head_info(directory, "medusa.json", read_heads_manifest), key):
             return directory
         target = self.inference_model(ss_dir)
         items, answers = self.target_answers(target, target_key, config.unlabelled)
@@ -233,8 +244,7 @@ class Build:
         directory, config = self.run_dir / "specdec", self.config.specdec
         draft_key = read_manifest(sd_dir)["info"]["training_key"]
         key = self.config.specdec_key(draft_key)
-        if (directory / ACCEPTANCE_MANIFEST).is_file() and read_acceptance_manifest(directory)["info"].get("training_key") == key:
-            print(f"[specdec++] reusing {directory} (same settings)", flush=True)
+        if reusing("specdec++", directory, head_info(directory, ACCEPTANCE_MANIFEST, read_acceptance_manifest), key):
             return directory
         items, answers = self.target_answers(self.inference_model(ss_dir), model_key(ss_dir), self.config.sd.unlabelled)
         draft, _, _ = load_checkpoint(sd_dir, self.args.base_model, merge_lora=True)
@@ -248,8 +258,7 @@ class Build:
         directory, config = self.run_dir / "ss-adaptive", self.config.adaptive
         target_key = model_key(ss_dir)
         key = self.config.adaptive_key(target_key)
-        if (directory / ACCEPTANCE_MANIFEST).is_file() and read_acceptance_manifest(directory)["info"].get("training_key") == key:
-            print(f"[ss-adaptive] reusing {directory} (same settings)", flush=True)
+        if reusing("ss-adaptive", directory, head_info(directory, ACCEPTANCE_MANIFEST, read_acceptance_manifest), key):
             return directory
         target = self.inference_model(ss_dir)
         items, answers = self.target_answers(target, target_key, config.unlabelled)

@@ -37,7 +37,6 @@ class FallbackConfig:
         if not 1 <= self.pause <= self.max_pause:
             raise ValueError(f"fallback pause must be in [1, max_pause={self.max_pause}], got {self.pause}")
 
-
     def cost(self, tree_hash: str) -> float:
         """A step of that tree in plain steps: its own calibrated cost, else step_cost."""
         return dict(self.tree_costs).get(tree_hash, self.step_cost)
