@@ -195,7 +195,7 @@ def _fallback(run: DecodeRun, switch: Fallback, speculating: bool, tokens: int, 
         if switch.after_plain_token():
             run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
         return
-    rate = switch.after_step(tokens, switch.config.cost(tree.hash()))
+    rate = switch.after_step(tokens, switch.config.cost(tree.paths))
     if rate is not None:
         run.record.switches.append(Switch(len(run.emitter.tokens), "plain", round(rate, 3)))
 

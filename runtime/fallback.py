@@ -15,13 +15,14 @@ switch is recorded in the run's trace.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class FallbackConfig:
     step_cost: float  # one speculative step in plain steps, as calibrated on this device
-    tree_costs: tuple[tuple[str, float], ...] = ()  # (tree hash, its step's cost) where trees vary per step
+    tree_costs: tuple[tuple[Hashable, float], ...] = ()  # (tree's paths, its step's cost) where trees vary per step
     block: int = 8  # speculative steps judged together while speculation pays
     probe: int = 4  # steps of a probe (the first steps of a run are one): shorter, so a loss costs little
     pause: int = 32  # plain tokens after the first failed block or probe
@@ -37,9 +38,10 @@ class FallbackConfig:
         if not 1 <= self.pause <= self.max_pause:
             raise ValueError(f"fallback pause must be in [1, max_pause={self.max_pause}], got {self.pause}")
 
-    def cost(self, tree_hash: str) -> float:
-        """A step of that tree in plain steps: its own calibrated cost, else step_cost."""
-        return dict(self.tree_costs).get(tree_hash, self.step_cost)
+    def cost(self, paths: Hashable) -> float:
+        """A step of the tree of these paths (its shape: the lookup branch costs nothing) in plain steps:
+        its own calibrated cost, else step_cost."""
+        return dict(self.tree_costs).get(paths, self.step_cost)
 
 
 class Fallback:

@@ -169,7 +169,7 @@ class Loaded:
         cost = self.calibration.step_cost(tree) if self.calibration is not None else None
         if cost is None:
             return None
-        costs = tuple((c.tree.hash(), c.step_seconds / self.calibration.plain_seconds) for c in self.calibration.trees)
+        costs = tuple((c.tree.paths, c.step_seconds / self.calibration.plain_seconds) for c in self.calibration.trees)
         return FallbackConfig(cost, costs)
 
 

@@ -8,6 +8,7 @@ A `Session` is the only engine-specific part: it runs one named method on a list
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -184,8 +185,7 @@ class StaticGraphBackend:
             logits, anchor, new_keys, new_values = self.session.run(
                 "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
-        streams = StreamCall(self, lambda node: anchor) if with_streams else None
-        stream_logits, stream_states = StreamCall.sources(streams)
+        stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
         return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
                           head_logits=self._head_source(anchor, self.length - 1, [0]))
 
@@ -209,9 +209,9 @@ class StaticGraphBackend:
             logits, anchors = logits.index_select(0, rows), anchors.index_select(0, rows)
             new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
         self._pending = (new_keys, new_values)
-        streams = StreamCall(self, lambda node: anchors[node : node + 1]) if with_streams else None
+        stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
+                                        else (None, None))
         depths = tree.depths if tree is not None else [0]
-        stream_logits, stream_states = StreamCall.sources(streams)
         return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
                           head_logits=self._head_source(anchors, self.length, depths))
 
@@ -290,33 +290,14 @@ class StaticGraphBackend:
 
         return logits
 
+    def _stream_sources(self, anchor_of):
+        """StepOutput's stream_logits and stream_states sources: one `streams` call for the accepted node
+        gives both, whichever the drafter reads first (anchor_of: node -> its anchor)."""
+        run = functools.lru_cache(maxsize=1)(lambda node: self._streams(anchor_of(node)))
+        return (lambda node: run(node)[0]), (lambda node: run(node)[1])
+
     def _streams(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Call after the commit: the anchor node's K/V must be in the cache (it is the last row).
         -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
         logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
         return logits.float(), states.float()
-
-
-class StreamCall:
-    """The deferred streams of a step's accepted node: one `streams` call gives both its logits and its
-    states, whichever the drafter reads first (nodes: anchor of each)."""
-
-    def __init__(self, backend: StaticGraphBackend, anchor_of):
-        self.backend, self.anchor_of = backend, anchor_of
-        self.node, self.result = None, None
-
-    def _run(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.node != node:
-            self.node, self.result = node, self.backend._streams(self.anchor_of(node))
-        return self.result
-
-    @staticmethod
-    def sources(call: "StreamCall | None") -> tuple:
-        """StepOutput's (stream_logits, stream_states) sources; (None, None) without streams."""
-        return (call.logits, call.states) if call is not None else (None, None)
-
-    def logits(self, node: int) -> torch.Tensor:
-        return self._run(node)[0]
-
-    def states(self, node: int) -> torch.Tensor:
-        return self._run(node)[1]
