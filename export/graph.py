@@ -2,9 +2,12 @@
 
 Every method is a pure function of explicit tensors; the host owns the KV cache:
 
-    prefill(ids [1,P], cache_len [1], last [1], keys, values) -> logits [1,V], anchor [1,H], new_keys, new_values
-    decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], new_keys, new_values
-    step_i (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], new_keys, new_values
+    prefill(ids [1,P], cache_len [1], last [1], keys, values) -> logits [1,V], anchor [1,H], hidden [1,H],
+                                                                  new_keys, new_values
+    decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], hidden [1,H],
+                                                                  new_keys, new_values
+    step_i (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], hidden [T,H],
+                                                                  new_keys, new_values
     streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V]
     greedy_step_i(ids [1,T], cache_len [1], keys, values)      -> targets [T], accepted [1], drafts [gamma,K],
                                                                   new_keys, new_values
@@ -19,7 +22,8 @@ ones into its cache. The step graph's tree (visibility among its T nodes and the
 a constant folded into the graph; prefill is a causal chunk of P tokens (a chain), decode a
 chain of 1. anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
-outputs equal the fused pass's; on CPUs it is the cheaper one).
+outputs equal the fused pass's; on CPUs it is the cheaper one). hidden is each row's final-normed
+state, the logits' input: a draft model's SpecDec++ acceptance head reads it (method specdec++).
 
 heads (an artifact with Medusa heads, method medusa) reruns the top N_s layers for the node committed
 at row cache_len - 1 (its anchor), seeing the rows below it, and ranks its final state through the
@@ -113,7 +117,7 @@ class MainPass(nn.Module):
         anchor = lower.hidden[0]
         if self.select_last:  # prefill: only the last real prompt token matters to the host
             hidden, anchor = hidden.index_select(0, last), anchor.index_select(0, last)
-        return (self.model.logits(hidden), anchor, *new_rows(provider))
+        return (self.model.logits(hidden), anchor, hidden, *new_rows(provider))
 
     def lower(self, ids, cache_len, keys, values) -> tuple[LowerState, StepKeyValues]:
         """The main stream through layers [0, N - N_s), and the provider that collects new K/V."""

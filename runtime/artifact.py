@@ -28,8 +28,9 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/9"  # /9: the streams' final states among the streams and greedy_step outputs;
-#                                   /8: graphs.heads (a Medusa heads method); /7: drafters of other methods
+SCHEMA = "streamfuse.artifact/10"  # /10: prefill, decode and step return each row's final state (hidden);
+#                                    /9: the streams' final states among the streams and greedy_step outputs;
+#                                    /8: graphs.heads (a Medusa heads method); /7: drafters of other methods
 MANIFEST = "manifest.json"
 
 

@@ -107,7 +107,7 @@ class Loaded:
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
         """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
         sd's draft model runs on the target's engine where the build exported it for that engine, else on
-        torch; specdec++ drives it with its acceptance head, which reads its final states: on torch.
+        torch; specdec++ drives the same with its acceptance head on the draft's final states.
         Medusa heads run on the torch target or in the exported graphs' heads method. ss-adaptive's head
         reads the streams' states every backend returns, on the host."""
         if settings.method in ("ar", "ss"):
@@ -128,7 +128,7 @@ class Loaded:
             self.stop_rule = StopRule(load_acceptance_head(folder).to(self.backend.device),
                                       self.artifact.drafters["specdec++"]["threshold"])
         rule = self.stop_rule if settings.threshold is None else replace(self.stop_rule, threshold=settings.threshold)
-        return ModelDrafter(self._draft_engine("torch"), settings, rule)
+        return ModelDrafter(self._draft_engine(self.engine), settings, rule)
 
     def _draft_engine(self, engine: str) -> Backend:
         """sd's draft model (its own artifact in drafters/sd) on `engine` where it was exported for it and

@@ -230,6 +230,28 @@ def test_prefill_spanning_several_chunks_matches_eager(artifact):
     torch.testing.assert_close(got.stream_logits(0), want.stream_logits(0), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, backend):
+    """hidden (what specdec++'s head reads off a draft model) of prefill, decode and a tree step, against the
+    torch backend's final states, row for row; a tree inside a larger graph returns its own nodes' rows."""
+    exported, eager = load(artifact, backend).backend, load(artifact, "torch").backend
+    chain = TREES[1]
+    sub_chain = TreeSpec.chain(chain.depth - 1)
+    for backend_ in (exported, eager):
+        backend_.reset(64)
+    outputs = []
+    for backend_ in (exported, eager):
+        prefill = backend_.prefill([5, 9, 14], with_streams=False)
+        decode = backend_.step([7], None, with_streams=False)
+        backend_.commit([0])
+        step = backend_.step([3] * sub_chain.num_nodes, sub_chain, with_streams=False)
+        outputs.append([prefill.hidden, decode.hidden, step.hidden])
+    assert exported.spec.graph_for(sub_chain)[1] is not None  # it rides in the chain's graph
+    for got, want, rows in zip(*outputs, (1, 1, sub_chain.num_nodes)):
+        assert got.shape == want.shape == (rows, eager.model.parts.hidden_size)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @needs("executorch", "onnx")
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)

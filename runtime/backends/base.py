@@ -67,7 +67,7 @@ class StepOutput:
     greedy_tokens: Sequence[int] | None = None  # [T] argmax after each node, chosen by the engine
     ranked_drafts: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, K] stream token ids, best first
     head_logits: Callable[[int], torch.Tensor] | None = None  # node -> [heads, V] Medusa heads' logits there
-    hidden: torch.Tensor | None = None  # [T, H] final-normed states (torch): a drafter's own heads read them
+    hidden: torch.Tensor | None = None  # [T, H] final-normed states: a drafter's own heads read them
     stream_states: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, H] its streams' final-normed states
 
     def next_token(self, node: int, choose: Callable[[torch.Tensor], int]) -> int:

@@ -87,7 +87,8 @@ class TorchBackend:
         self.cache.commit(range(count))
         states = self._stream_states(out, lower.hidden[:, -1:], [0]) if with_streams else None
         return StepOutput(self.model.logits(out.hidden[0, -1:]).float(), self._stream_logits(states),
-                          stream_states=states, head_logits=self._head_source(out.hidden[0, -1:]))
+                          stream_states=states, head_logits=self._head_source(out.hidden[0, -1:]),
+                          hidden=out.hidden[0, -1:])
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,

@@ -34,9 +34,9 @@ INPUT_NAMES = {
     "heads": ["anchor", "cache_len", "keys", "values"],
 }
 OUTPUT_NAMES = {
-    "prefill": ["logits", "anchor", "new_keys", "new_values"],
-    "decode": ["logits", "anchor", "new_keys", "new_values"],
-    "step": ["logits", "anchor", "new_keys", "new_values"],
+    "prefill": ["logits", "anchor", "hidden", "new_keys", "new_values"],
+    "decode": ["logits", "anchor", "hidden", "new_keys", "new_values"],
+    "step": ["logits", "anchor", "hidden", "new_keys", "new_values"],
     "streams": ["stream_logits", "stream_states"],
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values", "stream_states"],
     "heads": ["head_logits"],
@@ -182,12 +182,12 @@ class StaticGraphBackend:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             ids = torch.tensor([piece + [0] * (chunk - len(piece))])  # pad rows come last: causal, never seen
-            logits, anchor, new_keys, new_values = self.session.run(
+            logits, anchor, hidden, new_keys, new_values = self.session.run(
                 "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
         return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchor, self.length - 1, [0]))
+                          head_logits=self._head_source(anchor, self.length - 1, [0]), hidden=hidden.float())
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
@@ -203,17 +203,17 @@ class StaticGraphBackend:
         inputs = [torch.tensor([self._padded(tokens, nodes, width)]), self._length(), self.keys, self.values]
         if greedy and with_streams and tree is not None and self.use_greedy_step and nodes is None:
             return self._greedy_step(tree_method("greedy_step", index), inputs)
-        logits, anchors, new_keys, new_values = self.session.run(method, inputs)
+        logits, anchors, hidden, new_keys, new_values = self.session.run(method, inputs)
         if nodes is not None:  # back to the tree's own nodes, in its order
             rows = torch.tensor(nodes)
-            logits, anchors = logits.index_select(0, rows), anchors.index_select(0, rows)
+            logits, anchors, hidden = (t.index_select(0, rows) for t in (logits, anchors, hidden))
             new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
         self._pending = (new_keys, new_values)
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
         return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchors, self.length, depths))
+                          head_logits=self._head_source(anchors, self.length, depths), hidden=hidden.float())
 
     @staticmethod
     def _padded(tokens: Sequence[int], nodes: list[int] | None, width: int) -> list[int]:
