@@ -235,16 +235,14 @@ def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, bac
     """hidden (what specdec++'s head reads off a draft model) of prefill, decode and a tree step, against the
     torch backend's final states, row for row; a tree inside a larger graph returns its own nodes' rows."""
     exported, eager = load(artifact, backend).backend, load(artifact, "torch").backend
-    chain = TREES[1]
-    sub_chain = TreeSpec.chain(chain.depth - 1)
-    for backend_ in (exported, eager):
-        backend_.reset(64)
+    sub_chain = TreeSpec.chain(TREES[1].depth - 1)
     outputs = []
-    for backend_ in (exported, eager):
-        prefill = backend_.prefill([5, 9, 14], with_streams=False)
-        decode = backend_.step([7], None, with_streams=False)
-        backend_.commit([0])
-        step = backend_.step([3] * sub_chain.num_nodes, sub_chain, with_streams=False)
+    for engine in (exported, eager):
+        engine.reset(64)
+        prefill = engine.prefill([5, 9, 14], with_streams=False)
+        decode = engine.step([7], None, with_streams=False)
+        engine.commit([0])
+        step = engine.step([3] * sub_chain.num_nodes, sub_chain, with_streams=False)
         outputs.append([prefill.hidden, decode.hidden, step.hidden])
     assert exported.spec.graph_for(sub_chain)[1] is not None  # it rides in the chain's graph
     for got, want, rows in zip(*outputs, (1, 1, sub_chain.num_nodes)):
