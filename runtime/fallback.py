@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,11 @@ class FallbackConfig:
     def cost(self, paths: Hashable) -> float:
         """A step of the tree of these paths (its shape: the lookup branch costs nothing) in plain steps:
         its own calibrated cost, else step_cost."""
-        return dict(self.tree_costs).get(paths, self.step_cost)
+        return self._costs.get(paths, self.step_cost)
+
+    @cached_property
+    def _costs(self) -> dict:
+        return dict(self.tree_costs)  # built once, not on every step
 
 
 class Fallback:
