@@ -155,6 +155,7 @@ class ArtifactBuilder:
             print(f"[export] reusing {self.out} (same checkpoint and settings)", flush=True)
             return manifest
         (self.staging / "done").mkdir(parents=True, exist_ok=True)
+        self._clear_scratch()
         earlier = list(manifest["files"]) if manifest is not None else []
         if manifest is not None:
             self._seed(manifest)
@@ -185,6 +186,15 @@ class ArtifactBuilder:
             raise
 
     # --- stages -----------------------------------------------------------------------------
+    def _clear_scratch(self) -> None:
+        """What a killed export left half-written (a process killed for memory runs no cleanup): the
+        Core ML packages of single methods (3.9 GB for SmolLM2) and unfinished programs, which the
+        finished artifact would otherwise carry."""
+        from streamfuse.export.to_coreml import SCRATCH_PREFIX
+
+        for leftover in [*self.staging.glob(f"{SCRATCH_PREFIX}*"), *self.staging.glob("*.tmp")]:
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+
     def _seed(self, manifest: dict) -> None:
         """Start from the finished artifact's exports (hard links: the artifact stays intact)."""
         for item in self.out.iterdir():

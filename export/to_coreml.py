@@ -32,13 +32,16 @@ def _register_alias() -> None:
         context.add(_get_inputs(context, node, expected=1)[0], node.name)
 
 
+SCRATCH_PREFIX = "coreml-"  # one package per method, beside the target, merged into it at the end
+
+
 def export_mlpackage(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_names: dict[str, list[str]],
                      output_names: dict[str, list[str]], path: Path, precision: str = "float16") -> None:
     import coremltools as ct
 
     _register_alias()
     compute = {"float16": ct.precision.FLOAT16, "float32": ct.precision.FLOAT32}[precision]
-    with tempfile.TemporaryDirectory(prefix="coreml-", dir=Path(path).parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=Path(path).parent) as scratch:
         descriptor = ct.utils.MultiFunctionDescriptor()
         for name, module in modules.items():
             program = torch.export.export(module, inputs[name], strict=False).run_decompositions({})

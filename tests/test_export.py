@@ -433,7 +433,9 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     original = ArtifactBuilder._export
 
     def crash_on_coreml(self, backend):
-        if backend == "coreml":
+        if backend == "coreml":  # killed: what a process killed for memory leaves, no cleanup run
+            (self.staging / "coreml-killed" / "decode.mlpackage").mkdir(parents=True)
+            (self.staging / "model.tmp").write_bytes(b"half a program")
             raise KeyboardInterrupt("interrupted")
         return original(self, backend)
 
@@ -452,6 +454,7 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert "parity-onnx: done earlier" not in printed
     assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml"}
     assert not list(tmp_path.glob(".artifact.partial-*"))
+    assert not list(out.glob("coreml-*")) and not list(out.glob("*.tmp"))
 
     # Asking for one more backend exports only that one and keeps the others.
     more = ExportConfig(backends=("torch", "onnx", "executorch_coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
