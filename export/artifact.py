@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -25,11 +23,10 @@ from tqdm.auto import tqdm
 
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weights_digest
 from streamfuse.adapters.medusa import load_heads, read_heads_manifest
-from streamfuse.export import graph
+from streamfuse.export import graph, worker
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
-from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
@@ -220,12 +217,10 @@ class ArtifactBuilder:
         if self.config.workers < 2 or not beside:
             return {b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")}
         print(f"[export] {', '.join(beside)} in a worker process beside {backends[0]}", flush=True)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=cli.quiet_unless_debugging) as pool:
-            worker = pool.submit(export_stages, self.arguments, beside)
-            first = self._stage(backends[0], lambda: self._export(backends[0]))
-            self._parity_stage(backends[0], first["files"])
-            worker.result()  # re-raises the worker's error here
+        job = worker.start(export_stages, self.arguments, beside)
+        first = self._stage(backends[0], lambda: self._export(backends[0]))
+        self._parity_stage(backends[0], first["files"])
+        job.result()  # re-raises the worker's error here
         return {backends[0]: first, **{b: json.loads(self._marker(b).read_text()) for b in backends[1:]}}
 
     def _parity_stage(self, backend: str, files: dict) -> dict | None:

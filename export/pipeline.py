@@ -7,9 +7,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export import report
+from streamfuse.export import report, worker
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter
 from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
 from streamfuse.export.config import BuildConfig
@@ -40,7 +38,6 @@ from streamfuse.export.training.medusa import HeadTraining, head_features, train
 from streamfuse.export.training.stream_acceptance import stream_acceptance_features
 from streamfuse.export.training.train import train
 from streamfuse.export.verify import ParityError
-from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
@@ -349,8 +346,8 @@ class Build:
     def calibrate_torch(self, ss_dir: Path, acceptance: AcceptanceModel) -> BackendCalibration:
         """Step costs of the best tree of every size on this machine (the torch backend runs any tree)."""
         def compute() -> dict:
-            return in_fresh_process(calibrate_sources, ss_dir, "torch", self.calibration_sources(), self.args.threads,
-                                    CALIBRATION_TOKENS, acceptance.to_dict())
+            return worker.run(calibrate_sources, ss_dir, "torch", self.calibration_sources(), self.args.threads,
+                              CALIBRATION_TOKENS, acceptance.to_dict())
 
         model = hashlib.sha256(json.dumps(acceptance.to_dict()).encode()).hexdigest()[:16]
         key = json.dumps([self.eval_key(model_key(ss_dir)), "calibrate torch", self.args.threads,
@@ -371,8 +368,8 @@ class Build:
             if files not in opened.manifest["files"]:
                 continue
             if opened.calibration(backend) is None:
-                data = in_fresh_process(calibrate_sources, artifact, backend, self.calibration_sources(),
-                                        self.args.threads, CALIBRATION_TOKENS)
+                data = worker.run(calibrate_sources, artifact, backend, self.calibration_sources(),
+                                  self.args.threads, CALIBRATION_TOKENS)
                 opened.save_calibration(backend, BackendCalibration.from_dict(data))
             else:
                 print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
@@ -422,8 +419,8 @@ class Build:
         else:
             sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
             # A fresh process: its peak memory is the runtime's own, not this one's from training.
-            result = in_fresh_process(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
-                                      self.args.threads, artifact.parent / f"{artifact.name}-profile")
+            result = worker.run(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
+                                self.args.threads, artifact.parent / f"{artifact.name}-profile")
             result.update(limit=limit, backend_choice=backend)
             Artifact.open(artifact).update(profile=result)
         if result["bench"]["mismatched_inputs"]:
@@ -462,14 +459,6 @@ def with_method_chains(trees: tuple[str, ...], config: BuildConfig) -> tuple[str
     held = [TreeSpec.parse(text) for text in trees]
     extra = [c for c in method_chains(config) if not any(set(c.paths) <= set(t.paths) for t in held)]
     return trees + tuple(tree_text(chain) for chain in extra)
-
-
-def in_fresh_process(function, *args):
-    """function(*args) in a spawned process: a measurement there sees the runtime alone, not this
-    process's training memory or its threads."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=cli.quiet_unless_debugging) as pool:
-        return pool.submit(function, *args).result()
 
 
 def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> int:
