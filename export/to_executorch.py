@@ -14,6 +14,7 @@ q4-native puts the base GGUF's own codes in the same kernels (export/xnnpack_low
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,19 +82,22 @@ def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Pa
         from streamfuse.export.xnnpack_graph import views_for_xnnpack
 
         programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
-    with shared_constant_bytes():
+    with shared_weights():
         lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate)])
         Path(path).write_bytes(lowered.to_executorch(host_inputs()).buffer)
 
 
 @contextmanager
-def shared_constant_bytes() -> Iterator[None]:
-    """While lowering, equal constant blobs added under the same key become one bytes object.
-    XNNPACK gives each method its own NamedDataStore holding a bytes copy of every weight the method
-    reads, kept until to_executorch merges the stores by key: a .pte of 16 methods held 16 copies of
-    SmolLM2-135M's 540 MB of fp32 weights (that export was killed at 18 GB on a 23 GB machine).
-    Substituting an equal object changes no byte of the program."""
+def shared_weights() -> Iterator[None]:
+    """While lowering, the methods share one copy of the weights. ExecuTorch's lowering deep-copies
+    every method's partitioned program, weights included, before any backend preprocesses them, and
+    XNNPACK then gives each method its own NamedDataStore holding a bytes copy of every weight it
+    reads, kept until to_executorch merges the stores by key. A .pte of 16 methods held 16 + 16 copies
+    of SmolLM2-135M's 540 MB of fp32 weights (that export was killed at 18 GB on a 23 GB machine).
+    Here the copies keep the original tensors (preprocessing rewrites graphs, not weights) and equal
+    blobs under one key become one bytes object; the program's bytes do not change."""
     from executorch.exir._serialize._named_data_store import NamedDataStore
+    from executorch.exir.backend import backend_api
 
     original = NamedDataStore.add_named_data
     seen: dict[str, bytes] = {}
@@ -105,11 +109,29 @@ def shared_constant_bytes() -> Iterator[None]:
                 data = known
         return original(self, key, data, *args, **kwargs)
 
-    NamedDataStore.add_named_data = add_named_data
+    NamedDataStore.add_named_data, backend_api.copy = add_named_data, _CopyKeepingWeights()
     try:
         yield
     finally:
-        NamedDataStore.add_named_data = original
+        NamedDataStore.add_named_data, backend_api.copy = original, copy
+
+
+class _CopyKeepingWeights:
+    """The `copy` module for ExecuTorch's backend_api while lowering: deepcopy of an ExportedProgram
+    keeps its weight and constant tensors (the same objects), and copies the rest."""
+
+    def __getattr__(self, name: str):
+        return getattr(copy, name)
+
+    @staticmethod
+    def deepcopy(value, memo: dict | None = None):
+        from torch.export import ExportedProgram
+
+        memo = {} if memo is None else memo
+        if isinstance(value, ExportedProgram):
+            for tensor in [*value.state_dict.values(), *value.constants.values()]:
+                memo[id(tensor)] = tensor
+        return copy.deepcopy(value, memo)
 
 
 def host_inputs():
