@@ -9,7 +9,8 @@ once P(at least one rejection) = 1 - prod p_i passes the threshold h; the token 
 proposes is kept (as the authors' code does), so a chain has 2..γ drafts.
 The draft model runs on any Backend (its streams unused; the exported graphs return the final states
 the head reads): the runtime loads it on the target's engine (Loaded.drafter). Greedy drafts are the
-draft model's argmax and are accepted by matching the target's token; sampled drafts carry the draft distribution q for speculative sampling
+draft model's argmax and are accepted by matching the target's token; sampled drafts carry the draft
+distribution q for speculative sampling
 (runtime/accept.py), the standard rule of Leviathan et al. (2023) and Chen et al. (2023).
 """
 
