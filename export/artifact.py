@@ -55,9 +55,13 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
 @dataclass(frozen=True)
 class ExportConfig:
     backends: tuple[str, ...] = DEFAULT_BACKENDS
-    # The draft trees with step graphs, the default first: the build puts its calibrated choices here
-    # (export/calibration.py); without them, the 4-node chain (the fastest fixed tree on CPUs measured).
+    # The artifact's draft trees (data, not graphs), the default first: the build puts its calibrated
+    # choices here (export/calibration.py); without them, the 4-node chain (the fastest fixed tree on CPUs
+    # measured). Every tree must fit the largest bucket.
     trees: tuple[str, ...] = ("gamma=3,k=1",)
+    # Row counts with step graphs (export/graph.py): any tree of up to T nodes runs in bucket T, padded.
+    # Each bucket adds two methods to lower; 4 and 8 hold the trees CPUs calibrate to (docs/benchmarks.md).
+    buckets: tuple[int, ...] = (4, 8)
     capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
     prefill_chunk: int = 64
     quantize: str = "none"  # weights: none | int8 | 8da4w | q4-native, where a backend offers it (FORMATS)
@@ -81,10 +85,12 @@ class ExportConfig:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
-        trees = tuple(TreeSpec.parse(tree) for tree in self.trees)
-        for tree in trees:
-            graph.greedy_schedule(tree, self.greedy_schedule)
-        graph.GraphShapes(self.capacity, self.prefill_chunk, trees)
+        shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
+        graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
+        for tree in (TreeSpec.parse(tree) for tree in self.trees):
+            if tree.num_nodes > shapes.max_nodes:
+                raise ValueError(f"export.trees has a tree of {tree.num_nodes} nodes, more than the largest of "
+                                 f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more")
 
     def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None) -> str:
         """What the graphs depend on: the checkpoint's settings and its weights (weights_digest), these
@@ -92,7 +98,7 @@ class ExportConfig:
         part of it: an artifact with the same key lends its finished exports to a build that asks for
         more backends."""
         payload = {"schema": SCHEMA, "training": training_key, "weights": weights,
-                   "methods": method_names(len(self.trees), heads_key is not None), "heads": heads_key, **asdict(self),
+                   "methods": method_names(self.buckets, heads_key is not None), "heads": heads_key, **asdict(self),
                    "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
         payload.pop("backends")
         payload.pop("workers")
@@ -337,10 +343,10 @@ class ArtifactBuilder:
         reference = EagerSession(self.modules(model, in_place=backend in IN_PLACE))
         fmt = self.format(backend)
         if fmt == "none":
-            result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
+            result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
                                     self.rules())
         else:  # lossless against its own plain decoding on every prompt; tokens may differ from fp32 eager
-            result = backend_parity(session, reference, self.graph_spec(), self.prompts, self.expected_tokens(),
+            result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
                                     self.rules(), plain_prompts=len(self.prompts), relative_tolerance=None)
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
         others = result["other_trees"]
@@ -359,11 +365,14 @@ class ArtifactBuilder:
         return self._model
 
     def shapes(self, in_place: bool = False) -> graph.GraphShapes:
-        trees = tuple(TreeSpec.parse(tree) for tree in self.config.trees)
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, trees, in_place)
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, in_place)
+
+    @property
+    def trees(self) -> tuple[TreeSpec, ...]:
+        return tuple(TreeSpec.parse(tree) for tree in self.config.trees)
 
     def greedy_schedules(self) -> list[str]:
-        return [graph.greedy_schedule(tree, self.config.greedy_schedule) for tree in self.shapes().trees]
+        return [graph.greedy_schedule(rows, self.config.greedy_schedule) for rows in self.config.buckets]
 
     def modules(self, model, in_place: bool = False) -> dict:
         return graph.graph_modules(model, self.shapes(in_place), self.draft.ids if self.draft else None,
@@ -389,7 +398,7 @@ class ArtifactBuilder:
     def _eager_tokens(self) -> dict:
         # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
         eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
-        return {"tokens": eager_tokens(eager, self.shapes().trees[0], self.prompts, self.rules())}
+        return {"tokens": eager_tokens(eager, self.trees[0], self.prompts, self.rules())}
 
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
@@ -409,13 +418,14 @@ class ArtifactBuilder:
                       "vocab_size": parts.vocab_size, "max_positions": parts.max_positions,
                       "num_parameters": sum(p.numel() for p in model.parameters())},
             "streams": checkpoint["streams"],
-            "trees": [tree.to_dict() for tree in shapes.trees],
+            "trees": [tree.to_dict() for tree in self.trees],
             "calibration": {"acceptance": None, "backends": {}},
-            "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "dtype": "float32",
+            "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "buckets": list(shapes.buckets),
+                       "dtype": "float32",
                        "stream_schedule": "deferred", "quantize": {b: f["name"] for b, f in formats.items()},
                        "formats": formats,
                        "coreml_precision": self.config.coreml_precision,
-                       "greedy_step": {"schedules": self.greedy_schedules(),
+                       "greedy_step": {"schedules": self.greedy_schedules(), "width": shapes.width,
                                        "draft_vocab": self.draft.to_dict() if self.draft else None},
                        "heads": {"count": self.num_heads, "training_key": self.heads_key},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},

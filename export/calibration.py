@@ -71,16 +71,17 @@ def lookup_matches(ids: Sequence[int], prompt_len: int, depth: int) -> list[int]
 
 
 def trees_to_export(acceptance: AcceptanceModel, calibration: BackendCalibration, quantized: bool,
-                    adaptive: bool = False) -> list[TreeSpec]:
-    """The graphs' trees, the default first: the tree that pays most on this machine (torch); the best
-    tree of up to MEMORY_BOUND_NODES nodes (where a step costs about a plain one: NPUs, mobile and Jetson
-    GPUs); a cheap tree for the exported CPU engines, whose plain step is faster than torch's, so a
-    tree step costs more of them: fp32, the 4-node tree (ONNX Runtime's calibrated choice on 2 cores,
-    docs/benchmarks.md); quantized, the 2-node tree (the 4-node one where the default has 2 nodes);
-    for method ss-adaptive the best 2- and 4-node trees both, the cheap steps it may choose where the
-    streams are unsure. Each tree adds two methods to lower (ExecuTorch: ~2 min each on 2 cores, fp32)."""
-    best = acceptance.best_trees(MAX_TREE_NODES)
-    default = calibration.tree
+                    max_nodes: int, adaptive: bool = False) -> list[TreeSpec]:
+    """The artifact's trees (data; the graphs run any tree of up to max_nodes nodes), the default first:
+    the tree of up to max_nodes that pays most on this machine (torch); the best tree of up to
+    MEMORY_BOUND_NODES nodes (where a step costs about a plain one: NPUs, mobile and Jetson GPUs); a cheap
+    tree for the exported CPU engines, whose plain step is faster than torch's, so a tree step costs more
+    of them: fp32, the 4-node tree (ONNX Runtime's calibrated choice on 2 cores, docs/benchmarks.md);
+    quantized, the 2-node tree (the 4-node one where the default has 2 nodes); for method ss-adaptive the
+    best 2- and 4-node trees both. An engine's own calibration (tools/calibrate.py) picks among all sizes."""
+    best = acceptance.best_trees(min(MAX_TREE_NODES, max_nodes))
+    fitting = [cost for cost in calibration.trees if cost.tree.num_nodes <= max_nodes]
+    default = max(fitting, key=lambda cost: cost.speedup(calibration.plain_seconds)).tree if fitting else best[max(best)]
     wide = max((tree for nodes, tree in best.items() if nodes <= MEMORY_BOUND_NODES), key=acceptance.expected_tokens)
     small = [best[2] if default.num_nodes > 2 else best.get(4, default)] if quantized else [best.get(4, default)]
     cheap = [best[n] for n in (2, 4) if n in best] if adaptive else []

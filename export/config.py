@@ -397,13 +397,19 @@ def with_overrides(config: BuildConfig, assignments: list[str]) -> BuildConfig:
 
 
 def parse_value(text: str, kind, where: str):
-    """Text -> a value of the annotated type: bool, int, float, str, Literal, Optional and tuple[str, ...]."""
+    """Text -> a value of the annotated type: bool, int, float, str, Literal, Optional, tuple[str, ...] and
+    tuple[int, ...]."""
     options = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if text.lower() == "none" and type(None) in options:
             return None
         (kind,) = [option for option in options if option is not type(None)]
         options = typing.get_args(kind)
+    if typing.get_origin(kind) is tuple and options[0] is int:  # numbers: ',' or ';'-separated
+        parts = [part.strip() for part in text.replace(";", ",").split(",") if part.strip()]
+        if not all(part.isdigit() for part in parts):
+            raise ValueError(f"{where}: {text!r} is not a list of whole numbers (e.g. 4,8)")
+        return tuple(int(part) for part in parts)
     if typing.get_origin(kind) is tuple:  # ';'-separated: trees contain commas
         return tuple(part.strip() for part in text.split(";") if part.strip())
     if typing.get_origin(kind) is typing.Literal:

@@ -6,21 +6,28 @@ Every method is a pure function of explicit tensors; the host owns the KV cache:
                                                                   new_keys, new_values
     decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], hidden [1,H],
                                                                   new_keys, new_values
-    step_i (ids [1,T], cache_len [1], keys, values)            -> logits [T,V], anchor [T,H], hidden [T,H],
+    step_T (ids [1,T], cache_len [1], tree [T,T], depths [T], keys, values)
+                                                               -> logits [T,V], anchor [T,H], hidden [T,H],
                                                                   new_keys, new_values
-    streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V]
-    greedy_step_i(ids [1,T], cache_len [1], keys, values)      -> targets [T], accepted [1], drafts [gamma,K],
-                                                                  new_keys, new_values
+    streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V], stream_states
+    greedy_step_T(ids [1,T], cache_len [1], tree [T,T], depths [T], parents [T], keys, values)
+                                                               -> targets [T], accepted [1], drafts [gamma,K],
+                                                                  new_keys, new_values, stream_states
     heads  (anchor [1,H], cache_len [1], keys, values)         -> head_logits [heads,V]   (Medusa heads only)
-step_i and greedy_step_i exist for each draft tree i the artifact carries (T: that tree's nodes;
-calibration picks one per device, runtime/calibration.py).
+
+The draft tree is data: step_T and greedy_step_T exist for each size bucket T (GraphShapes.buckets)
+and take the tree as inputs: `tree` row i is 1 at node i's ancestors and itself, `depths` gives each
+node's position past cache_len, `parents` each node's parent (the root its own). Any tree of up to T
+nodes runs in the bucket; the host pads the rest with rows that see only themselves at depth -1
+(runtime/backends/static_graph.py tree_inputs), which no real row sees and greedy_step never accepts.
+Calibration may pick any tree up to the largest bucket with no re-export, and a method may change its
+tree every step.
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
 the rest are masked out, so C (the capacity) is the only cache shape a graph ever sees.
 new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
-ones into its cache. The step graph's tree (visibility among its T nodes and their depths) is
-a constant folded into the graph; prefill is a causal chunk of P tokens (a chain), decode a
-chain of 1. anchor is each row's main-stream state at layer N - N_s: the streams method runs
+ones into its cache. prefill is a causal chunk of P tokens (a constant chain), decode a chain of 1.
+anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
 outputs equal the fused pass's; on CPUs it is the cheaper one). hidden is each row's final-normed
 state, the logits' input: a draft model's SpecDec++ acceptance head reads it (method specdec++).
@@ -31,9 +38,9 @@ heads and the shared LM head: the step graphs stay as they are, at one extra cal
 
 greedy_step is step + streams in one call for greedy decoding: the graph takes each node's
 argmax (targets), finds the accepted node by the greedy rule, and returns the top-K token ids
-(K: the widest level of any of the artifact's trees, so the next step may take any) of that
-node's streams, run beside every node (fused) or for that node alone after verifying (deferred);
-see GreedyStepPass. One call per step, and no [T, V]
+(K: GraphShapes.width, the widest level the artifact's trees may have, so the next step may take any
+of them; a wider tree runs step + streams) of that node's streams, run beside every node (fused) or for that node alone after verifying
+(deferred); see GreedyStepPass. One call per step, and no [T, V]
 logits leave the graph. The host still decides acceptance from `targets`; `accepted` only says
 whose streams the drafts are. streams and greedy_step also return the streams' final-normed states
 [gamma, H] (stream_states): method ss-adaptive's acceptance head reads them on the host.
@@ -51,7 +58,8 @@ from streamfuse.adapters.masks import GRAPH_MASKED, additive
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, GraphSpec, base_method, tree_method
+from streamfuse.runtime.backends.static_graph import (INPUT_NAMES, OUTPUT_NAMES, GraphSpec, base_method, bucket_method,
+                                                      tree_inputs)
 from streamfuse.runtime.tree import TreeSpec
 
 # The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
@@ -64,22 +72,33 @@ class GraphShapes:
 
     capacity: int  # C: KV rows the graphs attend over (prompt + generated + one step)
     prefill_chunk: int  # P: prompt tokens per prefill call
-    trees: tuple[TreeSpec, ...]  # the draft trees with step graphs (T = tree.num_nodes), the default first
+    buckets: tuple[int, ...]  # row counts T with step graphs, ascending: any tree of up to T nodes runs in T
     # Where a call's new rows sit for attention: False, after the C cache rows; True, at slots
     # cache_len.. of the cache (MainPass): a chain node then sees exactly what plain decoding of its
     # token sees, slot for slot, so reductions add the same terms in the same order (ONNX Runtime's
     # sums depend on where the terms sit, and int8 activations would turn 1-ulp differences into flips).
     in_place: bool = False
+    # Ranks per stream greedy_step drafts, at least max_nodes - 1 (the widest level such a tree has): ranks
+    # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
+    # further (export/calibration.py MAX_RANK = 8).
+    draft_width: int = 9
 
     def __post_init__(self):
-        if not self.trees:
-            raise ValueError("the graphs need at least one draft tree")
-        if len({tree.hash() for tree in self.trees}) != len(self.trees):
-            raise ValueError("the draft trees repeat a shape: give each tree once")
-        largest = max(tree.num_nodes for tree in self.trees)
-        if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + largest:
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 2:
+            raise ValueError(f"step graph buckets must be distinct row counts >= 2 (a root and one draft), "
+                             f"ascending; got {list(self.buckets)}")
+        if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + self.max_nodes:
             raise ValueError(f"capacity {self.capacity} must hold at least one prefill chunk ({self.prefill_chunk}) "
-                             f"plus one tree ({largest} nodes)")
+                             f"plus the largest step ({self.max_nodes} rows)")
+
+    @property
+    def max_nodes(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def width(self) -> int:
+        """Ranks per stream greedy_step drafts (K): draft_width, or more for a wider largest bucket."""
+        return max(self.draft_width, self.max_nodes - 1)
 
 
 def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:
@@ -98,42 +117,67 @@ def split_cache(keys: Cache, values: Cache) -> list[tuple[torch.Tensor, torch.Te
     return [(keys[layer : layer + 1], values[layer : layer + 1]) for layer in range(keys.shape[0])]
 
 
-class MainPass(nn.Module):
-    """prefill, decode or step: main stream over T new tokens with a constant visibility among them."""
+def tree_mask(visible: torch.Tensor) -> torch.Tensor:
+    """Additive [T, T] from 0/1 visibility. A product, not torch.where with a scalar (Core ML's converter
+    has no where.ScalarOther); a visible entry becomes -0.0, which adds to a score like 0.0."""
+    return (1.0 - visible) * GRAPH_MASKED
 
-    def __init__(self, model: SpeculativeStreamingLM, visibility: torch.Tensor, depths: list[int], select_last: bool,
-                 in_place: bool = False):
+
+def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, keys, values,
+               in_place: bool) -> tuple[LowerState, StepKeyValues]:
+    """The main stream through layers [0, N - N_s) for T new rows with `visible` [T, T] among them at
+    `depths` past cache_len, and the provider that collects their K/V."""
+    count = ids.shape[1]
+    positions = (cache_len + depths)[None]
+    past = split_cache(keys, values)
+    span = past[0][0].shape[2]  # C; an ONNX prefill takes only the rows up to its own (to_onnx.DYNAMIC_SPAN)
+    among = tree_mask(visible)
+    if in_place:  # [T, C]: the cache below cache_len, then the new rows at their slots
+        inside, index = in_place_slots(cache_len, span, count)
+        mask = torch.where(inside[None, :], among.index_select(1, index), cache_mask(cache_len, span, count))[None, None]
+        provider = StepKeyValues(len(past), count, past, write_at=cache_len)
+    else:  # [T, C + T]
+        mask = torch.cat([cache_mask(cache_len, span, count), among], dim=1)[None, None]
+        provider = StepKeyValues(len(past), count, past)
+    return model.forward_lower(ids, positions, mask, provider), provider
+
+
+class MainPass(nn.Module):
+    """prefill or decode: the main stream over a causal chunk of T new tokens (a constant chain)."""
+
+    def __init__(self, model: SpeculativeStreamingLM, count: int, select_last: bool, in_place: bool = False):
         super().__init__()
         self.model = model
         self.select_last = select_last
         self.in_place = in_place
-        self.register_buffer("tree_mask", additive(visibility, fill=GRAPH_MASKED), persistent=False)
-        self.register_buffer("depths", torch.tensor(depths, dtype=torch.long), persistent=False)
+        # Not named like the step graphs' inputs: ONNX keeps constants by name beside the methods' inputs.
+        self.register_buffer("chain_visible", chain_visibility(count).to(torch.float32), persistent=False)
+        self.register_buffer("chain_depths", torch.arange(count), persistent=False)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 last: torch.Tensor | None = None):
-        lower, provider = self.lower(ids, cache_len, keys, values)
+        lower, provider = main_lower(self.model, ids, cache_len, self.chain_visible, self.chain_depths, keys, values,
+                                     self.in_place)
         hidden = self.model.forward_upper(lower).hidden[0]
         anchor = lower.hidden[0]
         if self.select_last:  # prefill: only the last real prompt token matters to the host
             hidden, anchor = hidden.index_select(0, last), anchor.index_select(0, last)
         return (self.model.logits(hidden), anchor, hidden, *new_rows(provider))
 
-    def lower(self, ids, cache_len, keys, values) -> tuple[LowerState, StepKeyValues]:
-        """The main stream through layers [0, N - N_s), and the provider that collects new K/V."""
-        count = ids.shape[1]
-        positions = (cache_len + self.depths)[None]
-        past = split_cache(keys, values)
-        span = past[0][0].shape[2]  # C; an ONNX prefill takes only the rows up to its own (to_onnx.DYNAMIC_SPAN)
-        if self.in_place:  # [T, C]: the cache below cache_len, then the tree at its slots
-            inside, index = in_place_slots(cache_len, span, count)
-            mask = torch.where(inside[None, :], self.tree_mask.index_select(1, index),
-                               cache_mask(cache_len, span, count))[None, None]
-            provider = StepKeyValues(len(past), count, past, write_at=cache_len)
-        else:  # [T, C + T]
-            mask = torch.cat([cache_mask(cache_len, span, count), self.tree_mask], dim=1)[None, None]
-            provider = StepKeyValues(len(past), count, past)
-        return self.model.forward_lower(ids, positions, mask, provider), provider
+
+class StepPass(nn.Module):
+    """step: the main stream over a draft tree of T rows, the tree given as inputs."""
+
+    def __init__(self, model: SpeculativeStreamingLM, in_place: bool = False):
+        super().__init__()
+        self.model = model
+        self.in_place = in_place
+
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor):
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place)
+        hidden = self.model.forward_upper(lower).hidden[0]
+        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider))
 
 
 def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,51 +224,38 @@ class GreedyStepPass(nn.Module):
     """greedy_step: verify the tree, accept greedily, and draft from the accepted node's streams.
 
     schedule "deferred" runs the accepted node's gamma streams after the verify pass, against the
-    cache plus the tree's new rows; "fused" runs streams beside every node in the verify pass (the
+    cache plus the tree's new rows; "fused" runs streams beside every row in the verify pass (the
     paper's schedule: more rows, but the MSA layers' weights are read once). draft_ids, if given,
     is the vocabulary streams draft from (see export/draft_vocab.py): its rows of the LM head are
     a constant of the graph, so ranking drafts reads D rows instead of V. Targets always use all V.
     """
 
-    def __init__(self, model: SpeculativeStreamingLM, tree: TreeSpec, capacity: int,
-                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False,
-                 width: int | None = None):
+    def __init__(self, model: SpeculativeStreamingLM, rows: int, capacity: int, width: int,
+                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False):
         super().__init__()
         if schedule not in STREAM_SCHEDULES:
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
-        self.model, self.capacity, self.schedule = model, capacity, schedule
-        # Drafts for the next step, whichever tree it takes: the widest level of all the artifact's trees.
-        self.width = width or max(tree.widths)
-        self.main = MainPass(model, tree.ancestor_mask, tree.depths, select_last=False, in_place=in_place)
-        self.register_buffer("parents", torch.tensor(tree.parents[1:], dtype=torch.long), persistent=False)
-        self.register_buffer("ancestors", tree.ancestor_mask.to(torch.float32), persistent=False)
-        self.register_buffer("all_nodes", torch.arange(tree.num_nodes)[None], persistent=False)
+        self.model, self.capacity, self.schedule, self.width, self.in_place = model, capacity, schedule, width, in_place
+        self.register_buffer("all_nodes", torch.arange(rows)[None], persistent=False)
         ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)
         self.draft_head = None if ids is None else head_rows(model.parts.lm_head, ids)
 
-    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = self.main.lower(ids, cache_len, keys, values)
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
+                parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place)
         fused = self.schedule == "fused"
         out = self.model.forward_upper(lower, self.all_nodes if fused else None)
         new_keys, new_values = new_rows(provider)
         targets = self.model.logits(out.hidden[0]).argmax(-1)
-        accepted = self.accepted_node(ids[0], targets)
+        accepted = accepted_node(ids[0], targets, tree, depths, parents)
         if fused:
             streams = out.stream_hidden[0].index_select(0, accepted)[0]
         else:
             anchor = lower.hidden[0].index_select(0, accepted)
-            streams = self._deferred_streams(anchor, accepted, cache_len, keys, values, new_keys, new_values)
+            streams = self._deferred_streams(anchor, accepted, cache_len, tree, depths, keys, values, new_keys,
+                                             new_values)
         return targets, accepted, self.ranked_drafts(streams), new_keys, new_values, streams
-
-    def accepted_node(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[1]: the deepest node whose every ancestor's target is its child's token (runtime/accept.py's
-        greedy rule; sibling tokens are distinct, so at most one node per depth qualifies)."""
-        matched = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ids[1:] == targets[self.parents]])
-        # A [T, 1] column: Core ML's matmul does not take a rank-1 right operand.
-        misses = self.ancestors @ torch.logical_not(matched).to(torch.float32)[:, None]
-        reachable = (misses[:, 0] == 0).to(torch.long)
-        return (reachable * (self.main.depths + 1)).argmax(0, keepdim=True)
 
     def ranked_drafts(self, streams: torch.Tensor) -> torch.Tensor:
         """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""
@@ -233,17 +264,30 @@ class GreedyStepPass(nn.Module):
         ranks = self.draft_head(streams).topk(self.width, dim=-1).indices
         return self.draft_ids[ranks]
 
-    def _deferred_streams(self, anchor, node, cache_len, keys, values, new_keys, new_values) -> torch.Tensor:
+    def _deferred_streams(self, anchor, node, cache_len, tree, depths, keys, values, new_keys, new_values):
         """[gamma, H] streams of `node`: it sees the cache and its tree ancestors (itself included)."""
         model = self.model
-        position = (cache_len + self.main.depths.index_select(0, node))[None]
-        visible = torch.cat([cache_mask(cache_len, self.capacity, 1), self.main.tree_mask.index_select(0, node)], dim=1)
+        position = (cache_len + depths.index_select(0, node))[None]
+        visible = torch.cat([cache_mask(cache_len, self.capacity, 1), tree_mask(tree.index_select(0, node))], dim=1)
         past = [(layer_keys, layer_values) if layer < model.split else
                 (torch.cat([layer_keys, new_keys[layer : layer + 1]], dim=2),
                  torch.cat([layer_values, new_values[layer : layer + 1]], dim=2))
                 for layer, (layer_keys, layer_values) in enumerate(split_cache(keys, values))]
         provider = StepKeyValues(len(past), 0, past)
         return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
+
+
+def accepted_node(ids: torch.Tensor, targets: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
+                  parents: torch.Tensor) -> torch.Tensor:
+    """[1]: the deepest node whose every ancestor's target is its child's token (runtime/accept.py's greedy
+    rule; sibling tokens are distinct, so at most one node per depth qualifies). Rows are weighed by
+    depth + 1, so the root (1) always beats a pad row (depth -1: 0)."""
+    matched = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device),
+                         ids[1:] == targets.index_select(0, parents[1:])])
+    # A [T, 1] column: Core ML's matmul does not take a rank-1 right operand.
+    misses = tree @ torch.logical_not(matched).to(torch.float32)[:, None]
+    reachable = (misses[:, 0] == 0).to(torch.long)
+    return (reachable * (depths + 1)).argmax(0, keepdim=True)
 
 
 def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
@@ -260,7 +304,7 @@ def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     return rows
 
 
-# Largest tree whose greedy_step runs streams beside every node under "auto". On the 2-core CPU
+# Largest bucket whose greedy_step runs streams beside every row under "auto". On the 2-core CPU
 # (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; export/graph_latency.py) fused/deferred took
 # 47.7/52.3 ms for the 4-node chain and 81.6/69.2 ms for 15 nodes (a 6-node tree was about even in
 # an exploratory run): extra rows cost compute, re-reading the MSA layers' weights costs bandwidth.
@@ -268,13 +312,13 @@ FUSED_MAX_NODES = 7
 GREEDY_SCHEDULES = ("auto", *STREAM_SCHEDULES)
 
 
-def greedy_schedule(tree: TreeSpec, choice: str) -> str:
-    """"fused" or "deferred" for greedy_step; "auto" picks by tree size (FUSED_MAX_NODES)."""
+def greedy_schedule(rows: int, choice: str) -> str:
+    """"fused" or "deferred" for the greedy_step of `rows` rows; "auto" picks by size (FUSED_MAX_NODES)."""
     if choice not in GREEDY_SCHEDULES:
         raise ValueError(f"greedy_step schedule must be one of {', '.join(GREEDY_SCHEDULES)}, got {choice!r}")
     if choice != "auto":
         return choice
-    return "fused" if tree.num_nodes <= FUSED_MAX_NODES else "deferred"
+    return "fused" if rows <= FUSED_MAX_NODES else "deferred"
 
 
 def chain_visibility(count: int) -> torch.Tensor:
@@ -284,20 +328,19 @@ def chain_visibility(count: int) -> torch.Tensor:
 def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids: Sequence[int] | None = None,
                   schedules: Sequence[str] | None = None, heads: nn.Module | None = None) -> dict[str, nn.Module]:
     """method name -> module, in static_graph.method_names order; the same model weights are shared by
-    all of them. draft_ids and schedules (one per tree; default deferred) shape greedy_step only;
+    all of them. draft_ids and schedules (one per bucket; default deferred) shape greedy_step only;
     heads (Medusa's) add the heads method."""
     chunk, capacity, in_place = shapes.prefill_chunk, shapes.capacity, shapes.in_place
-    schedules = schedules or ["deferred"] * len(shapes.trees)
+    schedules = schedules or ["deferred"] * len(shapes.buckets)
     modules = {
-        "prefill": MainPass(model, chain_visibility(chunk), list(range(chunk)), True, in_place),
-        "decode": MainPass(model, chain_visibility(1), [0], False, in_place),
+        "prefill": MainPass(model, chunk, True, in_place),
+        "decode": MainPass(model, 1, False, in_place),
         "streams": StreamsPass(model, capacity),
     }
-    width = max(max(tree.widths) for tree in shapes.trees)
-    for index, (tree, schedule) in enumerate(zip(shapes.trees, schedules, strict=True)):
-        modules[tree_method("step", index)] = MainPass(model, tree.ancestor_mask, tree.depths, False, in_place)
-        modules[tree_method("greedy_step", index)] = GreedyStepPass(model, tree, capacity, draft_ids, schedule, in_place,
-                                                                    width)
+    for rows, schedule in zip(shapes.buckets, schedules, strict=True):
+        modules[bucket_method("step", rows)] = StepPass(model, in_place)
+        modules[bucket_method("greedy_step", rows)] = GreedyStepPass(model, rows, capacity, shapes.width, draft_ids,
+                                                                     schedule, in_place)
     if heads is not None:
         modules["heads"] = HeadsPass(model, heads, capacity)
     return modules
@@ -308,11 +351,12 @@ def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Se
     """What the host must know to run graph_modules(model, shapes, ..., schedules) (and `heads` Medusa heads)."""
     parts = model.parts
     return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, shapes.trees, tuple(schedules), heads)
+                     shapes.capacity, shapes.prefill_chunk, shapes.buckets, tuple(schedules), shapes.width, heads)
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Inputs with the exported shapes and dtypes (values are arbitrary but valid)."""
+    """Inputs with the exported shapes and dtypes (values are arbitrary but valid: a bucket holds a chain
+    one row short of it, so it has a pad row)."""
     parts = model.parts
     shape = (parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim)
     # Distinct tensors for keys and values: torch.export would fold one aliased input into both.
@@ -328,14 +372,16 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         "streams": (torch.zeros(1, parts.hidden_size), length, keys, values),
         "heads": (torch.zeros(1, parts.hidden_size), length, keys, values),
     }
-    for index, tree in enumerate(shapes.trees):
-        for method in ("step", "greedy_step"):
-            inputs[tree_method(method, index)] = (ids(tree.num_nodes), length, keys, values)
+    for rows in shapes.buckets:
+        tree, depths, parents = tree_inputs(TreeSpec.chain(rows - 2), rows) if rows > 2 else \
+            tree_inputs(TreeSpec.chain(1), rows)
+        inputs[bucket_method("step", rows)] = (ids(rows), length, tree, depths, keys, values)
+        inputs[bucket_method("greedy_step", rows)] = (ids(rows), length, tree, depths, parents, keys, values)
     return inputs
 
 
 def names_of(methods) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Input and output tensor names of each exported method (a tree's methods: those of step / greedy_step)."""
+    """Input and output tensor names of each exported method (a bucket's: those of step / greedy_step)."""
     return ({m: INPUT_NAMES[base_method(m)] for m in methods}, {m: OUTPUT_NAMES[base_method(m)] for m in methods})
 
 

@@ -1,7 +1,7 @@
 """python -m streamfuse.export.graph_latency: per-call latency of the exported graphs on ONNX Runtime.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with
-random weights, exports `decode` and, per tree, `step`, `streams` and greedy_step in every
+random weights, exports `decode` and, per tree (in a bucket of its size), `step`, `streams` and greedy_step in every
 requested variant (stream schedule x draft vocabulary size) to ONNX in a scratch folder, and
 times them interleaved at a given cache length. It measures what export/graph.py's "auto"
 schedule and the default draft vocabulary size rest on; rerun it on the target device.
@@ -24,11 +24,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from streamfuse.export.graph import GraphShapes, GreedyStepPass, MainPass, StreamsPass, example_inputs  # noqa: E402
+from streamfuse.export.graph import (GraphShapes, GreedyStepPass, MainPass, StepPass, StreamsPass,  # noqa: E402
+                                     example_inputs)
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES  # noqa: E402
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, tree_inputs  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 from streamfuse.tools.latency import architecture_parser, report_medians  # noqa: E402
 
@@ -49,37 +50,40 @@ def parse_args(argv):
 
 
 def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
-    """label -> (module, example inputs) for every graph to time."""
+    """label -> (module, example inputs) for every graph to time: each tree in a bucket of its own size."""
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
-    first = GraphShapes(args.capacity, PREFILL_CHUNK, (trees[0],))
-    variants = {"decode": (MainPass(model, torch.ones(1, 1, dtype=torch.bool), [0], False),
-                           example_inputs(model, first)["decode"])}
+    variants = {"decode": (MainPass(model, 1, False),
+                           example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (2,)))["decode"])}
     vocab = model.parts.vocab_size
     for tree in trees:
-        inputs = example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (tree,)))
-        name = f"{tree.num_nodes} nodes"
-        variants[f"step, {name}"] = (MainPass(model, tree.ancestor_mask, tree.depths, False),
-                                     inputs["step_0"])
+        rows = tree.num_nodes
+        shapes = GraphShapes(args.capacity, PREFILL_CHUNK, (rows,))
+        inputs = example_inputs(model, shapes)
+        visible, depths, parents = tree_inputs(tree, rows)
+        name = f"{rows} nodes"
+        ids, length, *_, keys, values = inputs["step_" + str(rows)]
+        variants[f"step, {name}"] = (StepPass(model), (ids, length, visible, depths, keys, values))
         variants[f"streams (after step, {name})"] = (StreamsPass(model, args.capacity), inputs["streams"])
         for schedule in args.schedules.split(","):
             for size in (int(s) for s in args.draft_vocab.split(",")):
-                ids = range(size) if 0 < size < vocab else None
+                draft_ids = range(size) if 0 < size < vocab else None
                 label = f"greedy_step, {name}, {schedule}, draft vocab {size or vocab}"
-                variants[label] = (GreedyStepPass(model, tree, args.capacity, ids, schedule), inputs["greedy_step_0"])
+                variants[label] = (GreedyStepPass(model, rows, args.capacity, shapes.width, draft_ids, schedule),
+                                   (ids, length, visible, depths, parents, keys, values))
     return variants
 
 
-def feed(label: str, inputs: tuple, context: int, vocab: int) -> list[torch.Tensor]:
+def feed(method: str, inputs: tuple, context: int, vocab: int) -> list[torch.Tensor]:
     """The example inputs with a cache in use up to `context` rows and token ids drawn at random."""
-    values = [t.clone() for t in inputs]
-    values[1] = torch.tensor([context])
-    if label.startswith("streams"):
-        values[0] = torch.randn_like(values[0])
+    named = dict(zip(INPUT_NAMES[method], (t.clone() for t in inputs)))
+    named["cache_len"] = torch.tensor([context])
+    if "anchor" in named:
+        named["anchor"] = torch.randn_like(named["anchor"])
     else:
-        values[0] = torch.randint(0, vocab, values[0].shape)
-    for index in (2, 3):
-        values[index] = torch.randn_like(values[index]) * 0.1
-    return values
+        named["ids"] = torch.randint(0, vocab, named["ids"].shape)
+    for name in ("keys", "values"):
+        named[name] = torch.randn_like(named[name]) * 0.1
+    return list(named.values())
 
 
 def main(argv=None) -> int:
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
             folder.mkdir()
             onnx_file, _ = export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
             sessions[label] = (OnnxRuntimeSession(folder / onnx_file, threads=args.threads), method)
-            feeds[label] = feed(label, inputs, args.context, model.parts.vocab_size)
+            feeds[label] = feed(method, inputs, args.context, model.parts.vocab_size)
         samples = {label: [] for label in variants}
         for rep in tqdm(range(args.reps + 3), desc="time", unit="round"):
             for label, (session, method) in sessions.items():  # interleaved: every graph sees the same conditions

@@ -387,7 +387,8 @@ class Build:
         """sd's draft model exported like the target, to its own small artifact (<run>/sd-export): the same
         engines, fp32, a cache `longest` drafts past the target's; parity checked like SS's."""
         out = self.run_dir / "sd-export"
-        config = dataclasses.replace(export, trees=("gamma=1,k=1",), capacity=export.capacity + longest, quantize="none",
+        config = dataclasses.replace(export, trees=("gamma=1,k=1",), buckets=(2,), capacity=export.capacity + longest,
+                                     quantize="none",
                                      draft_vocab=0, greedy_schedule="auto", parity_prompts=min(export.parity_prompts, 5))
         print(f"[sd] exporting the draft model ({', '.join(b for b in config.backends if b != 'torch')})", flush=True)
         ArtifactBuilder(sd_dir, out, config, self.parity_prompts(), self.config.eval.max_new_tokens, {"drafter": "sd"},
@@ -445,20 +446,14 @@ EVAL_FORMAT = "eval/2"
 CALIBRATION_TOKENS = 48
 
 
-def method_chains(config: BuildConfig) -> list[TreeSpec]:
-    """The chains the exported target verifies for the draft-model methods: sd's, and for specdec++
-    2, 4, ... up to its longest (a shorter chain runs padded in the next one up, runtime/backends/static_graph.py)."""
-    lengths = {config.sd.gamma} if config.sd.enabled else set()
-    if config.specdec.enabled:
-        lengths |= {min(2 ** i, config.specdec.max_drafts) for i in range(1, config.specdec.max_drafts.bit_length() + 1)}
-    return [TreeSpec.chain(n) for n in sorted(lengths)]
-
-
-def with_method_chains(trees: tuple[str, ...], config: BuildConfig) -> tuple[str, ...]:
-    """The export's trees plus the method chains that none of them holds already."""
-    held = [TreeSpec.parse(text) for text in trees]
-    extra = [c for c in method_chains(config) if not any(set(c.paths) <= set(t.paths) for t in held)]
-    return trees + tuple(tree_text(chain) for chain in extra)
+def with_method_buckets(buckets: tuple[int, ...], config: BuildConfig) -> tuple[int, ...]:
+    """The export's buckets plus one that holds the longest chain a draft-model method verifies (sd's
+    gamma drafts, specdec++'s max_drafts), where none does: its shorter chains run in the smaller buckets."""
+    drafts = max([config.sd.gamma] * config.sd.enabled + [config.specdec.max_drafts] * config.specdec.enabled,
+                 default=0)
+    if drafts + 1 <= max(buckets):
+        return buckets
+    return (*buckets, drafts + 1)
 
 
 def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> int:
@@ -488,9 +483,9 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         torch_calibration = build.calibrate_torch(ss_dir, acceptance)
         if not export.trees:  # the graphs get the trees calibration picks
             chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none",
-                                     adaptive=config.adaptive.enabled)
+                                     max_nodes=max(export.buckets), adaptive=config.adaptive.enabled)
             export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
-        export = dataclasses.replace(export, trees=with_method_chains(export.trees, config))
+        export = dataclasses.replace(export, buckets=with_method_buckets(export.buckets, config))
         artifact = build.export(ss_dir, export, summary, medusa_dir)
         build.calibrate_artifact(artifact, acceptance, torch_calibration)
         print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)

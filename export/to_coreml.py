@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-DEFAULT_FUNCTION = "step_0"  # the default tree's step
+DEFAULT_FUNCTION = "decode"  # every artifact has it
 
 
 def _register_alias() -> None:

@@ -5,7 +5,9 @@ Two checks per backend, on the same prompts:
   greedy decoding), token for token;
 - step outputs: every call the backend made, replayed through the eager graph modules with the
   same inputs, differs by at most the tolerance (max |diff| per output name is recorded; integer
-  outputs, greedy_step's token ids, must be equal: their figure is the count of differing ids).
+  outputs, greedy_step's token ids, must be equal: their figure is the count of differing ids; the
+  drafts, a top-K of the stream states, are counted but not judged: their states are, and ranks 8-9 of
+  a 49k vocabulary tie within float tolerance).
 The first numeric prompt runs the separate step + streams calls (what sampling uses), the others
 greedy_step. The artifact's other draft trees decode the first `plain_prompts` prompts too, each
 against the backend's own plain decoding (lossless on every tree calibration may pick). A chain
@@ -82,11 +84,29 @@ def eager_tokens(eager: TorchBackend, tree, prompts: Sequence[Sequence[int]], ru
     return [generate(eager, ids, DecodeSettings("ss", rules, tree=tree)).token_ids for ids in prompts]
 
 
-def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, prompts: Sequence[Sequence[int]],
-                   expected: Sequence[Sequence[int]], rules: StopRules, numeric_prompts: int = 2,
+def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
+    """What parity decodes besides the default tree (trees[0]): the artifact's other trees, a stream tree
+    filling each bucket none of them fills, and the chain filling the largest bucket where it is deeper
+    than the streams (the draft-model methods verify such chains)."""
+    extra = list(trees[1:])
+    extra += [TreeSpec.filling(rows, spec.num_streams) for rows in spec.buckets
+              if not any(tree.num_nodes == rows for tree in trees)]
+    chain = TreeSpec.chain(spec.max_nodes - 1)
+    if chain.depth > spec.num_streams:
+        extra.append(chain)
+    unique: dict[str, TreeSpec] = {}
+    for tree in extra:
+        unique.setdefault(tree.hash(), tree)
+    return list(unique.values())
+
+
+def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, trees: Sequence[TreeSpec],
+                   prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]], rules: StopRules,
+                   numeric_prompts: int = 2,
                    plain_prompts: int = 5, relative_tolerance: float | None = RELATIVE_TOLERANCE) -> dict:
-    """Greedy token parity of `session` on all prompts against `expected` (eager_tokens), its own
-    plain decoding on the first `plain_prompts`, and step-output differences on the first
+    """Greedy token parity of `session` with the default tree (trees[0]) on all prompts against `expected`
+    (eager_tokens), its own plain decoding on the first `plain_prompts` (every parity_trees tree too),
+    and step-output differences on the first
     `numeric_prompts` (each call replayed through the eager graphs). relative_tolerance None: the
     differences are recorded, not judged (a low-bit format against the fp32 model)."""
     replay = ReplaySession(session, reference)
@@ -104,22 +124,23 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
     plain = []
     for index, (ids, want) in enumerate(zip(prompts, expected)):
         backend = checked[min(index, 1)] if index < numeric_prompts else fast
-        tokens = generate(backend, ids, DecodeSettings("ss", rules, tree=spec.tree)).token_ids
+        tokens = generate(backend, ids, DecodeSettings("ss", rules, tree=trees[0])).token_ids
         same_as_eager += same(EAGER, index, tokens, want)
         if index < plain_prompts:
             plain.append(generate(fast, ids, DecodeSettings("ar", rules)).token_ids)
             same_as_plain += same(OWN_PLAIN, index, tokens, plain[-1])
     others = {}
-    for tree in spec.trees[1:]:
+    for tree in parity_trees(spec, trees):
         streams = tree.depth <= spec.num_streams
         settings = DecodeSettings("ss" if streams else "sd", rules, tree=tree)
         others[tree.hash()] = sum(same(f"{OWN_PLAIN}, tree {tree.hash()}", index,
                                        generate(fast, ids, settings, drafter=None if streams else
                                                 KnownAnswerDrafter(tree, want)).token_ids, want)
                                   for index, (ids, want) in enumerate(zip(prompts, plain)))
-    medusa = medusa_parity(checked[1], fast, spec, prompts, plain, rules, same)
+    medusa = medusa_parity(checked[1], fast, spec, trees[0], prompts, plain, rules, same)
     tolerance = {} if relative_tolerance is None else {
-        k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()}
+        k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()
+        if not k.endswith(".drafts")}
     return {"prompts": len(prompts), "ss_equals_torch_eager": same_as_eager,
             "plain_prompts": min(plain_prompts, len(prompts)), "ss_equals_own_plain": same_as_plain,
             "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others}, "medusa": medusa,
@@ -129,12 +150,13 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, p
             all(replay.max_diff[k] <= tolerance[k] for k in tolerance)}
 
 
-def medusa_parity(replayed, fast, spec: GraphSpec, prompts, plain, rules: StopRules, same) -> dict | None:
+def medusa_parity(replayed, fast, spec: GraphSpec, default: TreeSpec, prompts, plain, rules: StopRules,
+                  same) -> dict | None:
     """Medusa on the heads method, SS's tree cut to the heads' depth: equal to own plain decoding on
     each prompt of `plain` (the first replayed, so the heads' logits join the step outputs checked)."""
     if not spec.heads:
         return None
-    tree = heads_tree(spec.tree, spec.heads)
+    tree = heads_tree(default, spec.heads)
     equal = sum(same(f"{OWN_PLAIN}, medusa", index, generate(replayed if index == 0 else fast, ids,
                                                               DecodeSettings("medusa", rules, tree=tree),
                                                               drafter=HeadDrafter(tree, spec.heads)).token_ids, want)

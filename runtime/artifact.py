@@ -8,8 +8,8 @@
                                and what other tasks on the same base share
     <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint, run on torch; medusa:
                                its heads, also in the graphs' heads method, graphs.heads)
-    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_i/greedy_step_i per tree
-                               (and heads)
+    <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_T/greedy_step_T per size
+                               bucket T, the tree an input (and heads)
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
@@ -28,9 +28,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/10"  # /10: prefill, decode and step return each row's final state (hidden);
-#                                    /9: the streams' final states among the streams and greedy_step outputs;
-#                                    /8: graphs.heads (a Medusa heads method); /7: drafters of other methods
+SCHEMA = "streamfuse.artifact/11"  # /11: trees as data: step graphs per size bucket take the tree as inputs
 MANIFEST = "manifest.json"
 
 
@@ -76,7 +74,7 @@ class Artifact:
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
-        """The trees the graphs were exported for, the build's default first."""
+        """The artifact's draft trees, the build's default first (data: any tree up to the largest bucket runs)."""
         return tuple(TreeSpec.from_dict(tree) for tree in self.manifest["trees"])
 
     @property
@@ -146,8 +144,9 @@ class Artifact:
     def graph_spec(self) -> GraphSpec:
         model, graphs = self.manifest["model"], self.manifest["graphs"]
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
-                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"], self.trees,
-                         tuple(graphs["greedy_step"]["schedules"]), graphs["heads"]["count"])
+                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"],
+                         tuple(graphs["buckets"]), tuple(graphs["greedy_step"]["schedules"]), graphs["greedy_step"]["width"],
+                         graphs["heads"]["count"])
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""

@@ -41,8 +41,8 @@ class Loaded:
     tokenizer: object
     info: dict  # the checkpoint's training info (task, preset, ...)
     prompt: PromptFormat | None  # the task's prompt format, when the model was fine-tuned on one
-    default_tree: TreeSpec | None = None  # an exported artifact's default tree (its graphs' first)
-    trees: tuple[TreeSpec, ...] | None = None  # the trees the backend can run; None: any (torch)
+    default_tree: TreeSpec | None = None  # an exported artifact's default tree (its manifest's first)
+    max_nodes: int | None = None  # the largest tree the backend runs (its largest step graph); None: any (torch)
     calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
     artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
     engine: str = "torch"  # the backend's name in BACKENDS
@@ -64,9 +64,9 @@ class Loaded:
         return self.default_tree
 
     def check_tree(self, tree: TreeSpec) -> None:
-        """ValueError naming the trees the backend has graphs for, unless it can run `tree`."""
-        if self.trees is not None:
-            self.backend.spec.graph_for(tree)
+        """ValueError naming the largest tree the backend's graphs take, unless it can run `tree`."""
+        if self.max_nodes is not None:
+            self.backend.spec.bucket(tree)
 
     def check_method_tree(self, method: str, tree: TreeSpec) -> None:
         """check_tree for every shape the method verifies: specdec++ verifies chains of 2 drafts up to `tree`'s."""
@@ -99,9 +99,8 @@ class Loaded:
                 raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
                                  f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
                                  f"{self.artifact.path} --backend {self.engine}")
-            exported = None if self.trees is None else {tree.hash() for tree in self.trees}
-            self.choices[max_nodes] = TreeChoice.from_calibration(
-                acceptance, self.calibration, lambda tree: exported is None or tree.hash() in exported, max_nodes)
+            limit = min((n for n in (max_nodes, self.max_nodes) if n is not None), default=None)
+            self.choices[max_nodes] = TreeChoice.from_calibration(acceptance, self.calibration, max_nodes=limit)
         return self.choices[max_nodes]
 
     def drafter(self, settings: DecodeSettings) -> Drafter | None:
@@ -253,5 +252,6 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.trees, artifact.calibration(backend) if calibrated else None, artifact,
+                  artifact.tree, artifact.graph_spec().max_nodes, artifact.calibration(backend) if calibrated else None,
+                  artifact,
                   backend, threads)

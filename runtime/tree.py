@@ -60,6 +60,17 @@ class TreeSpec:
         """A single path of the top-1 token of each stream (k = 1)."""
         return cls.full(gamma, 1)
 
+    @classmethod
+    def filling(cls, nodes: int, gamma: int) -> "TreeSpec":
+        """A tree of exactly `nodes` nodes, at most gamma deep: the first nodes of the narrowest full tree
+        that has as many (nodes are ordered by depth, so every parent is among them)."""
+        if nodes < 2 or gamma < 1:
+            raise ValueError(f"a filling tree needs nodes >= 2 and gamma >= 1, got nodes={nodes}, gamma={gamma}")
+        k = 1
+        while cls.full(gamma, k).num_nodes < nodes:
+            k += 1
+        return cls(cls.full(gamma, k).paths[: nodes - 1])
+
     def with_lookup(self, length: int) -> "TreeSpec":
         """This tree plus a lookup branch of `length` nodes below the root: stream 1's next unused
         rank, then rank 0 of each deeper stream (its tokens when lookup finds nothing)."""

@@ -71,23 +71,29 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
     greedy = artifact["graphs"]["greedy_step"]
     # Calibrated: the acceptance model from validation answers, the best tree of each size timed on torch here;
-    # the graphs get its choice first, then the tree of up to 8 nodes with most expected tokens, then the best
-    # 4-node tree where the acceptance model reaches one (fp32: no 2-node tree).
+    # the artifact's trees are its choice among those the largest bucket (8 rows) holds, then the tree of up to
+    # 8 nodes with most expected tokens, then the best 4-node tree where the acceptance model reaches one (fp32:
+    # no 2-node tree).
     calibration = artifact["calibration"]
     assert calibration["acceptance"]["positions"] > 0 and calibration["acceptance"]["depth"] == 3
     assert set(calibration["backends"]) == {"torch", "onnxruntime"}
     trees = [TreeSpec.from_dict(tree) for tree in artifact["trees"]]
-    assert trees[0].hash() == calibration["backends"]["torch"]["choice"]["hash"]
+    torch_costs = [row for row in calibration["backends"]["torch"]["trees"] if row["tree"]["num_nodes"] <= 8]
+    assert trees[0].hash() == max(torch_costs, key=lambda row: row["expected_speedup"])["tree"]["hash"]
     acceptance = AcceptanceModel.from_dict(calibration["acceptance"])
     wide = [t for n, t in acceptance.best_trees().items() if n <= 8]
     best_wide, cheap = max(wide, key=acceptance.expected_tokens), acceptance.best_trees().get(4)
     expected = [trees[0]] + [t for t in (best_wide, cheap) if t is not None and t != trees[0]]
     assert trees == list(dict.fromkeys(expected)) and len(trees) <= 3
     assert len(calibration["backends"]["torch"]["trees"]) >= 2  # every size the acceptance model reaches
+    # ONNX Runtime times one tree per bucket: the most expected tokens among the sizes each holds
     onnx_trees = calibration["backends"]["onnxruntime"]["trees"]
-    assert [row["tree"]["hash"] for row in onnx_trees] == [tree.hash() for tree in trees]  # the graphs it has
+    best = acceptance.best_trees(8)
+    per_bucket = [max((t for n, t in best.items() if low < n <= high), key=acceptance.expected_tokens)
+                  for low, high in ((0, 4), (4, 8)) if any(low < n <= high for n in best)]
+    assert [row["tree"]["hash"] for row in onnx_trees] == [tree.hash() for tree in per_bucket]
     assert all(row["step_ms"] > 0 and row["expected_tokens"] >= 1 and row["realised_tokens"] >= 1 for row in onnx_trees)
-    assert greedy["schedules"] == ["fused" if t.num_nodes <= 7 else "deferred" for t in trees]
+    assert artifact["graphs"]["buckets"] == [4, 8] and greedy["schedules"] == ["fused", "deferred"]
     assert greedy["draft_vocab"]["size"] == 40
     assert "## Calibration: the draft tree per backend on this machine" in out
     assert 0.3 < greedy["draft_vocab"]["coverage"] <= 1.0 and "draft vocabulary: 40 tokens" in out
@@ -106,7 +112,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # Methods sd, medusa and specdec++ added to the built artifact: SS's stages are reused; the draft model
     # (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers, the acceptance head
     # on the draft model's states over them, and all land in drafters/. The graphs are exported again with
-    # the chains the exported target verifies for sd and specdec++ (3, and 2, 4 but those the trees hold).
+    # the heads method; the chains sd and specdec++ verify (3 and 2..4 drafts) fit the 8-row bucket.
     with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
                "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16",
                "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16",
@@ -114,9 +120,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[export] reusing" not in out and out.count("[train] reusing") == 2
-    exported = [TreeSpec.from_dict(t) for t in json.loads((tmp_path / "artifact" / "manifest.json").read_text())["trees"]]
-    assert exported[: len(trees)] == trees and TreeSpec.chain(4) in exported
-    assert all(any(set(TreeSpec.chain(n).paths) <= set(t.paths) for t in exported) for n in (2, 3, 4))
+    rebuilt = json.loads((tmp_path / "artifact" / "manifest.json").read_text())  # ss-adaptive adds cheap trees
+    assert [TreeSpec.from_dict(t) for t in rebuilt["trees"]][: len(trees)] == trees
+    assert rebuilt["graphs"]["buckets"] == [4, 8]
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
     assert "[specdec++] acceptance head added to" in out and "[ss-adaptive] acceptance head added to" in out
     own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
@@ -253,8 +259,8 @@ OVERRIDES = [
     (["data.train_limit=none", "data.test_limit=7"], {"data.train_limit": None, "data.test_limit": 7}),
     (["distill.enabled=true", "distill.main_targets=own", "distill.init_rank=0", "distill.learning_rate=3e-4"],
      {"distill.enabled": True, "distill.main_targets": "own", "distill.init_rank": 0, "distill.learning_rate": 3e-4}),
-    (["export.trees=gamma=3,k=1;gamma=3,k=2", "export.capacity=512"],
-     {"export.trees": ("gamma=3,k=1", "gamma=3,k=2"), "export.capacity": 512}),
+    (["export.trees=gamma=3,k=1;gamma=3,k=2", "export.capacity=512", "export.buckets=4,16"],
+     {"export.trees": ("gamma=3,k=1", "gamma=3,k=2"), "export.capacity": 512, "export.buckets": (4, 16)}),
     (["stages.baseline=false", "stages.profile_limit=0"], {"stages.baseline": False, "stages.profile_limit": 0}),
 ]
 
@@ -284,6 +290,10 @@ REFUSED = [
     ("cpu-distill", ["distill.main_targets=own"], "set distill.with_references=false"),
     ("cpu", ["stages.calibration_inputs=0"], "stages.calibration_inputs must be >= 1"),
     ("cpu", ["export.trees=gamma=x"], "gamma=x"),
+    ("cpu", ["export.buckets=4,x"], "'4,x' is not a list of whole numbers"),
+    ("cpu", ["export.buckets=8,4"], "distinct row counts >= 2"),
+    ("cpu", ["export.trees=gamma=3,k=2", "export.buckets=4,8"], "a tree of 15 nodes, more than the largest of "
+                                                                "export.buckets (8): add a bucket of 15 or more"),
 ]
 
 

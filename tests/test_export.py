@@ -49,8 +49,8 @@ EXPORTED = [pytest.param("executorch", marks=needs("executorch")), pytest.param(
 # Two trees: the 15-node tree (the default) and the chain, both with streams beside every node (auto
 # would pick deferred for 15 nodes, which test_build runs), and a draft vocabulary of 60 of the tiny
 # model's 97 tokens; two export processes, as make build runs.
-CONFIG = ExportConfig(backends=HERE, trees=("gamma=3,k=2", "gamma=3,k=1"), capacity=128, prefill_chunk=16,
-                      parity_prompts=4, greedy_schedule="fused", workers=2)
+CONFIG = ExportConfig(backends=HERE, trees=("gamma=3,k=2", "gamma=3,k=1"), buckets=(4, 15), capacity=128,
+                      prefill_chunk=16, parity_prompts=4, greedy_schedule="fused", workers=2)
 TREES = tuple(TreeSpec.parse(tree) for tree in CONFIG.trees)
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)
 
@@ -98,10 +98,12 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
         assert result["ss_equals_torch_eager"] == result["prompts"] == 4
         assert result["ss_equals_own_plain"] == result["plain_prompts"]
         assert result["within_tolerance"], result["max_abs_diff"]
-        assert set(result["max_abs_diff"]) >= {"step_0.logits", "streams.stream_logits", "prefill.new_keys",
-                                               "greedy_step_0.drafts", "greedy_step_0.new_keys"}
-        assert result["tolerance"]["greedy_step_0.targets"] == 0.0  # token ids must be equal
-        assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4}}
+        assert set(result["max_abs_diff"]) >= {"step_15.logits", "streams.stream_logits", "prefill.new_keys",
+                                               "greedy_step_15.drafts", "greedy_step_15.new_keys"}
+        assert result["tolerance"]["greedy_step_15.targets"] == 0.0  # token ids must be equal
+        # the other tree, and the chain filling the largest bucket (deeper than the streams: the draft methods')
+        assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4,
+                                                                              TreeSpec.chain(14).hash(): 4}}
         assert result["medusa"]["medusa_equals_own_plain"] == result["medusa"]["prompts"] == 4
         assert "heads.head_logits" in result["max_abs_diff"]
 
@@ -111,13 +113,13 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     loaded = load(artifact, backend)
     eager = load(artifact, "torch", stream_schedule="deferred")
     tree = loaded.tree
-    assert tree == TREES[0] and eager.tree == tree and loaded.trees == TREES  # no calibration: the default tree
+    assert tree == TREES[0] and eager.tree == tree and loaded.max_nodes == 15  # no calibration: the default tree
     rules = StopRules(30)
     # The same shape with a prompt-lookup branch: only the host's drafts change; repeated prompts give it matches.
     lookup_tree = TreeSpec(tree.paths, lookup=(1, 1, 1))
     for ids in prompts(4, seed=1) + [ids * 2 for ids in prompts(2, seed=2)]:
         expected = generate(eager.backend, ids, DecodeSettings("ar", rules)).token_ids
-        for drafts in (tree, lookup_tree, TREES[1]):
+        for drafts in (tree, lookup_tree, TREES[1], TreeSpec.full(2, 3)):  # 13 nodes: padded into 15 rows
             settings = DecodeSettings("ss", rules, tree=drafts)
             assert generate(loaded.backend, ids, settings).token_ids == expected
         assert generate(loaded.backend, ids, DecodeSettings("ar", rules)).token_ids == expected
@@ -145,16 +147,16 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     result = generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=loaded.tree),
                                   on_step=lambda event: drafted.extend(event.drafted))
     steps = result.run.model_calls - 1
-    assert steps > 0 and counting.calls["greedy_step_0"] == steps
+    assert steps > 0 and counting.calls["greedy_step_15"] == steps
     assert set(drafted[3:]) <= set(DRAFT.ids)  # after the prefill's drafts, only the draft vocabulary
-    assert counting.calls["streams"] == 1 and counting.calls["step_0"] == 0  # streams: the prefill's only
+    assert counting.calls["streams"] == 1 and counting.calls["step_15"] == 0  # streams: the prefill's only
     counting.calls.clear()
     sampled = DecodeSettings("ss", rules, tree=loaded.tree, sampling=SamplingConfig(temperature=1.0))
     generate(loaded.backend, prompts(1, seed=4)[0], sampled)
-    assert counting.calls["greedy_step_0"] == 0 and counting.calls["step_0"] == counting.calls["streams"] - 1 > 0
+    assert counting.calls["greedy_step_15"] == 0 and counting.calls["step_15"] == counting.calls["streams"] - 1 > 0
     counting.calls.clear()
     generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
-    assert counting.calls["greedy_step_1"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_1"}
+    assert counting.calls["greedy_step_4"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_4"}
 
 
 def second_token_marginal(eager, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
@@ -244,7 +246,7 @@ def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, bac
         engine.commit([0])
         step = engine.step([3] * sub_chain.num_nodes, sub_chain, with_streams=False)
         outputs.append([prefill.hidden, decode.hidden, step.hidden])
-    assert exported.spec.graph_for(sub_chain)[1] is not None  # it rides in the chain's graph
+    assert exported.spec.bucket(sub_chain) == 4 > sub_chain.num_nodes  # it rides, padded, in the 4-row bucket
     for got, want, rows in zip(*outputs, (1, 1, sub_chain.num_nodes)):
         assert got.shape == want.shape == (rows, eager.model.parts.hidden_size)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -257,16 +259,19 @@ def test_manifest_describes_the_graphs(artifact):
     assert [tree["hash"] for tree in data["trees"]] == [tree.hash() for tree in TREES]
     assert data["calibration"] == {"acceptance": None, "backends": {}}  # the builder was given no acceptance model
     assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
-    assert list(data["graphs"]["methods"]) == method_names(2, heads=True)
-    assert data["graphs"]["methods"]["step_1"]["inputs"][0]["shape"] == [1, 4]  # the chain
-    step = data["graphs"]["methods"]["step_0"]
-    assert step["inputs"][0] == {"name": "ids", "shape": [1, 15], "dtype": "int64"}
+    assert list(data["graphs"]["methods"]) == method_names((4, 15), heads=True) and data["graphs"]["buckets"] == [4, 15]
+    assert data["graphs"]["methods"]["step_4"]["inputs"][0]["shape"] == [1, 4]
+    step = data["graphs"]["methods"]["step_15"]
+    assert step["inputs"][:4] == [{"name": "ids", "shape": [1, 15], "dtype": "int64"},
+                                  {"name": "cache_len", "shape": [1], "dtype": "int64"},
+                                  {"name": "tree", "shape": [15, 15], "dtype": "float32"},
+                                  {"name": "depths", "shape": [15], "dtype": "int64"}]
     assert step["outputs"][0]["shape"] == [15, data["model"]["vocab_size"]]
     assert data["graphs"]["methods"]["streams"]["outputs"][0]["shape"] == [3, data["model"]["vocab_size"]]
-    greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step_0"]["outputs"]}
+    greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step_15"]["outputs"]}
     assert greedy["targets"]["shape"] == [15] and greedy["accepted"]["shape"] == [1]
-    assert greedy["drafts"] == {"name": "drafts", "shape": [3, 2], "dtype": "int64"}
-    assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"],
+    assert greedy["drafts"] == {"name": "drafts", "shape": [3, 14], "dtype": "int64"}  # any tree of 15 nodes
+    assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"], "width": 14,
                                              "draft_vocab": {"size": 60, "coverage": 0.5}}
     assert data["graphs"]["heads"] == {"count": 2, "training_key": "test-heads"}
     assert data["graphs"]["methods"]["heads"]["outputs"][0]["shape"] == [2, data["model"]["vocab_size"]]
@@ -320,7 +325,7 @@ def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
-    assert set(spec) == set(method_names(2, heads=True))
+    assert set(spec) == set(method_names((4, 15), heads=True))
     for method, signature in data["graphs"]["methods"].items():
         want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
         assert spec[method]["inputs"] == want
@@ -339,7 +344,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    methods = method_names(2, heads=True)
+    methods = method_names((4, 15), heads=True)
     assert [n.name for n in model.graph.node if n.op_type == "If"] == methods
     assert METHOD_INPUT in [i.name for i in model.graph.input]
     assert [o.name for o in model.graph.output] == [method_output(m, n) for m in methods
@@ -413,9 +418,9 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
 @needs("onnx", "coreml")
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
-    # A 2-chain runs padded in the 3-chain's graph; a third candidate at depth 1 is in no graph.
-    with pytest.raises(ValueError, match="has step graphs for the trees .* omit --tree"):
-        generate(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.parse("gamma=2,k=3")))
+    # Any tree of up to 15 nodes runs in a bucket; one of 21 nodes fits none.
+    with pytest.raises(ValueError, match="a tree of 21 nodes is larger than the artifact's largest step graph \\(15 rows"):
+        generate(loaded.backend, [5, 6, 7], DecodeSettings("ss", StopRules(8), tree=TreeSpec.parse("gamma=2,k=4")))
     with pytest.raises(ValueError, match="exceeds the model's context of 128 positions"):
         generate(loaded.backend, [5] * 100, DecodeSettings("ss", StopRules(20), tree=loaded.tree))
     with pytest.raises(CapacityError, match="capacity 128; lower max_new_tokens"):
@@ -565,7 +570,7 @@ def test_coreml_delegate_pte_lowers_to_a_program_with_every_method(artifact):
     pte = artifact / data["files"][variant]["program"]["path"]
     program = _deserialize_pte_binary(pte.read_bytes()).program
     plans = {plan.name: plan for plan in program.execution_plan}
-    assert set(plans) == set(method_names(2, heads=True))
+    assert set(plans) == set(method_names((4, 15), heads=True))
     delegate_ids = {d.id for plan in plans.values() for d in plan.delegates}
     assert delegate_ids == {"CoreMLBackend"}
 
@@ -601,11 +606,21 @@ def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, t
     from streamfuse.tools.calibrate import calibrate_backend
 
     loaded = load(artifact, "onnxruntime", threads=1)
-    loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{slow}", 0.01)
+    loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)
     calibration = calibrate_backend(loaded, MODEL, prompts(2, seed=5), StopRules(12), "cpu", 1)
-    assert [cost.tree for cost in calibration.trees] == list(TREES)
-    assert calibration.tree == TREES[1 - slow]
-    assert calibration.step_cost(TREES[slow]) > calibration.step_cost(TREES[1 - slow]) + 1.0  # 10 ms over ~1 ms
+    candidates = bucket_candidates()
+    assert [cost.tree for cost in calibration.trees] == candidates
+    assert calibration.tree == candidates[1 - slow]
+    assert calibration.step_cost(candidates[slow]) > calibration.step_cost(candidates[1 - slow]) + 1.0  # 10 ms, ~1 ms
+
+
+def bucket_candidates() -> list[TreeSpec]:
+    """What calibration times on the exported engines: per bucket (4 and 15 rows), the acceptance model's best
+    tree that fits it and not the smaller bucket: 3 nodes (2.0 tokens a step; a 4th node adds none), 6 (2.5)."""
+    from test_calibration import MODEL
+
+    best = MODEL.best_trees(15)
+    return [best[3], best[6]]
 
 
 @needs("executorch", "onnx")
@@ -625,7 +640,7 @@ def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, t
     seconds = {}
     for backend in ("onnxruntime", "executorch"):
         calibration = opened.calibration(backend)
-        assert {cost.tree.hash() for cost in calibration.trees} == {tree.hash() for tree in TREES}
+        assert [cost.tree for cost in calibration.trees] == bucket_candidates()
         assert all(cost.realised_tokens >= 1 and cost.step_seconds > 0 for cost in calibration.trees)
         loaded = load(copy, backend)
         assert loaded.tree == calibration.tree and loaded.calibration == calibration
@@ -661,7 +676,7 @@ def test_calibrate_bad_input_is_one_line(artifact, argv, status, message, capsys
 
 # The issue's probes on an exported artifact: argv, how to break a copy of it -> exit status, stderr's line
 ARTIFACT_PROBES = [
-    (["--backend", "onnxruntime", "--tree", "gamma=2,k=3"], None, 2, "has step graphs for the trees"),
+    (["--backend", "onnxruntime", "--tree", "gamma=2,k=4"], None, 2, "larger than the artifact's largest step graph"),
     (["--backend", "coreml"], None, 1, "macOS only"),
     (["--backend", "onnxruntime"], "manifest", 1, "manifest.json is not valid JSON"),
     (["--backend", "executorch"], "pte", 1, "model.pte has"),
@@ -718,4 +733,4 @@ def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(ar
         load(copy, "onnxruntime")
     assert calibrate.main(["--artifact", str(copy), "--backend", "onnxruntime", "--limit", "1", "--max-new-tokens",
                            "4", "--threads", "1"]) == 0
-    assert load(copy, "onnxruntime").calibration.tree in TREES
+    assert load(copy, "onnxruntime").calibration.tree in bucket_candidates()

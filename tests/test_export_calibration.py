@@ -47,15 +47,19 @@ def test_exported_trees_are_this_machines_best_then_the_widest_then_for_low_bit_
     best = MODEL.best_trees(16)
     calibration = BackendCalibration("cpu", 2, 0.01, (TreeCost(CHAIN, 0.014, 2.4, 2.4),), 0.002, 250.0)
     # 2.5 tokens, the most of any tree up to 8 nodes (the smallest that has them: 6 nodes)
-    assert trees_to_export(MODEL, calibration, quantized=False) == [CHAIN, best[6], best[4]]
+    assert trees_to_export(MODEL, calibration, quantized=False, max_nodes=8) == [CHAIN, best[6], best[4]]
     assert best[6] == TreeSpec(((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
     assert MODEL.expected_tokens(best[6]) == pytest.approx(2.5)
-    assert trees_to_export(MODEL, calibration, quantized=True) == [CHAIN, best[6], best[2]]
+    assert trees_to_export(MODEL, calibration, quantized=True, max_nodes=8) == [CHAIN, best[6], best[2]]
     small = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[2], 0.011, 1.6, 1.6),), 0.002, 250.0)
-    assert trees_to_export(MODEL, small, quantized=True) == [best[2], best[6], best[4]]
+    assert trees_to_export(MODEL, small, quantized=True, max_nodes=8) == [best[2], best[6], best[4]]
     widest = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[6], 0.011, 2.5, 2.5),), 0.002, 250.0)
-    assert trees_to_export(MODEL, widest, quantized=False) == [best[6], best[4]]  # once each where they coincide
+    assert trees_to_export(MODEL, widest, quantized=False, max_nodes=8) == [best[6], best[4]]  # once each where they coincide
     # ss-adaptive chooses per step: the cheap 2- and 4-node steps join, each once.
-    assert trees_to_export(MODEL, calibration, quantized=False, adaptive=True) == [CHAIN, best[6], best[4], best[2]]
-    assert trees_to_export(MODEL, calibration, quantized=True, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
+    assert trees_to_export(MODEL, calibration, quantized=False, max_nodes=8, adaptive=True) == [CHAIN, best[6], best[4], best[2]]
+    assert trees_to_export(MODEL, calibration, quantized=True, max_nodes=8, adaptive=True) == [CHAIN, best[6], best[2], best[4]]
     assert TreeSpec.parse(tree_text(best[8])) == best[8] and TreeSpec.parse(tree_text(best[8])).lookup == (2, 0)
+    # torch's choice larger than the graphs' largest bucket: its best calibrated tree that fits leads instead
+    large = BackendCalibration("cpu", 2, 0.01, (TreeCost(best[9], 0.012, 2.5, 2.5), TreeCost(best[4], 0.013, 2.0, 2.0)),
+                               0.002, 250.0)
+    assert trees_to_export(MODEL, large, quantized=False, max_nodes=8) == [best[4], best[6]]

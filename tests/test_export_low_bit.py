@@ -24,8 +24,8 @@ FORMATS = ("q4-native", "int8")
 
 def config(fmt: str) -> ExportConfig:
     # the default 4-node chain (streams beside every node): a chain step's rows are exactly plain decoding's
-    return ExportConfig(backends=("onnx",), trees=("gamma=3,k=1",), capacity=128, prefill_chunk=16, quantize=fmt,
-                        parity_prompts=4, greedy_schedule="fused")
+    return ExportConfig(backends=("onnx",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
+                        quantize=fmt, parity_prompts=4, greedy_schedule="fused")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_the_manifest_records_the_format_and_its_parity(artifacts, fmt):
     assert details["lora"] == ("float32, unmerged" if fmt == "q4-native" else "merged")
     parity = manifest["parity"]["onnx"]
     assert parity["ss_equals_own_plain"] == parity["plain_prompts"] == 4
-    assert parity["within_tolerance"] is None and parity["max_abs_diff"]["step_0.logits"] > 0  # error vs fp32, recorded
+    assert parity["within_tolerance"] is None and parity["max_abs_diff"]["step_4.logits"] > 0  # error vs fp32, recorded
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -80,7 +80,7 @@ def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
     assert layers and "keys" not in inputs and "values" not in inputs, sorted(inputs)
     assert {inputs[name][0] for name in layers} == {1}
     assert all(isinstance(inputs[name][2], str) for name in layers)  # prefill's rows are its own, the others' C
-    for method in ("prefill", "decode", "step_0", "greedy_step_0"):
+    for method in ("prefill", "decode", "step_4", "greedy_step_4"):
         graph = method_graph(model, method)
         ops = [node.op_type for node in graph.node]
         assert ops.count("ScatterND") == 2 * len(layers), (method, ops.count("ScatterND"))
@@ -103,7 +103,7 @@ def test_no_method_folds_a_copy_of_a_weight(artifacts):
     for fmt in ("q4-native", "int8"):
         model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
         stored = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-        for method in method_names(1):
+        for method in method_names((4,)):
             folded = [(n.op_type, n.input[0]) for n in method_graph(model, method).node
                       if n.op_type in LAYOUT_OPS and n.input and n.input[0] in stored]
             assert not folded, (fmt, method, folded)
@@ -158,7 +158,7 @@ def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp
     and how far its weights are from the GGUF's; SS == its own plain decoding, greedy and sampled."""
     pytest.importorskip("executorch", reason="the executorch extra is not installed")
     shallow = write_checkpoint(tmp_path / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
-    fmt_config = ExportConfig(backends=("executorch",), trees=("gamma=3,k=1",), capacity=128, prefill_chunk=16,
+    fmt_config = ExportConfig(backends=("executorch",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
                               quantize="q4-native", parity_prompts=3, greedy_schedule="fused")
     out = tmp_path / "q4-executorch"
     manifest = ArtifactBuilder(shallow / "ckpt", out, fmt_config, prompts(3), 24, {}, DRAFT).build()

@@ -1,5 +1,5 @@
 """The exported graphs' greedy step, run by torch eager: equal to step + accept + commit + streams,
-for both stream schedules, with and without a draft vocabulary."""
+for both stream schedules, with and without a draft vocabulary; trees as data in size buckets."""
 
 import random
 
@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.graph import GraphShapes, GreedyStepPass, graph_modules, graph_spec, greedy_schedule
+from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
-from streamfuse.runtime.backends.static_graph import StaticGraphBackend, base_method, method_names
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend, base_method, method_names, tree_inputs
 from streamfuse.runtime.tree import TreeSpec
 
 TREES = [TreeSpec.full(3, 2), TreeSpec.chain(3), TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 0, 0), (1, 0, 1)))]
@@ -25,7 +25,7 @@ def tiny_model() -> SpeculativeStreamingLM:
 
 
 def backend_for(model, tree: TreeSpec, draft_ids=None, schedule="deferred") -> tuple[StaticGraphBackend, EagerSession]:
-    shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=(tree,))
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(tree.num_nodes,))
     session = EagerSession(graph_modules(model, shapes, draft_ids, [schedule]))
     return StaticGraphBackend(session, graph_spec(model, shapes, [schedule]), use_greedy_step=False), session
 
@@ -36,8 +36,9 @@ def draft_the_targets(session, backend, tree: TreeSpec, root: int, rng: random.R
     depth by depth: a node's target depends only on its ancestors' tokens."""
     tokens = [root] + [0] * (tree.num_nodes - 1)
     for depth in range(tree.depth):
-        inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), backend.keys, backend.values]
-        targets = session.run("step_0", inputs)[0].argmax(-1).tolist()
+        visible, depths, _ = tree_inputs(tree, tree.num_nodes)
+        inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), visible, depths, backend.keys, backend.values]
+        targets = session.run(f"step_{tree.num_nodes}", inputs)[0].argmax(-1).tolist()
         for parent in (n for n in range(tree.num_nodes) if tree.depths[n] == depth and tree.children[n]):
             children = tree.children[parent]
             matching = rng.choice(children) if rng.random() < 0.8 else None
@@ -68,15 +69,17 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
     root = 17
     for _ in range(6):
         tokens = draft_the_targets(session, backend, tree, root, rng)
-        inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), backend.keys.clone(), backend.values.clone()]
-        targets, accepted, drafts, new_keys, new_values, states = session.run("greedy_step_0", inputs)
+        inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), *tree_inputs(tree, tree.num_nodes),
+                  backend.keys.clone(), backend.values.clone()]
+        targets, accepted, drafts, new_keys, new_values, states = session.run(f"greedy_step_{tree.num_nodes}", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
         torch.testing.assert_close(new_keys, backend._pending[0], atol=1e-5, rtol=0)
         result = accept(tree, tokens, lambda n: int(reference.main_logits[n].argmax()))
         assert accepted.tolist() == [result.path[-1]]
         backend.commit(result.path)
-        assert torch.equal(drafts, reference_drafts(reference, result.path[-1], max(tree.widths), draft_ids))
+        assert drafts.shape[1] == max(9, tree.num_nodes - 1)  # the widest level the artifact's trees may have
+        assert torch.equal(drafts, reference_drafts(reference, result.path[-1], drafts.shape[1], draft_ids))
         torch.testing.assert_close(states, reference.stream_states(result.path[-1]), atol=1e-5, rtol=0)
         depths.append(len(result.path) - 1)
         root = result.correction
@@ -86,42 +89,73 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
 @st.composite
 def tree_and_tokens(draw):
     tree = draw(st.sampled_from(TREES))
+    rows = tree.num_nodes + draw(st.integers(0, 3))  # the bucket: pad rows after the tree's nodes
     tokens, targets = [draw(st.integers(0, 2))], []
     for node in range(1, tree.num_nodes):
         siblings = {tokens[s] for s in tree.children[tree.parents[node]] if s < node}
         tokens.append(draw(st.sampled_from([t for t in range(4) if t not in siblings])))
-    targets = draw(st.lists(st.integers(0, 3), min_size=tree.num_nodes, max_size=tree.num_nodes))
-    return tree, tokens, targets
-
-
-PASSES = {tree.hash(): GreedyStepPass(tiny_model(), tree, capacity=32) for tree in TREES}
+    tokens += draw(st.lists(st.integers(0, 3), min_size=rows - tree.num_nodes, max_size=rows - tree.num_nodes))
+    targets = draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
+    return tree, rows, tokens, targets
 
 
 @settings(max_examples=300, deadline=None)
 @given(tree_and_tokens())
 def test_in_graph_acceptance_is_the_host_greedy_rule(case):
-    """Over a 4-token vocabulary, so that partial and full matches are common."""
-    tree, tokens, targets = case
-    node = PASSES[tree.hash()].accepted_node(torch.tensor(tokens), torch.tensor(targets))
-    assert node.tolist() == [accept(tree, tokens, lambda n: targets[n]).path[-1]]
+    """Over a 4-token vocabulary, so that partial and full matches are common; pad rows, whatever their
+    tokens and targets, are never accepted."""
+    tree, rows, tokens, targets = case
+    node = accepted_node(torch.tensor(tokens), torch.tensor(targets), *tree_inputs(tree, rows))
+    assert node.tolist() == [accept(tree, tokens[: tree.num_nodes], lambda n: targets[n]).path[-1]]
 
 
-def test_auto_schedule_fuses_small_trees_only():
-    assert greedy_schedule(TreeSpec.chain(3), "auto") == "fused"
-    assert greedy_schedule(TreeSpec.full(3, 2), "auto") == "deferred"
-    assert greedy_schedule(TreeSpec.full(3, 2), "fused") == "fused"
+def test_auto_schedule_fuses_small_buckets_only():
+    assert greedy_schedule(4, "auto") == "fused"
+    assert greedy_schedule(8, "auto") == "deferred"
+    assert greedy_schedule(8, "fused") == "fused"
     with pytest.raises(ValueError, match="must be one of auto, fused, deferred"):
-        greedy_schedule(TreeSpec.chain(3), "eager")
+        greedy_schedule(4, "eager")
+
+
+# (tree, bucket) -> the inputs the step graph takes: ancestors and itself per row, pad rows alone at depth -1
+TREE_INPUTS = [
+    (TreeSpec.chain(2), 3, [[1, 0, 0], [1, 1, 0], [1, 1, 1]], [0, 1, 2], [0, 0, 1]),
+    (TreeSpec.chain(1), 4, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], [0, 1, -1, -1], [0, 0, 0, 0]),
+    (TreeSpec(((0,), (1,), (1, 0))), 4, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], [0, 1, 1, 2],
+     [0, 0, 0, 2]),
+]
+
+
+@pytest.mark.parametrize("tree, rows, visible, depths, parents", TREE_INPUTS)
+def test_a_tree_is_data_padded_to_its_bucket(tree, rows, visible, depths, parents):
+    got = tree_inputs(tree, rows)
+    assert got[0].tolist() == visible and got[1].tolist() == depths and got[2].tolist() == parents
+    with pytest.raises(ValueError, match=f"does not fit a bucket of {tree.num_nodes - 1} rows"):
+        tree_inputs(tree, tree.num_nodes - 1)
 
 
 # method name -> the method whose tensors it has
-BASE_METHODS = [("prefill", "prefill"), ("step_0", "step"), ("greedy_step_12", "greedy_step"), ("streams", "streams"),
+BASE_METHODS = [("prefill", "prefill"), ("step_4", "step"), ("greedy_step_12", "greedy_step"), ("streams", "streams"),
                 ("decode_1", "decode_1")]
 
 
 @pytest.mark.parametrize("name, base", BASE_METHODS)
-def test_tree_methods_are_named_by_their_tree(name, base):
+def test_bucket_methods_are_named_by_their_rows(name, base):
     assert base_method(name) == base
+
+
+def test_buckets_are_distinct_ascending_and_fit_the_cache():
+    for buckets in ((), (8, 4), (4, 4), (1, 4)):
+        with pytest.raises(ValueError, match="distinct row counts >= 2"):
+            GraphShapes(capacity=64, prefill_chunk=8, buckets=buckets)
+    with pytest.raises(ValueError, match="plus the largest step \\(60 rows\\)"):
+        GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 60))
+    # greedy_step drafts the widest level calibration's trees reach (ranks up to MAX_RANK - 1, a lookup branch
+    # one further), or more where the largest bucket holds a wider tree
+    from streamfuse.export.calibration import MAX_RANK
+
+    assert GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 8)).width == MAX_RANK + 1 == 9
+    assert GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 16)).width == 15
 
 
 class CountingSession(EagerSession):
@@ -135,70 +169,62 @@ class CountingSession(EagerSession):
 
 
 @torch.no_grad()
-def test_each_tree_runs_its_own_graphs_and_an_unknown_tree_is_a_clear_error():
-    model, trees = tiny_model(), (TreeSpec.chain(3), TreeSpec.full(2, 2))
-    shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=trees)
+def test_each_tree_runs_in_the_smallest_bucket_holding_it_and_a_larger_one_is_a_clear_error():
+    model, buckets = tiny_model(), (4, 8)
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=buckets)
     modules = graph_modules(model, shapes, None, ["fused", "deferred"])
-    assert list(modules) == method_names(2)
+    assert list(modules) == method_names(buckets)
     session = CountingSession(modules)
     backend = StaticGraphBackend(session, graph_spec(model, shapes, ["fused", "deferred"]))
     backend.reset(64)
     backend.prefill([1, 2, 3], with_streams=False)
-    for index, tree in enumerate(trees):
+    for tree, rows in ((TreeSpec.chain(1), 4), (TreeSpec.chain(3), 4), (TreeSpec.full(2, 2), 8),
+                       (TreeSpec(((0,), (1,), (0, 0), (1, 0))), 8)):
         backend.step([4] * tree.num_nodes, tree, with_streams=True, greedy=True)
         backend.step([4] * tree.num_nodes, tree, with_streams=True)
-        assert session.calls[-2:] == [f"greedy_step_{index}", f"step_{index}"]
-    with pytest.raises(ValueError, match="has step graphs for the trees .* none holding \\[\\[0\\], \\[0, 0\\], "):
-        backend.step([4] * 5, TreeSpec.chain(4), with_streams=True)
-    backend.step([4, 5], TreeSpec.chain(1), with_streams=True, greedy=True)  # held by chain(3): its padded step
-    assert session.calls[-1] == "step_0"
-    with pytest.raises(ValueError, match="repeat a shape"):
-        GraphShapes(capacity=64, prefill_chunk=8, trees=(TreeSpec.chain(3), TreeSpec.chain(3)))
+        assert session.calls[-2:] == [f"greedy_step_{rows}", f"step_{rows}"]
+        assert backend.stream_schedule(tree) == ("fused" if rows == 4 else "deferred")
+    with pytest.raises(ValueError, match="a tree of 9 nodes is larger than the artifact's largest step graph \\(8 rows"):
+        backend.step([4] * 9, TreeSpec.chain(8), with_streams=True)
+    wide = TreeSpec(((0,), (11,)))  # rank 11: wider than greedy_step's 9 drafts, so step + streams
+    assert backend.stream_schedule(wide) == "deferred"
+    backend.step([4, 5, 6], wide, with_streams=True, greedy=True)
+    assert session.calls[-1] == "step_4"
 
 
-def spec_for(model, trees, schedules):
-    return graph_spec(model, GraphShapes(capacity=64, prefill_chunk=8, trees=trees), schedules)
-
-
-# (the exported trees, a tree they hold but do not have) -> the graph that runs it and each node's graph node
-HELD = [
-    ((TreeSpec.chain(3),), TreeSpec.chain(1), 0, [0, 1]),
-    ((TreeSpec.full(2, 2), TreeSpec.chain(3)), TreeSpec.chain(2), 1, [0, 1, 2]),  # the smaller holder
-    ((TreeSpec.full(2, 2),), TreeSpec(((1,), (1, 0))), 0, [0, 2, 5]),
-    ((TreeSpec.full(2, 2),), TreeSpec(((0,), (1,)), lookup=(1,)), 0, [0, 1, 2]),  # paths alone decide
-]
-
-
-@pytest.mark.parametrize("trees, tree, index, nodes", HELD)
-def test_a_tree_runs_padded_in_the_smallest_graph_holding_it(trees, tree, index, nodes):
-    model = tiny_model()
-    assert spec_for(model, trees, ("deferred",) * len(trees)).graph_for(tree) == (index, nodes)
+def spec_for(model, buckets):
+    return graph_spec(model, GraphShapes(capacity=64, prefill_chunk=8, buckets=buckets), ("deferred",) * len(buckets))
 
 
 @torch.no_grad()
-def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly():
-    """chain(2) through chain(3)'s graph and through its own: the same logits, streams and cache, step after
-    step; decoding with it equals plain decoding."""
+@pytest.mark.parametrize("greedy", [False, True], ids=["step", "greedy_step"])
+def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly(greedy):
+    """A tree through a bucket of its own size and through a larger one: the same logits (greedy: targets and
+    drafts), streams and cache, step after step; decoding with it equals plain decoding."""
     from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.settings import DecodeSettings
 
-    model, tree = tiny_model(), TreeSpec.chain(2)
+    model, tree = tiny_model(), TreeSpec(((0,), (1,), (0, 0)))
     backends = []
-    for trees in ((tree,), (TreeSpec.full(2, 2), TreeSpec.chain(3))):
-        shapes = GraphShapes(capacity=64, prefill_chunk=8, trees=trees)
-        session = EagerSession(graph_modules(model, shapes, None, ["deferred"] * len(trees)))
-        backends.append(StaticGraphBackend(session, spec_for(model, trees, ("deferred",) * len(trees))))
+    for buckets in ((tree.num_nodes,), (2, 8)):
+        session = EagerSession(graph_modules(model, GraphShapes(64, 8, buckets), None, ["deferred"] * len(buckets)))
+        backends.append(StaticGraphBackend(session, spec_for(model, buckets)))
     own, padded = backends
     for backend in backends:
         backend.reset(64)
         backend.prefill([1, 2, 3], with_streams=False)
-    for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
-        first, second = own.step(tokens, tree, with_streams=True), padded.step(tokens, tree, with_streams=True)
-        torch.testing.assert_close(first.main_logits, second.main_logits, atol=1e-5, rtol=1e-5)
+    for tokens, path in (([4, 9, 11, 3], [0, 1]), ([7, 7, 2, 5], [0, 1, 3]), ([5, 6, 8, 1], [0])):
+        first, second = (b.step(tokens, tree, with_streams=True, greedy=greedy) for b in backends)
+        if greedy:
+            assert first.greedy_tokens == second.greedy_tokens and len(first.greedy_tokens) == tree.num_nodes
+            path = accept(tree, tokens, lambda n: first.greedy_tokens[n]).path
+        else:
+            torch.testing.assert_close(first.main_logits, second.main_logits, atol=1e-5, rtol=1e-5)
         own.commit(path)
         padded.commit(path)
-        torch.testing.assert_close(first.stream_logits(path[-1]), second.stream_logits(path[-1]), atol=1e-5, rtol=1e-5)
+        width = max(tree.widths)
+        assert torch.equal(first.stream_top(path[-1], width), second.stream_top(path[-1], width))
     torch.testing.assert_close(own.keys[:, :, : own.length], padded.keys[:, :, : padded.length])
     rules = StopRules(max_new_tokens=20)
     for prompt in ([3, 1, 4], [9, 9, 2, 6]):

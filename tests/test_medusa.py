@@ -72,9 +72,9 @@ def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend, method_names
 
     model, schedules = backend.model, ["deferred"] * len(trees)
-    shapes = GraphShapes(capacity=96, prefill_chunk=8, trees=trees)
+    shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=tuple(tree.num_nodes for tree in trees))
     modules = graph_modules(model, shapes, None, schedules, backend.heads)
-    assert list(modules) == method_names(len(trees), heads=True)
+    assert list(modules) == method_names(shapes.buckets, heads=True)
     return StaticGraphBackend(EagerSession(modules), graph_spec(model, shapes, schedules, backend.heads.num_heads))
 
 
@@ -85,7 +85,7 @@ def test_the_graphs_heads_method_ranks_as_the_torch_heads_at_each_committed_node
     outputs = [backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
                for backend in (torch_backend.reset(96) or torch_backend, graphs.reset(96) or graphs)]
     torch.testing.assert_close(outputs[0].head_logits(0), outputs[1].head_logits(0), atol=1e-4, rtol=1e-4)
-    tree = TreeSpec.chain(2)  # runs padded in full(2, 2)'s graph
+    tree = TreeSpec.chain(2)  # runs padded in full(2, 2)'s bucket
     for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
         outputs = [backend.step(tokens, tree, with_streams=False) for backend in (torch_backend, graphs)]
         with pytest.raises(RuntimeError, match="before its commit"):

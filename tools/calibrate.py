@@ -5,8 +5,8 @@
 
 The artifact's manifest holds the acceptance model, measured at export on validation dialogues
 (runtime/calibration.py). This times, on this device, a plain decoding step and a speculative step
-of each candidate tree: the trees the backend runs (the artifact's exported graphs; torch: the best
-tree of every size up to --max-nodes), all on the same validation dialogues, interleaved. Each
+of each candidate tree: the best tree of every size up to --max-nodes (torch), or of each step graph's
+size bucket (the exported engines), all on the same validation dialogues, interleaved. Each
 candidate's expected tokens per step over its measured cost picks the tree; the choice, every
 candidate's cost and the plain step's go into the manifest (calibration.backends.<backend>), where
 the runtime reads its default tree and its fallback threshold. Run it again on each new device.
@@ -55,11 +55,18 @@ def device_name(device: str = "cpu") -> str:
 
 
 def candidates(loaded: Loaded, acceptance: AcceptanceModel, max_nodes: int) -> list[TreeSpec]:
-    """The trees SS can draft here: an artifact's exported graphs (not the chains deeper than the streams,
-    which the draft-model methods verify), or (torch) the best of each size."""
-    if loaded.trees:
-        return [tree for tree in loaded.trees if tree.depth <= loaded.backend.num_streams]
-    return list(acceptance.best_trees(min(max_nodes, loaded.backend.max_positions)).values())
+    """The trees SS can draft here: torch, the best of each size; exported graphs, the best tree of up to
+    each bucket's rows (a step costs its bucket's rows whatever the tree, so a smaller tree only loses)."""
+    best = acceptance.best_trees(min(max_nodes, loaded.max_nodes or max_nodes, loaded.backend.max_positions))
+    if loaded.max_nodes is None:
+        return list(best.values())
+    chosen, smaller = [], 0
+    for rows in loaded.backend.spec.buckets:
+        fits = [tree for nodes, tree in best.items() if smaller < nodes <= rows]
+        if fits:
+            chosen.append(max(fits, key=acceptance.expected_tokens))
+        smaller = rows
+    return chosen
 
 
 def seconds_per_call(run: RunRecord) -> float | None:

@@ -20,17 +20,19 @@ from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.tree import TreeSpec
 
 
-# The exported methods and their tensors (export/graph.py builds graphs to this). An artifact holds
-# several draft trees: each has its own step and greedy_step, named tree_method(method, index); one
-# with Medusa heads (method medusa) also has "heads".
+# The exported methods and their tensors (export/graph.py builds graphs to this). A tree is data: the
+# step and greedy_step graphs take it as inputs (`tree`, each node's ancestors and itself, as 0/1 rows;
+# `depths`; greedy_step also `parents`), one graph per row count (a size bucket), named
+# bucket_method(method, rows); a smaller tree runs in the smallest bucket that holds it, its pad rows
+# seeing only themselves at depth PAD_DEPTH. An artifact with Medusa heads (method medusa) also has "heads".
 METHODS = ("prefill", "decode", "step", "streams", "greedy_step", "heads")
-TREE_METHODS = ("step", "greedy_step")
+BUCKET_METHODS = ("step", "greedy_step")
 INPUT_NAMES = {
     "prefill": ["ids", "cache_len", "keys", "values", "last"],
     "decode": ["ids", "cache_len", "keys", "values"],
-    "step": ["ids", "cache_len", "keys", "values"],
+    "step": ["ids", "cache_len", "tree", "depths", "keys", "values"],
     "streams": ["anchor", "cache_len", "keys", "values"],
-    "greedy_step": ["ids", "cache_len", "keys", "values"],
+    "greedy_step": ["ids", "cache_len", "tree", "depths", "parents", "keys", "values"],
     "heads": ["anchor", "cache_len", "keys", "values"],
 }
 OUTPUT_NAMES = {
@@ -41,26 +43,42 @@ OUTPUT_NAMES = {
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values", "stream_states"],
     "heads": ["head_logits"],
 }
+# A pad row's depth: its position is the row before the tree's root (a real, finite one), and greedy_step
+# weighs reachable rows by depth + 1, so a pad row (weight 0) never wins over the root (weight 1).
+PAD_DEPTH = -1
 
 
-
-def tree_method(method: str, index: int) -> str:
-    """The name of tree `index`'s step or greedy_step: step_0, greedy_step_1, ..."""
-    if method not in TREE_METHODS:
-        raise ValueError(f"{method!r} does not depend on the tree; tree methods: {', '.join(TREE_METHODS)}")
-    return f"{method}_{index}"
+def bucket_method(method: str, rows: int) -> str:
+    """The name of the step or greedy_step graph of `rows` rows: step_8, greedy_step_4, ..."""
+    if method not in BUCKET_METHODS:
+        raise ValueError(f"{method!r} has no size buckets; bucketed methods: {', '.join(BUCKET_METHODS)}")
+    return f"{method}_{rows}"
 
 
 def base_method(name: str) -> str:
-    """The method an exported name runs (greedy_step_1 -> greedy_step), which gives its tensors' names."""
-    head, _, index = name.rpartition("_")
-    return head if index.isdigit() and head in TREE_METHODS else name
+    """The method an exported name runs (greedy_step_8 -> greedy_step), which gives its tensors' names."""
+    head, _, rows = name.rpartition("_")
+    return head if rows.isdigit() and head in BUCKET_METHODS else name
 
 
-def method_names(trees: int, heads: bool = False) -> list[str]:
-    """Every method of an artifact with `trees` draft trees (and Medusa heads), in the order exporters list them."""
-    tree_methods = [tree_method(m, i) for i in range(trees) for m in TREE_METHODS]
-    return ["prefill", "decode", "streams", *tree_methods, *(["heads"] if heads else [])]
+def method_names(buckets: Sequence[int], heads: bool = False) -> list[str]:
+    """Every method of an artifact with step graphs of `buckets` rows (and Medusa heads), in the order
+    exporters list them."""
+    bucketed = [bucket_method(m, rows) for rows in buckets for m in BUCKET_METHODS]
+    return ["prefill", "decode", "streams", *bucketed, *(["heads"] if heads else [])]
+
+
+def tree_inputs(tree: TreeSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tree` as a bucket of `rows` rows takes it: (tree [rows, rows] float 0/1, depths [rows], parents
+    [rows], the root its own parent); pad rows see only themselves, at PAD_DEPTH, under the root."""
+    count = tree.num_nodes
+    if count > rows:
+        raise ValueError(f"a tree of {count} nodes does not fit a bucket of {rows} rows")
+    visible = torch.eye(rows, dtype=torch.float32)
+    visible[:count, :count] = tree.ancestor_mask.to(torch.float32)
+    depths = torch.tensor(tree.depths + [PAD_DEPTH] * (rows - count), dtype=torch.long)
+    parents = torch.tensor([0, *tree.parents[1:]] + [0] * (rows - count), dtype=torch.long)
+    return visible, depths, parents
 
 
 # The host's cache tensors [L, kv_heads, C, d]. ONNX graphs take them as L inputs each, <name>_<layer>
@@ -110,43 +128,26 @@ class GraphSpec:
     num_streams: int
     capacity: int  # KV rows the graphs attend over
     prefill_chunk: int
-    trees: tuple[TreeSpec, ...]  # the trees with step graphs, tree i's methods are step_i and greedy_step_i
-    greedy_schedules: tuple[str, ...]  # each tree's greedy_step streams schedule
+    buckets: tuple[int, ...]  # row counts with step / greedy_step graphs, ascending
+    greedy_schedules: tuple[str, ...]  # each bucket's greedy_step streams schedule
+    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead
     heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
 
     @property
-    def tree(self) -> TreeSpec:
-        """The artifact's default tree (the first)."""
-        return self.trees[0]
+    def max_nodes(self) -> int:
+        return self.buckets[-1]
 
-    def tree_index(self, tree: TreeSpec) -> int:
-        """The graph exported for exactly `tree`."""
-        for index, exported in enumerate(self.trees):
-            if exported.hash() == tree.hash():
-                return index
-        raise self._missing(tree)
+    def bucket(self, tree: TreeSpec) -> int:
+        """The rows of the smallest step graph that holds `tree`."""
+        for rows in self.buckets:
+            if tree.num_nodes <= rows:
+                return rows
+        raise ValueError(f"a tree of {tree.num_nodes} nodes is larger than the artifact's largest step graph "
+                         f"({self.max_nodes} rows): use a tree of at most {self.max_nodes} nodes, or rebuild the "
+                         f"artifact with export/build.py --set export.buckets=...,{tree.num_nodes}")
 
-    def graph_for(self, tree: TreeSpec) -> tuple[int, list[int] | None]:
-        """The graph that runs `tree`: its own (-> index, None), else the smallest whose paths include
-        all of tree's (-> index, the graph node of each tree node). Inside a larger tree every node
-        sees exactly its ancestors, at the same depths, so its outputs are its own graph's; the other
-        nodes ride along, padded, and are never read."""
-        for index, exported in enumerate(self.trees):
-            if exported.hash() == tree.hash():
-                return index, None
-        wanted = set(tree.paths)
-        holders = [(t.num_nodes, i) for i, t in enumerate(self.trees) if wanted <= set(t.paths)]
-        if not holders:
-            raise self._missing(tree)
-        index = min(holders)[1]
-        node = {path: n for n, path in enumerate(self.trees[index].paths, start=1)}
-        return index, [0] + [node[path] for path in tree.paths]
-
-    def _missing(self, tree: TreeSpec) -> ValueError:
-        shapes = "; ".join(str(t.to_dict()["paths"]) for t in self.trees)
-        return ValueError(f"the artifact has step graphs for the trees {shapes}, none holding {tree.to_dict()['paths']} (hash "
-                         f"{tree.hash()}): omit --tree to use the calibrated one, or rebuild the artifact with "
-                         f"export/build.py --set export.trees='TREE;...'")
+    def schedule(self, rows: int) -> str:
+        return self.greedy_schedules[self.buckets.index(rows)]
 
 
 class StaticGraphBackend:
@@ -168,6 +169,7 @@ class StaticGraphBackend:
         self.values = torch.zeros(shape)
         self.length = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._trees: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def reset(self, capacity: int) -> None:
         if capacity > self.spec.capacity:
@@ -193,21 +195,22 @@ class StaticGraphBackend:
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
         if prune is not None:
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
-        index, nodes = self.spec.graph_for(tree) if tree is not None else (None, None)
-        method = tree_method("step", index) if tree is not None else "decode"
-        if len(tokens) != (tree.num_nodes if tree is not None else 1):
-            raise ValueError(f"{method} takes {tree.num_nodes if tree else 1} tokens, got {len(tokens)}")
-        width = len(tokens) if nodes is None else self.spec.trees[index].num_nodes
-        if self.length + width > self.spec.capacity:
-            raise CapacityError(f"KV cache full: {self.length} committed + {width} new > capacity {self.spec.capacity}")
-        inputs = [torch.tensor([self._padded(tokens, nodes, width)]), self._length(), self.keys, self.values]
-        if greedy and with_streams and tree is not None and self.use_greedy_step and nodes is None:
-            return self._greedy_step(tree_method("greedy_step", index), inputs)
-        logits, anchors, hidden, new_keys, new_values = self.session.run(method, inputs)
-        if nodes is not None:  # back to the tree's own nodes, in its order
-            rows = torch.tensor(nodes)
-            logits, anchors, hidden = (t.index_select(0, rows) for t in (logits, anchors, hidden))
-            new_keys, new_values = new_keys.index_select(2, rows), new_values.index_select(2, rows)
+        count = tree.num_nodes if tree is not None else 1
+        if len(tokens) != count:
+            raise ValueError(f"a step of {count} nodes takes {count} tokens, got {len(tokens)}")
+        rows = self.spec.bucket(tree) if tree is not None else 1
+        if self.length + rows > self.spec.capacity:
+            raise CapacityError(f"KV cache full: {self.length} committed + {rows} new > capacity {self.spec.capacity}")
+        ids = torch.tensor([list(tokens) + [0] * (rows - count)])  # pad rows see only themselves
+        if tree is None:
+            method, inputs = "decode", [ids, self._length(), self.keys, self.values]
+        else:
+            visible, depths, parents = self._tree_inputs(tree, rows)
+            if greedy and with_streams and self.use_greedy_step and max(tree.widths) <= self.spec.width:
+                return self._greedy_step(bucket_method("greedy_step", rows), count, [
+                    ids, self._length(), visible, depths, parents, self.keys, self.values])
+            method, inputs = bucket_method("step", rows), [ids, self._length(), visible, depths, self.keys, self.values]
+        logits, anchors, hidden, new_keys, new_values = (t[..., :count, :] for t in self.session.run(method, inputs))
         self._pending = (new_keys, new_values)
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
@@ -215,20 +218,17 @@ class StaticGraphBackend:
         return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
                           head_logits=self._head_source(anchors, self.length, depths), hidden=hidden.float())
 
-    @staticmethod
-    def _padded(tokens: Sequence[int], nodes: list[int] | None, width: int) -> list[int]:
-        """The graph's input row: the tokens at their graph nodes, 0 at the nodes the tree lacks."""
-        if nodes is None:
-            return list(tokens)
-        row = [0] * width
-        for token, node in zip(tokens, nodes):
-            row[node] = token
-        return row
+    def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tree_inputs, built once per tree shape (the lookup branch fills nodes, it does not change them)."""
+        key = (tree.paths, rows)
+        if key not in self._trees:
+            self._trees[key] = tree_inputs(tree, rows)
+        return self._trees[key]
 
     def stream_schedule(self, tree: TreeSpec) -> str:
-        """Where a greedy step of `tree` runs its streams (greedy_step's schedule), else deferred."""
-        index, nodes = self.spec.graph_for(tree)
-        return self.spec.greedy_schedules[index] if self.use_greedy_step and nodes is None else "deferred"
+        """Where a greedy step of `tree` runs its streams (its bucket's greedy_step schedule), else deferred."""
+        greedy = self.use_greedy_step and max(tree.widths) <= self.spec.width
+        return self.spec.schedule(self.spec.bucket(tree)) if greedy else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
@@ -257,9 +257,9 @@ class StaticGraphBackend:
         self.values[:, :, self.length : self.length + count] = values
         self.length += count
 
-    def _greedy_step(self, method: str, inputs: list[torch.Tensor]) -> StepOutput:
+    def _greedy_step(self, method: str, count: int, inputs: list[torch.Tensor]) -> StepOutput:
         targets, accepted, drafts, new_keys, new_values, states = self.session.run(method, inputs)
-        self._pending = (new_keys, new_values)
+        self._pending = (new_keys[:, :, :count], new_values[:, :, :count])
         graph_node = int(accepted[0])
 
         def at_accepted(output: torch.Tensor):
@@ -270,7 +270,7 @@ class StaticGraphBackend:
                 return output
             return read
 
-        return StepOutput(None, None, greedy_tokens=targets.tolist(), ranked_drafts=at_accepted(drafts),
+        return StepOutput(None, None, greedy_tokens=targets[:count].tolist(), ranked_drafts=at_accepted(drafts),
                           stream_states=at_accepted(states.float()))
 
     def _head_source(self, anchors: torch.Tensor, start: int, depths: Sequence[int]):
