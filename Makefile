@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,onnx,executorch,coreml,data,app
 ARGS ?=
 
-.PHONY: build test venv clean
+.PHONY: build test venv kernels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,10 +17,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-build: $(STAMP)
+# The exact attention kernel (runtime/kernels/), for torch and ExecuTorch: compiled once per source change.
+kernels: $(STAMP)
+	$(BIN)/python -m streamfuse.runtime.tree_attention
+
+build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python export/build.py --task dialogsum $(ARGS)
 
-test: $(STAMP)
+test: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -90,3 +90,40 @@ def in_place_slots(start: torch.Tensor, capacity: int, count: int) -> tuple[torc
     offset = torch.arange(capacity, device=start.device) - start
     inside = torch.logical_and(offset >= 0, offset < count)
     return inside, offset.clamp(0, count - 1)
+
+
+class SpanKeyValues(KeyValues):
+    """K/V for an attention kernel that reads the cache in place over its used span (span_attention in
+    export/span_attention.py): attention gets only this call's rows as keys (after `prefix` rows per layer,
+    e.g. the step rows that deferred streams see), and reads the whole cache (keys, values [L, kv, C, d]: a
+    layer's slice would be a copy in the exported graph) and `start` (it attends slots [0, start)) from
+    here. Nothing is concatenated with the cache.
+
+    `active` is the provider and layer of the attention call under way: HF attention calls update() and
+    then its attention function, which gets the module but not the provider."""
+
+    active: tuple["SpanKeyValues", int] | None = None
+
+    def __init__(self, num_layers: int, main_len: int, cache: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
+                 prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        super().__init__(main_len)
+        self.cache, self.start, self.prefix = cache, start, prefix
+        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._visible: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def visible(self, mask: torch.Tensor, masked: float) -> torch.Tensor:
+        """[rows, X] 0/1 of an additive mask [1, 1, rows, X], computed once per mask (the layers share one)."""
+        if id(mask) not in self._visible:  # the mask is kept beside its id so the id cannot be reused
+            self._visible[id(mask)] = (mask, (mask[0, 0] > masked / 2).to(mask.dtype))
+        return self._visible[id(mask)][1]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        SpanKeyValues.active = (self, layer_idx)
+        return super().update(keys, values, layer_idx, *args, **kwargs)
+
+    def _store(self, layer, keys, values):
+        self.new[layer] = (keys, values)
+        if self.prefix is None:
+            return keys, values
+        prefix_keys, prefix_values = self.prefix[layer]
+        return torch.cat([prefix_keys, keys], dim=2), torch.cat([prefix_values, values], dim=2)

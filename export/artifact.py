@@ -41,6 +41,9 @@ PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("mode
 # Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
 # ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
 IN_PLACE = ("onnx",)
+# Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span):
+# ExecuTorch on XNNPACK, which runs the kernel as a registered custom op (runtime/tree_attention.py).
+SPAN = ("executorch",)
 RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
 # What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).
 LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
@@ -309,7 +312,8 @@ class ArtifactBuilder:
         if fmt["name"] != self.config.quantize:
             print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
                   f"unquantized", flush=True)
-        modules, inputs = self.modules(model, in_place=backend in IN_PLACE), graph.example_inputs(model, self.shapes())
+        modules = self.modules(model, in_place=backend in IN_PLACE, span=backend in SPAN)
+        inputs = graph.example_inputs(model, self.shapes())
         input_names, output_names = graph.names_of(modules)
         if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
@@ -339,8 +343,12 @@ class ArtifactBuilder:
 
         session = open_session(backend, {name: self.staging / entry["path"] for name, entry in files.items()})
         model, _, _ = self.model_and_tokenizer()
+        if backend in SPAN:  # the span graphs need the kernel's attention
+            from streamfuse.export.xnnpack_graph import span_model
+
+            model = span_model(model)
         # the fp32 model, same layout: a low-bit format's error is measured against it
-        reference = EagerSession(self.modules(model, in_place=backend in IN_PLACE))
+        reference = EagerSession(self.modules(model, in_place=backend in IN_PLACE, span=backend in SPAN))
         fmt = self.format(backend)
         if fmt == "none":
             result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
@@ -364,8 +372,8 @@ class ArtifactBuilder:
             self._model = (model.eval().requires_grad_(False), tokenizer, manifest)
         return self._model
 
-    def shapes(self, in_place: bool = False) -> graph.GraphShapes:
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, in_place)
+    def shapes(self, in_place: bool = False, span: bool = False) -> graph.GraphShapes:
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, in_place, span)
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
@@ -374,8 +382,8 @@ class ArtifactBuilder:
     def greedy_schedules(self) -> list[str]:
         return [graph.greedy_schedule(rows, self.config.greedy_schedule) for rows in self.config.buckets]
 
-    def modules(self, model, in_place: bool = False) -> dict:
-        return graph.graph_modules(model, self.shapes(in_place), self.draft.ids if self.draft else None,
+    def modules(self, model, in_place: bool = False, span: bool = False) -> dict:
+        return graph.graph_modules(model, self.shapes(in_place, span), self.draft.ids if self.draft else None,
                                    self.greedy_schedules(), self.medusa_heads())
 
     def medusa_heads(self) -> torch.nn.Module | None:

@@ -56,7 +56,7 @@ from torch import nn
 
 from streamfuse.adapters.masks import GRAPH_MASKED, additive
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
-from streamfuse.adapters.msa import StepKeyValues, in_place_slots
+from streamfuse.adapters.msa import KeyValues, SpanKeyValues, StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.static_graph import (INPUT_NAMES, OUTPUT_NAMES, GraphSpec, base_method, bucket_method,
                                                       tree_inputs)
@@ -78,12 +78,18 @@ class GraphShapes:
     # token sees, slot for slot, so reductions add the same terms in the same order (ONNX Runtime's
     # sums depend on where the terms sit, and int8 activations would turn 1-ulp differences into flips).
     in_place: bool = False
+    # Attention reads the cache in place over [0, cache_len) through the exact kernel (export/span_attention.py;
+    # the model's attention must be span_attention): rows see the cache, then the call's rows, in key order,
+    # so a row's bits do not depend on the call; its cost grows with the used span (ExecuTorch).
+    span: bool = False
     # Ranks per stream greedy_step drafts, at least max_nodes - 1 (the widest level such a tree has): ranks
     # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
     # further (export/calibration.py MAX_RANK = 8).
     draft_width: int = 9
 
     def __post_init__(self):
+        if self.in_place and self.span:
+            raise ValueError("in_place and span are two layouts of the new rows: choose one")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 2:
             raise ValueError(f"step graph buckets must be distinct row counts >= 2 (a root and one draft), "
                              f"ascending; got {list(self.buckets)}")
@@ -124,7 +130,7 @@ def tree_mask(visible: torch.Tensor) -> torch.Tensor:
 
 
 def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, keys, values,
-               in_place: bool) -> tuple[LowerState, StepKeyValues]:
+               in_place: bool, span_kernel: bool = False) -> tuple[LowerState, KeyValues]:
     """The main stream through layers [0, N - N_s) for T new rows with `visible` [T, T] among them at
     `depths` past cache_len, and the provider that collects their K/V."""
     count = ids.shape[1]
@@ -132,7 +138,9 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
     past = split_cache(keys, values)
     span = past[0][0].shape[2]  # C; an ONNX prefill takes only the rows up to its own (to_onnx.DYNAMIC_SPAN)
     among = tree_mask(visible)
-    if in_place:  # [T, C]: the cache below cache_len, then the new rows at their slots
+    if span_kernel:  # [T, T]: the kernel reads the cache below cache_len itself
+        mask, provider = among[None, None], SpanKeyValues(len(past), count, (keys, values), cache_len)
+    elif in_place:  # [T, C]: the cache below cache_len, then the new rows at their slots
         inside, index = in_place_slots(cache_len, span, count)
         mask = torch.where(inside[None, :], among.index_select(1, index), cache_mask(cache_len, span, count))[None, None]
         provider = StepKeyValues(len(past), count, past, write_at=cache_len)
@@ -145,11 +153,12 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
 class MainPass(nn.Module):
     """prefill or decode: the main stream over a causal chunk of T new tokens (a constant chain)."""
 
-    def __init__(self, model: SpeculativeStreamingLM, count: int, select_last: bool, in_place: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, count: int, select_last: bool, in_place: bool = False,
+                 span: bool = False):
         super().__init__()
         self.model = model
         self.select_last = select_last
-        self.in_place = in_place
+        self.in_place, self.span = in_place, span
         # Not named like the step graphs' inputs: ONNX keeps constants by name beside the methods' inputs.
         self.register_buffer("chain_visible", chain_visibility(count).to(torch.float32), persistent=False)
         self.register_buffer("chain_depths", torch.arange(count), persistent=False)
@@ -157,7 +166,7 @@ class MainPass(nn.Module):
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 last: torch.Tensor | None = None):
         lower, provider = main_lower(self.model, ids, cache_len, self.chain_visible, self.chain_depths, keys, values,
-                                     self.in_place)
+                                     self.in_place, self.span)
         hidden = self.model.forward_upper(lower).hidden[0]
         anchor = lower.hidden[0]
         if self.select_last:  # prefill: only the last real prompt token matters to the host
@@ -168,14 +177,14 @@ class MainPass(nn.Module):
 class StepPass(nn.Module):
     """step: the main stream over a draft tree of T rows, the tree given as inputs."""
 
-    def __init__(self, model: SpeculativeStreamingLM, in_place: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, in_place: bool = False, span: bool = False):
         super().__init__()
         self.model = model
-        self.in_place = in_place
+        self.in_place, self.span = in_place, span
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place)
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place, self.span)
         hidden = self.model.forward_upper(lower).hidden[0]
         return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider))
 
@@ -188,15 +197,19 @@ def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
 class StreamsPass(nn.Module):
     """streams: the gamma streams of the node committed last, whose state at layer N - N_s is `anchor`."""
 
-    def __init__(self, model: SpeculativeStreamingLM, capacity: int):
+    def __init__(self, model: SpeculativeStreamingLM, capacity: int, span: bool = False):
         super().__init__()
         self.model = model
-        self.capacity = capacity
+        self.capacity, self.span = capacity, span
 
     def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         position = (cache_len - 1)[None]
-        past_mask = cache_mask(cache_len, self.capacity, 1)[None, None]
-        provider = StepKeyValues(len(keys), 0, split_cache(keys, values))
+        past = split_cache(keys, values)
+        if self.span:  # the cache is the kernel's; the streams see no other rows of the call
+            past_mask, provider = torch.zeros(1, 1, 1, 0), SpanKeyValues(len(past), 0, (keys, values), cache_len)
+        else:
+            past_mask = cache_mask(cache_len, self.capacity, 1)[None, None]
+            provider = StepKeyValues(len(past), 0, past)
         streams = self.model.forward_streams(anchor[None], position, past_mask, provider)[0, 0]
         return self.model.logits(streams), streams
 
@@ -206,14 +219,18 @@ class HeadsPass(nn.Module):
     `anchor`. Its final state is recomputed, seeing the rows below (its own row comes fresh: the
     same values the cache holds)."""
 
-    def __init__(self, model: SpeculativeStreamingLM, heads: nn.Module, capacity: int):
+    def __init__(self, model: SpeculativeStreamingLM, heads: nn.Module, capacity: int, span: bool = False):
         super().__init__()
-        self.model, self.heads, self.capacity = model, heads, capacity
+        self.model, self.heads, self.capacity, self.span = model, heads, capacity, span
 
     def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         row = cache_len - 1
-        mask = torch.cat([cache_mask(row, self.capacity, 1), torch.zeros(1, 1)], dim=1)[None, None]
-        provider = StepKeyValues(len(keys), 1, split_cache(keys, values))
+        past = split_cache(keys, values)
+        if self.span:  # the slots below the row, then its own K/V
+            mask, provider = torch.zeros(1, 1, 1, 1), SpanKeyValues(len(past), 1, (keys, values), row)
+        else:
+            mask = torch.cat([cache_mask(row, self.capacity, 1), torch.zeros(1, 1)], dim=1)[None, None]
+            provider = StepKeyValues(len(past), 1, past)
         hidden, position = anchor[None], row[None]
         lower = LowerState(hidden, position, mask, self.model.parts.rotary(hidden, position), provider, None)
         final = self.model.forward_upper(lower).hidden[0, 0]
@@ -231,11 +248,13 @@ class GreedyStepPass(nn.Module):
     """
 
     def __init__(self, model: SpeculativeStreamingLM, rows: int, capacity: int, width: int,
-                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False):
+                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False,
+                 span: bool = False):
         super().__init__()
         if schedule not in STREAM_SCHEDULES:
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
-        self.model, self.capacity, self.schedule, self.width, self.in_place = model, capacity, schedule, width, in_place
+        self.model, self.capacity, self.schedule, self.width = model, capacity, schedule, width
+        self.in_place, self.span = in_place, span
         self.register_buffer("all_nodes", torch.arange(rows)[None], persistent=False)
         ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)
@@ -243,7 +262,7 @@ class GreedyStepPass(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
                 parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place)
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.in_place, self.span)
         fused = self.schedule == "fused"
         out = self.model.forward_upper(lower, self.all_nodes if fused else None)
         new_keys, new_values = new_rows(provider)
@@ -268,6 +287,11 @@ class GreedyStepPass(nn.Module):
         """[gamma, H] streams of `node`: it sees the cache and its tree ancestors (itself included)."""
         model = self.model
         position = (cache_len + depths.index_select(0, node))[None]
+        if self.span:  # the kernel reads the cache; the step's rows come before the streams' own
+            rows = [(new_keys[layer : layer + 1], new_values[layer : layer + 1]) for layer in range(len(new_keys))]
+            provider = SpanKeyValues(len(rows), 0, (keys, values), cache_len, prefix=rows)
+            visible = tree_mask(tree.index_select(0, node))
+            return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
         visible = torch.cat([cache_mask(cache_len, self.capacity, 1), tree_mask(tree.index_select(0, node))], dim=1)
         past = [(layer_keys, layer_values) if layer < model.split else
                 (torch.cat([layer_keys, new_keys[layer : layer + 1]], dim=2),
@@ -330,19 +354,19 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     """method name -> module, in static_graph.method_names order; the same model weights are shared by
     all of them. draft_ids and schedules (one per bucket; default deferred) shape greedy_step only;
     heads (Medusa's) add the heads method."""
-    chunk, capacity, in_place = shapes.prefill_chunk, shapes.capacity, shapes.in_place
+    chunk, capacity, in_place, span = shapes.prefill_chunk, shapes.capacity, shapes.in_place, shapes.span
     schedules = schedules or ["deferred"] * len(shapes.buckets)
     modules = {
-        "prefill": MainPass(model, chunk, True, in_place),
-        "decode": MainPass(model, 1, False, in_place),
-        "streams": StreamsPass(model, capacity),
+        "prefill": MainPass(model, chunk, True, in_place, span),
+        "decode": MainPass(model, 1, False, in_place, span),
+        "streams": StreamsPass(model, capacity, span),
     }
     for rows, schedule in zip(shapes.buckets, schedules, strict=True):
-        modules[bucket_method("step", rows)] = StepPass(model, in_place)
+        modules[bucket_method("step", rows)] = StepPass(model, in_place, span)
         modules[bucket_method("greedy_step", rows)] = GreedyStepPass(model, rows, capacity, shapes.width, draft_ids,
-                                                                     schedule, in_place)
+                                                                     schedule, in_place, span)
     if heads is not None:
-        modules["heads"] = HeadsPass(model, heads, capacity)
+        modules["heads"] = HeadsPass(model, heads, capacity, span)
     return modules
 
 

@@ -10,8 +10,9 @@ their replacements (same arithmetic):
 - RMSNorm's mean over the last dim (XNNPACK means only 4D tensors over dims 2 and 3): the
   squares are reshaped to [1, rows, H, 1] and averaged over (2, 3);
 - SDPA's decomposition (a "safe softmax" for fully masked rows: any / where / logical_not) and
-  4D matmuls (expand_copy): grouped-query attention as bmm calls with an additive mask and the
-  softmax written out (ordered_attention: its sums do not depend on where the keys sit);
+  4D matmuls (expand_copy): attention is streamfuse's exact kernel over the cache's used span
+  (export/span_attention.py), one op per layer between two XNNPACK partitions, registered into
+  ExecuTorch's runtime by runtime/tree_attention.py;
 - unsqueeze on any but the trailing dim (the rotary embedding's cos / sin, per layer): a view;
 - alias copies of the new K/V rows: dropped.
 
@@ -31,7 +32,6 @@ from streamfuse.adapters import hf
 from streamfuse.adapters.model import SpeculativeStreamingLM
 
 ATTENTION = "streamfuse_grouped_bmm"
-XNNPACK_ATTENTION = "streamfuse_ordered_bmm"
 
 
 class PooledRMSNorm(nn.Module):
@@ -87,30 +87,19 @@ def grouped_scores(rows: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | N
     return scores if mask is None else scores + mask.reshape(mask.shape[0], mask.shape[1], 1, -1, keys)
 
 
-def ordered_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """grouped_attention with the softmax written out, so that a query's output depends on the order
-    of the keys it sees, not on where they sit among masked ones. XNNPACK's softmax sums over keys in
-    vector lanes, so a term's rounding depends on its position: a chain node's ancestors sit after
-    the C cache rows in a step call and inside them in plain decoding (1 ulp apart, which int8
-    activations turn into other codes). XNNPACK's GEMMs add the terms over keys one after another,
-    where a masked key adds an exact zero; so the numerators and the denominators (a GEMM with a
-    column of ones) are the sums plain decoding computes. Any tree keeps the order: cache rows
-    first, then ancestors before descendants. The max is over dim 3 of a 4D tensor, the form XNNPACK takes."""
-    batch, heads, tokens, size = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    rows = stacked_rows(query, kv_heads, scaling)
-    scores = grouped_scores(rows, key, attention_mask, heads // kv_heads).reshape(batch, kv_heads, -1, keys)
-    weights = torch.exp(scores - scores.max(dim=3, keepdim=True).values).reshape(rows.shape[0], rows.shape[1], keys)
-    totals = torch.bmm(weights, torch.ones(rows.shape[0], keys, 1, dtype=query.dtype))
-    out = torch.bmm(weights, value.reshape(rows.shape[0], keys, size)) / totals
-    return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
-
-
 def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
-    """A copy of `model` whose RMSNorms and attention lower to XNNPACK whole."""
-    ready = with_graph_attention(model, XNNPACK_ATTENTION, ordered_attention)
+    """A copy of `model` whose RMSNorms lower to XNNPACK whole and whose attention is the span kernel (its
+    graphs need GraphShapes.span)."""
+    ready = span_model(model)
     ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
     return ready
+
+
+def span_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
+    """A copy of `model` whose attention is the exact span kernel (export/span_attention.py)."""
+    from streamfuse.export import span_attention
+
+    return with_graph_attention(model, span_attention.register(), span_attention.span_attention)
 
 
 def with_graph_attention(model: SpeculativeStreamingLM, name: str = ATTENTION, function=grouped_attention

@@ -13,10 +13,10 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
-from streamfuse.export.xnnpack_graph import (PooledRMSNorm, grouped_attention, ordered_attention, views_for_xnnpack,
-                                             xnnpack_model)
+from streamfuse.export.xnnpack_graph import PooledRMSNorm, grouped_attention, views_for_xnnpack, xnnpack_model
 
-SHAPES = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,))
+SHAPES = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,), span=True)
+PLAIN = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,))
 
 
 def tiny_model():
@@ -33,7 +33,7 @@ def test_pooled_rms_norm_is_rms_norm(shape):
     torch.testing.assert_close(PooledRMSNorm(norm)(hidden), norm(hidden), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", [grouped_attention, ordered_attention])
+@pytest.mark.parametrize("attention", [grouped_attention])
 def test_graph_attention_is_eager_attention(attention):
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -51,14 +51,15 @@ def test_xnnpack_model_gives_the_graphs_outputs_and_leaves_the_model_alone():
     ready = xnnpack_model(model)
     inputs = graph.example_inputs(model, SHAPES)
     inputs["decode"] = (torch.tensor([[5]]), torch.tensor([3]), torch.randn(4, 2, 48, 16), torch.randn(4, 2, 48, 16))
-    for name in ("prefill", "decode", "step_4", "streams"):
-        expected = graph.graph_modules(model, SHAPES)[name](*inputs[name])
+    for name in ("prefill", "decode", "step_4", "greedy_step_4", "streams"):
+        expected = graph.graph_modules(model, PLAIN)[name](*inputs[name])  # HF's attention over the whole cache
         actual = graph.graph_modules(ready, SHAPES)[name](*inputs[name])
         for got, want in zip(actual, expected):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not any(isinstance(m, PooledRMSNorm) for m in model.modules())
     assert sum(isinstance(m, PooledRMSNorm) for m in ready.modules()) == 2 * 4 + 1
     assert hf.unwrap_peft(model.model).config._attn_implementation == "sdpa"
+    assert hf.unwrap_peft(ready.model).config._attn_implementation == "streamfuse_span"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
@@ -73,78 +74,19 @@ def test_a_decode_method_lowers_to_xnnpack_in_few_partitions():
     lowered = to_edge_transform_and_lower({"decode": program}, partitioner=[partitioner("xnnpack")])
     ops = collections.Counter(str(node.target) for node in lowered.exported_program("decode").graph.nodes
                               if node.op == "call_function")
-    # Unpatched, every layer split in ~6 pieces around RMSNorm's mean, SDPA and unsqueezes (28 here).
-    assert ops["executorch_call_delegate"] <= 3
+    # Unpatched, every layer split in ~6 pieces around RMSNorm's mean, SDPA and unsqueezes (28 here); now the
+    # only op outside XNNPACK in a layer is the span attention kernel: a partition before and after each.
+    outside = {op.split(">")[0].split(": ")[-1] for op in ops if op.startswith("<EdgeOpOverload")}
+    assert sum(count for op, count in ops.items() if "streamfuse.tree_attention" in op) == 4
+    assert ops["executorch_call_delegate"] <= 4 + 3
+    # no copy of the cache: the kernel reads the whole cache tensor (a layer's slice would be copied)
+    assert not [op for op in outside if "slice" in op or "index" in op], outside
     assert not [op for op in ops if any(word in op for word in ("mean", "softmax", "bmm", "alias"))]
     assert sum(count for op, count in ops.items() if "unsqueeze" in op) <= 1  # the cache length's, once
 
 
-class StepAttention(torch.nn.Module):
-    """One attention call as the graphs make it: T new rows appended after the C cache rows."""
-
-    def __init__(self, attention):
-        super().__init__()
-        self.attention = attention
-
-    def forward(self, query, past_keys, past_values, keys, values, mask):
-        all_keys, all_values = torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
-        return self.attention(None, query, all_keys, all_values, mask, 0.25)[0]
-
-
-def chain_attention_cases(count: int = 4, cache_len: int = 21, capacity: int = 40, seed: int = 0):
-    """(step inputs, [decode inputs of node j]): node j of a chain step sees the cache and nodes 0..j;
-    plain decoding of the same token finds nodes 0..j-1 in the cache at slots cache_len.. and itself appended."""
-    torch.manual_seed(seed)
-    heads, kv_heads, size = 6, 2, 16
-    past_keys, past_values = torch.randn(1, kv_heads, capacity, size), torch.randn(1, kv_heads, capacity, size)
-    keys, values, query = torch.randn(1, kv_heads, count, size), torch.randn(1, kv_heads, count, size), \
-        torch.randn(1, heads, count, size) * 3
-    mask = torch.full((1, 1, count, capacity + count), GRAPH_MASKED)
-    mask[..., :cache_len] = 0.0
-    for node in range(count):
-        mask[..., node, capacity : capacity + node + 1] = 0.0
-    plain = []
-    for node in range(count):
-        cache_keys, cache_values = past_keys.clone(), past_values.clone()
-        cache_keys[:, :, cache_len : cache_len + node] = keys[:, :, :node]
-        cache_values[:, :, cache_len : cache_len + node] = values[:, :, :node]
-        row_mask = torch.full((1, 1, 1, capacity + 1), GRAPH_MASKED)
-        row_mask[..., : cache_len + node] = 0.0
-        row_mask[..., capacity] = 0.0
-        plain.append(tuple(t.contiguous() for t in (query[:, :, node : node + 1], cache_keys, cache_values,
-                                                    keys[:, :, node : node + 1], values[:, :, node : node + 1], row_mask)))
-    return (query, past_keys, past_values, keys, values, mask), plain
-
-
-@pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
-def test_xnnpack_ordered_attention_gives_a_chain_node_plain_decodings_bits():
-    """On XNNPACK, node j of a step equals plain decoding of its token bit for bit (1 and 2 threads),
-    although its ancestors sit after the cache there and inside it in plain decoding; softmax's
-    lane-wise sums (grouped_attention) do not, on these inputs."""
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
-    from streamfuse.export.to_executorch import partitioner
-    from streamfuse.runtime.backends.sessions import set_executorch_threads
-
-    step, plain = chain_attention_cases()
-    differs = {}
-    for attention in (ordered_attention, grouped_attention):
-        module = StepAttention(attention)
-        programs = {"step": torch.export.export(module, step, strict=False),
-                    "decode": torch.export.export(module, plain[0], strict=False)}
-        lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")])
-        for name in programs:
-            ops = {str(n.target) for n in lowered.exported_program(name).graph.nodes if n.op == "call_function"}
-            assert not [op for op in ops if any(w in op for w in ("bmm", "exp", "softmax", "amax", "div"))], ops
-        buffer = lowered.to_executorch().buffer
-        for threads in (1, 2):
-            set_executorch_threads(threads)  # then load: a program keeps the pool it was loaded with
-            program = Runtime.get().load_program(buffer)
-            step_method, decode = program.load_method("step"), program.load_method("decode")
-            rows = step_method.execute(list(step))[0].clone()
-            alone = torch.cat([decode.execute(list(case))[0].clone() for case in plain], dim=1)
-            differs[attention.__name__, threads] = not torch.equal(rows, alone)
-            torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-6)
-    assert differs == {("ordered_attention", 1): False, ("ordered_attention", 2): False,
-                       ("grouped_attention", 1): True, ("grouped_attention", 2): True}
+def test_span_attention_outside_span_graphs_is_a_clear_error():
+    model = xnnpack_model(tiny_model())
+    inputs = graph.example_inputs(model, PLAIN)["decode"]
+    with pytest.raises(RuntimeError, match="need GraphShapes\\(span=True\\)"):
+        graph.graph_modules(model, PLAIN)["decode"](*inputs)

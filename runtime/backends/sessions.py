@@ -14,6 +14,7 @@ from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN
                                                       METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
                                                       layer_input, method_output)
 from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
+from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels
 
 
 class MissingBackend(RuntimeError):
@@ -54,6 +55,10 @@ class ExecuTorchSession:
     def __init__(self, pte: Path, threads: int | None = None):
         runtime = _require("executorch.runtime", "executorch")
         set_executorch_threads(threads or torch.get_num_threads())  # --threads means the same on every backend
+        try:  # the programs' attention kernel, registered before a program that calls it loads
+            load_executorch_kernels()
+        except KernelUnavailable as error:
+            raise MissingBackend(str(error)) from None
         self.shares_weights = share_xnnpack_weights()  # one packed copy for all methods, not one each
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}

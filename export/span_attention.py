@@ -1,0 +1,36 @@
+"""Attention over the used span of the cache, for the exported graphs (ExecuTorch): HF's attention interface
+backed by the exact kernel (runtime/tree_attention.py). The layer's cache and `start` come from the
+SpanKeyValues provider (adapters/msa.py); the keys HF hands over are the call's own rows, and the mask
+[1, 1, rows, those rows] says which each row sees. A row's result is bit-identical whatever the call's size
+and tree, and equal to plain decoding's for a chain node; a call's cost grows with the used span, not with
+the cache's capacity, and the cache is never concatenated with the new rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamfuse.adapters import hf
+from streamfuse.adapters.masks import GRAPH_MASKED
+from streamfuse.adapters.msa import SpanKeyValues
+from streamfuse.runtime.tree_attention import torch_op
+
+SPAN_ATTENTION = "streamfuse_span"
+
+
+def span_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """query [1, heads, rows, d]; key / value [1, kv, X, d] the call's rows; attention_mask additive
+    [1, 1, rows, X] -> ([1, rows, heads, d], None)."""
+    active, SpanKeyValues.active = SpanKeyValues.active, None  # consumed: a later call cannot read a stale one
+    if active is None or active[1] != module.layer_idx:
+        raise RuntimeError(f"span attention of layer {module.layer_idx} without its SpanKeyValues update: the graphs "
+                           f"of a model with span attention need GraphShapes(span=True)")
+    provider, layer = active
+    k_cache, v_cache = provider.cache
+    visible = provider.visible(attention_mask, GRAPH_MASKED)
+    return torch_op()(query, k_cache, v_cache, layer, provider.start, key, value, visible, float(scaling)), None
+
+
+def register() -> str:
+    hf.register_attention(SPAN_ATTENTION, span_attention)
+    return SPAN_ATTENTION

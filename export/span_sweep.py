@@ -1,0 +1,119 @@
+"""python -m streamfuse.export.span_sweep: step time of the ExecuTorch graphs by used span and row count.
+
+Call latency depends on shapes, not weights, so this builds the base model's architecture with random
+weights, lowers `decode` and a step graph per --rows bucket to one XNNPACK program per --capacity (the
+cache the graphs are built for), and times every (capacity, rows, span) interleaved. With attention over
+the used span (export/span_attention.py) a call's time grows with the span, not with the capacity: the
+same span costs the same in a 768- and a 2,048-slot program.
+
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.span_sweep --threads 2 --rows 1,2,4,8,16 \
+        --spans 64,256,512,1024,2000 --capacity 768,2048 --out bench/span-sweep.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from streamfuse.export.graph import GraphShapes, graph_modules, example_inputs  # noqa: E402
+from streamfuse.export.to_executorch import export_pte  # noqa: E402
+from streamfuse.export.xnnpack_graph import xnnpack_model  # noqa: E402
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
+from streamfuse.runtime.backends.sessions import ExecuTorchSession  # noqa: E402
+from streamfuse.runtime.backends.static_graph import bucket_method, tree_inputs  # noqa: E402
+from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+
+PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
+    parser.add_argument("--gamma", type=int, default=3, help="number of streams")
+    parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
+    parser.add_argument("--rows", default="1,4,8,16", help="row counts: 1 is decode, others step graphs of that size")
+    parser.add_argument("--spans", default="64,256,512,740", help="cache slots in use (cache_len)")
+    parser.add_argument("--capacity", default="768", help="cache capacities to build programs for")
+    parser.add_argument("--reps", type=int, default=15, help="timed calls per configuration (interleaved)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def numbers(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def program(model, capacity: int, rows: list[int], folder: Path, threads: int) -> ExecuTorchSession:
+    """decode and the step graphs of `rows` (> 1) in one .pte for a cache of `capacity` slots."""
+    buckets = tuple(r for r in rows if r > 1) or (2,)
+    shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
+    modules = {name: module for name, module in graph_modules(model, shapes).items()
+               if name == "decode" or name.startswith("step_")}
+    inputs = example_inputs(model, shapes)
+    path = folder / f"sweep-{capacity}.pte"
+    export_pte(modules, {name: inputs[name] for name in modules}, path)
+    return ExecuTorchSession(path, threads)
+
+
+def call_inputs(rows: int, span: int, capacity: int, model) -> tuple[str, list[torch.Tensor]]:
+    """The method and inputs of a call of `rows` rows (a chain) after `span` cached slots."""
+    parts = model.parts
+    shape = (parts.num_layers, parts.num_kv_heads, capacity, parts.head_dim)
+    keys, values = torch.randn(shape) * 0.1, torch.randn(shape) * 0.1
+    ids, length = torch.randint(0, parts.vocab_size, (1, rows)), torch.tensor([span])
+    if rows == 1:
+        return "decode", [ids, length, keys, values]
+    tree, depths, _ = tree_inputs(TreeSpec.chain(rows - 1), rows)
+    return bucket_method("step", rows), [ids, length, tree, depths, keys, values]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows, spans, capacities = numbers(args.rows), numbers(args.spans), numbers(args.capacity)
+    base = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
+                                            kernels="eager").model
+    model = xnnpack_model(base.eval().requires_grad_(False))
+    calls = {}
+    with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
+        for capacity in tqdm(capacities, desc="lower", unit="program"):
+            session = program(model, capacity, rows, Path(scratch), args.threads)
+            for count in rows:
+                for span in spans:
+                    if span + count <= capacity:
+                        calls[capacity, count, span] = (session, *call_inputs(count, span, capacity, model))
+        samples = {key: [] for key in calls}
+        for rep in tqdm(range(args.reps + 2), desc="time", unit="round"):
+            for key, (session, method, inputs) in calls.items():  # interleaved: all see the same conditions
+                start = time.perf_counter()
+                session.run(method, inputs)
+                if rep >= 2:
+                    samples[key].append(time.perf_counter() - start)
+    table = [{"capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
+             for (c, r, s), v in samples.items()]
+    meta = {"engine": "executorch:xnnpack", "threads": args.threads, "reps": args.reps,
+            "load_average": os.getloadavg(), "rows": table}
+    print("capacity  rows  span     ms")
+    for row in table:
+        print(f"{row['capacity']:8d}  {row['rows']:4d}  {row['span']:4d}  {row['ms']:7.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(meta, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

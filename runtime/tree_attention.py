@@ -1,0 +1,238 @@
+"""Exact attention over the used span of the KV cache: one C++ kernel (runtime/kernels/tree_attention.h)
+for torch (an op, streamfuse::tree_attention) and ExecuTorch (the same op's out variant, registered into
+ExecuTorch's runtime by a library of ours), and a NumPy reference of the same arithmetic, the tests' oracle.
+
+    tree_attention(query [1, heads, rows, d], k_cache / v_cache [L, kv, C, d], layer, start [1],
+                   k_extra / v_extra [1, kv, X, d], visible [rows, X], scale) -> [1, rows, heads, d]
+
+Row t attends cache slots [0, start), then the extra keys (the call's own rows) it sees, in that order;
+a row's bits do not depend on the call's other rows, its size or the threads (the header says why).
+The libraries are compiled on first use (or by `make build`) into build/kernels/, named by a hash of
+their sources; a machine without a C++ compiler gets a one-line error naming what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+SOURCES = Path(__file__).resolve().parent / "kernels"
+BUILD = Path(__file__).resolve().parents[1] / "build" / "kernels"
+# -ffp-contract=off: no fused multiply-add, the reference's arithmetic exactly. The 8 lanes are one AVX2
+# register where the CPU has it (the lanes are independent, so the sums do not change; -march=native's
+# AVX-512 was slower on a Zen 4).
+FLAGS = ["-std=c++20", "-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"]
+
+
+def _arch_flags() -> list[str]:
+    try:
+        avx2 = platform.machine() in ("x86_64", "AMD64") and " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        avx2 = False
+    return ["-mavx2"] if avx2 else []
+SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "
+          "Tensor v_extra, Tensor visible, float scale) -> Tensor")
+OUT_SCHEMA = ("tree_attention.out(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, "
+              "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    found = shutil.which("g++") or shutil.which("c++")
+    if found is None:
+        raise KernelUnavailable("the tree attention kernel needs a C++ compiler and none is on PATH: install g++ "
+                                "(Debian: apt-get install g++) and run make build")
+    return found
+
+
+def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
+    """Compile `sources` (files under SOURCES) into BUILD/<name>-<hash>.so unless it is there; atomic."""
+    digest = hashlib.sha256()
+    for source in sorted({*sources, "tree_attention.h"}):
+        digest.update((SOURCES / source).read_bytes())
+    flags = FLAGS + _arch_flags()
+    digest.update(" ".join(flags + extra).encode())
+    target = BUILD / f"{name}-{digest.hexdigest()[:12]}.so"
+    if target.is_file():
+        return target
+    BUILD.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    command = [_compiler(), *flags, *(str(SOURCES / s) for s in sources), "-o", str(partial), *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:300])
+        raise KernelUnavailable(f"compiling the tree attention kernel ({name}) failed: {first}")
+    partial.replace(target)
+    return target
+
+
+@functools.cache
+def c_library() -> ctypes.CDLL:
+    """The kernel behind a C ABI (no dependencies), for the torch op."""
+    library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", ["tree_attention_c.cpp"], ["-pthread"])))
+    function = library.streamfuse_tree_attention
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    return library
+
+
+def executorch_library_path() -> Path:
+    """The ExecuTorch kernel library, built against the installed executorch wheel's headers and runtime."""
+    spec = importlib.util.find_spec("executorch")
+    if spec is None or not spec.submodule_search_locations:
+        raise KernelUnavailable("the ExecuTorch tree attention kernel needs executorch: "
+                                "pip install 'streamfuse[executorch]'")
+    root = Path(list(spec.submodule_search_locations)[0]).resolve()
+    runtime = root / "extension" / "pybindings" / f"_portable_lib{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not (root / "include").is_dir() or not runtime.is_file():
+        raise KernelUnavailable(f"the executorch wheel at {root} lacks its headers or runtime library; "
+                                f"reinstall it: pip install --force-reinstall 'streamfuse[executorch]'")
+    include = root / "include"
+    extra = ["-DC10_USING_CUSTOM_GENERATED_MACROS", f"-I{include}",
+             f"-I{include / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}",
+             str(runtime), f"-Wl,-rpath,{runtime.parent}"]
+    return _library_path("libstreamfuse_attention_et", ["tree_attention_et.cpp"], extra)
+
+
+@functools.cache
+def load_executorch_kernels() -> None:
+    """Register streamfuse::tree_attention.out with ExecuTorch's runtime in this process (before a program
+    that calls it is loaded). The library links the runtime already loaded by executorch's pybindings."""
+    from executorch.extension.pybindings import portable_lib  # noqa: F401  (loads the runtime first)
+
+    ctypes.CDLL(str(executorch_library_path()), mode=ctypes.RTLD_GLOBAL)
+
+
+def build_all() -> list[Path]:
+    """Compile every library this machine can use (make build / make test); returns their paths."""
+    built = [Path(c_library()._name)]
+    try:
+        built.append(executorch_library_path())
+    except KernelUnavailable as error:
+        if "needs executorch" not in str(error):
+            raise
+    return built
+
+
+# --- torch ---------------------------------------------------------------------------------------
+@functools.cache
+def torch_op():
+    """torch.ops.streamfuse.tree_attention (defined once): the kernel through ctypes on CPU tensors, a fake
+    for export, and the out variant ExecuTorch's lowering turns it into."""
+    import torch
+
+    library = torch.library.Library("streamfuse", "FRAGMENT")
+    library.define(SCHEMA)
+    library.define(OUT_SCHEMA)
+
+    def run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, out):
+        if not 0 <= layer < k_cache.shape[0]:
+            raise ValueError(f"tree_attention: layer {layer} is outside the cache's {k_cache.shape[0]} layers")
+        k_cache, v_cache = k_cache[layer : layer + 1], v_cache[layer : layer + 1]  # views: no copy
+        inputs = [t.contiguous().float() for t in (query, k_cache, v_cache, k_extra, v_extra, visible)]
+        query, k_cache, v_cache, k_extra, v_extra, visible = inputs
+        _, heads, rows, dim = query.shape
+        first = int(start.reshape(-1)[0])
+        if not 0 <= first <= k_cache.shape[2]:
+            raise ValueError(f"tree_attention: start {first} is outside the cache's {k_cache.shape[2]} slots")
+        result = torch.empty(1, rows, heads, dim) if not out.is_contiguous() else out
+        c_library().streamfuse_tree_attention(
+            *(t.data_ptr() for t in (query, k_cache, v_cache, k_extra, v_extra, visible, result)),
+            heads, k_cache.shape[1], rows, dim, k_cache.shape[2], first, k_extra.shape[2], scale,
+            torch.get_num_threads())
+        if result is not out:
+            out.copy_(result)
+        return out
+
+    def functional(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale):
+        _, heads, rows, dim = query.shape
+        return run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale,
+                   torch.empty(1, rows, heads, dim))
+
+    def fake(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale):
+        _, heads, rows, dim = query.shape
+        return query.new_empty(1, rows, heads, dim)
+
+    library.impl("tree_attention", functional, "CPU")
+    library.impl("tree_attention.out", run, "CPU")
+    torch.library.register_fake("streamfuse::tree_attention", fake, lib=library)
+    torch_op.library = library  # kept alive: dropping the Library object unregisters the op
+    return torch.ops.streamfuse.tree_attention.default
+
+
+# --- the oracle ----------------------------------------------------------------------------------
+LANES = 8
+EXP_FLOOR, LOG2E = np.float32(-87.0), np.float32(1.44269504088896341)
+LN2_HI, LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+EXP_POLY = [np.float32(c) for c in (1.0, 1.0, 0.5, 0.166666672, 0.0416666716, 0.00833333377, 0.00138888892)]
+
+
+def reference(query, k_cache, v_cache, start: int, k_extra, v_extra, visible, scale: float) -> np.ndarray:
+    """The kernel's arithmetic in NumPy float32, key by key (the test oracle; slow); k_cache [1, kv, C, d]."""
+    query, k_cache, v_cache, k_extra, v_extra, visible = (np.asarray(a, dtype=np.float32) for a in (
+        query, k_cache, v_cache, k_extra, v_extra, visible))
+    _, heads, rows, dim = query.shape
+    group = heads // k_cache.shape[1]
+    out = np.zeros((1, rows, heads, dim), dtype=np.float32)
+    for t in range(rows):
+        for h in range(heads):
+            g = h // group
+            keys = [k_cache[0, g, j] for j in range(start)] + [k_extra[0, g, x] for x in range(k_extra.shape[2])
+                                                               if visible[t, x] != 0]
+            values = [v_cache[0, g, j] for j in range(start)] + [v_extra[0, g, x] for x in range(k_extra.shape[2])
+                                                                 if visible[t, x] != 0]
+            scores = [np.float32(_dot(query[0, h, t], key) * np.float32(scale)) for key in keys]
+            top = max(scores)
+            total, acc = np.float32(0), np.zeros(dim, dtype=np.float32)
+            for score, value in zip(scores, values):
+                p = _exp(np.float32(score - top))
+                total = np.float32(total + p)
+                acc = (acc + p * value).astype(np.float32)
+            out[0, t, h] = acc / total
+    return out
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
+    lanes = np.zeros(LANES, dtype=np.float32)
+    full = len(a) - len(a) % LANES
+    for i in range(0, full, LANES):
+        lanes = (lanes + a[i : i + LANES] * b[i : i + LANES]).astype(np.float32)
+    tail = len(a) - full
+    lanes[:tail] = lanes[:tail] + a[full:] * b[full:]
+    s = lanes
+    return np.float32(np.float32(np.float32(s[0] + s[1]) + np.float32(s[2] + s[3]))
+                      + np.float32(np.float32(s[4] + s[5]) + np.float32(s[6] + s[7])))
+
+
+def _exp(x: np.float32) -> np.float32:
+    """The kernel's exp_poly: n ln2 + r reduction, a degree-6 polynomial, times 2^n; 0 below EXP_FLOOR."""
+    clamped = max(x, EXP_FLOOR)
+    n = np.floor(np.float32(np.float32(clamped * LOG2E) + np.float32(0.5)))
+    r = np.float32(np.float32(clamped - np.float32(n * LN2_HI)) - np.float32(n * LN2_LO))
+    p = EXP_POLY[6]
+    for c in range(5, -1, -1):
+        p = np.float32(np.float32(p * r) + EXP_POLY[c])
+    return np.float32(0) if x < EXP_FLOOR else np.float32(np.ldexp(p, int(n)))
+
+
+if __name__ == "__main__":  # make kernels
+    import sys
+
+    try:
+        for path in build_all():
+            print(f"[kernels] {path}")
+    except KernelUnavailable as error:
+        sys.exit(f"error: {error}")
