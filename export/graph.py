@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from streamfuse.adapters.masks import GRAPH_MASKED, additive
+from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import KeyValues, SpanKeyValues, StepKeyValues, in_place_slots
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES

@@ -8,8 +8,6 @@ the cache's capacity, and the cache is never concatenated with the new rows.
 
 from __future__ import annotations
 
-import torch
-
 from streamfuse.adapters import hf
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.msa import SpanKeyValues
