@@ -37,14 +37,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dim", [DIM, 64], ids=["dim-20", "dim-64"])  # 64: keys four at a time (dot4)
+@pytest.mark.parametrize("dim", [DIM, 64], ids=["dim-20", "dim-64"])  # 64: keys eight at a time (dot8, exp_poly8)
+@pytest.mark.parametrize("scale", [0.3, 25.0], ids=["scale-0.3", "underflow"])  # 25: exps below EXP_FLOOR
 @pytest.mark.parametrize("start, visible", CASES)
-def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim):
+def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim, scale):
     visible = torch.tensor(visible, dtype=torch.float32)
     query, k_cache, v_cache, k_extra, v_extra = tensors(start, len(visible), dim=dim)
-    got = attend(query, k_cache, v_cache, start, k_extra, v_extra, visible).numpy()
+    got = attend(query, k_cache, v_cache, start, k_extra, v_extra, visible, scale).numpy()
     want = tree_attention.reference(query.numpy(), k_cache.numpy(), v_cache.numpy(), start, k_extra.numpy(),
-                                    v_extra.numpy(), visible.numpy(), 0.3)
+                                    v_extra.numpy(), visible.numpy(), scale)
     assert got.shape == (1, len(visible), HEADS, dim) and np.array_equal(got, want)
 
 

@@ -59,21 +59,32 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return lane_sum(lane);
 }
 
-// dot(q, keys[k], dim) for four keys side by side: four independent chains of additions, the same sums.
-inline void dot4(const float* q, const float* const* keys, int64_t dim, float* out) {
-  if (dim % LANES != 0) {
-    for (int k = 0; k < 4; ++k) out[k] = dot(q, keys[k], dim);
-    return;
-  }
-  Lanes l0 = {}, l1 = {}, l2 = {}, l3 = {};
+typedef int32_t Ints __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+// Pairs of neighbours: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's hadd).
+inline Lanes pair_sums(Lanes a, Lanes b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// lane_sum of eight vectors at once, the same additions in the same order: lane k of the result is
+// lane_sum(v[k]). Two rounds of pair_sums leave ((0+1)+(2+3)) and ((4+5)+(6+7)) of each, then one add.
+inline Lanes lane_sums(const Lanes* v) {
+  const Lanes low = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+  const Lanes high = pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// dot(q, keys + k * dim, dim) for the eight consecutive keys k = 0..7, lane k of the result; dim is a
+// multiple of LANES. Eight independent chains of additions, each the sums dot makes.
+inline Lanes dot8(const float* q, const float* keys, int64_t dim) {
+  Lanes acc[LANES] = {};
   for (int64_t i = 0; i < dim; i += LANES) {
     const Lanes x = load(q + i);
-    l0 += x * load(keys[0] + i);
-    l1 += x * load(keys[1] + i);
-    l2 += x * load(keys[2] + i);
-    l3 += x * load(keys[3] + i);
+    for (int64_t k = 0; k < LANES; ++k) acc[k] += x * load(keys + k * dim + i);
   }
-  out[0] = lane_sum(l0), out[1] = lane_sum(l1), out[2] = lane_sum(l2), out[3] = lane_sum(l3);
+  return lane_sums(acc);
 }
 
 // exp(x) for x <= 0 in float32 operations only (no libm: the same bits on every machine and in the NumPy
@@ -95,6 +106,21 @@ inline float exp_poly(float x) {
   return x < EXP_FLOOR ? 0.f : p * scale;
 }
 
+// exp_poly lane by lane, the same operations (floor as truncation corrected below: y < 2^23 here).
+inline Lanes exp_poly8(Lanes x) {
+  const Lanes floor_ = EXP_FLOOR - Lanes{};
+  const Lanes clamped = x < floor_ ? floor_ : x;
+  const Lanes y = clamped * LOG2E + 0.5f;
+  const Lanes truncated = __builtin_convertvector(__builtin_convertvector(y, Ints), Lanes);
+  const Lanes n = truncated > y ? truncated - 1.0f : truncated;
+  const Lanes r = (clamped - n * LN2_HI) - n * LN2_LO;
+  Lanes p = EXP_POLY[6] - Lanes{};
+  for (int c = 5; c >= 0; --c) p = p * r + EXP_POLY[c];
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  const Lanes result = p * reinterpret_cast<const Lanes&>(bits);
+  return x < floor_ ? Lanes{} : result;
+}
+
 // One (row, head) task; scores is scratch of start + extra floats.
 inline void attend_row(const TreeAttentionArgs& a, int64_t t, int64_t h, std::vector<float>& scores) {
   const int64_t group = a.heads / a.kv_heads, g = h / group, dim = a.dim;
@@ -105,15 +131,20 @@ inline void attend_row(const TreeAttentionArgs& a, int64_t t, int64_t h, std::ve
   const float* vx = a.v_extra + g * a.extra * dim;
   const float* seen = a.visible + t * a.extra;
   scores.resize(a.start + a.extra);
+  // Scores of the cache keys, eight at a time where head_dim allows (the same sums as dot), and their max.
   int64_t j = 0;
-  for (; j + 4 <= a.start; j += 4) {
-    const float* keys[4] = {kc + j * dim, kc + (j + 1) * dim, kc + (j + 2) * dim, kc + (j + 3) * dim};
-    dot4(q, keys, dim, &scores[j]);
-  }
-  for (; j < a.start; ++j) scores[j] = dot(q, kc + j * dim, dim);
   float top = -INFINITY;
-  for (j = 0; j < a.start; ++j) {
-    scores[j] *= a.scale;
+  if (dim % LANES == 0) {
+    Lanes tops = top - Lanes{};
+    for (; j + LANES <= a.start; j += LANES) {
+      const Lanes s = dot8(q, kc + j * dim, dim) * a.scale;
+      std::memcpy(&scores[j], &s, sizeof(s));
+      tops = s > tops ? s : tops;
+    }
+    for (int64_t l = 0; l < LANES; ++l) top = tops[l] > top ? tops[l] : top;
+  }
+  for (; j < a.start; ++j) {
+    scores[j] = dot(q, kc + j * dim, dim) * a.scale;
     top = scores[j] > top ? scores[j] : top;
   }
   for (int64_t x = 0; x < a.extra; ++x) {
@@ -121,7 +152,12 @@ inline void attend_row(const TreeAttentionArgs& a, int64_t t, int64_t h, std::ve
     scores[a.start + x] = dot(q, kx + x * dim, dim) * a.scale;
     top = scores[a.start + x] > top ? scores[a.start + x] : top;
   }
-  for (j = 0; j < a.start; ++j) scores[j] = exp_poly(scores[j] - top);
+  const Lanes tops = top - Lanes{};
+  for (j = 0; j + LANES <= a.start; j += LANES) {
+    const Lanes e = exp_poly8(load(&scores[j]) - tops);
+    std::memcpy(&scores[j], &e, sizeof(e));
+  }
+  for (; j < a.start; ++j) scores[j] = exp_poly(scores[j] - top);
   // The numerator in registers-sized blocks: acc[c] holds out[c * LANES .. c * LANES + LANES), each element
   // summing p * v over the keys in order (a dim that is not a multiple of LANES finishes in `tail`).
   const int64_t blocks = dim / LANES, rest = dim - blocks * LANES;
