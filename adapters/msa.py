@@ -63,14 +63,24 @@ class StepKeyValues(KeyValues):
     a [1] cache length n: this call's rows take slots n.. of a copy of the past ([P] keys), so a
     token at position p sits at slot p whether it came from this call or an earlier one (the
     graphs' mask for this layout: in_place_slots).
+    order: for that layout, (source, place) [T, P] (export/graph.py decode_order): where each main row's
+    keys sit in plain decoding's order; an attention that sums in that order reads it from `active`
+    (the provider of the attention call under way: HF attention gets the module, not the provider).
     """
 
+    active: "StepKeyValues | None" = None
+
     def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 write_at: torch.Tensor | None = None):
+                 write_at: torch.Tensor | None = None, order: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(main_len)
         self.past = past
         self.write_at = write_at
+        self.order = order
         self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        StepKeyValues.active = self if self.order is not None else None
+        return super().update(keys, values, layer_idx, *args, **kwargs)
 
     def _store(self, layer, keys, values):
         self.new[layer] = (keys, values)

@@ -41,6 +41,9 @@ PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("mode
 # Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
 # ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
 IN_PLACE = ("onnx",)
+# ONNX Runtime's fp32 GEMM with 16 columns (xnnpack_graph.SLOT_COLUMNS) sums up to 1,024 slots in one pass;
+# past that it adds blocks, and a term's block would depend on its slot (measured, docs/export.md).
+EXACT_ONNX_SLOTS = 1024
 # Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span):
 # ExecuTorch on XNNPACK, which runs the kernel as a registered custom op (runtime/tree_attention.py).
 SPAN = ("executorch",)
@@ -88,6 +91,10 @@ class ExportConfig:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
+        if "onnx" in self.backends and self.capacity > EXACT_ONNX_SLOTS:
+            raise ValueError(f"export.capacity={self.capacity}: the ONNX graphs are exact (SS == plain decoding) over at "
+                             f"most {EXACT_ONNX_SLOTS} cache slots (docs/export.md); lower export.capacity or leave "
+                             f"onnx out of --backends")
         shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
         graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
         for tree in (TreeSpec.parse(tree) for tree in self.trees):

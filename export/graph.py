@@ -107,6 +107,30 @@ class GraphShapes:
         return max(self.draft_width, self.max_nodes - 1)
 
 
+def decode_order(cache_len: torch.Tensor, visible: torch.Tensor, depths: torch.Tensor, span: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's keys sit in plain decoding, for the in-place layout ([C] slots, the call's row j
+    at slot cache_len + j). Plain decoding of row t's path puts its ancestor at depth k in slot cache_len
+    + k, not cache_len + its index: the same keys in other places, which ONNX Runtime's Softmax and
+    MatMul sum in another order (a sibling's row differed from plain decoding by 1e-8, then flipped
+    4-bit activations' rounding; tests/test_export.py). Returns [T, C] int64:
+    source[t, p]: the slot whose score plain decoding has at place p (-1: none, a masked score);
+    place[t, s]: the place of slot s's probability in plain decoding (-1: none, a zero)."""
+    rows, slots = visible.shape[0], torch.arange(span, device=visible.device)
+    depths = depths.clamp(min=0)  # a pad row (depth -1, seeing only itself) is ordered as a root
+    offset = slots - cache_len  # [C]: a new row's index for the slots at or past cache_len
+    nodes = torch.arange(rows, device=visible.device)
+    at_depth = (depths[None, :] == nodes[:, None]).to(visible.dtype)  # [k, j]: node j sits at depth k
+    ancestor = (visible[:, None, :] * at_depth[None] * nodes.to(visible.dtype)).sum(-1).to(torch.long)  # [t, k]
+    step = offset.clamp(0, rows - 1)  # as a place: a depth; as a slot: a node
+    own = torch.logical_and(offset[None, :] >= 0, offset[None, :] <= depths[:, None])  # places of the row's path
+    source = torch.where(own, cache_len + ancestor.index_select(1, step), -1)
+    sees = torch.logical_and(torch.logical_and(offset >= 0, offset < rows)[None, :], visible.index_select(1, step) > 0)
+    place = torch.where(sees, cache_len + depths.index_select(0, step)[None, :], -1)
+    cached = (offset < 0)[None, :]
+    return torch.where(cached, slots[None, :], source), torch.where(cached, slots[None, :], place)
+
+
 def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:
     """[rows, C] additive: cache row c is visible iff c < cache_len."""
     hidden = torch.arange(capacity, device=cache_len.device)[None, :] >= cache_len[:, None]
@@ -143,7 +167,8 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
     elif in_place:  # [T, C]: the cache below cache_len, then the new rows at their slots
         inside, index = in_place_slots(cache_len, span, count)
         mask = torch.where(inside[None, :], among.index_select(1, index), cache_mask(cache_len, span, count))[None, None]
-        provider = StepKeyValues(len(past), count, past, write_at=cache_len)
+        provider = StepKeyValues(len(past), count, past, write_at=cache_len,
+                                 order=decode_order(cache_len, visible, depths, span))
     else:  # [T, C + T]
         mask = torch.cat([cache_mask(cache_len, span, count), among], dim=1)[None, None]
         provider = StepKeyValues(len(past), count, past)

@@ -28,7 +28,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/11"  # /11: trees as data: step graphs per size bucket take the tree as inputs
+SCHEMA = "streamfuse.artifact/12"  # /12: ONNX attention sums each row in plain decoding's order
 MANIFEST = "manifest.json"
 
 

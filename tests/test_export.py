@@ -252,6 +252,37 @@ def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, bac
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def path_of(tree: TreeSpec, node: int) -> list[int]:
+    """The nodes from the root to `node`, root first."""
+    path = [node]
+    while path[0] != 0:
+        path.insert(0, tree.parents[path[0]])
+    return path
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_every_tree_row_is_plain_decoding_of_its_path_bit_for_bit(artifact, backend):
+    """Each node of a tree with siblings (its ancestors in the call at other slots than plain decoding
+    puts them, and pad rows beside them) has plain decoding's logits and final state, bit for bit: the
+    exactness that keeps a quantized artifact's SS equal to its plain decoding, where rounding amplifies
+    any difference."""
+    engine = load(artifact, backend).backend
+    prompt = prompts(1, seed=3)[0]
+    for tree in (TreeSpec(((0,), (1,))), TREES[0]):  # 3 nodes and a pad row in the 4-row bucket; 15 nodes
+        tokens = torch.randint(3, 97, (tree.num_nodes,), generator=torch.Generator().manual_seed(7)).tolist()
+        engine.reset(64)
+        engine.prefill(prompt, with_streams=False)
+        step = engine.step(tokens, tree, with_streams=False)
+        for node in range(tree.num_nodes):
+            engine.reset(64)
+            engine.prefill(prompt, with_streams=False)
+            for ancestor in path_of(tree, node):
+                plain = engine.step([tokens[ancestor]], None, with_streams=False)
+                engine.commit([0])
+            assert torch.equal(plain.main_logits[0], step.main_logits[node]), (tree.paths, node)
+            assert torch.equal(plain.hidden[0], step.hidden[node]), (tree.paths, node)
+
+
 @needs("executorch", "onnx")
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)
@@ -434,7 +465,8 @@ def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
 @needs("onnx", "coreml", "executorch_coreml")
 def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "artifact"
-    config = ExportConfig(backends=("torch", "onnx", "coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    config = ExportConfig(backends=("torch", "onnx", "coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
+                          parity_prompts=2)
     original = ArtifactBuilder._export
 
     def crash_on_coreml(self, backend):
@@ -462,7 +494,8 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert not list(out.glob("coreml-*")) and not list(out.glob("*.tmp"))
 
     # Asking for one more backend exports only that one and keeps the others.
-    more = ExportConfig(backends=("torch", "onnx", "executorch_coreml"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    more = ExportConfig(backends=("torch", "onnx", "executorch_coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
+                        parity_prompts=2)
     ArtifactBuilder(checkpoint / "ckpt", out, more, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
     assert "onnx: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
@@ -546,7 +579,8 @@ def shallow_checkpoint(tmp_path_factory):
 @needs("executorch")
 @pytest.mark.parametrize("scheme", ["int8", "8da4w"])
 def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shallow_checkpoint, tmp_path, scheme):
-    config = ExportConfig(backends=("executorch",), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3)
+    config = ExportConfig(backends=("executorch",), buckets=(4,), capacity=128, prefill_chunk=16, quantize=scheme,
+                          parity_prompts=3)  # one bucket: five methods to lower, not seven
     out = tmp_path / scheme
     data = ArtifactBuilder(shallow_checkpoint / "ckpt", out, config, prompts(3), 24, {}, DRAFT).build()  # a quantized head
     assert data["graphs"]["quantize"]["executorch"] == scheme
