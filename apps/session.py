@@ -130,8 +130,9 @@ class Session:
         settings = self.settings(request)
         if not request.text.strip():
             raise ValueError("the input is empty: paste a dialogue or pick an example")
-        # Task artifacts were fine-tuned on a prompt format: format the text as in training.
-        ids = prompt_ids(loaded, request.text, as_task=loaded.prompt is not None)
+        # Task artifacts were fine-tuned on a prompt format: format the text as in training, the source
+        # kept whole up to the context (as runtime.generate does without --cut-source).
+        ids = prompt_ids(loaded, request.text, as_task=loaded.prompt is not None, cut_source=False)
         builder = SegmentBuilder(lambda tokens: loaded.tokenizer.decode(tokens, skip_special_tokens=True))
         stats = RunStats(request.method)
         started = time.perf_counter()

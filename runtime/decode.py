@@ -55,14 +55,15 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-def required_capacity(prompt_len: int, rules: StopRules, tree: TreeSpec | None, max_positions: int) -> int:
-    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows.
-    Checked before any work, so a run never stops half-way for lack of context."""
-    needed = prompt_len + rules.max_new_tokens + (tree.num_nodes if tree else 1)
+def required_capacity(prompt_len: int, rules: StopRules, step_rows: int, max_positions: int) -> int:
+    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows (a static
+    graph's size bucket). Checked before any work, so a run never stops half-way for lack of context."""
+    needed = prompt_len + rules.max_new_tokens + step_rows
     if needed > max_positions:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + draft tree "
-                         f"{tree.num_nodes if tree else 1} exceeds the model's context of {max_positions} positions; "
-                         f"shorten the prompt or lower max_new_tokens")
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + a step's "
+                         f"{step_rows} rows exceeds the model's context of {max_positions} positions; shorten the "
+                         f"prompt, lower max_new_tokens, or (an exported artifact) rebuild it with a larger "
+                         f"--set export.capacity=N")
     return needed
 
 
@@ -83,7 +84,8 @@ class DecodeRun:
               trace: Trace | None, run_id: str, decode) -> "DecodeRun":
         """Validate the request, then reset the backend; nothing runs before the checks pass."""
         check_prompt(prompt_ids, backend.vocab_size)
-        capacity = required_capacity(len(prompt_ids), settings.rules, drafter.tree, backend.max_positions)
+        capacity = required_capacity(len(prompt_ids), settings.rules, backend.step_rows(drafter.tree),
+                                     backend.max_positions)
         trace = trace or Trace(enabled=False)
         run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids), drafter.name),
                   torch.Generator().manual_seed(settings.seed), Emitter(settings.rules, decode), time.perf_counter(),

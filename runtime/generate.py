@@ -87,10 +87,11 @@ def source_overflow(loaded: Loaded, text: str, as_task: bool) -> int:
     return loaded.prompt.overflow(loaded.tokenizer, text)
 
 
-def prompt_ids(loaded: Loaded, text: str, as_task: bool) -> list[int]:
+def prompt_ids(loaded: Loaded, text: str, as_task: bool, cut_source: bool = True) -> list[int]:
+    """Token ids of a request; a task source is cut as training cut it unless cut_source is False."""
     tokenizer = loaded.tokenizer
     if as_task:
-        rendered = loaded.prompt.render(tokenizer, text)
+        rendered = loaded.prompt.render(tokenizer, text, cut=cut_source)
     else:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                  add_generation_prompt=True)
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--input-file", type=Path, help="JSON lines, one input per line")
     parser.add_argument("--task", help="format inputs with the task prompt the model was fine-tuned with (e.g. dialogsum)")
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
+    parser.add_argument("--cut-source", action="store_true", help="with --task: cut a source longer than the model "
+                        "was fine-tuned on to that length, as training did (default: keep it whole, up to the context)")
     parser.add_argument("--method", choices=METHODS, default="ss",
                         help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
                              "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
@@ -221,12 +224,15 @@ def main(argv: list[str] | None = None) -> int:
                   num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method != "ar" else None,
                   threads=torch.get_num_threads())
     for request in requests:
-        cut = source_overflow(loaded, request.text, as_task)
-        if cut:
-            print(f"warning: input {request.id}: the source is {cut} tokens over the {loaded.prompt.max_source_tokens} "
-                  f"the model was fine-tuned on; its end is cut", file=sys.stderr)
-        result = run(loaded, prompt_ids(loaded, request.text, as_task), settings, trace, request.id)
-        record = {**result_record(request, loaded, result, settings), "source_truncated": cut > 0}
+        over = source_overflow(loaded, request.text, as_task)
+        if over:
+            fate = ("its end is cut" if args.cut_source else
+                    "kept whole (quality past that length is untested; --cut-source cuts it as training did)")
+            print(f"warning: input {request.id}: the source is {over} tokens over the {loaded.prompt.max_source_tokens} "
+                  f"the model was fine-tuned on; {fate}", file=sys.stderr)
+        ids = prompt_ids(loaded, request.text, as_task, cut_source=args.cut_source)
+        result = run(loaded, ids, settings, trace, request.id)
+        record = {**result_record(request, loaded, result, settings), "source_truncated": bool(over and args.cut_source)}
         print(json.dumps(record) if args.json else f"[{record['id']}] {record['text']}\n  ({record['new_tokens']} tokens, "
               f"{record['model_calls']} calls, CR {record['call_reduction']:.2f}, {record['seconds']:.2f} s)", flush=True)
     if args.trace is not None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 class PromptFormat:
     instruction_template: str  # user message, with "{source}" where the source text goes
     source_template: str  # builds the source from an input row's fields, e.g. "{dialogue}"
-    max_source_tokens: int  # the source is cut to this many tokens, as in training
+    max_source_tokens: int  # training cut the source to this many tokens; render cuts it too where asked
 
     def fill_source(self, row: dict, where: str = "input row") -> str:
         """The source text of a JSON row: its "source" field, else the task's fields."""
@@ -26,13 +26,14 @@ class PromptFormat:
                              f"{self.source_template!r} fields or a 'source' field") from None
 
     def overflow(self, tokenizer, source: str) -> int:
-        """Tokens of the source past max_source_tokens, which render cuts off."""
+        """Tokens of the source past max_source_tokens, which render(cut=True) cuts off."""
         return max(0, len(tokenizer(source, add_special_tokens=False)["input_ids"]) - self.max_source_tokens)
 
-    def render(self, tokenizer, source: str) -> str:
-        """Chat-formatted prompt text ending where the assistant's answer starts."""
+    def render(self, tokenizer, source: str, cut: bool = True) -> str:
+        """Chat-formatted prompt text ending where the assistant's answer starts; `cut`: the source's
+        first max_source_tokens only, as training saw it (evaluation and benchmarks), else whole."""
         ids = tokenizer(source, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.max_source_tokens:
+        if cut and len(ids) > self.max_source_tokens:
             source = tokenizer.decode(ids[: self.max_source_tokens])
         message = self.instruction_template.replace("{source}", source)
         return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,

@@ -39,6 +39,9 @@ class OracleDrafts:
     def reset(self, capacity):
         self.inner.reset(capacity)
 
+    def step_rows(self, tree):
+        return self.inner.step_rows(tree)
+
     def prefill(self, token_ids, with_streams):
         self.prompt_len = len(token_ids)
         return self._oracle_streams(self.inner.prefill(token_ids, with_streams))

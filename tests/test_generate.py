@@ -39,6 +39,7 @@ INPUT_FILES = {  # name -> bytes of an --input-file
     "latin1": b'{"dialogue": "caf\xe9"}\n',
     "empty": b"\n\n",
     "not_object": b'["dialogue"]\n',
+    "too_long": ('{"dialogue": "' + "the water " * 150 + '"}\n').encode(),  # ~300 tokens, kept whole by default
 }
 
 # The probes: argv (ARTIFACT = the tiny checkpoint, FILE = a file above) -> exit status, stderr's line
@@ -61,6 +62,7 @@ PROBES = [
     (["--prompt", "x", "--limit", "0"], 2, "--limit must be >= 1"),
     (["--prompt", "x", "--backend", "onnxruntime"], 1, "is a checkpoint, which only the torch backend runs"),
     (["--prompt", "x", "--task", "e2e_nlg"], 2, "fine-tuned for 'dialogsum'"),
+    (["--task", "dialogsum", "--input-file", "FILE:too_long"], 1, "exceeds the model's context of 256 positions"),
 ]
 
 
@@ -84,13 +86,18 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(checkpoint, tmp_path, capsys, 
         generate.main([*argv, "--debug"])
 
 
-def test_a_source_longer_than_training_is_cut_with_a_warning(checkpoint, tmp_path, capsys):
+def test_a_source_longer_than_training_is_kept_whole_or_cut_on_request(checkpoint, tmp_path, capsys):
     rows = tmp_path / "long.jsonl"
     rows.write_text(json.dumps({"id": "long", "dialogue": " ".join(["the water"] * 60)}) + "\n" +
                     json.dumps({"id": "short", "dialogue": "the water"}) + "\n")
-    records = run_cli(capsys, "--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
-                      "--max-new-tokens", "3", "--json")
-    assert [r["source_truncated"] for r in records] == [True, False]
-    generate.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
-                   "--max-new-tokens", "3", "--limit", "1"])
-    assert "warning: input long: the source is 56 tokens over the 64" in capsys.readouterr().err
+    argv = ["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
+            "--max-new-tokens", "3", "--json"]
+    whole = run_cli(capsys, *argv)
+    cut = run_cli(capsys, *argv, "--cut-source")
+    assert [r["source_truncated"] for r in whole] == [False, False]
+    assert [r["source_truncated"] for r in cut] == [True, False]
+    generate.main(argv[:-1] + ["--limit", "1"])
+    assert "warning: input long: the source is 56 tokens over the 64 the model was fine-tuned on; kept whole" \
+        in capsys.readouterr().err
+    generate.main(argv[:-1] + ["--limit", "1", "--cut-source"])
+    assert "the source is 56 tokens over the 64 the model was fine-tuned on; its end is cut" in capsys.readouterr().err

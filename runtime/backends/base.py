@@ -97,6 +97,9 @@ class Backend(Protocol):
     def reset(self, capacity: int) -> None:
         """Empty the KV cache and make room for `capacity` positions."""
 
+    def step_rows(self, tree: TreeSpec | None) -> int:
+        """Cache rows a step of `tree` (None: one token) takes before its commit."""
+
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
         """Run the prompt; streams (if on) at its last token."""
 

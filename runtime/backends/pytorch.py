@@ -66,6 +66,9 @@ class TorchBackend:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return cls(SpeculativeStreamingLM(model, streams), device, stream_schedule, kernels)
 
+    def step_rows(self, tree: TreeSpec | None) -> int:
+        return tree.num_nodes if tree is not None else 1
+
     def reset(self, capacity: int) -> None:
         parts = self.model.parts
         if self.cache is None or self.cache.capacity < capacity:

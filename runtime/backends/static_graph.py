@@ -171,6 +171,10 @@ class StaticGraphBackend:
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._trees: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    def step_rows(self, tree: TreeSpec | None) -> int:
+        """A tree runs in its size bucket: the bucket's rows, pad rows included."""
+        return self.spec.bucket(tree) if tree is not None else 1
+
     def reset(self, capacity: int) -> None:
         if capacity > self.spec.capacity:
             raise CapacityError(f"a run needs {capacity} KV positions but the artifact was exported with capacity "
