@@ -1,13 +1,14 @@
-"""python -m streamfuse.export.span_sweep: step time of the ExecuTorch graphs by used span and row count.
+"""python -m streamfuse.export.span_sweep: step time of the exported graphs by engine, used span and rows.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with random
-weights, lowers `decode` and a step graph per --rows bucket to one XNNPACK program per --capacity (the
-cache the graphs are built for), and times every (capacity, rows, span) interleaved. With attention over
-the used span (export/span_attention.py) a call's time grows with the span, not with the capacity: the
-same span costs the same in a 768- and a 2,048-slot program.
+weights, exports `decode` and a step graph per --rows bucket to one program per --engine and --capacity
+(the cache the graphs are built for), and times every (engine, capacity, rows, span) interleaved. On
+ExecuTorch, attention is the exact kernel over the used span (export/span_attention.py): a call's time
+grows with the span, not with the capacity. The ONNX graphs attend over every slot of the cache
+(GraphShapes.in_place): their time grows with the capacity.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.span_sweep --threads 2 --rows 1,2,4,8,16 \
-        --spans 64,256,512,1024,2000 --capacity 768,2048 --out bench/span-sweep.json
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.span_sweep --threads 2 --engine executorch,onnx \
+        --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from streamfuse.export.graph import GraphShapes, graph_modules, example_inputs  # noqa: E402
+from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of  # noqa: E402
 from streamfuse.export.to_executorch import export_pte  # noqa: E402
-from streamfuse.export.xnnpack_graph import xnnpack_model  # noqa: E402
+from streamfuse.export.to_onnx import export_onnx  # noqa: E402
+from streamfuse.export.xnnpack_graph import with_graph_attention, xnnpack_model  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
-from streamfuse.runtime.backends.sessions import ExecuTorchSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import bucket_method, tree_inputs  # noqa: E402
+from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession  # noqa: E402
+from streamfuse.runtime.backends.static_graph import Session, bucket_method, tree_inputs  # noqa: E402
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
@@ -41,6 +43,7 @@ PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
+    parser.add_argument("--engine", default="executorch", help="engines, comma-separated: executorch, onnx")
     parser.add_argument("--gamma", type=int, default=3, help="number of streams")
     parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
     parser.add_argument("--rows", default="1,4,8,16", help="row counts: 1 is decode, others step graphs of that size")
@@ -56,16 +59,24 @@ def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def program(model, capacity: int, rows: list[int], folder: Path, threads: int) -> ExecuTorchSession:
-    """decode and the step graphs of `rows` (> 1) in one .pte for a cache of `capacity` slots."""
+ENGINES = {"executorch": (xnnpack_model, dict(span=True)), "onnx": (with_graph_attention, dict(in_place=True))}
+
+
+def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:
+    """decode and the step graphs of `rows` (> 1) in one program of `engine` for a cache of `capacity` slots."""
     buckets = tuple(r for r in rows if r > 1) or (2,)
-    shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
+    shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, **ENGINES[engine][1])
     modules = {name: module for name, module in graph_modules(model, shapes).items()
                if name == "decode" or name.startswith("step_")}
-    inputs = example_inputs(model, shapes)
-    path = folder / f"sweep-{capacity}.pte"
-    export_pte(modules, {name: inputs[name] for name in modules}, path)
-    return ExecuTorchSession(path, threads)
+    inputs = {name: example_inputs(model, shapes)[name] for name in modules}
+    if engine == "executorch":
+        path = folder / f"sweep-{capacity}.pte"
+        export_pte(modules, inputs, path)
+        return ExecuTorchSession(path, threads)
+    target = folder / f"onnx-{capacity}"
+    target.mkdir()
+    export_onnx(modules, inputs, *names_of(modules), target)
+    return OnnxRuntimeSession(target / "model.onnx", threads=threads)
 
 
 def call_inputs(rows: int, span: int, capacity: int, model) -> tuple[str, list[torch.Tensor]]:
@@ -84,17 +95,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows, spans, capacities = numbers(args.rows), numbers(args.spans), numbers(args.capacity)
+    engines = [engine.strip() for engine in args.engine.split(",")]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"span_sweep: error: --engine {','.join(unknown)}: choose from {', '.join(ENGINES)}")
     base = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                            kernels="eager").model
-    model = xnnpack_model(base.eval().requires_grad_(False))
+                                            kernels="eager").model.eval().requires_grad_(False)
     calls = {}
     with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
-        for capacity in tqdm(capacities, desc="lower", unit="program"):
-            session = program(model, capacity, rows, Path(scratch), args.threads)
+        for engine, capacity in tqdm([(e, c) for e in engines for c in capacities], desc="lower", unit="program"):
+            model = ENGINES[engine][0](base)
+            session = program(engine, model, capacity, rows, Path(scratch), args.threads)
             for count in rows:
                 for span in spans:
                     if span + count <= capacity:
-                        calls[capacity, count, span] = (session, *call_inputs(count, span, capacity, model))
+                        calls[engine, capacity, count, span] = (session, *call_inputs(count, span, capacity, model))
         samples = {key: [] for key in calls}
         for rep in tqdm(range(args.reps + 2), desc="time", unit="round"):
             for key, (session, method, inputs) in calls.items():  # interleaved: all see the same conditions
@@ -102,13 +117,12 @@ def main(argv=None) -> int:
                 session.run(method, inputs)
                 if rep >= 2:
                     samples[key].append(time.perf_counter() - start)
-    table = [{"capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
-             for (c, r, s), v in samples.items()]
-    meta = {"engine": "executorch:xnnpack", "threads": args.threads, "reps": args.reps,
-            "load_average": os.getloadavg(), "rows": table}
-    print("capacity  rows  span     ms")
+    table = [{"engine": e, "capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
+             for (e, c, r, s), v in samples.items()]
+    meta = {"threads": args.threads, "reps": args.reps, "load_average": os.getloadavg(), "rows": table}
+    print("engine      capacity  rows  span     ms")
     for row in table:
-        print(f"{row['capacity']:8d}  {row['rows']:4d}  {row['span']:4d}  {row['ms']:7.2f}")
+        print(f"{row['engine']:10s}  {row['capacity']:8d}  {row['rows']:4d}  {row['span']:4d}  {row['ms']:7.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(meta, indent=2))
