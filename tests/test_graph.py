@@ -15,6 +15,9 @@ from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, g
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, base_method, method_names, tree_inputs
+from streamfuse.runtime.decode import generate
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
 TREES = [TreeSpec.full(3, 2), TreeSpec.chain(3), TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 0, 0), (1, 0, 1)))]
@@ -190,6 +193,22 @@ def test_each_tree_runs_in_the_smallest_bucket_holding_it_and_a_larger_one_is_a_
     assert backend.stream_schedule(wide) == "deferred"
     backend.step([4, 5, 6], wide, with_streams=True, greedy=True)
     assert session.calls[-1] == "step_4"
+
+
+@torch.no_grad()
+def test_a_run_reserves_its_trees_bucket_rows_so_it_never_stops_half_way():
+    """A 3-node tree runs in the 4-row graph: a run that fits with 3 scratch rows but not with 4 is refused
+    before any work, not stopped by a full cache at its last step."""
+    model = tiny_model()
+    shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(4,))
+    backend = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["fused"])),
+                                 graph_spec(model, shapes, ["fused"]))
+    tree = TreeSpec.chain(2)
+    assert backend.step_rows(tree) == 4 and backend.step_rows(None) == 1
+    ss = DecodeSettings("ss", StopRules(10), tree=tree)
+    with pytest.raises(ValueError, match="a step's 4 rows exceeds the model's context of 64"):
+        generate(backend, [1] * 51, ss)  # 51 + 10 + 3 = 64 would fit; 51 + 10 + 4 does not
+    assert 1 <= len(generate(backend, [1] * 50, ss).token_ids) <= 10
 
 
 def spec_for(model, buckets):
