@@ -53,8 +53,10 @@ def test_real_model_smoke_build(tmp_path):
     except DataError as error:
         pytest.skip(f"DialogSum data unavailable: {error}")
     # ONNX only: the real model's ExecuTorch lowering takes ~10 min here, too long for CI. No LoRA baseline,
-    # and calibration (each backend times every candidate tree) on one input: the suite's time.
+    # calibration (each backend times every candidate tree) on one input, one step bucket (five methods to
+    # export, not seven; the tiny models' tests cover more buckets): the suite's time.
     export = ["--backends", "torch,onnx", "--out", str(tmp_path / "artifact"), "--set", "export.parity_prompts=2",
+              "--set", "export.buckets=4",
               "--set", "stages.profile_limit=1", "--set", "export.capacity=512", "--set", "stages.zero_shot=false",
               "--set", "stages.baseline=false", "--set", "stages.calibration_inputs=1"]
     assert build.main(["--preset", "smoke", "--work-dir", str(tmp_path), *export]) == 0
