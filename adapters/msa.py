@@ -29,17 +29,32 @@ class KeyValues:
     main-token K/V live (`_store`); stream K/V never leave the call. value_angles ([S] radians,
     one per stream token, set by the model for value-rotation streams) rotates stream values
     (appendix B, eq. 7).
+
+    `active`: the provider and layer of the attention call under way, for a provider that its attention
+    function reads (`announced`): HF attention calls update() and then its attention function, which gets
+    the module but not the provider. The function takes it (`take_active`), so a later call cannot read a
+    stale one.
     """
+
+    active: tuple["KeyValues", int] | None = None
+    announced = False
 
     def __init__(self, main_len: int):
         self.main_len = main_len
         self.value_angles: torch.Tensor | None = None
+
+    @staticmethod
+    def take_active() -> tuple["KeyValues", int] | None:
+        active, KeyValues.active = KeyValues.active, None
+        return active
 
     def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep this call's main-token K/V [B, kv_heads, main_len, d]; return past + them."""
         raise NotImplementedError
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.announced:
+            KeyValues.active = (self, layer_idx)
         main = self.main_len
         all_keys, all_values = self._store(layer_idx, keys[:, :, :main], values[:, :, :main])
         if keys.shape[2] == main:
@@ -64,11 +79,8 @@ class StepKeyValues(KeyValues):
     token at position p sits at slot p whether it came from this call or an earlier one (the
     graphs' mask for this layout: in_place_slots).
     order: for that layout, (source, place) [T, P] (export/graph.py decode_order): where each main row's
-    keys sit in plain decoding's order; an attention that sums in that order reads it from `active`
-    (the provider of the attention call under way: HF attention gets the module, not the provider).
+    keys sit in plain decoding's order, for an attention that sums in that order (announced).
     """
-
-    active: "StepKeyValues | None" = None
 
     def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  write_at: torch.Tensor | None = None, order: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -76,11 +88,8 @@ class StepKeyValues(KeyValues):
         self.past = past
         self.write_at = write_at
         self.order = order
+        self.announced = order is not None
         self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        StepKeyValues.active = self if self.order is not None else None
-        return super().update(keys, values, layer_idx, *args, **kwargs)
 
     def _store(self, layer, keys, values):
         self.new[layer] = (keys, values)
@@ -107,12 +116,9 @@ class SpanKeyValues(KeyValues):
     export/span_attention.py): attention gets only this call's rows as keys (after `prefix` rows per layer,
     e.g. the step rows that deferred streams see), and reads the whole cache (keys, values [L, kv, C, d]: a
     layer's slice would be a copy in the exported graph) and `start` (it attends slots [0, start)) from
-    here. Nothing is concatenated with the cache.
+    here. Nothing is concatenated with the cache. The attention reads it as KeyValues.active (announced)."""
 
-    `active` is the provider and layer of the attention call under way: HF attention calls update() and
-    then its attention function, which gets the module but not the provider."""
-
-    active: tuple["SpanKeyValues", int] | None = None
+    announced = True
 
     def __init__(self, num_layers: int, main_len: int, cache: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
                  prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
@@ -126,10 +132,6 @@ class SpanKeyValues(KeyValues):
         if id(mask) not in self._visible:  # the mask is kept beside its id so the id cannot be reused
             self._visible[id(mask)] = (mask, (mask[0, 0] > masked / 2).to(mask.dtype))
         return self._visible[id(mask)][1]
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        SpanKeyValues.active = (self, layer_idx)
-        return super().update(keys, values, layer_idx, *args, **kwargs)
 
     def _store(self, layer, keys, values):
         self.new[layer] = (keys, values)

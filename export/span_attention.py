@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from streamfuse.adapters import hf
 from streamfuse.adapters.masks import GRAPH_MASKED
-from streamfuse.adapters.msa import SpanKeyValues
+from streamfuse.adapters.msa import KeyValues, SpanKeyValues
 from streamfuse.runtime.tree_attention import torch_op
 
 SPAN_ATTENTION = "streamfuse_span"
@@ -19,8 +19,8 @@ SPAN_ATTENTION = "streamfuse_span"
 def span_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query [1, heads, rows, d]; key / value [1, kv, X, d] the call's rows; attention_mask additive
     [1, 1, rows, X] -> ([1, rows, heads, d], None)."""
-    active, SpanKeyValues.active = SpanKeyValues.active, None  # consumed: a later call cannot read a stale one
-    if active is None or active[1] != module.layer_idx:
+    active = KeyValues.take_active()
+    if active is None or not isinstance(active[0], SpanKeyValues) or active[1] != module.layer_idx:
         raise RuntimeError(f"span attention of layer {module.layer_idx} without its SpanKeyValues update: the graphs "
                            f"of a model with span attention need GraphShapes(span=True)")
     provider, layer = active

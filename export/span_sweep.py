@@ -68,7 +68,8 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
     shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, **ENGINES[engine][1])
     modules = {name: module for name, module in graph_modules(model, shapes).items()
                if name == "decode" or name.startswith("step_")}
-    inputs = {name: example_inputs(model, shapes)[name] for name in modules}
+    examples = example_inputs(model, shapes)
+    inputs = {name: examples[name] for name in modules}
     if engine == "executorch":
         path = folder / f"sweep-{capacity}.pte"
         export_pte(modules, inputs, path)

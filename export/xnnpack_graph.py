@@ -31,7 +31,7 @@ from torch import nn
 from streamfuse.adapters import hf
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.adapters.msa import StepKeyValues
+from streamfuse.adapters.msa import KeyValues, StepKeyValues
 
 ATTENTION = "streamfuse_grouped_bmm"
 
@@ -62,7 +62,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     Where the K/V provider gives plain decoding's order of each row's keys (the in-place layout, ONNX),
     the softmax runs over the scores in that order and probs x values sums every slot in one pass,
     so a tree row's sums are plain decoding's term for term (decode_ordered)."""
-    provider, StepKeyValues.active = StepKeyValues.active, None  # consumed: a later call cannot read a stale one
+    active = KeyValues.take_active()
+    order = active[0].order if active is not None and isinstance(active[0], StepKeyValues) else None
     batch, heads, tokens, size = query.shape
     kv_heads = key.shape[1]
     rows, mask = stacked_rows(query, kv_heads, scaling), attention_mask
@@ -70,11 +71,11 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     if single:
         rows, mask = torch.cat([rows, rows], dim=1), None if mask is None else torch.cat([mask, mask], dim=2)
     scores = grouped_scores(rows, key, mask, heads // kv_heads)
-    if provider is None:
+    if order is None:
         probs = torch.softmax(scores, dim=-1).reshape(rows.shape[0], rows.shape[1], -1)
         out = torch.bmm(probs, value.reshape(rows.shape[0], -1, size))
     else:
-        out = decode_ordered(scores, value, provider.order)
+        out = decode_ordered(scores, value, order)
     if single:
         out = out[:, :1]
     return out.reshape(batch, heads, tokens, size).transpose(1, 2), None
