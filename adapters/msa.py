@@ -32,8 +32,8 @@ class KeyValues:
 
     `active`: the provider and layer of the attention call under way, for a provider that its attention
     function reads (`announced`): HF attention calls update() and then its attention function, which gets
-    the module but not the provider. The function takes it (`take_active`), so a later call cannot read a
-    stale one.
+    the module but not the provider. The function takes it (`take_active`, for the module's layer). A new
+    provider and every update clear what an attention that does not read it (Core ML's, eager) left.
     """
 
     active: tuple["KeyValues", int] | None = None
@@ -42,19 +42,20 @@ class KeyValues:
     def __init__(self, main_len: int):
         self.main_len = main_len
         self.value_angles: torch.Tensor | None = None
+        KeyValues.active = None
 
     @staticmethod
-    def take_active() -> tuple["KeyValues", int] | None:
+    def take_active(layer: int | None) -> "KeyValues | None":
+        """The provider whose update() announced `layer` just before this attention call, else None."""
         active, KeyValues.active = KeyValues.active, None
-        return active
+        return active[0] if active is not None and active[1] == layer else None
 
     def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep this call's main-token K/V [B, kv_heads, main_len, d]; return past + them."""
         raise NotImplementedError
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.announced:
-            KeyValues.active = (self, layer_idx)
+        KeyValues.active = (self, layer_idx) if self.announced else None
         main = self.main_len
         all_keys, all_values = self._store(layer_idx, keys[:, :, :main], values[:, :, :main])
         if keys.shape[2] == main:

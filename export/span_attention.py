@@ -19,14 +19,13 @@ SPAN_ATTENTION = "streamfuse_span"
 def span_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query [1, heads, rows, d]; key / value [1, kv, X, d] the call's rows; attention_mask additive
     [1, 1, rows, X] -> ([1, rows, heads, d], None)."""
-    active = KeyValues.take_active()
-    if active is None or not isinstance(active[0], SpanKeyValues) or active[1] != module.layer_idx:
+    provider = KeyValues.take_active(module.layer_idx)
+    if not isinstance(provider, SpanKeyValues):
         raise RuntimeError(f"span attention of layer {module.layer_idx} without its SpanKeyValues update: the graphs "
                            f"of a model with span attention need GraphShapes(span=True)")
-    provider, layer = active
     k_cache, v_cache = provider.cache
     visible = provider.visible(attention_mask, GRAPH_MASKED)
-    return torch_op()(query, k_cache, v_cache, layer, provider.start, key, value, visible, float(scaling)), None
+    return torch_op()(query, k_cache, v_cache, module.layer_idx, provider.start, key, value, visible, float(scaling)), None
 
 
 def register() -> str:

@@ -62,8 +62,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     Where the K/V provider gives plain decoding's order of each row's keys (the in-place layout, ONNX),
     the softmax runs over the scores in that order and probs x values sums every slot in one pass,
     so a tree row's sums are plain decoding's term for term (decode_ordered)."""
-    active = KeyValues.take_active()
-    order = active[0].order if active is not None and isinstance(active[0], StepKeyValues) else None
+    active = KeyValues.take_active(getattr(module, "layer_idx", None))
+    order = active.order if isinstance(active, StepKeyValues) else None
     batch, heads, tokens, size = query.shape
     kv_heads = key.shape[1]
     rows, mask = stacked_rows(query, kv_heads, scaling), attention_mask
