@@ -24,7 +24,8 @@ Calibration may pick any tree up to the largest bucket with no re-export, and a 
 tree every step.
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
-the rest are masked out, so C (the capacity) is the only cache shape a graph ever sees.
+the rest are masked out. A graph reads the cache's row count from its inputs, so an engine may pass
+fewer than C rows (ONNX Runtime: the rows up to the call's own, runtime/backends/static_graph.py span_rows).
 new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
 ones into its cache. prefill is a causal chunk of P tokens (a constant chain), decode a chain of 1.
 anchor is each row's main-stream state at layer N - N_s: the streams method runs
@@ -147,6 +148,11 @@ def split_cache(keys: Cache, values: Cache) -> list[tuple[torch.Tensor, torch.Te
     return [(keys[layer : layer + 1], values[layer : layer + 1]) for layer in range(keys.shape[0])]
 
 
+def keys_rows(keys: Cache) -> int:
+    """The cache rows a call was given (C, or fewer on ONNX Runtime), from [L, kv, C, d] or per-layer keys."""
+    return (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[2]
+
+
 def tree_mask(visible: torch.Tensor) -> torch.Tensor:
     """Additive [T, T] from 0/1 visibility. A product, not torch.where with a scalar (Core ML's converter
     has no where.ScalarOther); a visible entry becomes -0.0, which adds to a score like 0.0."""
@@ -160,7 +166,7 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
     count = ids.shape[1]
     positions = (cache_len + depths)[None]
     past = split_cache(keys, values)
-    span = past[0][0].shape[2]  # C; an ONNX prefill takes only the rows up to its own (to_onnx.DYNAMIC_SPAN)
+    span = keys_rows(keys)  # C, or fewer on ONNX Runtime (static_graph.span_rows)
     among = tree_mask(visible)
     if span_kernel:  # [T, T]: the kernel reads the cache below cache_len itself
         mask, provider = among[None, None], SpanKeyValues(len(past), count, (keys, values), cache_len)
@@ -222,10 +228,9 @@ def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
 class StreamsPass(nn.Module):
     """streams: the gamma streams of the node committed last, whose state at layer N - N_s is `anchor`."""
 
-    def __init__(self, model: SpeculativeStreamingLM, capacity: int, span: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, span: bool = False):
         super().__init__()
-        self.model = model
-        self.capacity, self.span = capacity, span
+        self.model, self.span = model, span
 
     def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         position = (cache_len - 1)[None]
@@ -233,7 +238,7 @@ class StreamsPass(nn.Module):
         if self.span:  # the cache is the kernel's; the streams see no other rows of the call
             past_mask, provider = torch.zeros(1, 1, 1, 0), SpanKeyValues(len(past), 0, (keys, values), cache_len)
         else:
-            past_mask = cache_mask(cache_len, self.capacity, 1)[None, None]
+            past_mask = cache_mask(cache_len, keys_rows(keys), 1)[None, None]
             provider = StepKeyValues(len(past), 0, past)
         streams = self.model.forward_streams(anchor[None], position, past_mask, provider)[0, 0]
         return self.model.logits(streams), streams
@@ -244,9 +249,9 @@ class HeadsPass(nn.Module):
     `anchor`. Its final state is recomputed, seeing the rows below (its own row comes fresh: the
     same values the cache holds)."""
 
-    def __init__(self, model: SpeculativeStreamingLM, heads: nn.Module, capacity: int, span: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, heads: nn.Module, span: bool = False):
         super().__init__()
-        self.model, self.heads, self.capacity, self.span = model, heads, capacity, span
+        self.model, self.heads, self.span = model, heads, span
 
     def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         row = cache_len - 1
@@ -254,7 +259,7 @@ class HeadsPass(nn.Module):
         if self.span:  # the slots below the row, then its own K/V
             mask, provider = torch.zeros(1, 1, 1, 1), SpanKeyValues(len(past), 1, (keys, values), row)
         else:
-            mask = torch.cat([cache_mask(row, self.capacity, 1), torch.zeros(1, 1)], dim=1)[None, None]
+            mask = torch.cat([cache_mask(row, keys_rows(keys), 1), torch.zeros(1, 1)], dim=1)[None, None]
             provider = StepKeyValues(len(past), 1, past)
         hidden, position = anchor[None], row[None]
         lower = LowerState(hidden, position, mask, self.model.parts.rotary(hidden, position), provider, None)
@@ -272,13 +277,12 @@ class GreedyStepPass(nn.Module):
     a constant of the graph, so ranking drafts reads D rows instead of V. Targets always use all V.
     """
 
-    def __init__(self, model: SpeculativeStreamingLM, rows: int, capacity: int, width: int,
-                 draft_ids: Sequence[int] | None = None, schedule: str = "deferred", in_place: bool = False,
-                 span: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, rows: int, width: int, draft_ids: Sequence[int] | None = None,
+                 schedule: str = "deferred", in_place: bool = False, span: bool = False):
         super().__init__()
         if schedule not in STREAM_SCHEDULES:
             raise ValueError(f"greedy_step schedule must be one of {STREAM_SCHEDULES}, got {schedule!r}")
-        self.model, self.capacity, self.schedule, self.width = model, capacity, schedule, width
+        self.model, self.schedule, self.width = model, schedule, width
         self.in_place, self.span = in_place, span
         self.register_buffer("all_nodes", torch.arange(rows)[None], persistent=False)
         ids = None if draft_ids is None else torch.tensor(list(draft_ids), dtype=torch.long)
@@ -317,7 +321,7 @@ class GreedyStepPass(nn.Module):
             provider = SpanKeyValues(len(rows), 0, (keys, values), cache_len, prefix=rows)
             visible = tree_mask(tree.index_select(0, node))
             return model.forward_streams(anchor[None], position, visible[None, None], provider)[0, 0]
-        visible = torch.cat([cache_mask(cache_len, self.capacity, 1), tree_mask(tree.index_select(0, node))], dim=1)
+        visible = torch.cat([cache_mask(cache_len, keys_rows(keys), 1), tree_mask(tree.index_select(0, node))], dim=1)
         past = [(layer_keys, layer_values) if layer < model.split else
                 (torch.cat([layer_keys, new_keys[layer : layer + 1]], dim=2),
                  torch.cat([layer_values, new_values[layer : layer + 1]], dim=2))
@@ -379,19 +383,19 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     """method name -> module, in static_graph.method_names order; the same model weights are shared by
     all of them. draft_ids and schedules (one per bucket; default deferred) shape greedy_step only;
     heads (Medusa's) add the heads method."""
-    chunk, capacity, in_place, span = shapes.prefill_chunk, shapes.capacity, shapes.in_place, shapes.span
+    chunk, in_place, span = shapes.prefill_chunk, shapes.in_place, shapes.span
     schedules = schedules or ["deferred"] * len(shapes.buckets)
     modules = {
         "prefill": MainPass(model, chunk, True, in_place, span),
         "decode": MainPass(model, 1, False, in_place, span),
-        "streams": StreamsPass(model, capacity, span),
+        "streams": StreamsPass(model, span),
     }
     for rows, schedule in zip(shapes.buckets, schedules, strict=True):
         modules[bucket_method("step", rows)] = StepPass(model, in_place, span)
-        modules[bucket_method("greedy_step", rows)] = GreedyStepPass(model, rows, capacity, shapes.width, draft_ids,
-                                                                     schedule, in_place, span)
+        modules[bucket_method("greedy_step", rows)] = GreedyStepPass(model, rows, shapes.width, draft_ids, schedule,
+                                                                     in_place, span)
     if heads is not None:
-        modules["heads"] = HeadsPass(model, heads, capacity, span)
+        modules["heads"] = HeadsPass(model, heads, span)
     return modules
 
 

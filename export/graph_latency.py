@@ -63,12 +63,12 @@ def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
         name = f"{rows} nodes"
         ids, length, *_, keys, values = inputs["step_" + str(rows)]
         variants[f"step, {name}"] = (StepPass(model), (ids, length, visible, depths, keys, values))
-        variants[f"streams (after step, {name})"] = (StreamsPass(model, args.capacity), inputs["streams"])
+        variants[f"streams (after step, {name})"] = (StreamsPass(model), inputs["streams"])
         for schedule in args.schedules.split(","):
             for size in (int(s) for s in args.draft_vocab.split(",")):
                 draft_ids = range(size) if 0 < size < vocab else None
                 label = f"greedy_step, {name}, {schedule}, draft vocab {size or vocab}"
-                variants[label] = (GreedyStepPass(model, rows, args.capacity, shapes.width, draft_ids, schedule),
+                variants[label] = (GreedyStepPass(model, rows, shapes.width, draft_ids, schedule),
                                    (ids, length, visible, depths, parents, keys, values))
     return variants
 

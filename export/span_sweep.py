@@ -4,8 +4,8 @@ Call latency depends on shapes, not weights, so this builds the base model's arc
 weights, exports `decode` and a step graph per --rows bucket to one program per --engine and --capacity
 (the cache the graphs are built for), and times every (engine, capacity, rows, span) interleaved. On
 ExecuTorch, attention is the exact kernel over the used span (export/span_attention.py): a call's time
-grows with the span, not with the capacity. The ONNX graphs attend over every slot of the cache
-(GraphShapes.in_place): their time grows with the capacity.
+grows with the span, not with the capacity. The ONNX graphs (GraphShapes.in_place) take the cache rows up
+to the call's own while that is at most half of the capacity, else all of it (static_graph.span_rows).
 
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.span_sweep --threads 2 --engine executorch,onnx \
         --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json

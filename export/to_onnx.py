@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from streamfuse.export.onnx_methods import combine_methods, strip_debug_info
-from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, DYNAMIC_SPAN, layer_input
+from streamfuse.runtime.backends.static_graph import CACHE_INPUTS, SPAN_QUANTUM, layer_input
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -34,7 +34,7 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
     with tempfile.TemporaryDirectory(prefix="onnx-", dir=folder) as scratch:
         for name, module in modules.items():
             args, names = per_layer_cache(inputs[name], input_names[name])
-            program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(name, args))
+            program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(args))
             exported = torch.onnx.export(program, (), dynamo=True, input_names=names,
                                          output_names=output_names[name], optimize=True, verbose=False,
                                          custom_translation_table=custom_translations())
@@ -62,12 +62,13 @@ def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
     return tuple(flat_args), flat_names
 
 
-def cache_span(method: str, args: tuple) -> tuple | None:
-    """torch.export dynamic_shapes for `args` (per_layer_cache's): the cache rows dim, for DYNAMIC_SPAN."""
-    if method not in DYNAMIC_SPAN:
+def cache_span(args: tuple) -> tuple | None:
+    """torch.export dynamic_shapes for `args` (per_layer_cache's): the cache rows dim, SPAN_QUANTUM up to C rows
+    (the host passes static_graph.span_rows); None (static) for a cache of at most SPAN_QUANTUM rows."""
+    cache = next(arg for arg in args if isinstance(arg, list))
+    if cache[0].shape[2] <= SPAN_QUANTUM:
         return None
-    ids, cache = args[0], next(arg for arg in args if isinstance(arg, list))
-    span = torch.export.Dim(f"{method}_span", min=ids.shape[1], max=cache[0].shape[2])
+    span = torch.export.Dim.DYNAMIC(min=SPAN_QUANTUM, max=cache[0].shape[2])
     return tuple([{2: span}] * len(arg) if isinstance(arg, list) else None for arg in args)
 
 

@@ -72,7 +72,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
         rows, mask = torch.cat([rows, rows], dim=1), None if mask is None else torch.cat([mask, mask], dim=2)
     scores = grouped_scores(rows, key, mask, heads // kv_heads)
     if order is None:
-        probs = torch.softmax(scores, dim=-1).reshape(rows.shape[0], rows.shape[1], -1)
+        probs = torch.softmax(scores, dim=-1).reshape(rows.shape[0], rows.shape[1], scores.shape[-1])
         out = torch.bmm(probs, value.reshape(rows.shape[0], -1, size))
     else:
         out = decode_ordered(scores, value, order)

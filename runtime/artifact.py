@@ -28,7 +28,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/12"  # /12: ONNX attention sums each row in plain decoding's order
+SCHEMA = "streamfuse.artifact/13"  # /13: every ONNX method takes the cache rows up to its own (span_rows)
 MANIFEST = "manifest.json"
 
 

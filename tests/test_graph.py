@@ -14,7 +14,8 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
-from streamfuse.runtime.backends.static_graph import StaticGraphBackend, base_method, method_names, tree_inputs
+from streamfuse.runtime.backends.static_graph import (StaticGraphBackend, base_method, method_names, span_rows,
+                                                      tree_inputs)
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
@@ -145,6 +146,17 @@ BASE_METHODS = [("prefill", "prefill"), ("step_4", "step"), ("greedy_step_12", "
 @pytest.mark.parametrize("name, base", BASE_METHODS)
 def test_bucket_methods_are_named_by_their_rows(name, base):
     assert base_method(name) == base
+
+
+# cache_len, the call's new main rows, capacity -> the cache rows an ONNX Runtime call takes
+SPAN_ROWS = [(0, 8, 768, 64), (56, 8, 768, 64), (57, 8, 768, 128), (60, 4, 768, 64), (61, 4, 768, 128),
+             (300, 1, 768, 320), (383, 1, 768, 384), (384, 1, 768, 768), (700, 15, 768, 768), (127, 0, 768, 128),
+             (10, 1, 48, 48), (10, 1, 128, 64), (64, 1, 128, 128)]
+
+
+@pytest.mark.parametrize("cache_len, rows, capacity, expected", SPAN_ROWS)
+def test_an_onnx_call_takes_the_cache_up_to_its_own_rows_in_whole_quanta(cache_len, rows, capacity, expected):
+    assert span_rows(cache_len, rows, capacity) == expected
 
 
 def test_buckets_are_distinct_ascending_and_fit_the_cache():

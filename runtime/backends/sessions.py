@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, DYNAMIC_SPAN, INPUT_NAMES, METHOD_INPUT,
+from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, INPUT_NAMES, METHOD_INPUT,
                                                       METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
-                                                      layer_input, method_output)
+                                                      layer_input, method_output, span_rows)
 from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels
 
@@ -109,10 +109,10 @@ class OnnxRuntimeSession:
         return [torch.from_numpy(out) for out in self.session.run(self.outputs[method], self._feed(method, inputs))]
 
     def _feed(self, method: str, inputs: list[torch.Tensor]) -> dict:
-        """Inputs by graph name. The cache goes in per layer, as views of the host's tensors (no copy),
-        cut to the rows up to the call's own where the method takes that (DYNAMIC_SPAN)."""
+        """Inputs by graph name. The cache goes in per layer, cut to the rows up to the call's own (span_rows)."""
         named = dict(zip(INPUT_NAMES[base_method(method)], inputs))
-        rows = int(named["cache_len"][0]) + named["ids"].shape[1] if method in DYNAMIC_SPAN else None
+        new_rows = named["ids"].shape[1] if "ids" in named else 0
+        rows = span_rows(int(named["cache_len"][0]), new_rows, named["keys"].shape[2])
         feed = dict(self.placeholders)
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         for name, tensor in named.items():

@@ -103,11 +103,19 @@ def method_output(method: str, name: str) -> str:
     return f"{method}.{name}"
 
 
-# Methods whose ONNX graphs take the cache rows up to their own (cache_len + P, any length up to C)
-# rather than all C: a prefill chunk attends over what precedes it, not over the empty rest of the
-# cache (a 250-token prompt: 64..256 rows instead of 768 per chunk). Prefill is shared by plain and
-# speculative decoding, so its attention span does not touch SS == plain; decode and step keep C.
-DYNAMIC_SPAN = ("prefill",)
+SPAN_QUANTUM = 64  # an ONNX call's cache rows are a multiple of this, or all C: see span_rows
+
+
+def span_rows(cache_len: int, new_rows: int, capacity: int) -> int:
+    """The cache rows an ONNX Runtime call takes: those up to the call's own (cache_len + its new main rows)
+    rounded up to SPAN_QUANTUM while that is at most half of C, else all C. Fewer rows are a copy (a layer's
+    first rows of the host's [L, kv, C, d] cache are not contiguous), which costs more than the empty slots
+    past half of C (measured: README). The graphs read the row count from their inputs, and a column's
+    Softmax and MatMul bits do not depend on masked columns or zero terms after it (probes in
+    tests/test_onnx_methods.py; a one-column MatMul differs, which the quantum keeps away), so a tree row
+    stays plain decoding bit for bit whatever each call takes."""
+    rows = -(-(cache_len + new_rows) // SPAN_QUANTUM) * SPAN_QUANTUM
+    return rows if 2 * rows <= capacity else capacity
 
 
 class Session(Protocol):
