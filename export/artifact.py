@@ -41,7 +41,7 @@ PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("mode
 # Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
 # ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
 IN_PLACE = ("onnx",)
-# ONNX Runtime's fp32 GEMM with 16 columns (xnnpack_graph.SLOT_COLUMNS) sums up to 1,024 slots in one pass;
+# ONNX Runtime's fp32 GEMM with 16 columns (graph_attention.SLOT_COLUMNS) sums up to 1,024 slots in one pass;
 # past that it adds blocks, and a term's block would depend on its slot (measured, docs/export.md).
 EXACT_ONNX_SLOTS = 1024
 # Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span):
@@ -275,7 +275,8 @@ class ArtifactBuilder:
 
     def export_model(self, backend: str) -> tuple[torch.nn.Module, dict]:
         """The model `backend` exports, in its weight format, and the format's manifest record."""
-        from streamfuse.export.xnnpack_graph import with_graph_attention, xnnpack_model
+        from streamfuse.export.graph_attention import with_graph_attention
+        from streamfuse.export.xnnpack_graph import xnnpack_model
 
         fmt = self.format(backend)
         if backend == "executorch":  # XNNPACK: a copy with partition-friendly modules, maybe quantized

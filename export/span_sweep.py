@@ -29,9 +29,10 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of  # noqa: E402
+from streamfuse.export.graph_attention import with_graph_attention  # noqa: E402
 from streamfuse.export.to_executorch import export_pte  # noqa: E402
 from streamfuse.export.to_onnx import export_onnx  # noqa: E402
-from streamfuse.export.xnnpack_graph import with_graph_attention, xnnpack_model  # noqa: E402
+from streamfuse.export.xnnpack_graph import xnnpack_model  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession  # noqa: E402
 from streamfuse.runtime.backends.static_graph import Session, bucket_method, tree_inputs  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from streamfuse.adapters.gguf_codes import BlockCodes
+from streamfuse.export.graph_attention import grouped_attention
 from streamfuse.export.low_bit import Q4Linear, Q8Embedding, Q8Linear, int8_codes, pack_nibbles, unpack_nibbles
-from streamfuse.export.xnnpack_graph import grouped_attention
 
 
 def random_codes(kind: str, rows: int, columns: int, seed: int = 0) -> BlockCodes:

@@ -51,7 +51,7 @@ def test_softmax_of_a_column_ignores_masked_columns_after_it(session, used, widt
 
 @pytest.mark.parametrize("used, widths", WIDTHS)
 def test_probs_times_values_ignores_zero_terms_after_the_used_slots(session, used, widths):
-    """[kv, 1, rows, K] x [kv, blocks, K, 16]: the shapes of export/xnnpack_graph.py decode_ordered."""
+    """[kv, 1, rows, K] x [kv, blocks, K, 16]: the shapes of export/graph_attention.py decode_ordered."""
     run = session(one_op("MatMul", ["a", "b"])).run
     rng = np.random.default_rng(used)
     probs = rng.random((3, 1, 9, used), dtype=np.float32)

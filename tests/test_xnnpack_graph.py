@@ -6,15 +6,13 @@ import importlib.util
 import pytest
 import torch
 from conftest import make_tiny_llama
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from streamfuse.adapters import hf
 from streamfuse.adapters.config import StreamConfig
-from streamfuse.adapters.masks import GRAPH_MASKED
-from streamfuse.adapters.msa import StepKeyValues
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
-from streamfuse.export.xnnpack_graph import PooledRMSNorm, grouped_attention, views_for_xnnpack, xnnpack_model
+from streamfuse.export.xnnpack_graph import PooledRMSNorm, views_for_xnnpack, xnnpack_model
 
 SHAPES = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,), span=True)
 PLAIN = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,))
@@ -32,27 +30,6 @@ def test_pooled_rms_norm_is_rms_norm(shape):
         norm.weight.normal_()
     hidden = torch.randn(shape) * 3
     torch.testing.assert_close(PooledRMSNorm(norm)(hidden), norm(hidden), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("left_over", [None, "other layer", "no layer"])
-def test_graph_attention_is_eager_attention(left_over):
-    """Also after an ordered provider announced a call that an attention never read (Core ML's graphs
-    use HF's own attention): a later call must not take that provider's order."""
-    torch.manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.training = 3, False
-    if left_over is not None:
-        slots = torch.zeros(1, 2, 512, 16)
-        order = graph.decode_order(torch.tensor([5]), torch.eye(4), torch.zeros(4, dtype=torch.long), 512)
-        provider = StepKeyValues(1, 4, [(slots, slots)], write_at=torch.tensor([5]), order=order)
-        provider.update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), 0)
-        module.layer_idx = 1 if left_over == "other layer" else None
-    query, key, value = torch.randn(1, 6, 4, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
-    mask = torch.zeros(1, 1, 4, 9).masked_fill(torch.rand(1, 1, 4, 9) < 0.4, GRAPH_MASKED)
-    mask[..., 0] = 0.0  # every row sees something
-    expected, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.25)
-    actual, _ = grouped_attention(module, query, key, value, mask, scaling=0.25)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_xnnpack_model_gives_the_graphs_outputs_and_leaves_the_model_alone():
