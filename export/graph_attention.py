@@ -5,7 +5,8 @@ one; on ONNX Runtime a row's sums would then depend on the call it is in. groupe
 query heads of one K/V head as rows instead (no repeat), computes a one-row product as two, and, where
 the K/V provider gives plain decoding's order of each row's keys (the in-place layout), runs each row's
 softmax in that order and sums probs x values over the slots in one pass (decode_ordered), so each row of
-a tree is plain decoding of its path bit for bit (docs/export.md). ExecuTorch's graphs use the span kernel instead (span_attention.py).
+a tree is plain decoding of its path bit for bit (docs/export.md). ExecuTorch's graphs use the span
+kernel instead (span_attention.py).
 """
 
 from __future__ import annotations
