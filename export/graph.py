@@ -110,16 +110,16 @@ class GraphShapes:
 
 def decode_order(cache_len: torch.Tensor, visible: torch.Tensor, depths: torch.Tensor, span: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row's keys sit in plain decoding, for the in-place layout ([C] slots, the call's row j
-    at slot cache_len + j). Plain decoding of row t's path puts its ancestor at depth k in slot cache_len
+    """Where each row's keys sit in plain decoding, for the in-place layout (`span` slots: the cache rows the
+    call takes, the call's row j at slot cache_len + j). Plain decoding of row t's path puts its ancestor at depth k in slot cache_len
     + k, not cache_len + its index: the same keys in other places, which ONNX Runtime's Softmax and
     MatMul sum in another order (a sibling's row differed from plain decoding by 1e-8, then flipped
-    4-bit activations' rounding; tests/test_export.py). Returns [T, C] int64:
+    4-bit activations' rounding; tests/test_export.py). Returns [T, span] int64:
     source[t, p]: the slot whose score plain decoding has at place p (-1: none, a masked score);
     place[t, s]: the place of slot s's probability in plain decoding (-1: none, a zero)."""
     rows, slots = visible.shape[0], torch.arange(span, device=visible.device)
     depths = depths.clamp(min=0)  # a pad row (depth -1, seeing only itself) is ordered as a root
-    offset = slots - cache_len  # [C]: a new row's index for the slots at or past cache_len
+    offset = slots - cache_len  # [span]: a new row's index for the slots at or past cache_len
     nodes = torch.arange(rows, device=visible.device)
     at_depth = (depths[None, :] == nodes[:, None]).to(visible.dtype)  # [k, j]: node j sits at depth k
     ancestor = (visible[:, None, :] * at_depth[None] * nodes.to(visible.dtype)).sum(-1).to(torch.long)  # [t, k]

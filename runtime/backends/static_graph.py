@@ -110,10 +110,10 @@ def span_rows(cache_len: int, new_rows: int, capacity: int) -> int:
     """The cache rows an ONNX Runtime call takes: those up to the call's own (cache_len + its new main rows)
     rounded up to SPAN_QUANTUM while that is at most half of C, else all C. Fewer rows are a copy (a layer's
     first rows of the host's [L, kv, C, d] cache are not contiguous), which costs more than the empty slots
-    past half of C (measured: README). The graphs read the row count from their inputs, and a column's
-    Softmax and MatMul bits do not depend on masked columns or zero terms after it (probes in
-    tests/test_onnx_methods.py; a one-column MatMul differs, which the quantum keeps away), so a tree row
-    stays plain decoding bit for bit whatever each call takes."""
+    past about half of C (a same-run A/B at C = 768 in issue 38's closing note). The graphs read the row
+    count from their inputs, and a column's Softmax and MatMul bits do not depend on masked columns or zero
+    terms after it (tests/test_onnx_span.py; a one-column MatMul differs, which the quantum keeps away), so
+    a tree row stays plain decoding bit for bit whatever each call takes."""
     rows = -(-(cache_len + new_rows) // SPAN_QUANTUM) * SPAN_QUANTUM
     return rows if 2 * rows <= capacity else capacity
 
