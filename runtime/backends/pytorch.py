@@ -64,7 +64,8 @@ class TorchBackend:
         config = AutoConfig.from_pretrained(resolve_base_model(base_model))
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return cls(SpeculativeStreamingLM(model, streams), device, stream_schedule, kernels)
+        # The streams' own parameters start in fp32: the whole model runs in `dtype`.
+        return cls(SpeculativeStreamingLM(model, streams).to(dtype), device, stream_schedule, kernels)
 
     def step_rows(self, tree: TreeSpec | None) -> int:
         return tree.num_nodes if tree is not None else 1
