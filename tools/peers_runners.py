@@ -147,16 +147,19 @@ def load_base_hf(artifact: Path, device):
 
 
 class LlamaCppRunner:
-    def __init__(self, name: str, context: PeerContext, gguf: Path, pld: bool):
+    """llama.cpp on one GGUF; with `lora`, a GGUF adapter applied at run time (llama.cpp adds its product
+    to each adapted matmul; the base weights stay as shipped)."""
+
+    def __init__(self, name: str, context: PeerContext, gguf: Path, pld: bool, lora: Path | None = None):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.name, self.gguf, self.pld, self.context = name, Path(gguf), pld, context
+        self.name, self.gguf, self.pld, self.context, self.lora = name, Path(gguf), pld, context, lora
         self.stop_ids = tuple(context.loaded.stop_token_ids)
         draft = LlamaPromptLookupDecoding(max_ngram_size=context.pld_ngram, num_pred_tokens=context.pld_tokens) if pld else None
         self.llm = Llama(model_path=str(gguf), n_ctx=context.n_ctx, n_batch=min(512, context.n_ctx),
                          n_threads=context.threads, n_threads_batch=context.threads, seed=0, verbose=False,
-                         draft_model=draft)
+                         draft_model=draft, lora_path=str(lora) if lora else None)
         vocab = context.loaded.tokenizer.vocab_size
         if self.llm.n_vocab() < vocab:
             raise ValueError(f"{gguf} has {self.llm.n_vocab()} tokens, the checkpoint's tokenizer {vocab}")
@@ -184,6 +187,8 @@ class LlamaCppRunner:
 
         return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp_python": peers_gguf.llama_cpp_version(),
                 "gguf": str(self.gguf), "gguf_bytes": self.gguf.stat().st_size, "n_threads": self.context.threads,
+                "lora": str(self.lora) if self.lora else None,
+                "lora_bytes": self.lora.stat().st_size if self.lora else None,
                 "n_ctx": self.context.n_ctx, "prompt_lookup": {"num_pred_tokens": self.context.pld_tokens,
                                                                "max_ngram_size": self.context.pld_ngram} if self.pld else None,
                 "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
