@@ -34,8 +34,9 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
 BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
-# The Core ML-delegated .pte adds ~5 min to a build, for a variant that runs only in an iOS/macOS app: asked for.
-DEFAULT_BACKENDS = ("torch", "executorch", "onnx", "coreml")
+# What this machine can verify. Core ML (.mlpackage, fp16: 270 MB for SmolLM2-135M) and the Core ML-delegated
+# .pte run only on Apple devices, where their parity is checked: asked for (--backends ...,coreml).
+DEFAULT_BACKENDS = ("torch", "executorch", "onnx")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
 # Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL
+from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, base_gguf
+from streamfuse.export.artifact import FORMATS
 from streamfuse.export.config import PRESETS, BuildConfig, preset, with_overrides
 from streamfuse.export.lock import exclusive
 from streamfuse.export.pipeline import Build, run_build
@@ -35,8 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the settings this build would use, then exit")
     parser.add_argument("--backends", default=None, help="export targets, comma-separated: torch, executorch, onnx, "
                         "coreml, executorch_coreml ('torch' alone skips export; default: export.backends)")
-    parser.add_argument("--quantize", default=None, help="weights: none (default), q4-native, int8, 8da4w "
-                        "(export.quantize; docs/export.md)")
+    parser.add_argument("--quantize", default=None, help="weights: none, q4-native (the cpu presets' default), int8, "
+                        "8da4w (export.quantize; docs/export.md)")
     parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
                         help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
     parser.add_argument("--data-dir", type=Path, default=None,
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = cli.usage(lambda: build_config(args))  # bad settings fail before hours of training
+    if config.export.quantize == "q4-native" and set(config.export.backends) & set(FORMATS["q4-native"]):
+        base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
     if args.print_config:
         print(json.dumps({"task": args.task, **dataclasses.asdict(config)}, indent=2))
         return 0

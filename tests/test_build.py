@@ -303,6 +303,18 @@ def test_contradictory_or_unknown_settings_are_refused_naming_the_field(name, as
         config_of("--preset", name, *(f"--set={a}" for a in assignments))
 
 
+def test_q4_native_without_base_codes_is_refused_before_training(tiny_base_dir, tmp_path, capsys):
+    from streamfuse.runtime import cli
+
+    argv = ["--task", "dialogsum", "--base-model", str(tiny_base_dir), "--work-dir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "artifact"), "--backends", "torch,onnx"]  # the cpu preset: q4-native
+    assert cli.run(build.main, argv, prog="build.py") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("build.py: error: --quantize q4-native keeps the base model's GGUF codes") and "\n" not in err
+    assert "has no .gguf file" in err and not (tmp_path / "work").exists()
+    assert cli.run(build.main, [*argv, "--quantize", "none", "--print-config"], prog="build.py") == 0
+
+
 def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ExportConfig
     from streamfuse.export.config import PRESETS
@@ -313,8 +325,13 @@ def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     assert not config_of("--preset", "cpu").distill.enabled  # make build's hour
     assert config_of("--preset", "cpu", "--set", "distill.enabled=true").distill.init_rank == 0  # trains the first's f_eta
     assert ExportConfig().backends == DEFAULT_BACKENDS == config_of().export.backends
-    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"executorch_coreml"}  # the Core ML .pte: asked for
+    assert set(BACKENDS) - set(DEFAULT_BACKENDS) == {"coreml", "executorch_coreml"}  # Apple's: asked for
     assert config_of().export.trees == ()  # calibration picks them
+    # make build ships the 4-bit artifact and skips the paper's comparisons; the smoke preset stays fp32
+    cpu = config_of("--preset", "cpu")
+    assert (cpu.export.quantize, cpu.stages.baseline, cpu.stages.zero_shot) == ("q4-native", False, False)
+    assert config_of("--preset", "cpu-distill").export.quantize == "q4-native"
+    assert config_of("--preset", "smoke").export.quantize == "none" and config_of("--preset", "smoke").stages.baseline
     quantized = config_of("--backends", "torch,onnx", "--quantize", "int8")
     assert (quantized.export.backends, quantized.export.quantize) == (("torch", "onnx"), "int8")
     assert build.main(["--preset", "smoke", "--set", "train.epochs=3", "--print-config"]) == 0
