@@ -213,3 +213,21 @@ def test_speed_up_per_fifth_of_the_inputs_is_each_fifths_time_ratio():
     found = _speedups(ss, ar)
     assert found["speedup_by_fifth"] == pytest.approx([2.0, 1.0, 1.0, 1.0, 1.0])
     assert _speedups(ss[:4], ar[:4])["speedup_by_fifth"] is None  # fewer than five inputs
+
+
+def _row(kind, name, precision, tokens_per_s, method="ss", model="fine-tuned"):
+    return {"kind": kind, "name": name, "method": method, "precision": precision, "model": model,
+            "tokens_per_s_median": tokens_per_s, "decode_tokens_per_s": 2 * tokens_per_s}
+
+
+def test_peers_are_matched_by_bits_per_weight_not_by_layout():
+    from streamfuse.tools.bench_summary import matched_precision
+
+    rows = [_row("streamfuse", "ss/executorch", "q4-native", 40.0), _row("streamfuse", "ss/onnxruntime", "q4-native", 30.0),
+            _row("streamfuse", "ar/executorch", "q4-native", 35.0, method="ar"),
+            _row("peer", "llamacpp_q4_1_lora", "q4_1", 20.0), _row("peer", "llamacpp_base_q4_1", "q4_1", 60.0, model="base"),
+            _row("peer", "optimum_executorch_8da4w", "8da4w", 25.0), _row("peer", "llamacpp_q8_0", "q8_0", 30.0)]
+    assert matched_precision(rows) == [{
+        "precision": "4-bit", "streamfuse": "ss/executorch", "peer": "optimum_executorch_8da4w",
+        "streamfuse_tokens_per_s": 40.0, "peer_tokens_per_s": 25.0, "ratio": 1.6, "decode_ratio": 1.6}]
+

@@ -96,13 +96,24 @@ def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[Benc
     return out
 
 
+# Weight formats compared with each other: the same bits per weight, whatever the engine's layout
+# (q4-native holds the base GGUF's own Q4_1 codes, as llama.cpp's q4_1 rows do).
+WEIGHT_BITS = {"q4-native": "4-bit", "q4_1": "4-bit", "q4_0": "4-bit", "8da4w": "4-bit", "int8": "8-bit", "q8_0": "8-bit"}
+
+
+def weight_class(precision: str) -> str:
+    return WEIGHT_BITS.get(precision, precision)
+
+
 def matched_precision(rows: Sequence[dict]) -> list[dict]:
-    """Per precision: the fastest fine-tuned peer vs the fastest streamfuse SS backend, by tokens/s
-    (medians over inputs) and by tokens/s after the first token (which output length does not sway)."""
+    """Per weight class (weight_class): the fastest fine-tuned peer vs the fastest streamfuse SS backend, by
+    tokens/s (medians over inputs) and by tokens/s after the first token (which output length does not sway)."""
     found = []
-    for precision in dict.fromkeys(r["precision"] for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss"):
-        ss = [r for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss" and r["precision"] == precision]
-        peers = [r for r in rows if r["kind"] == "peer" and r["precision"] == precision and r["model"] == "fine-tuned"]
+    ss_rows = [r for r in rows if r["kind"] == "streamfuse" and r["method"] == "ss"]
+    for precision in dict.fromkeys(weight_class(r["precision"]) for r in ss_rows):
+        ss = [r for r in ss_rows if weight_class(r["precision"]) == precision]
+        peers = [r for r in rows if r["kind"] == "peer" and weight_class(r["precision"]) == precision
+                 and r["model"] == "fine-tuned"]
         if not peers:
             continue
         best = max(ss, key=lambda r: r["tokens_per_s_median"])
