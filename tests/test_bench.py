@@ -230,4 +230,3 @@ def test_peers_are_matched_by_bits_per_weight_not_by_layout():
     assert matched_precision(rows) == [{
         "precision": "4-bit", "streamfuse": "ss/executorch", "peer": "optimum_executorch_8da4w",
         "streamfuse_tokens_per_s": 40.0, "peer_tokens_per_s": 25.0, "ratio": 1.6, "decode_ratio": 1.6}]
-

