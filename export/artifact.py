@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -103,16 +104,18 @@ class ExportConfig:
                 raise ValueError(f"export.trees has a tree of {tree.num_nodes} nodes, more than the largest of "
                                  f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more")
 
-    def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None) -> str:
-        """What the graphs depend on: the checkpoint's settings and its weights (weights_digest), these
+    def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None,
+            graphs_only: bool = False) -> str:
+        """What the artifact depends on: the checkpoint's settings and its weights (weights_digest), these
         settings, the draft vocabulary, the Medusa heads (their training key). The backend list is not
         part of it: an artifact with the same key lends its finished exports to a build that asks for
-        more backends."""
+        more backends. graphs_only: what the exported files depend on, without the trees and the parity
+        prompts (data the graphs take as inputs), so the files can be lowered before calibration."""
         payload = {"schema": SCHEMA, "training": training_key, "weights": weights,
                    "methods": method_names(self.buckets, heads_key is not None), "heads": heads_key, **asdict(self),
                    "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
-        payload.pop("backends")
-        payload.pop("workers")
+        for name in ("backends", "workers", *(("trees", "parity_prompts") if graphs_only else ())):
+            payload.pop(name)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -133,10 +136,12 @@ class ArtifactBuilder:
 
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
                  max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = (),
-                 heads: Path | None = None):
+                 heads: Path | None = None, pending: dict[str, Future] | None = None):
+        """pending: backends whose files a worker lowers meanwhile (start_lowering), into this staging folder."""
         config.validate()
         # for workers
         self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names, heads)
+        self.pending = dict(pending or {})
         self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
         self.prompt_names = tuple(prompt_names)[: config.parity_prompts]  # for a parity failure's message
@@ -144,9 +149,11 @@ class ArtifactBuilder:
         heads_manifest = None if heads is None else read_heads_manifest(self.heads)
         self.num_heads = 0 if heads_manifest is None else heads_manifest["num_heads"]
         self.heads_key = None if heads_manifest is None else heads_manifest["info"].get("training_key", "untracked")
-        self.key = config.key(read_manifest(checkpoint)["info"].get("training_key", "untracked"),
-                              weights_digest(checkpoint), draft, self.heads_key)
-        self.staging = self.out.parent / f".{self.out.name}.partial-{self.key}"
+        identity = (read_manifest(checkpoint)["info"].get("training_key", "untracked"), weights_digest(checkpoint), draft,
+                    self.heads_key)
+        self.key, self.graph_key = config.key(*identity), config.key(*identity, graphs_only=True)
+        # Keyed by the graphs: files lowered before calibration chose the trees are this build's files.
+        self.staging = self.out.parent / f".{self.out.name}.partial-{self.graph_key}"
         self._model = None
         self._expected = None
 
@@ -162,17 +169,30 @@ class ArtifactBuilder:
                 return manifest
         return None
 
+    def existing_graphs(self) -> dict | None:
+        """The manifest of a finished artifact whose files have these graphs (any trees), if there is one."""
+        try:
+            manifest = Artifact.open(self.out).manifest if (self.out / MANIFEST).is_file() else None
+        except ArtifactError:
+            return None
+        return manifest if manifest is not None and manifest["graphs"].get("key") == self.graph_key else None
+
     def build(self) -> dict:
         manifest = self.existing()
         wanted = {b for b in self.config.backends if b != "torch"}
         if manifest is not None and wanted <= set(manifest["files"]):
             print(f"[export] reusing {self.out} (same checkpoint and settings)", flush=True)
+            for job in self.pending.values():
+                job.result()
+            shutil.rmtree(self.staging, ignore_errors=True)  # what a lowering started before this check wrote
             return manifest
         (self.staging / "done").mkdir(parents=True, exist_ok=True)
-        self._clear_scratch()
-        earlier = list(manifest["files"]) if manifest is not None else []
-        if manifest is not None:
-            self._seed(manifest)
+        if not self.pending:  # a pending worker cleared the folder when it started, and writes into it now
+            self._clear_scratch()
+        lending = self.existing_graphs()  # its files have these graphs; its parity counts if its trees are these
+        earlier = list(lending["files"]) if lending is not None else []
+        if lending is not None:
+            self._seed(lending)
         self._stage("common", self._copy_common)
         backends = list(dict.fromkeys([*earlier, *(b for b in self.config.backends if b != "torch")]))
         exported = self._export_stages(backends)
@@ -221,8 +241,8 @@ class ArtifactBuilder:
         for backend, files in manifest["files"].items():
             done[backend] = {"files": files, "seconds": manifest["export_seconds"][backend],
                              "format": manifest["graphs"]["formats"][backend]}
-            if backend in manifest["parity"]:
-                done[f"parity-{backend}"] = manifest["parity"][backend]
+            if backend in manifest["parity"] and manifest["build_key"] == self.key:
+                done[parity_stage(backend, self.key)] = manifest["parity"][backend]
         for name, result in done.items():
             (self.staging / "done" / f"{name}.json").write_text(json.dumps(result))
 
@@ -230,6 +250,13 @@ class ArtifactBuilder:
         """Every backend's export stage; with workers > 1, those after the first run in a worker
         process meanwhile, with their parity checks (the first, ExecuTorch by default, takes
         about as long as the rest to lower); the first's parity runs here while the worker ends."""
+        if self.pending:  # those lowered elsewhere end while the others export and verify here
+            here = {b: self._stage(b, lambda b=b: self._export(b)) for b in backends if b not in self.pending}
+            for backend, result in here.items():
+                self._parity_stage(backend, result["files"])
+            for job in self.pending.values():
+                job.result()  # re-raises the worker's error here
+            return {b: json.loads(self._marker(b).read_text()) for b in backends}
         beside = [b for b in backends[1:] if not self._marker(b).is_file()]
         if self.config.workers < 2 or not beside:
             return {b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")}
@@ -244,7 +271,7 @@ class ArtifactBuilder:
         """The parity check of a backend that runs here (None for the others)."""
         if backend not in RUNS_HERE:
             return None
-        return self._stage(f"parity-{backend}", lambda: self._parity(backend, files))
+        return self._stage(parity_stage(backend, self.key), lambda: self._parity(backend, files))
 
     def _marker(self, name: str) -> Path:
         return self.staging / "done" / f"{name}.json"
@@ -437,7 +464,7 @@ class ArtifactBuilder:
             "streams": checkpoint["streams"],
             "trees": [tree.to_dict() for tree in self.trees],
             "calibration": {"acceptance": None, "backends": {}},
-            "graphs": {"capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "buckets": list(shapes.buckets),
+            "graphs": {"key": self.graph_key, "capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "buckets": list(shapes.buckets),
                        "dtype": "float32",
                        "stream_schedule": "deferred", "quantize": {b: f["name"] for b, f in formats.items()},
                        "formats": formats,
@@ -478,6 +505,36 @@ def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) 
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     opened.record_drafter(method, {**entry, "path": f"drafters/{method}", **file_digest(target)})
+
+
+def parity_stage(backend: str, key: str) -> str:
+    """A parity check's stage: it depends on the trees and prompts, which the staging folder's key leaves out."""
+    return f"parity-{backend}-{key}"
+
+
+def start_lowering(arguments: tuple, backends: Sequence[str]) -> dict[str, Future]:
+    """Lower `backends`' files in a worker process now, for the ArtifactBuilder of these arguments (any
+    trees: the graphs take them as inputs), while the build evaluates and calibrates; pass the result
+    as its `pending`. Nothing starts for backends whose files the finished artifact already has."""
+    builder = ArtifactBuilder(*arguments)
+    manifest = builder.existing_graphs()
+    todo = [b for b in backends if b not in (manifest or {}).get("files", {})]
+    if not todo:
+        return {}
+    print(f"[export] lowering {', '.join(todo)} in a worker process while the build goes on", flush=True)
+    job = worker.start(lower_stages, arguments, todo)
+    return {backend: job for backend in todo}
+
+
+def lower_stages(arguments: tuple, backends: list[str]) -> None:
+    """In a worker process: each backend's export stage, into the staging folder (markers as the parent's).
+    One thread: the parent uses the other core."""
+    torch.set_num_threads(1)
+    builder = ArtifactBuilder(*arguments)
+    (builder.staging / "done").mkdir(parents=True, exist_ok=True)
+    builder._clear_scratch()
+    for backend in backends:
+        builder._stage(backend, lambda b=backend: builder._export(b))
 
 
 def export_stages(arguments: tuple, backends: list[str]) -> None:

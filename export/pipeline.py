@@ -21,7 +21,7 @@ from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import report, worker
-from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter
+from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
 from streamfuse.export.config import BuildConfig
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
@@ -83,6 +83,7 @@ class Build:
         _, self.tokenizer = load_base_model(args.base_model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.frozen_states = FrozenStates()  # every model of this build sits on the same base model
+        self.pending: dict = {}  # backend -> its lowering under way in a worker (start_lowering)
 
     # --- data -----------------------------------------------------------------------------
     def load_data(self) -> None:
@@ -375,13 +376,29 @@ class Build:
                 print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
 
     # --- export, verify, profile ----------------------------------------------------------
+    def builder_arguments(self, ss_dir: Path, export: ExportConfig, info: dict, heads: Path | None = None) -> tuple:
+        return (ss_dir, self.args.out, export, self.parity_prompts(), self.config.eval.max_new_tokens, info,
+                self.draft_vocab(export.draft_vocab), [ex.id for ex in self.test], heads)
+
+    def start_lowering(self, ss_dir: Path) -> None:
+        """The first exported backend's files (ExecuTorch's by default: the longest export) from the SS
+        checkpoint, lowered in a worker from now on, while evaluation and calibration run: the graphs take
+        the trees as inputs, so calibration need not come first. Not with Medusa heads: they are trained
+        later and give the graphs a method."""
+        export = self.config.export
+        first = [b for b in export.backends if b != "torch"][:1]
+        if not first or self.config.medusa.enabled:
+            return
+        export = dataclasses.replace(export, buckets=with_method_buckets(export.buckets, self.config),
+                                     trees=(tree_text(TreeSpec.chain(1)),))  # any tree: the graphs do not hold it
+        self.pending = start_lowering(self.builder_arguments(ss_dir, export, {}), first)
+
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict, heads: Path | None = None) -> Path:
         """The artifact; with Medusa heads (their folder), its graphs get a heads method."""
-        out = self.args.out
         info = {"preset": self.config.preset, "eval": summary}
-        ArtifactBuilder(ss_dir, out, export, self.parity_prompts(), self.config.eval.max_new_tokens, info,
-                        self.draft_vocab(export.draft_vocab), [ex.id for ex in self.test], heads).build()
-        return out
+        pending = self.pending if heads is None else {}
+        ArtifactBuilder(*self.builder_arguments(ss_dir, export, info, heads), pending=pending).build()
+        return self.args.out
 
     def export_draft(self, sd_dir: Path, export: ExportConfig, longest: int) -> Path:
         """sd's draft model exported like the target, to its own small artifact (<run>/sd-export): the same
@@ -462,6 +479,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
     ss_dir = build.ensure_trained("ss_stage1" if config.distill.enabled else "ss", with_streams=True)
     if config.distill.enabled:
         ss_dir = build.ensure_distilled(ss_dir)
+    build.start_lowering(ss_dir)  # the longest export, on one core, while the rest of the build goes on
     baseline_dir = build.ensure_trained("lora_baseline", with_streams=False) if config.stages.baseline else None
     results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
     if baseline_dir is not None:

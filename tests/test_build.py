@@ -67,6 +67,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     out = capsys.readouterr().out
     assert "on 10 of 20 own answers (the rest did not finish) and 16 references" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
+    # lowered in a worker from the end of training, before calibration chose the trees
+    assert out.index("[export] lowering onnx in a worker process") < out.index("[calibrate]")
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
     assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
     greedy = artifact["graphs"]["greedy_step"]
@@ -108,6 +110,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     out = capsys.readouterr().out
     assert out.count("[train] reusing") == 2 and out.count("[distil] reusing") == 1 and out.count("[eval] reusing") == 5  # + acceptance, torch calibration
     assert "[export] reusing" in out and "[profile] reusing" in out and "reusing onnxruntime's calibration" in out
+    assert "in a worker process" not in out
 
     # Methods sd, medusa and specdec++ added to the built artifact: SS's stages are reused; the draft model
     # (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers, the acceptance head

@@ -1,8 +1,10 @@
 """Export to ExecuTorch / ONNX / Core ML on a tiny model: parity, the artifact contract, bad input."""
 
+import dataclasses
 import importlib.util
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -13,7 +15,7 @@ import torch
 from conftest import write_checkpoint
 
 from streamfuse.adapters.medusa import MedusaHeads, save_heads
-from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter
+from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
 from streamfuse.runtime.backends.sessions import MissingBackend
@@ -488,8 +490,8 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
     # Parity runs once every export is in, so the interrupted build never reached it.
-    assert "[export] onnx: done earlier, reusing" in printed and "[export] parity-onnx: " in printed
-    assert "parity-onnx: done earlier" not in printed
+    assert "[export] onnx: done earlier, reusing" in printed and "[export] parity-onnx-" in printed
+    assert not re.search(r"parity-onnx-\w+: done earlier", printed)
     assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml"}
     assert not list(tmp_path.glob(".artifact.partial-*"))
     assert not list(out.glob("coreml-*")) and not list(out.glob("*.tmp"))
@@ -502,6 +504,34 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     assert "onnx: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
     assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml", "executorch_coreml"}
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
+
+
+@needs("onnx")
+def test_files_lowered_before_calibration_chose_the_trees_are_the_builds(checkpoint, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "artifact"
+    early = ExportConfig(backends=("torch", "onnx"), trees=("gamma=1,k=1",), buckets=(4,), capacity=128,
+                         prefill_chunk=16, parity_prompts=2)
+    arguments = (checkpoint / "ckpt", out, early, prompts(2), 16, {}, None, (), None)
+    pending = start_lowering(arguments, ["onnx"])  # a worker process lowers; the build calibrates meanwhile
+    assert set(pending) == {"onnx"}
+
+    def exported_twice(self, backend):
+        raise AssertionError(f"{backend} exported again")
+
+    monkeypatch.setattr(ArtifactBuilder, "_export", exported_twice)
+    chosen = dataclasses.replace(early, trees=("gamma=3,k=1",))
+    built = ArtifactBuilder(checkpoint / "ckpt", out, chosen, prompts(2), 16, {}, pending=pending).build()
+    assert [TreeSpec.from_dict(tree) for tree in built["trees"]] == [TreeSpec.chain(3)]
+    assert built["parity"]["onnx"]["ss_equals_own_plain"] == 2 and set(built["files"]) == {"onnx"}
+    # Another tree later: the finished files are lent, nothing lowers again, parity runs for the new trees.
+    assert start_lowering((*arguments[:2], chosen, *arguments[3:]), ["onnx"]) == {}
+    capsys.readouterr()
+    other = dataclasses.replace(early, trees=("gamma=2,k=1",))
+    rebuilt = ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(2), 16, {}).build()
+    printed = capsys.readouterr().out
+    assert "[export] onnx: done earlier, reusing" in printed and not re.search(r"parity-onnx-\w+: done earlier", printed)
+    assert rebuilt["files"] == built["files"] and rebuilt["build_key"] != built["build_key"]
+    assert not list(tmp_path.glob(".artifact.partial-*"))
 
 
 @pytest.mark.parametrize("backend", EXPORTED)

@@ -76,3 +76,25 @@ def test_span_attention_outside_span_graphs_is_a_clear_error():
     inputs = graph.example_inputs(model, PLAIN)["decode"]
     with pytest.raises(RuntimeError, match="need GraphShapes\\(span=True\\)"):
         graph.graph_modules(model, PLAIN)["decode"](*inputs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
+def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_program(tmp_path):
+    """export_pte skips the edge IR check and shares provenance records (~20 % of lowering): same bytes."""
+    from executorch.exir import to_edge_transform_and_lower
+    from torch.fx import traceback
+
+    from streamfuse.export.to_executorch import export_pte, host_inputs, partitioner, shared_weights
+
+    model = xnnpack_model(tiny_model())
+    modules = {name: graph.graph_modules(model, SHAPES)[name] for name in ("decode", "step_4")}
+    inputs = graph.example_inputs(model, SHAPES)
+    original = traceback.NodeSource.__init__
+    export_pte(modules, inputs, tmp_path / "fast.pte")
+    assert traceback.NodeSource.__init__ is original
+    programs = {name: views_for_xnnpack(torch.export.export(module, inputs[name], strict=False))
+                for name, module in modules.items()}
+    with shared_weights():
+        lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")])
+        checked = lowered.to_executorch(host_inputs()).buffer
+    assert (tmp_path / "fast.pte").read_bytes() == checked
