@@ -157,28 +157,20 @@ class ArtifactBuilder:
         self._model = None
         self._expected = None
 
-    def existing(self) -> dict | None:
-        """The manifest of a finished artifact with the same settings, if there is one."""
-        if (self.out / MANIFEST).is_file():
-            try:
-                manifest = Artifact.open(self.out).manifest
-            except ArtifactError as error:  # another schema: replaced once this build is complete
-                print(f"[export] {self.out} will be replaced: {error}", flush=True)
-                return None
-            if manifest.get("build_key") == self.key:
-                return manifest
-        return None
-
     def existing_graphs(self) -> dict | None:
         """The manifest of a finished artifact whose files have these graphs (any trees), if there is one."""
-        try:
-            manifest = Artifact.open(self.out).manifest if (self.out / MANIFEST).is_file() else None
-        except ArtifactError:
+        if not (self.out / MANIFEST).is_file():
             return None
-        return manifest if manifest is not None and manifest["graphs"].get("key") == self.graph_key else None
+        try:
+            manifest = Artifact.open(self.out).manifest
+        except ArtifactError as error:  # another schema: replaced once this build is complete
+            print(f"[export] {self.out} will be replaced: {error}", flush=True)
+            return None
+        return manifest if manifest["graphs"].get("key") == self.graph_key else None
 
     def build(self) -> dict:
-        manifest = self.existing()
+        lending = self.existing_graphs()  # its files have these graphs; its parity counts if its trees are these
+        manifest = lending if lending is not None and lending["build_key"] == self.key else None
         wanted = {b for b in self.config.backends if b != "torch"}
         if manifest is not None and wanted <= set(manifest["files"]):
             print(f"[export] reusing {self.out} (same checkpoint and settings)", flush=True)
@@ -189,7 +181,6 @@ class ArtifactBuilder:
         (self.staging / "done").mkdir(parents=True, exist_ok=True)
         if not self.pending:  # a pending worker cleared the folder when it started, and writes into it now
             self._clear_scratch()
-        lending = self.existing_graphs()  # its files have these graphs; its parity counts if its trees are these
         earlier = list(lending["files"]) if lending is not None else []
         if lending is not None:
             self._seed(lending)
