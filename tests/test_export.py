@@ -353,6 +353,27 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
         assert message in capsys.readouterr().err
 
 
+@needs("executorch", "onnx")
+def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp_path):
+    from streamfuse.runtime import cli
+    from streamfuse.tools import call_times
+
+    out = tmp_path / "calls.json"
+    methods = set(manifest(artifact)["graphs"]["methods"]) - {"prefill"}
+    for backend in ("executorch", "onnxruntime"):
+        argv = ["--artifact", str(artifact), "--backend", backend, "--spans", "3,9", "--rounds", "2", "--threads", "1"]
+        assert call_times.main([*argv, "--out", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["backend"] == backend and set(data["ms"]) == {"3", "9"}
+        assert all(set(row) == methods and min(row.values()) > 0 for row in data["ms"].values())
+    assert "greedy_step_" in capsys.readouterr().out
+    graphs = manifest(artifact)["graphs"]
+    most = graphs["capacity"] - max(graphs["buckets"])
+    assert cli.run(call_times.main, ["--artifact", str(artifact), "--backend", "executorch", "--spans",
+                                     f"3,{most + 1}"], prog="call_times") == 2
+    assert f"--spans must lie in [1, {most}]" in capsys.readouterr().err
+
+
 @needs("coreml")
 def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature

@@ -34,6 +34,7 @@ CASES = [
     (11, [[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
     (30, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]),
     (7, [[1, 0], [0, 1]]),
+    (40, [[1] * (i + 1) + [0] * (6 - i) for i in range(7)]),  # 21 queries a KV head: two batches; 2 key blocks
 ]
 
 
@@ -84,8 +85,9 @@ def test_a_row_has_the_same_bits_alone_in_any_call_and_as_plain_decoding(case):
     nodes, parents, start, threads, seed = case
     visible = ancestors(parents)
     query, k_cache, v_cache, k_extra, v_extra = tensors(seed, nodes, dim=(DIM, 64)[seed % 2])
-    before = torch.get_num_threads()
+    before, work = torch.get_num_threads(), tree_attention.WORK_PER_THREAD
     torch.set_num_threads(threads)
+    tree_attention.WORK_PER_THREAD = 1  # every call split over `threads`, however small
     try:
         whole = attend(query, k_cache, v_cache, start, k_extra, v_extra, visible)
         for row in range(nodes):
@@ -101,6 +103,7 @@ def test_a_row_has_the_same_bits_alone_in_any_call_and_as_plain_decoding(case):
             assert torch.equal(plain[0, 0], whole[0, row])
     finally:
         torch.set_num_threads(before)
+        tree_attention.WORK_PER_THREAD = work
 
 
 def test_the_kernel_reads_one_layer_of_the_whole_cache():
@@ -139,6 +142,8 @@ def test_executorch_runs_the_same_kernel_bit_for_bit(tmp_path):
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
+    from streamfuse.runtime.backends.sessions import set_executorch_threads
+
     class Attend(torch.nn.Module):
         def forward(self, query, k_cache, v_cache, start, k_extra, v_extra, visible):
             return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3)
@@ -150,5 +155,8 @@ def test_executorch_runs_the_same_kernel_bit_for_bit(tmp_path):
     program = to_edge_transform_and_lower(torch.export.export(Attend(), inputs, strict=False)).to_executorch()
     (tmp_path / "attend.pte").write_bytes(program.buffer)
     tree_attention.load_executorch_kernels()
-    method = Runtime.get().load_program(tmp_path / "attend.pte").load_method("forward")
-    assert torch.equal(method.execute(list(inputs))[0], Attend()(*inputs))
+    want = Attend()(*inputs)
+    for threads in (2, 1):  # ExecuTorch's threadpool splits the rows and heads, or does not
+        set_executorch_threads(threads)
+        method = Runtime.get().load_program(tmp_path / "attend.pte").load_method("forward")
+        assert torch.equal(method.execute(list(inputs))[0], want)

@@ -16,6 +16,7 @@
 // (built with -ffp-contract=off).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +25,6 @@
 namespace streamfuse {
 
 constexpr int64_t LANES = 8;
-constexpr int64_t MAX_DIM = 256;  // head_dim the kernel takes (SmolLM2: 64; Llama 3: 128)
 
 struct TreeAttentionArgs {
   const float* query;    // [heads, rows, dim]
@@ -121,69 +121,138 @@ inline Lanes exp_poly8(Lanes x) {
   return x < floor_ ? Lanes{} : result;
 }
 
-// One (row, head) task; scores is scratch of start + extra floats.
-inline void attend_row(const TreeAttentionArgs& a, int64_t t, int64_t h, std::vector<float>& scores) {
-  const int64_t group = a.heads / a.kv_heads, g = h / group, dim = a.dim;
-  const float* q = a.query + (h * a.rows + t) * dim;
+// Queries taken through the keys together (their scores and numerators in scratch), and values per block.
+constexpr int64_t BATCH = 16, KEY_BLOCK = 32;
+
+// total += p[k] and acc[c] += p[k] * values[k * dim + c * LANES ..] for k = 0..count-1 in order, c < B; the
+// sums stay in registers across the keys (a runtime block count would keep them in memory: a store and a
+// load on every key's chain).
+template <int64_t B>
+inline void accumulate_fixed(float& total, Lanes* acc_mem, const float* p, const float* values, int64_t count,
+                             int64_t dim) {
+  Lanes acc[B];
+  float sum = total;
+  for (int64_t c = 0; c < B; ++c) acc[c] = acc_mem[c];
+  for (int64_t k = 0; k < count; ++k) {
+    sum += p[k];
+    for (int64_t c = 0; c < B; ++c) acc[c] += p[k] * load(values + k * dim + c * LANES);
+  }
+  for (int64_t c = 0; c < B; ++c) acc_mem[c] = acc[c];
+  total = sum;
+}
+
+inline void accumulate(float& total, Lanes* acc, const float* p, const float* values, int64_t count,
+                       int64_t blocks, int64_t dim) {
+  if (blocks == 8) return accumulate_fixed<8>(total, acc, p, values, count, dim);    // head_dim 64
+  if (blocks == 16) return accumulate_fixed<16>(total, acc, p, values, count, dim);  // head_dim 128
+  for (int64_t k = 0; k < count; ++k) {
+    total += p[k];
+    for (int64_t c = 0; c < blocks; ++c) acc[c] += p[k] * load(values + k * dim + c * LANES);
+  }
+}
+
+struct Scratch {
+  std::vector<float> scores;  // [queries, start + extra]
+  std::vector<Lanes> acc;     // [queries, head_dim / LANES]: the numerators
+};
+
+// Queries [begin, end) of KV head g (query i: row i / group of head g * group + i % group), at most BATCH.
+// Each cached key is loaded once for all of them (a step's rows and a KV group's heads read the same
+// keys), while every query keeps its own sums in its own order: the bits it would get alone.
+inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, int64_t end, Scratch& s) {
+  const int64_t group = a.heads / a.kv_heads, dim = a.dim, keys = a.start + a.extra, n = end - begin;
+  const int64_t blocks = dim / LANES, rest = dim - blocks * LANES;
   const float* kc = a.k_cache + g * a.capacity * dim;
   const float* vc = a.v_cache + g * a.capacity * dim;
   const float* kx = a.k_extra + g * a.extra * dim;
   const float* vx = a.v_extra + g * a.extra * dim;
-  const float* seen = a.visible + t * a.extra;
-  scores.resize(a.start + a.extra);
-  // Scores of the cache keys, eight at a time where head_dim allows (the same sums as dot), and their max.
+  const float* query[BATCH];
+  const float* seen[BATCH];
+  float top[BATCH], total[BATCH] = {}, tail[BATCH][LANES] = {};
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t t = (begin + q) / group, h = g * group + (begin + q) % group;
+    query[q] = a.query + (h * a.rows + t) * dim;
+    seen[q] = a.visible + t * a.extra;
+    top[q] = -INFINITY;
+  }
+  s.scores.resize(n * keys);
+  s.acc.assign(n * blocks, Lanes{});
+  // Scores of the cache keys, eight keys at a time for every query where head_dim allows (dot8: the same sums
+  // as dot), and each query's max.
   int64_t j = 0;
-  float top = -INFINITY;
   if (dim % LANES == 0) {
-    Lanes tops = top - Lanes{};
+    Lanes tops[BATCH];
+    for (int64_t q = 0; q < n; ++q) tops[q] = top[q] - Lanes{};
     for (; j + LANES <= a.start; j += LANES) {
-      const Lanes s = dot8(q, kc + j * dim, dim) * a.scale;
-      std::memcpy(&scores[j], &s, sizeof(s));
-      tops = s > tops ? s : tops;
+      for (int64_t q = 0; q < n; ++q) {
+        const Lanes score = dot8(query[q], kc + j * dim, dim) * a.scale;
+        std::memcpy(&s.scores[q * keys + j], &score, sizeof(score));
+        tops[q] = score > tops[q] ? score : tops[q];
+      }
     }
-    for (int64_t l = 0; l < LANES; ++l) top = tops[l] > top ? tops[l] : top;
+    for (int64_t q = 0; q < n; ++q) {
+      for (int64_t l = 0; l < LANES; ++l) top[q] = tops[q][l] > top[q] ? tops[q][l] : top[q];
+    }
   }
-  for (; j < a.start; ++j) {
-    scores[j] = dot(q, kc + j * dim, dim) * a.scale;
-    top = scores[j] > top ? scores[j] : top;
+  for (int64_t q = 0; q < n; ++q) {
+    float* scores = &s.scores[q * keys];
+    for (int64_t k = j; k < a.start; ++k) {
+      scores[k] = dot(query[q], kc + k * dim, dim) * a.scale;
+      top[q] = scores[k] > top[q] ? scores[k] : top[q];
+    }
+    for (int64_t x = 0; x < a.extra; ++x) {
+      if (seen[q][x] == 0.f) continue;
+      scores[a.start + x] = dot(query[q], kx + x * dim, dim) * a.scale;
+      top[q] = scores[a.start + x] > top[q] ? scores[a.start + x] : top[q];
+    }
+    const Lanes tops = top[q] - Lanes{};
+    int64_t k = 0;
+    for (; k + LANES <= a.start; k += LANES) {
+      const Lanes e = exp_poly8(load(&scores[k]) - tops);
+      std::memcpy(&scores[k], &e, sizeof(e));
+    }
+    for (; k < a.start; ++k) scores[k] = exp_poly(scores[k] - top[q]);
   }
-  for (int64_t x = 0; x < a.extra; ++x) {
-    if (seen[x] == 0.f) continue;
-    scores[a.start + x] = dot(q, kx + x * dim, dim) * a.scale;
-    top = scores[a.start + x] > top ? scores[a.start + x] : top;
+  // The denominators total[q] and the numerators: acc[q * blocks + c] holds query q's out[c * LANES ..
+  // c * LANES + LANES), each element summing p * v over the keys in order (a dim that is not a multiple of
+  // LANES finishes in tail[q]). A block of values stays in L1 while every query adds it.
+  for (int64_t first = 0; first < a.start; first += KEY_BLOCK) {
+    const int64_t count = std::min(KEY_BLOCK, a.start - first);
+    for (int64_t q = 0; q < n; ++q) {
+      accumulate(total[q], &s.acc[q * blocks], &s.scores[q * keys + first], vc + first * dim, count, blocks, dim);
+      for (int64_t k = first; k < first + count; ++k) {
+        for (int64_t l = 0; l < rest; ++l) tail[q][l] += s.scores[q * keys + k] * vc[k * dim + blocks * LANES + l];
+      }
+    }
   }
-  const Lanes tops = top - Lanes{};
-  for (j = 0; j + LANES <= a.start; j += LANES) {
-    const Lanes e = exp_poly8(load(&scores[j]) - tops);
-    std::memcpy(&scores[j], &e, sizeof(e));
-  }
-  for (; j < a.start; ++j) scores[j] = exp_poly(scores[j] - top);
-  // The numerator in registers-sized blocks: acc[c] holds out[c * LANES .. c * LANES + LANES), each element
-  // summing p * v over the keys in order (a dim that is not a multiple of LANES finishes in `tail`).
-  const int64_t blocks = dim / LANES, rest = dim - blocks * LANES;
-  Lanes acc[MAX_DIM / LANES] = {};
-  float tail[LANES] = {};
-  float total = 0.f;
-  auto add = [&](float p, const float* v) {
-    total += p;
-    for (int64_t c = 0; c < blocks; ++c) acc[c] += p * load(v + c * LANES);
-    for (int64_t l = 0; l < rest; ++l) tail[l] += p * v[blocks * LANES + l];
+  auto add = [&](int64_t q, float p, const float* v) {
+    accumulate(total[q], &s.acc[q * blocks], &p, v, 1, blocks, dim);
+    for (int64_t l = 0; l < rest; ++l) tail[q][l] += p * v[blocks * LANES + l];
   };
-  for (j = 0; j < a.start; ++j) add(scores[j], vc + j * dim);
-  for (int64_t x = 0; x < a.extra; ++x) {
-    if (seen[x] != 0.f) add(exp_poly(scores[a.start + x] - top), vx + x * dim);
+  for (int64_t q = 0; q < n; ++q) {
+    for (int64_t x = 0; x < a.extra; ++x) {
+      if (seen[q][x] != 0.f) add(q, exp_poly(s.scores[q * keys + a.start + x] - top[q]), vx + x * dim);
+    }
+    const int64_t t = (begin + q) / group, h = g * group + (begin + q) % group;
+    float* out = a.out + (t * a.heads + h) * dim;
+    for (int64_t c = 0; c < blocks; ++c) {
+      for (int64_t l = 0; l < LANES; ++l) out[c * LANES + l] = s.acc[q * blocks + c][l] / total[q];
+    }
+    for (int64_t l = 0; l < rest; ++l) out[blocks * LANES + l] = tail[q][l] / total[q];
   }
-  float* out = a.out + (t * a.heads + h) * dim;
-  for (int64_t c = 0; c < blocks; ++c) {
-    for (int64_t l = 0; l < LANES; ++l) out[c * LANES + l] = acc[c][l] / total;
-  }
-  for (int64_t l = 0; l < rest; ++l) out[blocks * LANES + l] = tail[l] / total;
 }
 
-// Tasks [begin, end) of rows * heads, task = t * heads + h.
+// Tasks [begin, end) of kv_heads * rows * group, task = g * rows * group + i (query i of KV head g, as in
+// attend_batch): a thread's share reads each KV head it touches once per BATCH queries.
 inline void attend_tasks(const TreeAttentionArgs& a, int64_t begin, int64_t end) {
-  std::vector<float> scores;
-  for (int64_t task = begin; task < end; ++task) attend_row(a, task / a.heads, task % a.heads, scores);
+  const int64_t per_head = a.rows * (a.heads / a.kv_heads);
+  Scratch scratch;
+  while (begin < end) {
+    const int64_t g = begin / per_head, i = begin % per_head;
+    const int64_t stop = std::min({end - begin, per_head - i, BATCH});
+    attend_batch(a, g, i, i + stop, scratch);
+    begin += stop;
+  }
 }
 
 }  // namespace streamfuse

@@ -1,0 +1,126 @@
+"""python -m streamfuse.tools.call_times: what each of an artifact's methods costs per call on one engine,
+by the cache slots in use: the figures behind a tree step's cost in plain calls.
+
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.call_times --artifact artifacts/dialogsum \\
+        --backend executorch --spans 64,300,700 --rounds 40 --threads 2
+
+Inputs come from the manifest's method signatures: random token ids and caches (a call's time depends on
+shapes, not values), in each step bucket the first of the artifact's trees that fits it (else a tree
+filling it), `cache_len` set to each span. Calls are interleaved across methods; medians are printed
+(and written as JSON with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from streamfuse.runtime import cli
+from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.backends.static_graph import base_method, tree_inputs
+from streamfuse.runtime.loader import ARTIFACT_FILES
+from streamfuse.runtime.tree import TreeSpec
+
+ENGINES = ("executorch", "onnxruntime")
+SKIPPED = ("prefill",)  # its time is per prompt chunk, not per decoded token: the calibration reports it
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m streamfuse.tools.call_times",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (export/build.py)")
+    parser.add_argument("--backend", choices=ENGINES, required=True, help="the engine to time")
+    parser.add_argument("--spans", default="64,300,700", help="cache slots in use, comma-separated")
+    parser.add_argument("--rounds", type=int, default=40, help="timed calls per method and span")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here")
+    cli.add_debug_flag(parser)
+    return parser.parse_args(argv)
+
+
+def bucket_tree(trees: tuple[TreeSpec, ...], rows: int, gamma: int) -> TreeSpec:
+    """The tree a step bucket of `rows` rows is timed with: the first of the artifact's that fits."""
+    fitting = [tree for tree in trees if tree.num_nodes <= rows]
+    return fitting[0] if fitting else TreeSpec.filling(rows, gamma)
+
+
+def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma: int,
+                  vocab: int) -> list[torch.Tensor]:
+    """One call's inputs from the manifest's signature of a method, its cache `span` slots full."""
+    g = torch.Generator().manual_seed(span)
+    rows = next((i["shape"][1] for i in signature["inputs"] if i["name"] == "ids"), 1)
+    has_tree = any(i["name"] == "tree" for i in signature["inputs"])
+    tree_data = dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows))) \
+        if has_tree else {}
+    made = []
+    for spec in signature["inputs"]:
+        name, shape = spec["name"], spec["shape"]
+        if name in tree_data:
+            made.append(tree_data[name])
+        elif name == "cache_len":
+            made.append(torch.tensor([span]))
+        elif name == "ids":
+            made.append(torch.randint(0, vocab, shape, generator=g))
+        else:  # caches and stream anchors: values of a trained model's scale
+            made.append(torch.randn(shape, generator=g) * 0.5)
+    return made
+
+
+def time_calls(session, calls: dict[str, list[torch.Tensor]], rounds: int) -> dict[str, float]:
+    for method, inputs in calls.items():  # warm-up
+        session.run(method, inputs)
+    samples = {method: [] for method in calls}
+    for _ in range(rounds):
+        for method, inputs in calls.items():
+            start = time.perf_counter()
+            session.run(method, inputs)
+            samples[method].append(1000 * (time.perf_counter() - start))
+    return {method: statistics.median(times) for method, times in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spans = [int(s) for s in args.spans.split(",") if s.strip()]
+    cli.check(args.rounds >= 1 and args.threads >= 1, "--rounds and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    artifact = Artifact.open(args.artifact)
+    graphs = artifact.manifest["graphs"]
+    capacity, gamma = graphs["capacity"], artifact.manifest["streams"]["num_streams"]
+    vocab = artifact.manifest["model"]["vocab_size"]
+    most = capacity - max(graphs["buckets"])  # a step's rows go after the span
+    cli.check(all(1 <= s <= most for s in spans), f"--spans must lie in [1, {most}] (the artifact's cache holds "
+              f"{capacity} slots, a step adds up to {max(graphs['buckets'])}), got {args.spans}")
+    session = open_session(ARTIFACT_FILES[args.backend], artifact.backend_files(ARTIFACT_FILES[args.backend]),
+                           args.threads)
+    methods = {name: sig for name, sig in graphs["methods"].items()
+               if base_method(name) not in SKIPPED and name in session_methods(session, graphs)}
+    table = {}
+    for span in spans:
+        calls = {name: method_inputs(sig, span, artifact.trees, gamma, vocab) for name, sig in methods.items()}
+        table[span] = time_calls(session, calls, args.rounds)
+    print(f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
+          f"carry the artifact's first tree that fits")
+    print(f"{'method':<20}" + "".join(f"{span:>10}" for span in spans))
+    for name in methods:
+        print(f"{name:<20}" + "".join(f"{table[span][name]:>10.2f}" for span in spans))
+    if args.out:
+        args.out.write_text(json.dumps({"backend": args.backend, "threads": args.threads, "rounds": args.rounds,
+                                        "ms": {str(span): row for span, row in table.items()}}, indent=1))
+    return 0
+
+
+def session_methods(session, graphs: dict) -> set[str]:
+    """The methods the engine's files hold (an artifact lists every method it exported, for all engines)."""
+    index = getattr(session, "index", None)
+    return set(index) if index is not None else set(graphs["methods"])
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
