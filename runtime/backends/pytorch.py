@@ -43,7 +43,7 @@ class TorchBackend:
         if self.kernels == "packed":
             self.model.replace_linears(PackedLinear)
         self.cache: KVCache | None = None
-        self._tree_masks: dict[str, torch.Tensor] = {}
+        self._tree_masks: dict[tuple, torch.Tensor] = {}  # by tree shape (its paths)
         self.heads: MedusaHeads | None = None
 
     def attach_heads(self, heads: MedusaHeads) -> None:
@@ -157,7 +157,7 @@ class TorchBackend:
         return self.model.logits(hidden).float()
 
     def _tree_visibility(self, tree: TreeSpec) -> torch.Tensor:
-        key = tree.hash()
+        key = tree.paths  # the shape (hashable as it is: no digest on every step)
         if key not in self._tree_masks:
             self._tree_masks[key] = tree.ancestor_mask.to(self.device)
         return self._tree_masks[key]
