@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamfuse.runtime import tree_attention
-from streamfuse.runtime.tree import TreeSpec
 
 OP = tree_attention.torch_op()
 HEADS, KV, DIM, CAPACITY = 6, 2, 20, 48  # dim 20: two full lanes of 8 and a tail of 4
@@ -137,26 +136,42 @@ def test_a_failed_compile_names_the_error_and_leaves_nothing_behind(monkeypatch,
     assert not list(tmp_path.iterdir())
 
 
+class Attend(torch.nn.Module):
+    """The op on the second layer of a two-layer cache, as a program's attention calls it."""
+
+    def forward(self, query, k_cache, v_cache, start, k_extra, v_extra, visible):
+        return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3)
+
+
+def two_layers(seed: int, rows: int, start: int, visible: torch.Tensor) -> tuple:
+    query, k_cache, v_cache, k_extra, v_extra = tensors(seed, rows)
+    k_cache, v_cache = torch.cat([k_cache, k_cache.flip(2)]), torch.cat([v_cache, v_cache.flip(2)])
+    return query, k_cache, v_cache, torch.tensor([start]), k_extra, v_extra, visible.float()
+
+
 @pytest.mark.skipif(tree_attention.importlib.util.find_spec("executorch") is None, reason="executorch not installed")
-def test_executorch_runs_the_same_kernel_bit_for_bit(tmp_path):
+def test_executorch_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads(tmp_path):
+    """One 16-row program (trees, starts and caches are its inputs) against the torch op, whose rows the
+    property test above proves invariant: random trees of 1-16 nodes (pad rows see themselves), random
+    starts, with ExecuTorch's threadpool at 2 threads and at 1."""
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
     from streamfuse.runtime.backends.sessions import set_executorch_threads
 
-    class Attend(torch.nn.Module):
-        def forward(self, query, k_cache, v_cache, start, k_extra, v_extra, visible):
-            return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3)
-
-    tree = TreeSpec.full(2, 2)
-    query, k_cache, v_cache, k_extra, v_extra = tensors(3, tree.num_nodes)
-    k_cache, v_cache = torch.cat([k_cache, k_cache.flip(2)]), torch.cat([v_cache, v_cache.flip(2)])  # 2 layers
-    inputs = (query, k_cache, v_cache, torch.tensor([13]), k_extra, v_extra, tree.ancestor_mask.float())
-    program = to_edge_transform_and_lower(torch.export.export(Attend(), inputs, strict=False)).to_executorch()
+    rows, g = 16, torch.Generator().manual_seed(7)
+    example = two_layers(0, rows, 13, torch.eye(rows))
+    program = to_edge_transform_and_lower(torch.export.export(Attend(), example, strict=False)).to_executorch()
     (tmp_path / "attend.pte").write_bytes(program.buffer)
     tree_attention.load_executorch_kernels()
-    want = Attend()(*inputs)
     for threads in (2, 1):  # ExecuTorch's threadpool splits the rows and heads, or does not
         set_executorch_threads(threads)
         method = Runtime.get().load_program(tmp_path / "attend.pte").load_method("forward")
-        assert torch.equal(method.execute(list(inputs))[0], want)
+        for seed in range(6):
+            nodes = int(torch.randint(1, rows + 1, (1,), generator=g))
+            parents = [int(torch.randint(0, node, (1,), generator=g)) for node in range(1, nodes)]
+            visible = torch.eye(rows)
+            visible[:nodes, :nodes] = ancestors(parents)
+            start = int(torch.randint(0, CAPACITY - rows + 1, (1,), generator=g))
+            inputs = two_layers(seed, rows, start, visible)
+            assert torch.equal(method.execute(list(inputs))[0], Attend()(*inputs)), (threads, nodes, start)
