@@ -18,7 +18,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
 
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -29,7 +28,8 @@ from streamfuse.export.graph import (GraphShapes, GreedyStepPass, MainPass, Step
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, tree_inputs  # noqa: E402
+from streamfuse.runtime.backends.static_graph import (INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times,  # noqa: E402
+                                                      tree_inputs)
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 from streamfuse.tools.latency import architecture_parser, report_medians  # noqa: E402
 
@@ -106,13 +106,8 @@ def main(argv=None) -> int:
             onnx_file, _ = export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
             sessions[label] = (OnnxRuntimeSession(folder / onnx_file, threads=args.threads), method)
             feeds[label] = feed(method, inputs, args.context, model.parts.vocab_size)
-        samples = {label: [] for label in variants}
-        for rep in tqdm(range(args.reps + 3), desc="time", unit="round"):
-            for label, (session, method) in sessions.items():  # interleaved: every graph sees the same conditions
-                start = time.perf_counter()
-                session.run(method, feeds[label])
-                if rep >= 3:
-                    samples[label].append(time.perf_counter() - start)
+        calls = {label: (session, method, feeds[label]) for label, (session, method) in sessions.items()}
+        samples = interleaved_call_times(calls, args.reps, 3, lambda rounds: tqdm(rounds, desc="time", unit="round"))
     meta = {"engine": "onnxruntime:CPUExecutionProvider", "threads": args.threads, "capacity": args.capacity,
             "context": args.context, "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg()}
     report_medians(samples, "decode", ("graph", "ratio_to_decode"), meta, args.out)

@@ -22,7 +22,6 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -35,7 +34,8 @@ from streamfuse.export.to_onnx import export_onnx  # noqa: E402
 from streamfuse.export.xnnpack_graph import xnnpack_model  # noqa: E402
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import Session, bucket_method, tree_inputs  # noqa: E402
+from streamfuse.runtime.backends.static_graph import (Session, bucket_method, interleaved_call_times,  # noqa: E402
+                                                      tree_inputs)
 from streamfuse.runtime.tree import TreeSpec  # noqa: E402
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
@@ -112,13 +112,7 @@ def main(argv=None) -> int:
                 for span in spans:
                     if span + count <= capacity:
                         calls[engine, capacity, count, span] = (session, *call_inputs(count, span, capacity, model))
-        samples = {key: [] for key in calls}
-        for rep in tqdm(range(args.reps + 2), desc="time", unit="round"):
-            for key, (session, method, inputs) in calls.items():  # interleaved: all see the same conditions
-                start = time.perf_counter()
-                session.run(method, inputs)
-                if rep >= 2:
-                    samples[key].append(time.perf_counter() - start)
+        samples = interleaved_call_times(calls, args.reps, 2, lambda rounds: tqdm(rounds, desc="time", unit="round"))
     table = [{"engine": e, "capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
              for (e, c, r, s), v in samples.items()]
     meta = {"threads": args.threads, "reps": args.reps, "load_average": os.getloadavg(), "rows": table}

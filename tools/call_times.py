@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
-from streamfuse.runtime.backends.static_graph import base_method, tree_inputs
+from streamfuse.runtime.backends.static_graph import base_method, interleaved_call_times, tree_inputs
 from streamfuse.runtime.loader import ARTIFACT_FILES
 from streamfuse.runtime.tree import TreeSpec
 
@@ -73,18 +72,6 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
     return made
 
 
-def time_calls(session, calls: dict[str, list[torch.Tensor]], rounds: int) -> dict[str, float]:
-    for method, inputs in calls.items():  # warm-up
-        session.run(method, inputs)
-    samples = {method: [] for method in calls}
-    for _ in range(rounds):
-        for method, inputs in calls.items():
-            start = time.perf_counter()
-            session.run(method, inputs)
-            samples[method].append(1000 * (time.perf_counter() - start))
-    return {method: statistics.median(times) for method, times in samples.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spans = [int(s) for s in args.spans.split(",") if s.strip()]
@@ -103,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
                if base_method(name) not in SKIPPED and name in session_methods(session, graphs)}
     table = {}
     for span in spans:
-        calls = {name: method_inputs(sig, span, artifact.trees, gamma, vocab) for name, sig in methods.items()}
-        table[span] = time_calls(session, calls, args.rounds)
+        calls = {name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
+                 for name, sig in methods.items()}
+        samples = interleaved_call_times(calls, args.rounds, 1)
+        table[span] = {name: 1000 * statistics.median(times) for name, times in samples.items()}
     print(f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
           f"carry the artifact's first tree that fits")
     print(f"{'method':<20}" + "".join(f"{span:>10}" for span in spans))

@@ -9,7 +9,8 @@ A `Session` is the only engine-specific part: it runs one named method on a list
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -123,6 +124,20 @@ class Session(Protocol):
 
     def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run one exported method; outputs in the manifest's order."""
+
+
+def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[torch.Tensor]]], rounds: int,
+                           warmup: int, progress: Callable[[Iterable], Iterable] = iter) -> dict[Hashable, list[float]]:
+    """Seconds of each call (key -> session, method, inputs) over `rounds` rounds after `warmup` untimed
+    ones; each round runs every call once, so all of them see the same conditions."""
+    samples = {key: [] for key in calls}
+    for round_ in progress(range(warmup + rounds)):
+        for key, (session, method, inputs) in calls.items():
+            start = time.perf_counter()
+            session.run(method, inputs)
+            if round_ >= warmup:
+                samples[key].append(time.perf_counter() - start)
+    return samples
 
 
 @dataclass(frozen=True)
