@@ -372,6 +372,9 @@ def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp
     assert cli.run(call_times.main, ["--artifact", str(artifact), "--backend", "executorch", "--spans",
                                      f"3,{most + 1}"], prog="call_times") == 2
     assert f"--spans must lie in [1, {most}]" in capsys.readouterr().err
+    assert cli.run(call_times.main, ["--artifact", str(artifact), "--backend", "executorch", "--spans", "a,3"],
+                   prog="call_times") == 2
+    assert "--spans takes slot counts" in capsys.readouterr().err
 
 
 @needs("coreml")

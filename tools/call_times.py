@@ -74,7 +74,10 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spans = [int(s) for s in args.spans.split(",") if s.strip()]
+    words = [s.strip() for s in args.spans.split(",") if s.strip()]
+    cli.check(bool(words) and all(w.isdigit() for w in words), f"--spans takes slot counts such as 64,300,700, "
+              f"got {args.spans!r}")
+    spans = [int(w) for w in words]
     cli.check(args.rounds >= 1 and args.threads >= 1, "--rounds and --threads must be >= 1")
     torch.set_num_threads(args.threads)
     artifact = Artifact.open(args.artifact)
