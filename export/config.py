@@ -317,8 +317,8 @@ class BuildConfig:
 # What the two 2-core CPU presets share: the LoRA, the data cuts, the evaluation, and the 4-bit artifact
 # (the base GGUF's own codes, LoRA beside them: docs/export.md; its .pte is 156 MB against fp32's 660 MB)
 # with one step bucket of 4 rows: the 8-row bucket's two methods took ~10 min of make build's lowering
-# here, and at 4 bits even a 4-row greedy step does not pay on ExecuTorch (2.15 plain calls for about 2
-# tokens, docs/benchmarks.md); --set export.buckets=4,8 adds it.
+# here, and at 4 bits even a 4-row greedy step barely pays on ExecuTorch (1.86 plain calls for about 2
+# tokens: the calibration table in docs/benchmarks.md); --set export.buckets=4,8 adds it.
 _CPU_BASE = BuildConfig(
     preset="cpu",
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),

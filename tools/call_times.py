@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{capacity} slots, a step adds up to {max(graphs['buckets'])}), got {args.spans}")
     session = open_session(ARTIFACT_FILES[args.backend], artifact.backend_files(ARTIFACT_FILES[args.backend]),
                            args.threads)
-    methods = {name: sig for name, sig in graphs["methods"].items()
-               if base_method(name) not in SKIPPED and name in session_methods(session, graphs)}
+    methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
     table = {}
     for span in spans:
         calls = {name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
@@ -106,12 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"backend": args.backend, "threads": args.threads, "rounds": args.rounds,
                                         "ms": {str(span): row for span, row in table.items()}}, indent=1))
     return 0
-
-
-def session_methods(session, graphs: dict) -> set[str]:
-    """The methods the engine's files hold (an artifact lists every method it exported, for all engines)."""
-    index = getattr(session, "index", None)
-    return set(index) if index is not None else set(graphs["methods"])
 
 
 if __name__ == "__main__":
