@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,onnx,executorch,coreml,data,app
+EXTRAS ?= dev,build,executorch,coreml,data,app
 ARGS ?=
 
 .PHONY: build test venv kernels clean

@@ -426,8 +426,7 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         "heads": (torch.zeros(1, parts.hidden_size), length, keys, values),
     }
     for rows in shapes.buckets:
-        tree, depths, parents = tree_inputs(TreeSpec.chain(rows - 2), rows) if rows > 2 else \
-            tree_inputs(TreeSpec.chain(1), rows)
+        tree, depths, parents = map(torch.from_numpy, tree_inputs(TreeSpec.chain(max(rows - 2, 1)), rows))
         inputs[bucket_method("step", rows)] = (ids(rows), length, tree, depths, keys, values)
         inputs[bucket_method("greedy_step", rows)] = (ids(rows), length, tree, depths, parents, keys, values)
     return inputs

@@ -20,6 +20,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
@@ -59,7 +60,7 @@ def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
         rows = tree.num_nodes
         shapes = GraphShapes(args.capacity, PREFILL_CHUNK, (rows,))
         inputs = example_inputs(model, shapes)
-        visible, depths, parents = tree_inputs(tree, rows)
+        visible, depths, parents = map(torch.from_numpy, tree_inputs(tree, rows))
         name = f"{rows} nodes"
         ids, length, *_, keys, values = inputs["step_" + str(rows)]
         variants[f"step, {name}"] = (StepPass(model), (ids, length, visible, depths, keys, values))
@@ -73,7 +74,7 @@ def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
     return variants
 
 
-def feed(method: str, inputs: tuple, context: int, vocab: int) -> list[torch.Tensor]:
+def feed(method: str, inputs: tuple, context: int, vocab: int) -> list[np.ndarray]:
     """The example inputs with a cache in use up to `context` rows and token ids drawn at random."""
     named = dict(zip(INPUT_NAMES[method], (t.clone() for t in inputs)))
     named["cache_len"] = torch.tensor([context])
@@ -83,7 +84,7 @@ def feed(method: str, inputs: tuple, context: int, vocab: int) -> list[torch.Ten
         named["ids"] = torch.randint(0, vocab, named["ids"].shape)
     for name in ("keys", "values"):
         named[name] = torch.randn_like(named[name]) * 0.1
-    return list(named.values())
+    return [tensor.numpy() for tensor in named.values()]
 
 
 def main(argv=None) -> int:

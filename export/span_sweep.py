@@ -24,6 +24,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
@@ -81,12 +82,13 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
     return OnnxRuntimeSession(target / "model.onnx", threads=threads)
 
 
-def call_inputs(rows: int, span: int, capacity: int, model) -> tuple[str, list[torch.Tensor]]:
+def call_inputs(rows: int, span: int, capacity: int, model) -> tuple[str, list[np.ndarray]]:
     """The method and inputs of a call of `rows` rows (a chain) after `span` cached slots."""
     parts = model.parts
     shape = (parts.num_layers, parts.num_kv_heads, capacity, parts.head_dim)
-    keys, values = torch.randn(shape) * 0.1, torch.randn(shape) * 0.1
-    ids, length = torch.randint(0, parts.vocab_size, (1, rows)), torch.tensor([span])
+    generator = np.random.default_rng(span)
+    keys, values = (generator.standard_normal(shape, dtype=np.float32) * 0.1 for _ in range(2))
+    ids, length = generator.integers(0, parts.vocab_size, (1, rows)), np.array([span])
     if rows == 1:
         return "decode", [ids, length, keys, values]
     tree, depths, _ = tree_inputs(TreeSpec.chain(rows - 1), rows)

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from streamfuse.runtime.sampling import draw
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -45,8 +46,8 @@ def accept(tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], in
         node = child
 
 
-def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: torch.Tensor, target: Callable[[int], torch.Tensor],
-                   generator: torch.Generator) -> Acceptance:
+def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: np.ndarray, target: Callable[[int], np.ndarray],
+                   generator: np.random.Generator) -> Acceptance:
     """tree: a chain; tokens [T] drawn from probs [T, V] (row 0, the root, unused); target(n): [V]
     target probabilities after node n."""
     if any(len(kids) > 1 for kids in tree.children):
@@ -56,16 +57,12 @@ def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: torch.Tensor, t
     while True:
         p = target(node)
         if not tree.children[node]:
-            return Acceptance(path, _draw(p, generator))
+            return Acceptance(path, draw(p, generator))
         child = tree.children[node][0]
         token, q = tokens[child], probs[child]
-        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):  # u < p/q
+        if generator.random() * float(q[token]) < float(p[token]):  # u < p/q
             path.append(child)
             node = child
             continue
-        residual = (p - q).clamp_min(0)
-        return Acceptance(path, _draw(residual if residual.sum() > 0 else p, generator))
-
-
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(weights, 1, generator=generator))
+        residual = np.maximum(p - q, 0)
+        return Acceptance(path, draw(residual if residual.sum() > 0 else p, generator))

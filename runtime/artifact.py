@@ -171,12 +171,13 @@ class Artifact:
         return paths
 
     def load_tokenizer(self):
-        """The artifact's tokenizer, checked against the model's vocabulary and the recorded hash."""
-        from transformers import AutoTokenizer
+        """The artifact's tokenizer (runtime/tokenizer.py, no Transformers), checked against the model's
+        vocabulary and the recorded hash."""
+        from streamfuse.runtime.tokenizer import Tokenizer
 
         info = self.manifest["tokenizer"]
         folder = self.path / info["path"]
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = Tokenizer(folder)
         vocab = self.manifest["model"]["vocab_size"]
         if len(tokenizer) > vocab:
             raise ArtifactError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from streamfuse.runtime.artifact import ArtifactError
 from streamfuse.runtime.backends.sessions import MissingBackend
-from streamfuse.runtime.kv_cache import CapacityError
+from streamfuse.runtime.backends.base import CapacityError
 
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = "show the traceback of an error instead of its one line"
@@ -55,9 +55,10 @@ def quiet_known_noise() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for message in NOISY_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
+    # transformers' bars, without importing it (the exported engines never do): it reads this when imported
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
     if sys.stderr is sys.__stderr__:  # not under a capture (pytest's), which owns the descriptor
         filter_native_stderr()
 

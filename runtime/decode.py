@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from streamfuse.runtime.accept import Acceptance, accept, accept_sampled
 from streamfuse.runtime.backends.base import Backend, PruneConfig, StepOutput
@@ -74,7 +74,7 @@ class DecodeRun:
     backend: Backend
     trace: Trace
     record: RunRecord
-    generator: torch.Generator
+    generator: np.random.Generator
     emitter: Emitter
     started: float
     capacity: int  # KV positions the run may touch
@@ -88,7 +88,7 @@ class DecodeRun:
                                      backend.max_positions)
         trace = trace or Trace(enabled=False)
         run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids), drafter.name),
-                  torch.Generator().manual_seed(settings.seed), Emitter(settings.rules, decode), time.perf_counter(),
+                  np.random.default_rng(settings.seed), Emitter(settings.rules, decode), time.perf_counter(),
                   capacity)
         backend.reset(capacity)
         return run
@@ -207,13 +207,13 @@ class Verifier:
     """The target's side of acceptance: its token choice and the rule for the draft's kind."""
 
     sampling: SamplingConfig
-    generator: torch.Generator
+    generator: np.random.Generator
 
     @property
     def greedy(self) -> bool:
         return self.sampling.greedy
 
-    def choose(self, logits: torch.Tensor) -> int:
+    def choose(self, logits: np.ndarray) -> int:
         return choose(logits, self.sampling, self.generator)
 
     def __call__(self, draft: Draft, out: StepOutput) -> Acceptance:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from streamfuse.runtime.backends.base import StepOutput
 from streamfuse.runtime.tree import TreeSpec
@@ -27,7 +27,7 @@ from streamfuse.runtime.tree import TreeSpec
 class Draft:
     tree: TreeSpec | None  # the shape the target verifies; None: the root alone (a plain step)
     tokens: list[int]  # [T] node tokens, root first
-    probs: torch.Tensor | None = None  # [T, V] the distribution each node was drawn from (row 0 unused);
+    probs: np.ndarray | None = None  # [T, V] the distribution each node was drawn from (row 0 unused);
     #                                    None: deterministic drafts, accepted by matching the target's own draw
     from_lookup: int = 0  # lookup-branch nodes (from the top) that took prompt-lookup tokens
     calls: int = 0  # draft-model calls this draft cost (drafts from the target's own pass cost none)

@@ -13,8 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from streamfuse.runtime import cli
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.decode import GenerationResult, generate
@@ -22,6 +20,7 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import METHODS, STREAM_METHODS, DecodeSettings
+from streamfuse.runtime.threads import use_threads
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -161,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: its own)")
     parser.add_argument("--trace", type=Path, default=None, help="write a decode trace (JSON) for tools/profiler.py")
     parser.add_argument("--json", action="store_true", help="print one JSON object per input instead of text")
     cli.add_debug_flag(parser)
@@ -207,10 +206,9 @@ def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_flags(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     backend = args.backend or fastest_backend(args.artifact)
     loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
+    threads = use_threads(args.threads)
     settings = settings_from(args, loaded)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = [Request("0", args.prompt)] if args.prompt is not None else read_requests(args.input_file, loaded, as_task, args.limit)
     trace = Trace(enabled=args.trace is not None, backend=loaded.backend.name, device=args.device, method=settings.method,
                   num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method != "ar" else None,
-                  threads=torch.get_num_threads())
+                  threads=threads)
     for request in requests:
         over = source_overflow(loaded, request.text, as_task)
         if over:

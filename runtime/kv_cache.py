@@ -15,10 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from streamfuse.adapters.msa import KeyValues
-
-
-class CapacityError(RuntimeError):
-    pass
+from streamfuse.runtime.backends.base import CapacityError
 
 
 class KVCache:

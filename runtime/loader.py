@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from streamfuse.adapters.acceptance import AcceptanceHead, load_acceptance_head
+from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.calibration import BackendCalibration
@@ -49,7 +49,7 @@ class Loaded:
     threads: int | None = None  # the engine's threads, as loaded
     draft_engines: dict[str, Backend] = field(default_factory=dict)  # sd's draft model per engine, loaded on first use
     stop_rule: StopRule | None = None  # specdec++'s acceptance head and threshold, loaded on first use
-    stream_head: AcceptanceHead | None = None  # ss-adaptive's acceptance head, loaded on first use
+    stream_head: AcceptancePredictor | None = None  # ss-adaptive's acceptance head, loaded on first use
     choices: dict[int | None, TreeChoice] = field(default_factory=dict)  # ss-adaptive's candidates by node limit
 
     @property
@@ -116,15 +116,14 @@ class Loaded:
             return self._head_drafter(settings)
         if settings.method == "ss-adaptive":
             if self.stream_head is None:
-                head = load_acceptance_head(self.artifact.drafter_path("ss-adaptive"), "adaptive")
-                self.stream_head = head.to(self.backend.device)
+                self.stream_head = load_acceptance_predictor(self.artifact.drafter_path("ss-adaptive"), "adaptive")
             choice = self.tree_choice(settings.tree.num_nodes)
             return AdaptiveStreamDrafter(choice, self.stream_head, self.backend.num_streams)
         if settings.method == "sd":
             return ModelDrafter(self._draft_engine(self.engine), settings)
         if self.stop_rule is None:
             folder = self.artifact.drafter_path("specdec++")
-            self.stop_rule = StopRule(load_acceptance_head(folder).to(self.backend.device),
+            self.stop_rule = StopRule(load_acceptance_predictor(folder),
                                       self.artifact.drafters["specdec++"]["threshold"])
         rule = self.stop_rule if settings.threshold is None else replace(self.stop_rule, threshold=settings.threshold)
         return ModelDrafter(self._draft_engine(self.engine), settings, rule)
@@ -141,10 +140,9 @@ class Loaded:
         return self.draft_engines[engine]
 
     def _head_drafter(self, settings: DecodeSettings) -> Drafter:
-        from streamfuse.adapters.medusa import load_heads
-        from streamfuse.runtime.backends.pytorch import TorchBackend
+        if self.engine == "torch":
+            from streamfuse.adapters.medusa import load_heads
 
-        if isinstance(self.backend, TorchBackend):
             if self.backend.heads is None:
                 self.backend.attach_heads(load_heads(self.artifact.drafter_path("medusa")))
             return HeadDrafter(settings.tree, self.backend.heads.num_heads)

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
-from streamfuse.adapters.acceptance import AcceptanceHead
+from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.backends.base import Backend, StepOutput
 from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import target_probs
+from streamfuse.runtime.sampling import draw, target_probs
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
@@ -33,16 +33,15 @@ from streamfuse.runtime.tree import TreeSpec
 class StopRule:
     """SpecDec++'s: stop once the predicted probability of a rejection among the drafts passes `threshold`."""
 
-    head: AcceptanceHead
+    head: AcceptancePredictor
     threshold: float
 
     def __post_init__(self):
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"the SpecDec++ stop threshold is a probability in [0, 1], got {self.threshold}")
 
-    def accept_probability(self, hidden: torch.Tensor) -> float:
-        with torch.inference_mode():
-            return float(torch.sigmoid(self.head(hidden)))
+    def accept_probability(self, hidden: np.ndarray) -> float:
+        return float(self.head.probability(hidden))
 
 
 class ModelDrafter:
@@ -59,14 +58,14 @@ class ModelDrafter:
         self.stop = stop
         self.sampling = settings.sampling
         self.seed = settings.seed
-        self.generator = torch.Generator()
+        self.generator = np.random.default_rng(self.seed + 1)
         self.pending: list[int] = []  # emitted tokens the draft cache lacks; the last is the current root
         self.length = 0  # rows in the draft cache
         self.base = 0  # its length once the pending tokens are in, before the drafts
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
         self.engine.reset(capacity + self.gamma)
-        self.generator.manual_seed(self.seed + 1)  # its own stream: the target's draws stay plain decoding's
+        self.generator = np.random.default_rng(self.seed + 1)  # its own stream: the target's draws stay plain decoding's
         self.engine.prefill(prompt_ids, with_streams=False)
         self.length, self.pending = len(prompt_ids), [root]
         return 1
@@ -91,7 +90,7 @@ class ModelDrafter:
                     tokens.append(token)
                     probs.append(q)
                     break
-        drafted = None if self.sampling.greedy else torch.stack([torch.zeros_like(probs[0]), *probs])
+        drafted = None if self.sampling.greedy else np.stack([np.zeros_like(probs[0]), *probs])
         return Draft(self.chains[len(tokens) - 1], tokens, drafted, calls=calls)
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
@@ -112,8 +111,8 @@ class ModelDrafter:
             self.length += 1
         return out
 
-    def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _draw(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
         if self.sampling.greedy:
-            return int(logits.argmax()), None
+            return int(np.argmax(logits)), None
         q = target_probs(logits, self.sampling)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return draw(q, self.generator), q

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
-from streamfuse.adapters.acceptance import AcceptanceHead
+from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.backends.base import StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.lookup import PromptLookup
@@ -23,7 +23,7 @@ from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice
 
 
-def draft_tokens(tree: TreeSpec, root: int, ranked: torch.Tensor, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:
+def draft_tokens(tree: TreeSpec, root: int, ranked: np.ndarray, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:
     """Fill the tree: node at depth d with rank r takes stream d's r-th most likely token.
     ranked: [gamma, K] token ids of each stream, best first (K >= the tree's widest level).
     looked_up: prompt-lookup tokens for the tree's lookup branch, shallowest first.
@@ -68,7 +68,7 @@ class StreamDrafter:
         tree.check_streams(num_streams)
         self.tree = tree
         self.width = max(tree.widths)
-        self.streams: torch.Tensor | None = None  # [gamma, width] ranked stream tokens at the last accepted node
+        self.streams: np.ndarray | None = None  # [gamma, width] ranked stream tokens at the last accepted node
         self.lookup: PromptLookup | None = None
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
@@ -128,14 +128,14 @@ class AdaptiveStreamDrafter(StreamDrafter):
 
     name = "ss-adaptive"
 
-    def __init__(self, choice: TreeChoice, head: AcceptanceHead, num_streams: int):
+    def __init__(self, choice: TreeChoice, head: AcceptancePredictor, num_streams: int):
         super().__init__(choice.largest, num_streams)
         for candidate in choice.candidates:
             candidate.tree.check_streams(num_streams)
         self.choice, self.head = choice, head
         self.width = max(max(c.tree.widths) for c in choice.candidates)
         self.lookup_length = max(len(c.tree.lookup) for c in choice.candidates)
-        self.states: torch.Tensor | None = None  # [gamma, H] the streams' final states at the last accepted node
+        self.states: np.ndarray | None = None  # [gamma, H] the streams' final states at the last accepted node
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
         self.streams, self.states = prefill.stream_top(0, self.width), prefill.stream_states(0)
@@ -143,9 +143,7 @@ class AdaptiveStreamDrafter(StreamDrafter):
         return 0
 
     def propose(self, root: int) -> Draft:
-        with torch.inference_mode():
-            predicted = torch.sigmoid(self.head(self.states.to(self.head.out.weight.dtype))).tolist()
-        tree = self.choice.choose(predicted)
+        tree = self.choice.choose(self.head.probability(self.states).tolist())
         lookup = self.lookup.draft(len(tree.lookup)) if self.lookup is not None and tree.lookup else ()
         tokens, filled = draft_tokens(tree, root, self.streams, lookup)
         return Draft(tree, tokens, from_lookup=filled)

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
+import numpy as np
 
 Path = tuple[int, ...]
 
@@ -154,10 +154,10 @@ class TreeSpec:
         return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
 
     @cached_property
-    def ancestor_mask(self) -> torch.Tensor:
+    def ancestor_mask(self) -> np.ndarray:
         """[T, T] bool: node i may attend to node j iff j is i or an ancestor of i (EAGLE-style,
         derived from parents)."""
-        mask = torch.eye(self.num_nodes, dtype=torch.bool)
+        mask = np.eye(self.num_nodes, dtype=bool)
         for node in range(1, self.num_nodes):
             mask[node] |= mask[self.parents[node]]
         return mask

@@ -8,8 +8,8 @@ import pytest
 
 from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import ArtifactError
+from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
-from streamfuse.runtime.kv_cache import CapacityError
 
 # raised by main -> exit status (None: not the user's to fix, so the traceback stays)
 OUTCOMES = [

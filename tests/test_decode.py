@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -56,14 +57,14 @@ class OracleDrafts:
         return None
 
     def _oracle_streams(self, out: StepOutput) -> StepOutput:
-        def streams(node: int) -> torch.Tensor:
+        def streams(node: int) -> np.ndarray:
             done = self.inner.cache.length - self.prompt_len  # tokens already in the cache
             logits = torch.randn(self.num_streams, self.vocab_size)
             for depth in range(1, self.num_streams + 1):
                 index = done + depth
                 if index < len(self.oracle) and self.rng.random() > self.noise:
                     logits[depth - 1, self.oracle[index]] = 100.0
-            return logits
+            return logits.numpy()
 
         return StepOutput(out.main_logits, streams, out.kept)
 
@@ -156,13 +157,17 @@ def joint_counts(backend, sampling, runs, tree):
 def exact_joint(backend, sampling):
     model = backend.model
     prompt = torch.tensor([[1, 2]])
-    first = target_probs(model.logits(model(prompt, torch.arange(2)[None], _causal(2)).hidden[0, -1]), sampling)
+    first = _probs(model.logits(model(prompt, torch.arange(2)[None], _causal(2)).hidden[0, -1]), sampling)
     joint = torch.zeros(8, 8)
     for token in range(8):
         ids = torch.tensor([[1, 2, token]])
-        second = target_probs(model.logits(model(ids, torch.arange(3)[None], _causal(3)).hidden[0, -1]), sampling)
+        second = _probs(model.logits(model(ids, torch.arange(3)[None], _causal(3)).hidden[0, -1]), sampling)
         joint[token] = first[token] * second
     return joint
+
+
+def _probs(logits: torch.Tensor, sampling) -> torch.Tensor:
+    return torch.from_numpy(target_probs(logits.numpy(), sampling))
 
 
 def _causal(n):

@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import pathlib
 import re
 import shutil
 import sys
@@ -18,11 +19,11 @@ from streamfuse.adapters.medusa import MedusaHeads, save_heads
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
+from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.backends.static_graph import method_names
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.kv_cache import CapacityError
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -823,3 +824,78 @@ def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(ar
     assert calibrate.main(["--artifact", str(copy), "--backend", "onnxruntime", "--limit", "1", "--max-new-tokens",
                            "4", "--threads", "1"]) == 0
     assert load(copy, "onnxruntime").calibration.tree in bucket_candidates()
+
+
+# A device app's generation: the artifact's ONNX model, its tokenizer and the decode loop. It must not load
+# torch, Transformers or the training code (the default artifact's run is the same code on a larger model).
+NO_TORCH_RUN = """
+import sys, runpy
+artifact, temperature = sys.argv[1:3]
+for method in ("ss", "ar"):
+    sys.argv = ["generate", "--artifact", artifact, "--backend", "onnxruntime", "--prompt", "hello world",
+                "--max-new-tokens", "6", "--json", "--method", method, "--temperature", temperature]
+    try:
+        runpy.run_module("streamfuse.runtime.generate", run_name="__main__")
+    except SystemExit as done:
+        assert done.code == 0, done.code
+print("loaded:", sorted(m for m in ("torch", "transformers", "peft", "streamfuse.adapters", "streamfuse.export")
+                        if m in sys.modules))
+"""
+
+
+def generate_without_torch(python: str, artifact, temperature: str, cwd) -> list[dict]:
+    import subprocess
+
+    done = subprocess.run([python, "-c", NO_TORCH_RUN, str(artifact), temperature], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *records, loaded = done.stdout.strip().splitlines()
+    assert loaded == "loaded: []", loaded
+    return [json.loads(line) for line in records]
+
+
+@needs("onnx")
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, tmp_path, temperature):
+    """In a subprocess (this one has torch): ss and plain decoding, greedy and sampled; SS gives plain
+    decoding's tokens when greedy, and the same tokens as the torch-loaded runtime here."""
+    ss, plain = generate_without_torch(sys.executable, artifact, temperature, tmp_path)
+    if temperature == "0":
+        assert ss["token_ids"] == plain["token_ids"] and len(ss["token_ids"]) == 6
+    loaded = load(artifact, "onnxruntime")
+    from streamfuse.runtime.generate import prompt_ids, run
+
+    ids = prompt_ids(loaded, "hello world", as_task=False)
+    here = run(loaded, ids, DecodeSettings("ar", StopRules(6, loaded.stop_token_ids),
+                                           sampling=SamplingConfig(float(temperature))))
+    assert here.token_ids == plain["token_ids"]
+
+
+@needs("onnx")
+def test_the_wheel_with_only_its_onnxruntime_extra_decodes_an_artifact(artifact, tmp_path):
+    """The package as a wheel in a fresh virtual environment with `streamfuse[onnxruntime]` alone (pip
+    fetches what the base install and the extra need): generation runs from there."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    source = tmp_path / "source"
+    source.mkdir()
+    keep = ("pyproject.toml", "README.md", "__init__.py", "runtime", "adapters", "export", "tools", "apps", "metrics")
+    for name in keep:
+        copy = shutil.copytree if (root / name).is_dir() else shutil.copy2
+        copy(root / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                            if (root / name).is_dir() else {}))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, cwd=tmp_path, timeout=600)
+    (wheel,) = (tmp_path / "dist").glob("streamfuse-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", "install", f"{wheel}[onnxruntime]"],
+                   check=True, timeout=900)
+    found = subprocess.run([python, "-c", "import importlib.util as u; print([m for m in ('torch', 'transformers') "
+                            "if u.find_spec(m)])"], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"  # the environment has neither: the run below cannot load them
+    ss, plain = generate_without_torch(python, artifact, "0", tmp_path)
+    assert ss["token_ids"] == plain["token_ids"]

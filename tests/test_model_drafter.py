@@ -1,5 +1,6 @@
 """Two-model speculative decoding through the one decode loop: greedy == plain, sampling == the target."""
 
+import numpy as np
 import pytest
 import torch
 from test_decode import backend_for, chi_square_p, exact_joint
@@ -98,10 +99,10 @@ ACCEPTANCE = [
 
 @pytest.mark.parametrize("p, q, token, keep, residual", ACCEPTANCE)
 def test_speculative_sampling_keeps_a_draft_with_p_over_q(p, q, token, keep, residual):
-    tree, generator = TreeSpec.chain(1), torch.Generator().manual_seed(0)
-    p, q = torch.tensor(p), torch.tensor(q)
-    after = torch.tensor([0.0, 0.0, 1.0])  # the target after the draft, for a fully accepted chain
-    probs = torch.stack([torch.zeros(3), q])
+    tree, generator = TreeSpec.chain(1), np.random.default_rng(0)
+    p, q = np.array(p), np.array(q)
+    after = np.array([0.0, 0.0, 1.0])  # the target after the draft, for a fully accepted chain
+    probs = np.stack([np.zeros(3), q])
     results = [accept_sampled(tree, [9, token], probs, lambda n: p if n == 0 else after, generator) for _ in range(3000)]
     kept = [r for r in results if r.path == [0, 1]]
     assert len(kept) / len(results) == pytest.approx(keep, abs=0.03)
@@ -113,8 +114,8 @@ def test_speculative_sampling_keeps_a_draft_with_p_over_q(p, q, token, keep, res
 
 def test_speculative_sampling_of_a_tree_is_refused():
     with pytest.raises(ValueError, match="takes a chain"):
-        accept_sampled(TreeSpec.full(1, 2), [0, 1, 2], torch.ones(3, 3) / 3, lambda n: torch.ones(3) / 3,
-                       torch.Generator())
+        accept_sampled(TreeSpec.full(1, 2), [0, 1, 2], np.ones((3, 3)) / 3, lambda n: np.ones(3) / 3,
+                       np.random.default_rng(0))
 
 
 def test_sd_settings_need_a_chain():

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -14,6 +15,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.training.acceptance import (AcceptanceFeatures, AcceptanceTraining, branch_inputs,
                                                    item_features, train_acceptance, weighted_bce)
 from streamfuse.export.training.data import Encoded
+from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
@@ -23,14 +25,14 @@ from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
 
-def constant_head(probability: float) -> AcceptanceHead:
+def constant_head(probability: float) -> AcceptancePredictor:
     """A head that predicts `probability` everywhere (logit clipped to +-40: exactly 1.0 / ~0 in float32)."""
     head = AcceptanceHead(32, depth=0)
     with torch.no_grad():
         head.out.weight.zero_()
         head.out.bias.fill_(max(-40.0, min(40.0, math.log(probability / (1 - probability))))
                             if 0 < probability < 1 else (40.0 if probability else -40.0))
-    return head
+    return AcceptancePredictor(head.state_dict())
 
 
 def specdec(target, engine, prompt, settings, stop, trace=None):
@@ -75,7 +77,7 @@ def test_greedy_specdec_equals_plain_greedy_with_a_trained_looking_head(threshol
     settings = DecodeSettings("specdec++", rules, tree=TreeSpec.chain(6))
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6]):
         trace = Trace()
-        fast = specdec(target, engine, prompt, settings, StopRule(head, threshold), trace)
+        fast = specdec(target, engine, prompt, settings, StopRule(AcceptancePredictor(head.state_dict()), threshold), trace)
         assert fast.token_ids == generate(target, prompt, DecodeSettings("ar", rules)).token_ids
         lengths = [step.tree_nodes - 1 for step in trace.runs[0].steps]
         assert all(2 <= n <= 6 for n in lengths)
@@ -167,6 +169,9 @@ def test_training_separates_accepted_from_rejected_drafts_and_survives_a_save(tm
     save_acceptance_head(head, tmp_path, {"training_key": "k"})
     loaded = load_acceptance_head(tmp_path)
     assert torch.equal(loaded(hidden[:5]), head(hidden[:5]).detach())
+    on_host = load_acceptance_predictor(tmp_path)  # the runtime's numpy reader of the same files
+    np.testing.assert_allclose(on_host.logits(hidden[:64].numpy()), head(hidden[:64]).detach().numpy(), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("settings, message", [

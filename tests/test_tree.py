@@ -15,7 +15,7 @@ def test_full_tree_gamma2_k2_tables():
     assert tree.parents == [-1, 0, 0, 1, 1, 2, 2]
     assert tree.ranks == [0, 0, 1, 0, 1, 0, 1]
     assert tree.widths == [2, 2]
-    assert tree.ancestor_mask.int().tolist() == [
+    assert tree.ancestor_mask.astype(int).tolist() == [
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
         [1, 0, 1, 0, 0, 0, 0],

@@ -13,6 +13,7 @@ from streamfuse.export.training.stream_acceptance import item_features
 from streamfuse.export.training.train import forward_batch
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
 from streamfuse.runtime.decode import generate
+from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -101,13 +102,13 @@ def test_candidates_are_the_calibrated_stream_trees_the_backend_runs():
         TreeChoice.from_calibration(ACCEPTANCE, calibration, lambda tree: False)
 
 
-def random_head(seed: int, hidden: int = 32) -> AcceptanceHead:
+def random_head(seed: int, hidden: int = 32) -> AcceptancePredictor:
     torch.manual_seed(seed)
     head = AcceptanceHead(hidden, depth=1)
     with torch.no_grad():
         for parameter in head.parameters():
             parameter.normal_(0, 0.5)
-    return head
+    return AcceptancePredictor(head.state_dict())
 
 
 TREES3 = (TreeSpec.chain(1), TreeSpec.chain(3), TreeSpec.full(3, 2), TreeSpec(((0,), (1,), (0, 0))).with_lookup(1))

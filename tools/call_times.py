@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from streamfuse.runtime import cli
@@ -51,9 +52,9 @@ def bucket_tree(trees: tuple[TreeSpec, ...], rows: int, gamma: int) -> TreeSpec:
 
 
 def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma: int,
-                  vocab: int) -> list[torch.Tensor]:
+                  vocab: int) -> list[np.ndarray]:
     """One call's inputs from the manifest's signature of a method, its cache `span` slots full."""
-    g = torch.Generator().manual_seed(span)
+    g = np.random.default_rng(span)
     rows = next((i["shape"][1] for i in signature["inputs"] if i["name"] == "ids"), 1)
     has_tree = any(i["name"] == "tree" for i in signature["inputs"])
     tree_data = dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows))) \
@@ -64,11 +65,11 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
         if name in tree_data:
             made.append(tree_data[name])
         elif name == "cache_len":
-            made.append(torch.tensor([span]))
+            made.append(np.array([span]))
         elif name == "ids":
-            made.append(torch.randint(0, vocab, shape, generator=g))
+            made.append(g.integers(0, vocab, shape))
         else:  # caches and stream anchors: values of a trained model's scale
-            made.append(torch.randn(shape, generator=g) * 0.5)
+            made.append(g.standard_normal(shape, dtype=np.float32) * 0.5)
     return made
 
 

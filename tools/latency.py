@@ -70,7 +70,7 @@ def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
         def ss_step(tree=tree):
             out = backend.step([1] * tree.num_nodes, tree, with_streams=True)
             out.main_logits.argmax(-1)
-            out.stream_logits(0).topk(max(tree.widths))  # one node's streams, as after a commit
+            out.stream_top(0, max(tree.widths))  # one node's streams, as after a commit
         calls[f"tree {tree.num_nodes} nodes {tree.to_dict()['paths'] if tree.num_nodes <= 8 else tree.hash()}"] = ss_step
     return calls
 

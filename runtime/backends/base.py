@@ -6,13 +6,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+import numpy as np
 
+from streamfuse.runtime.sampling import ranked
 from streamfuse.runtime.tree import TreeSpec
 
 # When streams run: "fused" in the verify pass at every tree node (the paper; memory-bound devices),
 # "deferred" after the commit for the last accepted node only (same outputs; compute-bound CPUs).
 STREAM_SCHEDULES = ("fused", "deferred")
+
+
+class CapacityError(RuntimeError):
+    """A run needs more KV positions than the backend holds."""
 
 
 @dataclass(frozen=True)
@@ -59,32 +64,33 @@ def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | N
 @dataclass
 class StepOutput:
     """What one call gives the decode loop: target logits and streams, or (an engine's fused greedy
-    step) the target's greedy tokens and the accepted node's ranked draft tokens."""
+    step) the target's greedy tokens and the accepted node's ranked draft tokens. numpy arrays on
+    the host (float32 logits and states, int64 ids) whatever the engine."""
 
-    main_logits: torch.Tensor | None  # [T, V] target logits after each input token (prefill: last token only)
-    stream_logits: Callable[[int], torch.Tensor] | None  # node -> [gamma, V] stream logits at that node
+    main_logits: np.ndarray | None  # [T, V] target logits after each input token (prefill: last token only)
+    stream_logits: Callable[[int], np.ndarray] | None  # node -> [gamma, V] stream logits at that node
     kept: Sequence[bool] | None = None  # per node: survived pruning (None: no pruning)
     greedy_tokens: Sequence[int] | None = None  # [T] argmax after each node, chosen by the engine
-    ranked_drafts: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, K] stream token ids, best first
-    head_logits: Callable[[int], torch.Tensor] | None = None  # node -> [heads, V] Medusa heads' logits there
-    hidden: torch.Tensor | None = None  # [T, H] final-normed states: a drafter's own heads read them
-    stream_states: Callable[[int], torch.Tensor] | None = None  # node -> [gamma, H] its streams' final-normed states
+    ranked_drafts: Callable[[int], np.ndarray] | None = None  # node -> [gamma, K] stream token ids, best first
+    head_logits: Callable[[int], np.ndarray] | None = None  # node -> [heads, V] Medusa heads' logits there
+    hidden: np.ndarray | None = None  # [T, H] final-normed states: a drafter's own heads read them
+    stream_states: Callable[[int], np.ndarray] | None = None  # node -> [gamma, H] its streams' final-normed states
 
-    def next_token(self, node: int, choose: Callable[[torch.Tensor], int]) -> int:
+    def next_token(self, node: int, choose: Callable[[np.ndarray], int]) -> int:
         """The target's token after `node`: the engine's greedy choice, or `choose` on its logits."""
         if self.greedy_tokens is not None:
             return int(self.greedy_tokens[node])
         return choose(self.main_logits[node])
 
-    def head_top(self, node: int, width: int) -> torch.Tensor:
+    def head_top(self, node: int, width: int) -> np.ndarray:
         """[heads, width] token ids ranked by each Medusa head at `node`."""
-        return self.head_logits(node).topk(width, dim=-1).indices
+        return ranked(self.head_logits(node), width)
 
-    def stream_top(self, node: int, width: int) -> torch.Tensor:
+    def stream_top(self, node: int, width: int) -> np.ndarray:
         """[gamma, width] token ids ranked by each stream at `node` (call after the commit)."""
         if self.ranked_drafts is not None:
             return self.ranked_drafts(node)[:, :width]
-        return self.stream_logits(node).topk(width, dim=-1).indices
+        return ranked(self.stream_logits(node), width)
 
 
 class Backend(Protocol):

@@ -1,10 +1,12 @@
-"""PyTorch backend (CPU and CUDA): eager SpeculativeStreamingLM with a preallocated KV cache."""
+"""PyTorch backend (CPU and CUDA): eager SpeculativeStreamingLM with a preallocated KV cache.
+Its outputs reach the decode loop as numpy arrays, as every backend's do (runtime/backends/base.py)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from streamfuse.adapters.config import StreamConfig
@@ -90,9 +92,9 @@ class TorchBackend:
         out = self.model.forward_upper(lower, anchors)
         self.cache.commit(range(count))
         states = self._stream_states(out, lower.hidden[:, -1:], [0]) if with_streams else None
-        return StepOutput(self.model.logits(out.hidden[0, -1:]).float(), self._stream_logits(states),
-                          stream_states=states, head_logits=self._head_source(out.hidden[0, -1:]),
-                          hidden=out.hidden[0, -1:])
+        return StepOutput(host(self.model.logits(out.hidden[0, -1:])), self._stream_logits(states),
+                          stream_states=on_host(states), head_logits=self._head_source(out.hidden[0, -1:]),
+                          hidden=host(out.hidden[0, -1:]))
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -109,8 +111,9 @@ class TorchBackend:
         fused = with_streams and self.stream_schedule == "fused"
         out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
         states = self._stream_states(out, lower.hidden, nodes) if with_streams else None
-        return StepOutput(self.model.logits(out.hidden[0]).float(), self._stream_logits(states), kept,
-                          head_logits=self._head_source(out.hidden[0]), hidden=out.hidden[0], stream_states=states)
+        return StepOutput(host(self.model.logits(out.hidden[0])), self._stream_logits(states), kept,
+                          head_logits=self._head_source(out.hidden[0]), hidden=host(out.hidden[0]),
+                          stream_states=on_host(states))
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
@@ -135,14 +138,14 @@ class TorchBackend:
 
     def _stream_logits(self, states):
         """node -> [gamma, V] stream logits (only gamma rows ever pay the LM head); None without streams."""
-        return None if states is None else lambda node: self._head(states(node))
+        return None if states is None else lambda node: host(self._head(states(node)))
 
     def _head_source(self, hidden: torch.Tensor):
         """node -> [heads, V] logits of the Medusa heads on the node's final-normed state [T, H] (None:
         no heads attached)."""
         if self.heads is None:
             return None
-        return lambda node: self._head(self.heads(hidden[node]))
+        return lambda node: host(self._head(self.heads(hidden[node])))
 
     @torch.inference_mode()
     def _deferred_streams(self, anchor_hidden: torch.Tensor) -> torch.Tensor:
@@ -159,7 +162,7 @@ class TorchBackend:
     def _tree_visibility(self, tree: TreeSpec) -> torch.Tensor:
         key = tree.paths  # the shape (hashable as it is: no digest on every step)
         if key not in self._tree_masks:
-            self._tree_masks[key] = tree.ancestor_mask.to(self.device)
+            self._tree_masks[key] = torch.from_numpy(tree.ancestor_mask).to(self.device)
         return self._tree_masks[key]
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
@@ -175,6 +178,16 @@ class TorchBackend:
         child_tokens = torch.tensor(list(tokens[1:]), device=probs.device)
         transition = [1.0] + probs[parents, child_tokens].tolist()
         return keep_nodes(tree, transition, prune)
+
+
+def host(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as the host's float32 numpy array (a view on CPU when it is float32 already)."""
+    return tensor.detach().float().cpu().numpy()
+
+
+def on_host(source):
+    """node -> tensor, as node -> numpy array (None stays None)."""
+    return None if source is None else lambda node: host(source(node))
 
 
 def keep_nodes(tree: TreeSpec, transition: Sequence[float], prune: PruneConfig) -> list[bool]:

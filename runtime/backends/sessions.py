@@ -1,5 +1,6 @@
-"""Sessions: run one exported method on one engine. Each imports its engine only when used, so
-a missing optional package is a clear error naming the extra to install."""
+"""Sessions: run one exported method on one engine, numpy arrays in and out. Each imports its engine
+only when used, so a missing optional package is a clear error naming the extra to install, and
+only ExecuTorch (whose Python runtime takes torch tensors) brings torch in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import platform
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, INPUT_NAMES, METHOD_INPUT,
                                                       METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
@@ -54,18 +54,22 @@ class ExecuTorchSession:
 
     def __init__(self, pte: Path, threads: int | None = None):
         runtime = _require("executorch.runtime", "executorch")
+        import torch
+
         set_executorch_threads(threads or torch.get_num_threads())  # --threads means the same on every backend
         try:  # the programs' attention kernel, registered before a program that calls it loads
             load_executorch_kernels()
         except KernelUnavailable as error:
             raise MissingBackend(str(error)) from None
         self.shares_weights = share_xnnpack_weights()  # one packed copy for all methods, not one each
+        self.tensor = torch.from_numpy  # ExecuTorch's Python runtime takes torch tensors: zero-copy views
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}
         self.name = "executorch:xnnpack"
 
-    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.methods[method].execute(inputs))
+    def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        outputs = self.methods[method].execute([self.tensor(np.ascontiguousarray(a)) for a in inputs])
+        return [out.numpy() for out in outputs]  # views: valid until this method runs again
 
 
 PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
@@ -78,7 +82,7 @@ class OnnxRuntimeSession:
     named in the trace."""
 
     def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
-        ort = _require("onnxruntime", "onnx")
+        ort = _require("onnxruntime", "onnxruntime")
         available = ort.get_available_providers()
         if provider is not None and provider not in available:
             raise MissingBackend(f"onnxruntime provider {provider} is not available here (available: "
@@ -102,13 +106,13 @@ class OnnxRuntimeSession:
                              for i in self.session.get_inputs()}
         self.name = f"onnxruntime:{provider}"
 
-    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if method not in self.outputs:
             raise ValueError(f"the ONNX model has no {method} method (it has {', '.join(self.outputs)}); rebuild the "
                              f"artifact with this version")
-        return [torch.from_numpy(out) for out in self.session.run(self.outputs[method], self._feed(method, inputs))]
+        return self.session.run(self.outputs[method], self._feed(method, inputs))
 
-    def _feed(self, method: str, inputs: list[torch.Tensor]) -> dict:
+    def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
         """Inputs by graph name. The cache goes in per layer, cut to the rows up to the call's own (span_rows)."""
         named = dict(zip(INPUT_NAMES[base_method(method)], inputs))
         new_rows = named["ids"].shape[1] if "ids" in named else 0
@@ -117,10 +121,10 @@ class OnnxRuntimeSession:
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         for name, tensor in named.items():
             if name in CACHE_INPUTS:
-                feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows].numpy()
+                feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows]
                              for layer in range(tensor.shape[0])})
             else:
-                feed[name] = tensor.numpy()
+                feed[name] = tensor
         return feed
 
 
@@ -144,12 +148,12 @@ class CoreMLSession:
         self.outputs = {name: [o.name for o in m.get_spec().description.output] for name, m in self.models.items()}
         self.name = f"coreml:{compute_units.lower()}"
 
-    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        feed = {name: (t.int() if t.dtype == torch.long else t).numpy() for name, t in zip(self.inputs[method], inputs)}
+    def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        feed = {name: a.astype(np.int32) if a.dtype == np.int64 else a for name, a in zip(self.inputs[method], inputs)}
         result = self.models[method].predict(feed)
-        outputs = [torch.from_numpy(result[name]) for name in self.outputs[method]]
         # fp16 compute returns fp16 arrays; token ids (greedy_step) come back as int32
-        return [t.long() if not t.dtype.is_floating_point else t.float() for t in outputs]
+        return [np.asarray(result[name], dtype=np.float32 if np.issubdtype(result[name].dtype, np.floating) else np.int64)
+                for name in self.outputs[method]]
 
 
 def open_session(files_key: str, files: dict[str, Path], threads: int | None = None) -> Session:

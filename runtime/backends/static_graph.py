@@ -3,7 +3,7 @@
 The graphs are pure functions (see the artifact's manifest, "methods"); this class owns what
 they leave to the host: the KV cache [L, kv_heads, C, d], chunked prefill, committing the
 accepted tree nodes' rows, and running the streams of the last accepted node after the commit.
-A `Session` is the only engine-specific part: it runs one named method on a list of tensors.
+A `Session` is the only engine-specific part: it runs one named method on a list of numpy arrays.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+import numpy as np
 
-from streamfuse.runtime.backends.base import PruneConfig, StepOutput, process_peak_rss_bytes
-from streamfuse.runtime.kv_cache import CapacityError
+from streamfuse.runtime.backends.base import CapacityError, PruneConfig, StepOutput, process_peak_rss_bytes
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -69,16 +68,16 @@ def method_names(buckets: Sequence[int], heads: bool = False) -> list[str]:
     return ["prefill", "decode", "streams", *bucketed, *(["heads"] if heads else [])]
 
 
-def tree_inputs(tree: TreeSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_inputs(tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`tree` as a bucket of `rows` rows takes it: (tree [rows, rows] float 0/1, depths [rows], parents
     [rows], the root its own parent); pad rows see only themselves, at PAD_DEPTH, under the root."""
     count = tree.num_nodes
     if count > rows:
         raise ValueError(f"a tree of {count} nodes does not fit a bucket of {rows} rows")
-    visible = torch.eye(rows, dtype=torch.float32)
-    visible[:count, :count] = tree.ancestor_mask.to(torch.float32)
-    depths = torch.tensor(tree.depths + [PAD_DEPTH] * (rows - count), dtype=torch.long)
-    parents = torch.tensor([0, *tree.parents[1:]] + [0] * (rows - count), dtype=torch.long)
+    visible = np.eye(rows, dtype=np.float32)
+    visible[:count, :count] = tree.ancestor_mask
+    depths = np.array(tree.depths + [PAD_DEPTH] * (rows - count), dtype=np.int64)
+    parents = np.array([0, *tree.parents[1:]] + [0] * (rows - count), dtype=np.int64)
     return visible, depths, parents
 
 
@@ -122,11 +121,11 @@ def span_rows(cache_len: int, new_rows: int, capacity: int) -> int:
 class Session(Protocol):
     name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
 
-    def run(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Run one exported method; outputs in the manifest's order."""
 
 
-def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[torch.Tensor]]], rounds: int,
+def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[np.ndarray]]], rounds: int,
                            warmup: int, progress: Callable[[Iterable], Iterable] = iter) -> dict[Hashable, list[float]]:
     """Seconds of each call (key -> session, method, inputs) over `rounds` rounds after `warmup` untimed
     ones; each round runs every call once, so all of them see the same conditions."""
@@ -188,11 +187,11 @@ class StaticGraphBackend:
         self.vocab_size = spec.vocab_size
         self.max_positions = spec.capacity  # the artifact's context: a run must fit its static cache
         shape = (spec.num_layers, spec.num_kv_heads, spec.capacity, spec.head_dim)
-        self.keys = torch.zeros(shape)
-        self.values = torch.zeros(shape)
+        self.keys = np.zeros(shape, dtype=np.float32)
+        self.values = np.zeros(shape, dtype=np.float32)
         self.length = 0
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._trees: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pending: tuple[np.ndarray, np.ndarray] | None = None
+        self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def step_rows(self, tree: TreeSpec | None) -> int:
         """A tree runs in its size bucket: the bucket's rows, pad rows included."""
@@ -210,13 +209,13 @@ class StaticGraphBackend:
         tokens = list(token_ids)
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
-            ids = torch.tensor([piece + [0] * (chunk - len(piece))])  # pad rows come last: causal, never seen
+            ids = _ids(piece + [0] * (chunk - len(piece)))  # pad rows come last: causal, never seen
             logits, anchor, hidden, new_keys, new_values = self.session.run(
-                "prefill", [ids, self._length(), self.keys, self.values, torch.tensor([len(piece) - 1])])
+                "prefill", [ids, self._length(), self.keys, self.values, np.array([len(piece) - 1], dtype=np.int64)])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
-        return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchor, self.length - 1, [0]), hidden=hidden.float())
+        return StepOutput(_float(logits), stream_logits, stream_states=stream_states,
+                          head_logits=self._head_source(anchor, self.length - 1, [0]), hidden=_float(hidden))
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
@@ -228,7 +227,7 @@ class StaticGraphBackend:
         rows = self.spec.bucket(tree) if tree is not None else 1
         if self.length + rows > self.spec.capacity:
             raise CapacityError(f"KV cache full: {self.length} committed + {rows} new > capacity {self.spec.capacity}")
-        ids = torch.tensor([list(tokens) + [0] * (rows - count)])  # pad rows see only themselves
+        ids = _ids(list(tokens) + [0] * (rows - count))  # pad rows see only themselves
         if tree is None:
             method, inputs = "decode", [ids, self._length(), self.keys, self.values]
         else:
@@ -242,10 +241,10 @@ class StaticGraphBackend:
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
-        return StepOutput(logits.float(), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchors, self.length, depths), hidden=hidden.float())
+        return StepOutput(_float(logits), stream_logits, stream_states=stream_states,
+                          head_logits=self._head_source(anchors, self.length, depths), hidden=_float(hidden))
 
-    def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tree_inputs, built once per tree shape (the lookup branch fills nodes, it does not change them)."""
         key = (tree.paths, rows)
         if key not in self._trees:
@@ -261,8 +260,8 @@ class StaticGraphBackend:
         if self._pending is None:
             raise RuntimeError("commit without a step")
         new_keys, new_values = self._pending
-        index = torch.tensor(list(nodes), dtype=torch.long)
-        self._store(new_keys.index_select(2, index), new_values.index_select(2, index))
+        index = np.asarray(nodes, dtype=np.int64)
+        self._store(new_keys[:, :, index], new_values[:, :, index])
         self._pending = None
 
     def rollback(self, length: int) -> None:
@@ -275,22 +274,22 @@ class StaticGraphBackend:
         return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
-    def _length(self) -> torch.Tensor:
-        return torch.tensor([self.length], dtype=torch.long)
+    def _length(self) -> np.ndarray:
+        return np.array([self.length], dtype=np.int64)
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _store(self, keys: np.ndarray, values: np.ndarray) -> None:
         count = keys.shape[2]
         self.keys[:, :, self.length : self.length + count] = keys
         self.values[:, :, self.length : self.length + count] = values
         self.length += count
 
-    def _greedy_step(self, method: str, count: int, inputs: list[torch.Tensor]) -> StepOutput:
+    def _greedy_step(self, method: str, count: int, inputs: list[np.ndarray]) -> StepOutput:
         targets, accepted, drafts, new_keys, new_values, states = self.session.run(method, inputs)
         self._pending = (new_keys[:, :, :count], new_values[:, :, :count])
         graph_node = int(accepted[0])
 
-        def at_accepted(output: torch.Tensor):
-            def read(node: int) -> torch.Tensor:
+        def at_accepted(output: np.ndarray):
+            def read(node: int) -> np.ndarray:
                 if node != graph_node:  # the graph drafted from another node than the host accepted
                     raise RuntimeError(f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
                                        f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it")
@@ -298,22 +297,22 @@ class StaticGraphBackend:
             return read
 
         return StepOutput(None, None, greedy_tokens=targets[:count].tolist(), ranked_drafts=at_accepted(drafts),
-                          stream_states=at_accepted(states.float()))
+                          stream_states=at_accepted(_float(states)))
 
-    def _head_source(self, anchors: torch.Tensor, start: int, depths: Sequence[int]):
+    def _head_source(self, anchors: np.ndarray, start: int, depths: Sequence[int]):
         """node -> [heads, V] Medusa heads' logits there (None: the graphs have no heads). Once a node is
         committed, its row is start + its depth (a path commits one node per depth), and the heads
         method reruns the top layers there: it sees the rows below, which never change afterwards."""
         if not self.spec.heads:
             return None
 
-        def logits(node: int) -> torch.Tensor:
+        def logits(node: int) -> np.ndarray:
             row = start + depths[node]
             if row >= self.length:
                 raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) before its commit")
-            (out,) = self.session.run("heads", [anchors[node : node + 1], torch.tensor([row + 1]), self.keys,
-                                                self.values])
-            return out.float()
+            (out,) = self.session.run("heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64),
+                                                self.keys, self.values])
+            return _float(out)
 
         return logits
 
@@ -323,8 +322,17 @@ class StaticGraphBackend:
         run = functools.lru_cache(maxsize=1)(lambda node: self._streams(anchor_of(node)))
         return (lambda node: run(node)[0]), (lambda node: run(node)[1])
 
-    def _streams(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _streams(self, anchor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Call after the commit: the anchor node's K/V must be in the cache (it is the last row).
         -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
         logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
-        return logits.float(), states.float()
+        return _float(logits), _float(states)
+
+
+def _ids(tokens: list[int]) -> np.ndarray:
+    return np.array([tokens], dtype=np.int64)
+
+
+def _float(array: np.ndarray) -> np.ndarray:
+    """float32 (Core ML's fp16 outputs widened); no copy when it is already."""
+    return np.asarray(array, dtype=np.float32)

@@ -1,0 +1,60 @@
+"""SpecDec++'s acceptance head on the host, in numpy: the runtime's reader of what
+adapters/acceptance.py trains and saves (the format below is that module's).
+
+The head is D residual blocks h + SiLU(W h + b), then a linear layer to one logit; it reads a
+draft model's final state (method specdec++) or the streams' states (method ss-adaptive). A few
+H x H products per step: numpy does them without torch.
+
+    <dir>/acceptance.json      format_version, depth, hidden_size, info
+    <dir>/heads.safetensors    blocks.<i>.weight / .bias, out.weight / .bias
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "acceptance.json"
+WEIGHTS = "heads.safetensors"
+FORMAT_VERSION = 1
+
+
+class AcceptancePredictor:
+    """weights: the trained module's state dict (numpy arrays, or anything np.asarray reads)."""
+
+    def __init__(self, weights: Mapping[str, object]):
+        arrays = {name: np.asarray(value, dtype=np.float32) for name, value in weights.items()}
+        depth = sum(1 for name in arrays if name.startswith("blocks.") and name.endswith(".weight"))
+        self.blocks = [(arrays[f"blocks.{i}.weight"].T.copy(), arrays[f"blocks.{i}.bias"]) for i in range(depth)]
+        self.out = (arrays["out.weight"][0], arrays["out.bias"][0])
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """[..., H] final-normed states -> [...] logits of acceptance."""
+        hidden = np.asarray(hidden, dtype=np.float32)
+        for weight, bias in self.blocks:
+            pre = hidden @ weight + bias
+            hidden = hidden + pre / (1.0 + np.exp(-pre))  # SiLU
+        weight, bias = self.out
+        return hidden @ weight + bias
+
+    def probability(self, hidden: np.ndarray) -> np.ndarray:
+        """[..., H] -> [...] predicted probability that the target accepts each state's token."""
+        return 1.0 / (1.0 + np.exp(-self.logits(hidden)))
+
+
+def load_acceptance_predictor(directory: Path, option: str = "specdec") -> AcceptancePredictor:
+    """option: the build's config section that trains the head (specdec, adaptive), for the error's fix."""
+    from safetensors.numpy import load_file
+
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {directory} holds no acceptance head (export/build.py "
+                                f"--set {option}.enabled=true makes it)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
+                         f"{FORMAT_VERSION}: rebuild the acceptance head")
+    return AcceptancePredictor(load_file(str(Path(directory) / WEIGHTS)))
