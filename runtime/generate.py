@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfuse.runtime import cli
+from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
 from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import METHODS, STREAM_METHODS, DecodeSettings
+from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
@@ -131,13 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
     parser.add_argument("--cut-source", action="store_true", help="with --task: cut a source longer than the model "
                         "was fine-tuned on to that length, as training did (default: keep it whole, up to the context)")
-    parser.add_argument("--method", choices=METHODS, default="ss",
-                        help="ss: speculative streaming; ar: plain decoding; sd: the artifact's draft model "
-                             "(two-model speculative decoding, added by export/build.py --set sd.enabled=true); "
-                             "medusa: its Medusa heads (--set medusa.enabled=true; on torch, or the graphs' heads "
-                             "method); specdec++: the draft model with its acceptance head choosing each chain's "
-                             "length (--set specdec.enabled=true); ss-adaptive: SS with an acceptance head on the "
-                             "streams choosing each step's tree among the calibrated ones (--set adaptive.enabled=true)")
+    parser.add_argument("--method", choices=methods.names(), default="ss", help=methods_help())
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="execution engine (default: the fastest the artifact has here, by its calibrations)")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -167,6 +161,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def methods_help() -> str:
+    """--method's help: each registered method's line and, where the artifact needs its drafter, the build flags."""
+    lines = [f"{m.label}" + (f" (export/build.py {m.build_flags})" if m.build_flags else "")
+             for m in map(methods.get, methods.names())]
+    return "; ".join(lines)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad values before the (slow) model load."""
     cli.check(args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}")
@@ -187,17 +188,17 @@ def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpe
     calibrated tree, the bound of its choice)."""
     if text is not None:
         return TreeSpec.parse(text)
-    tree = loaded.method_tree(method) if method != "ar" else None
+    tree = loaded.method_tree(method)
     return tree if tree is not None else TreeSpec.parse(DEFAULT_TREE)
 
 
 def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
     rules = StopRules(args.max_new_tokens, loaded.stop_token_ids, tuple(args.stop))
     tree = cli.usage(lambda: choose_tree(args.tree, loaded, args.method))
-    if args.method != "ar":
+    if methods.get(args.method).speculative:
         cli.usage(lambda: loaded.check_method_tree(args.method, tree))
     # The calibrated step costs are SS's trees': a draft model's steps cost its calls besides.
-    fallback = loaded.fallback(tree) if args.fallback == "auto" and args.method in STREAM_METHODS else None
+    fallback = loaded.fallback(tree) if args.fallback == "auto" and methods.get(args.method).streams else None
     return cli.usage(lambda: DecodeSettings(args.method, rules, tree, SamplingConfig(args.temperature, args.top_k, args.top_p),
                                             prune_config(args.prune_threshold, args.prune_budget), args.seed, fallback,
                                             args.threshold))
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(it adds it without retraining) or pass plain prompts without --task")
     requests = [Request("0", args.prompt)] if args.prompt is not None else read_requests(args.input_file, loaded, as_task, args.limit)
     trace = Trace(enabled=args.trace is not None, backend=loaded.backend.name, device=args.device, method=settings.method,
-                  num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if settings.method != "ar" else None,
+                  num_streams=loaded.backend.num_streams, tree=settings.tree.to_dict() if methods.get(settings.method).speculative else None,
                   threads=threads)
     for request in requests:
         over = source_overflow(loaded, request.text, as_task)

@@ -8,19 +8,18 @@ Two kinds of folder load:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
+from streamfuse.runtime import methods
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
 from streamfuse.runtime.calibration import BackendCalibration
 from streamfuse.runtime.drafter import Drafter
 from streamfuse.runtime.fallback import FallbackConfig
-from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter, HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice
 
@@ -29,32 +28,43 @@ BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
-# The build flags that add a method whose config section is not named after it.
-BUILD_FLAGS = {"specdec++": "--set sd.enabled=true --set specdec.enabled=true",
-               "ss-adaptive": "--set adaptive.enabled=true"}
 TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
 
 
-@dataclass
+@dataclass(frozen=True)
 class Loaded:
+    """A loaded model: its backend and tokenizer, and the artifact its methods' drafters come from."""
+
     backend: Backend
     tokenizer: object
     info: dict  # the checkpoint's training info (task, preset, ...)
     prompt: PromptFormat | None  # the task's prompt format, when the model was fine-tuned on one
-    default_tree: TreeSpec | None = None  # an exported artifact's default tree (its manifest's first)
-    max_nodes: int | None = None  # the largest tree the backend runs (its largest step graph); None: any (torch)
-    calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
-    artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
     engine: str = "torch"  # the backend's name in BACKENDS
+    artifact: Artifact | None = None  # where the other methods' drafters are (None: a bare checkpoint)
+    calibration: BackendCalibration | None = None  # this backend's, from the artifact (tools/calibrate.py)
     threads: int | None = None  # the engine's threads, as loaded
-    draft_engines: dict[str, Backend] = field(default_factory=dict)  # sd's draft model per engine, loaded on first use
-    stop_rule: StopRule | None = None  # specdec++'s acceptance head and threshold, loaded on first use
-    stream_head: AcceptancePredictor | None = None  # ss-adaptive's acceptance head, loaded on first use
-    choices: dict[int | None, TreeChoice] = field(default_factory=dict)  # ss-adaptive's candidates by node limit
+    resources: dict = field(default_factory=dict, compare=False, repr=False)  # what methods load once (cached)
+
+    def cached(self, key: str, make: Callable[[], object]):
+        """A method's resource (a draft engine, a head), made on first use and kept with this model."""
+        if key not in self.resources:
+            self.resources[key] = make()
+        return self.resources[key]
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.eos_token_id,)
+
+    @property
+    def default_tree(self) -> TreeSpec | None:
+        """An exported artifact's default tree (its manifest's first)."""
+        return self.artifact.tree if self.artifact is not None else None
+
+    @property
+    def max_nodes(self) -> int | None:
+        """The largest tree the backend runs (its largest step graph); None: any (torch)."""
+        spec = getattr(self.backend, "spec", None)
+        return spec.max_nodes if spec is not None else None
 
     @property
     def tree(self) -> TreeSpec | None:
@@ -69,96 +79,47 @@ class Loaded:
             self.backend.spec.bucket(tree)
 
     def check_method_tree(self, method: str, tree: TreeSpec) -> None:
-        """check_tree for every shape the method verifies: specdec++ verifies chains of 2 drafts up to `tree`'s."""
-        shapes = [TreeSpec.chain(n) for n in range(2, tree.depth + 1)] if method == "specdec++" else [tree]
-        for shape in shapes:
+        """check_tree for every shape the method verifies (specdec++: chains of 2 drafts up to `tree`'s)."""
+        for shape in methods.get(method).shapes(tree):
             self.check_tree(shape)
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The methods this artifact can decode with: plain, SS and those whose drafters it carries."""
-        return ("ar", "ss", *(sorted(self.artifact.drafters) if self.artifact is not None else ()))
+        """The registered methods this model can decode with: those whose drafters it carries."""
+        drafters = self.artifact.drafters if self.artifact is not None else {}
+        return tuple(name for name in methods.names()
+                     if all(entry in drafters for entry in methods.get(name).artifact_entries))
 
     def method_tree(self, method: str) -> TreeSpec | None:
-        """The draft shape a method uses unless told otherwise: ss's calibrated tree; another method's,
-        as the build recorded it (sd: a chain; medusa: SS's tree to the heads' depth); None for plain."""
-        if method == "ar":
-            return None
-        if method == "ss":
-            return self.tree
+        """The draft shape a method uses unless told otherwise (ss: the calibrated tree; sd: the chain the build
+        recorded; ...; None for plain decoding)."""
         self._check_method(method)
-        if method == "ss-adaptive":
-            return self.tree_choice().largest
-        return TreeSpec.from_dict(self.artifact.drafters[method]["tree"])
+        return methods.get(method).default_tree(self)
 
     def tree_choice(self, max_nodes: int | None = None) -> TreeChoice:
         """ss-adaptive's candidates: the trees calibrated on this backend that it runs, up to max_nodes."""
-        if max_nodes not in self.choices:
+        def make() -> TreeChoice:
             acceptance = self.artifact.acceptance
             if self.calibration is None or acceptance is None:
                 raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
                                  f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
                                  f"{self.artifact.path} --backend {self.engine}")
             limit = min((n for n in (max_nodes, self.max_nodes) if n is not None), default=None)
-            self.choices[max_nodes] = TreeChoice.from_calibration(acceptance, self.calibration, max_nodes=limit)
-        return self.choices[max_nodes]
+            return TreeChoice.from_calibration(acceptance, self.calibration, max_nodes=limit)
 
-    def drafter(self, settings: DecodeSettings) -> Drafter | None:
-        """settings.method's drafter for the decode loop (None: plain and ss, which it builds itself).
-        sd's draft model runs on the target's engine where the build exported it for that engine, else on
-        torch; specdec++ drives the same with its acceptance head on the draft's final states.
-        Medusa heads run on the torch target or in the exported graphs' heads method. ss-adaptive's head
-        reads the streams' states every backend returns, on the host."""
-        if settings.method in ("ar", "ss"):
-            return None
+        return self.cached(f"tree-choice:{max_nodes}", make)
+
+    def drafter(self, settings: DecodeSettings) -> Drafter:
+        """settings.method's drafter for the decode loop, built by its registry entry (runtime/methods)."""
         self._check_method(settings.method)
-        if settings.method == "medusa":
-            return self._head_drafter(settings)
-        if settings.method == "ss-adaptive":
-            if self.stream_head is None:
-                self.stream_head = load_acceptance_predictor(self.artifact.drafter_path("ss-adaptive"), "adaptive")
-            choice = self.tree_choice(settings.tree.num_nodes)
-            return AdaptiveStreamDrafter(choice, self.stream_head, self.backend.num_streams)
-        if settings.method == "sd":
-            return ModelDrafter(self._draft_engine(self.engine), settings)
-        if self.stop_rule is None:
-            folder = self.artifact.drafter_path("specdec++")
-            self.stop_rule = StopRule(load_acceptance_predictor(folder),
-                                      self.artifact.drafters["specdec++"]["threshold"])
-        rule = self.stop_rule if settings.threshold is None else replace(self.stop_rule, threshold=settings.threshold)
-        return ModelDrafter(self._draft_engine(self.engine), settings, rule)
-
-    def _draft_engine(self, engine: str) -> Backend:
-        """sd's draft model (its own artifact in drafters/sd) on `engine` where it was exported for it and
-        runs here, else on torch; loaded on first use."""
-        self._check_method("sd")
-        folder = self.artifact.drafter_path("sd")
-        engine = engine if engine in runnable_backends(folder) else "torch"
-        if engine not in self.draft_engines:
-            self.draft_engines[engine] = load(folder, engine, self.backend.device, threads=self.threads,
-                                              calibrated=False).backend
-        return self.draft_engines[engine]
-
-    def _head_drafter(self, settings: DecodeSettings) -> Drafter:
-        if self.engine == "torch":
-            from streamfuse.adapters.medusa import load_heads
-
-            if self.backend.heads is None:
-                self.backend.attach_heads(load_heads(self.artifact.drafter_path("medusa")))
-            return HeadDrafter(settings.tree, self.backend.heads.num_heads)
-        graphs = self.artifact.manifest["graphs"]["heads"]
-        if graphs["training_key"] != self.artifact.drafters["medusa"]["training_key"]:
-            raise ValueError(f"method medusa: the {self.backend.name} graphs of {self.artifact.path} have no heads "
-                             f"method for its Medusa heads (they were added after the export); rebuild the artifact with "
-                             f"export/build.py --set medusa.enabled=true, or pass --backend torch")
-        return HeadDrafter(settings.tree, graphs["count"])
+        return methods.get(settings.method).drafter(self, settings)
 
     def _check_method(self, method: str) -> None:
         if method not in self.methods:
             where = "a bare checkpoint" if self.artifact is None else str(self.artifact.path)
+            flags = methods.get(method).build_flags
             raise ValueError(f"method {method}: {where} has no drafter for it (methods here: {', '.join(self.methods)}); "
-                             f"add it with export/build.py {BUILD_FLAGS.get(method, f'--set {method}.enabled=true')} "
-                             f"and load the artifact")
+                             f"add it with export/build.py {flags} and load the artifact")
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration; every
@@ -227,10 +188,9 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: 
 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
     backend = TorchBackend(model, device, stream_schedule)
-    if artifact is None:
-        return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")))
-    return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), artifact.tree,
-                  None, artifact.calibration("torch") if calibrated else None, artifact)
+    calibration = artifact.calibration("torch") if artifact is not None and calibrated else None
+    return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact,
+                  calibration)
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
@@ -249,7 +209,5 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     session = open_session(key, artifact.backend_files(key), threads)
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
-                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")),
-                  artifact.tree, artifact.graph_spec().max_nodes, artifact.calibration(backend) if calibrated else None,
-                  artifact,
-                  backend, threads)
+                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,
+                  artifact, artifact.calibration(backend) if calibrated else None, threads)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from streamfuse.runtime.acceptance_head import AcceptancePredictor
-from streamfuse.runtime.backends.base import Backend, StepOutput
+from streamfuse.runtime.backends.base import HIDDEN, Backend, StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.sampling import draw, target_probs
 from streamfuse.runtime.settings import DecodeSettings
@@ -84,7 +84,7 @@ class ModelDrafter:
             out = self._feed([token])
             calls += 1
             if self.stop is not None:
-                survive *= self.stop.accept_probability(out.hidden[0])
+                survive *= self.stop.accept_probability(out.extras[HIDDEN][0])
                 if 1.0 - survive > self.stop.threshold:
                     token, q = self._draw(out.main_logits[0])  # proposed by the same call: kept
                     tokens.append(token)

@@ -15,18 +15,10 @@ from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.tree import TreeSpec
 
-# "ar": plain decoding; "ss": Speculative Streaming; "sd": a draft model's chain (two-model speculative
-# decoding); "medusa": Medusa heads on the target's last hidden state; "specdec++": sd's draft model
-# with an acceptance head that chooses each chain's length; "ss-adaptive": SS with an acceptance head
-# on the streams' states that chooses each step's tree among the calibrated ones
-METHODS = ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive")
-CHAIN_METHODS = ("sd", "specdec++")  # a draft model's chain: drawn drafts, accepted by speculative sampling
-STREAM_METHODS = ("ss", "ss-adaptive")  # drafts from the target's own streams: calibrated step costs, the fallback
-
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    method: str  # one of METHODS
+    method: str  # a registered method's name (runtime/methods)
     rules: StopRules
     tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length; specdec++: its longest chain;
     #                               ss-adaptive: the largest tree it may choose
@@ -37,11 +29,12 @@ class DecodeSettings:
     threshold: float | None = None  # specdec++: stop drafting once P(a rejection) passes it (None: the artifact's)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method != "ar" and self.tree is None:
+        from streamfuse.runtime import methods  # the registry's methods build drafters from settings
+
+        method = methods.get(self.method)
+        if method.speculative and self.tree is None:
             raise ValueError(f"method {self.method} needs a draft tree")
-        if self.method in CHAIN_METHODS and any(len(kids) > 1 for kids in self.tree.children):
+        if method.chain and any(len(kids) > 1 for kids in self.tree.children):
             raise ValueError(f"method {self.method} drafts a chain: give --tree gamma=G,k=1")
-        if self.threshold is not None and self.method != "specdec++":
+        if self.threshold is not None and not method.threshold:
             raise ValueError(f"a stop threshold is SpecDec++'s, not method {self.method}'s: drop --threshold")

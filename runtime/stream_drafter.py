@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from streamfuse.runtime.acceptance_head import AcceptancePredictor
-from streamfuse.runtime.backends.base import StepOutput
+from streamfuse.runtime.backends.base import HEAD_LOGITS, STREAM_STATES, StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.lookup import PromptLookup
+from streamfuse.runtime.sampling import ranked
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice
 
@@ -105,7 +106,7 @@ class HeadDrafter(StreamDrafter):
     uses_streams = False
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
-        if prefill.head_logits is None:
+        if HEAD_LOGITS not in prefill.extras:
             raise ValueError("method medusa needs Medusa heads on the target's backend (Loaded.drafter attaches the "
                              "artifact's)")
         self.source = (prefill, 0)
@@ -114,7 +115,7 @@ class HeadDrafter(StreamDrafter):
 
     def propose(self, root: int) -> Draft:
         out, node = self.source
-        self.streams = out.head_top(node, self.width)
+        self.streams = ranked(out.extras[HEAD_LOGITS](node), self.width)
         return super().propose(root)
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
@@ -138,7 +139,7 @@ class AdaptiveStreamDrafter(StreamDrafter):
         self.states: np.ndarray | None = None  # [gamma, H] the streams' final states at the last accepted node
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
-        self.streams, self.states = prefill.stream_top(0, self.width), prefill.stream_states(0)
+        self.streams, self.states = prefill.stream_top(0, self.width), prefill.extras[STREAM_STATES](0)
         self.lookup = PromptLookup([*prompt_ids, root]) if self.lookup_length else None
         return 0
 
@@ -149,6 +150,6 @@ class AdaptiveStreamDrafter(StreamDrafter):
         return Draft(tree, tokens, from_lookup=filled)
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
-        if out.stream_states is not None:
-            self.streams, self.states = out.stream_top(path[-1], self.width), out.stream_states(path[-1])
+        if STREAM_STATES in out.extras:
+            self.streams, self.states = out.stream_top(path[-1], self.width), out.extras[STREAM_STATES](path[-1])
         self._extend_lookup(draft, path, correction)

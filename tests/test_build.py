@@ -140,13 +140,13 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "medusa", "sd", "specdec++", "ss-adaptive")
+    assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive")
     assert loaded.method_tree("sd") == TreeSpec.chain(3)
     assert loaded.method_tree("specdec++") == TreeSpec.chain(4)
     assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     rules = StopRules(12, loaded.stop_token_ids)
     with pytest.raises(ValueError, match="has no calibration for torch: run python -m streamfuse.tools.calibrate"):
-        dataclasses.replace(loaded, calibration=None, choices={}).tree_choice()
+        dataclasses.replace(loaded, calibration=None, resources={}).tree_choice()
     for method in ("sd", "medusa", "specdec++", "ss-adaptive"):
         settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
@@ -172,8 +172,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
             assert result.token_ids == plain.token_ids
     # sd's draft model was exported too (its own artifact in drafters/sd, parity checked); specdec++ drives
     # it there as well, its head on the final states the draft's graphs return.
-    assert set(exported_target.draft_engines) == {"onnxruntime"}
-    assert exported_target.draft_engines["onnxruntime"].name.startswith("onnxruntime")
+    assert {key for key in exported_target.resources if key.startswith("sd:")} == {"sd:onnxruntime"}
+    assert exported_target.resources["sd:onnxruntime"].name.startswith("onnxruntime")
     draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnx"]
     assert draft_parity["ss_equals_own_plain"] == draft_parity["plain_prompts"] > 0
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.

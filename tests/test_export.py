@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from conftest import write_checkpoint
@@ -19,7 +20,7 @@ from streamfuse.adapters.medusa import MedusaHeads, save_heads
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
-from streamfuse.runtime.backends.base import CapacityError
+from streamfuse.runtime.backends.base import HIDDEN, CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.backends.static_graph import method_names
 from streamfuse.runtime.decode import generate
@@ -248,7 +249,7 @@ def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, bac
         decode = engine.step([7], None, with_streams=False)
         engine.commit([0])
         step = engine.step([3] * sub_chain.num_nodes, sub_chain, with_streams=False)
-        outputs.append([prefill.hidden, decode.hidden, step.hidden])
+        outputs.append([prefill.extras[HIDDEN], decode.extras[HIDDEN], step.extras[HIDDEN]])
     assert exported.spec.bucket(sub_chain) == 4 > sub_chain.num_nodes  # it rides, padded, in the 4-row bucket
     for got, want, rows in zip(*outputs, (1, 1, sub_chain.num_nodes)):
         assert got.shape == want.shape == (rows, eager.model.parts.hidden_size)
@@ -283,8 +284,8 @@ def test_every_tree_row_is_plain_decoding_of_its_path_bit_for_bit(artifact, back
             for ancestor in path_of(tree, node):
                 plain = engine.step([tokens[ancestor]], None, with_streams=False)
                 engine.commit([0])
-            assert torch.equal(plain.main_logits[0], step.main_logits[node]), (tree.paths, node)
-            assert torch.equal(plain.hidden[0], step.hidden[node]), (tree.paths, node)
+            assert np.array_equal(plain.main_logits[0], step.main_logits[node]), (tree.paths, node)
+            assert np.array_equal(plain.extras[HIDDEN][0], step.extras[HIDDEN][node]), (tree.paths, node)
 
 
 @needs("executorch", "onnx")

@@ -3,6 +3,7 @@ for both stream schedules, with and without a draft vocabulary; trees as data in
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -14,10 +15,12 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
+from streamfuse.runtime.backends.base import STREAM_STATES
 from streamfuse.runtime.backends.static_graph import (StaticGraphBackend, base_method, method_names, span_rows,
                                                       tree_inputs)
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.sampling import ranked
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
@@ -52,12 +55,12 @@ def draft_the_targets(session, backend, tree: TreeSpec, root: int, rng: random.R
     return tokens
 
 
-def reference_drafts(step, node: int, width: int, draft_ids) -> torch.Tensor:
+def reference_drafts(step, node: int, width: int, draft_ids) -> np.ndarray:
     """The separate streams call's logits, ranked over the draft vocabulary (or all tokens)."""
     if draft_ids is None:
         return step.stream_top(node, width)
-    ids = torch.tensor(draft_ids)
-    return ids[step.stream_logits(node)[:, ids].topk(width, dim=-1).indices]
+    ids = np.array(draft_ids)
+    return ids[ranked(step.stream_logits(node)[:, ids], width)]
 
 
 @torch.no_grad()
@@ -73,8 +76,8 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
     root = 17
     for _ in range(6):
         tokens = draft_the_targets(session, backend, tree, root, rng)
-        inputs = [torch.tensor([tokens]), torch.tensor([backend.length]), *tree_inputs(tree, tree.num_nodes),
-                  backend.keys.clone(), backend.values.clone()]
+        inputs = [np.array([tokens]), np.array([backend.length]), *tree_inputs(tree, tree.num_nodes),
+                  backend.keys.copy(), backend.values.copy()]
         targets, accepted, drafts, new_keys, new_values, states = session.run(f"greedy_step_{tree.num_nodes}", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
@@ -83,8 +86,8 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
         assert accepted.tolist() == [result.path[-1]]
         backend.commit(result.path)
         assert drafts.shape[1] == max(9, tree.num_nodes - 1)  # the widest level the artifact's trees may have
-        assert torch.equal(drafts, reference_drafts(reference, result.path[-1], drafts.shape[1], draft_ids))
-        torch.testing.assert_close(states, reference.stream_states(result.path[-1]), atol=1e-5, rtol=0)
+        assert np.array_equal(drafts, reference_drafts(reference, result.path[-1], drafts.shape[1], draft_ids))
+        torch.testing.assert_close(states, reference.extras[STREAM_STATES](result.path[-1]), atol=1e-5, rtol=0)
         depths.append(len(result.path) - 1)
         root = result.correction
     assert max(depths) == tree.depth and min(depths) < tree.depth  # deep and shallow acceptance both seen
@@ -109,7 +112,7 @@ def test_in_graph_acceptance_is_the_host_greedy_rule(case):
     """Over a 4-token vocabulary, so that partial and full matches are common; pad rows, whatever their
     tokens and targets, are never accepted."""
     tree, rows, tokens, targets = case
-    node = accepted_node(torch.tensor(tokens), torch.tensor(targets), *tree_inputs(tree, rows))
+    node = accepted_node(torch.tensor(tokens), torch.tensor(targets), *map(torch.from_numpy, tree_inputs(tree, rows)))
     assert node.tolist() == [accept(tree, tokens[: tree.num_nodes], lambda n: targets[n]).path[-1]]
 
 
@@ -255,7 +258,7 @@ def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly(greedy
         own.commit(path)
         padded.commit(path)
         width = max(tree.widths)
-        assert torch.equal(first.stream_top(path[-1], width), second.stream_top(path[-1], width))
+        assert np.array_equal(first.stream_top(path[-1], width), second.stream_top(path[-1], width))
     torch.testing.assert_close(own.keys[:, :, : own.length], padded.keys[:, :, : padded.length])
     rules = StopRules(max_new_tokens=20)
     for prompt in ([3, 1, 4], [9, 9, 2, 6]):

@@ -10,6 +10,7 @@ from streamfuse.adapters.medusa import MedusaHeads, load_heads, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.training.data import Encoded
 from streamfuse.export.training.medusa import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
+from streamfuse.runtime.backends.base import HEAD_LOGITS
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
@@ -84,15 +85,16 @@ def test_the_graphs_heads_method_ranks_as_the_torch_heads_at_each_committed_node
     graphs = on_graphs(torch_backend, (TreeSpec.full(2, 2),))
     outputs = [backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
                for backend in (torch_backend.reset(96) or torch_backend, graphs.reset(96) or graphs)]
-    torch.testing.assert_close(outputs[0].head_logits(0), outputs[1].head_logits(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outputs[0].extras[HEAD_LOGITS](0), outputs[1].extras[HEAD_LOGITS](0), atol=1e-4,
+                               rtol=1e-4)
     tree = TreeSpec.chain(2)  # runs padded in full(2, 2)'s bucket
     for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
         outputs = [backend.step(tokens, tree, with_streams=False) for backend in (torch_backend, graphs)]
         with pytest.raises(RuntimeError, match="before its commit"):
-            outputs[1].head_logits(path[-1])
+            outputs[1].extras[HEAD_LOGITS](path[-1])
         torch_backend.commit(path)
         graphs.commit(path)
-        torch.testing.assert_close(outputs[0].head_logits(path[-1]), outputs[1].head_logits(path[-1]),
+        torch.testing.assert_close(outputs[0].extras[HEAD_LOGITS](path[-1]), outputs[1].extras[HEAD_LOGITS](path[-1]),
                                    atol=1e-4, rtol=1e-4)
 
 

@@ -31,11 +31,11 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from streamfuse.runtime import cli  # noqa: E402
+from streamfuse.runtime import cli, methods  # noqa: E402
 from streamfuse.runtime.emitter import StopRules  # noqa: E402
 from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids  # noqa: E402
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.settings import METHODS, DecodeSettings  # noqa: E402
+from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
 from streamfuse.tools import bench_report  # noqa: E402
 from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
 from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: "
                         "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
                         "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
-    parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(METHODS)}, 'ar' among "
-                        "them (AR is every speed-up's baseline); sd, medusa, specdec++ and ss-adaptive need an artifact with their "
-                        "drafters (export/build.py --set sd.enabled=true ...). Variants in the same run: sd:G (a chain "
-                        "of G drafts), specdec++:H (stop threshold H), e.g. ar,sd:2,sd:4,specdec++:0.5")
+    parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(methods.names())}, "
+                        "'ar' among them (AR is every speed-up's baseline); sd, medusa, specdec++ and ss-adaptive need an "
+                        "artifact with their drafters (export/build.py --set sd.enabled=true ...). Variants in the same "
+                        "run: sd:G (a chain of G drafts), specdec++:H (stop threshold H), e.g. ar,sd:2,sd:4,specdec++:0.5")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
     parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad := [p for p in args.peers if p not in PEERS]:
         parser.error(f"--peers: unknown {bad}; choose from {', '.join(PEERS)}")
     if "ar" not in args.methods or any(not method_label_ok(m) for m in args.methods):
-        parser.error(f"--methods {','.join(args.methods)}: choose among {', '.join(METHODS)}, 'ar' included (AR is the "
+        parser.error(f"--methods {','.join(args.methods)}: choose among {', '.join(methods.names())}, 'ar' included (AR is the "
                      f"baseline of every speed-up); variants are sd:G with an integer G >= 1 and specdec++:H with "
                      f"0 <= H <= 1")
     if args.input_file is None and args.split is None:
@@ -124,12 +124,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def method_label_ok(label: str) -> bool:
     """METHOD, sd:G or specdec++:H (see --methods)."""
     method, colon, value = label.partition(":")
-    if not colon:
-        return method in METHODS
+    if method not in methods.names():
+        return False
+    variant = methods.get(method).variant
+    if not colon or variant is None:
+        return not colon
     try:
-        return (method == "sd" and int(value) >= 1) or (method == "specdec++" and 0.0 <= float(value) <= 1.0)
+        variant(value)
     except ValueError:
         return False
+    return True
 
 
 def machine() -> dict:

@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from streamfuse.runtime import methods
 from streamfuse.runtime.artifact import MANIFEST
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
@@ -18,7 +19,6 @@ from streamfuse.runtime.generate import choose_tree, prompt_ids, run
 from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.bench_matrix import Engine, current_rss
 from streamfuse.tools.peers import PEERS, PeerContext, build_peers
@@ -76,18 +76,15 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
 def method_settings(label: str, loaded: Loaded, ss: DecodeSettings) -> DecodeSettings:
     """A --methods entry: METHOD, or METHOD:VALUE for a variant in the same interleaved run, sd:G (its
     chain of G drafts) or specdec++:H (its stop threshold). ar carries SS's tree along, unused."""
-    method, _, value = label.partition(":")
-    if method in ("ar", "ss"):
-        return replace(ss, method=method, prune=ss.prune if method == "ss" else None,
-                       fallback=ss.fallback if method == "ss" else None)
-    tree, threshold = choose_tree(None, loaded, method), None
-    if method == "sd" and value:
-        tree = TreeSpec.chain(int(value))
-    if method == "specdec++" and value:
-        threshold = float(value)
-    fallback = loaded.fallback(tree) if method == "ss-adaptive" and ss.fallback is not None else None
-    settings = DecodeSettings(method, ss.rules, tree=tree, threshold=threshold, fallback=fallback)
-    loaded.check_method_tree(method, tree)
+    name, _, value = label.partition(":")
+    if name in ("ar", "ss"):
+        return replace(ss, method=name, prune=ss.prune if name == "ss" else None,
+                       fallback=ss.fallback if name == "ss" else None)
+    method = methods.get(name)
+    fields = {"tree": choose_tree(None, loaded, name), **(method.variant(value) if value else {})}
+    fallback = loaded.fallback(fields["tree"]) if method.streams and ss.fallback is not None else None
+    settings = DecodeSettings(name, ss.rules, fallback=fallback, **fields)
+    loaded.check_method_tree(name, settings.tree)
     return settings
 
 

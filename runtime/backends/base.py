@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -61,6 +61,13 @@ def prune_config(threshold: float | None, budget: int | None) -> PruneConfig | N
     return None if threshold is None and budget is None else PruneConfig(threshold, budget)
 
 
+# StepOutput.extras: what a backend offers beyond the target's tokens and streams, read by the methods
+# that need it (a backend leaves out what it cannot give).
+HIDDEN = "hidden"  # [T, H] final-normed states (a draft model's, for specdec++'s acceptance head)
+STREAM_STATES = "stream_states"  # node -> [gamma, H] its streams' final-normed states (ss-adaptive's head)
+HEAD_LOGITS = "head_logits"  # node -> [heads, V] Medusa heads' logits there (the medusa method)
+
+
 @dataclass
 class StepOutput:
     """What one call gives the decode loop: target logits and streams, or (an engine's fused greedy
@@ -72,19 +79,13 @@ class StepOutput:
     kept: Sequence[bool] | None = None  # per node: survived pruning (None: no pruning)
     greedy_tokens: Sequence[int] | None = None  # [T] argmax after each node, chosen by the engine
     ranked_drafts: Callable[[int], np.ndarray] | None = None  # node -> [gamma, K] stream token ids, best first
-    head_logits: Callable[[int], np.ndarray] | None = None  # node -> [heads, V] Medusa heads' logits there
-    hidden: np.ndarray | None = None  # [T, H] final-normed states: a drafter's own heads read them
-    stream_states: Callable[[int], np.ndarray] | None = None  # node -> [gamma, H] its streams' final-normed states
+    extras: dict[str, object] = field(default_factory=dict)  # what some methods' drafters read, by the keys below
 
     def next_token(self, node: int, choose: Callable[[np.ndarray], int]) -> int:
         """The target's token after `node`: the engine's greedy choice, or `choose` on its logits."""
         if self.greedy_tokens is not None:
             return int(self.greedy_tokens[node])
         return choose(self.main_logits[node])
-
-    def head_top(self, node: int, width: int) -> np.ndarray:
-        """[heads, width] token ids ranked by each Medusa head at `node`."""
-        return ranked(self.head_logits(node), width)
 
     def stream_top(self, node: int, width: int) -> np.ndarray:
         """[gamma, width] token ids ranked by each stream at `node` (call after the commit)."""

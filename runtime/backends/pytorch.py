@@ -13,7 +13,8 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES, PruneConfig, StepOutput, process_peak_rss_bytes
+from streamfuse.runtime.backends.base import (HEAD_LOGITS, HIDDEN, STREAM_SCHEDULES, STREAM_STATES, PruneConfig,
+                                              StepOutput, process_peak_rss_bytes)
 from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
 from streamfuse.runtime.kv_cache import KVCache
 from streamfuse.runtime.tree import TreeSpec
@@ -50,7 +51,7 @@ class TorchBackend:
 
     def attach_heads(self, heads: MedusaHeads) -> None:
         """Medusa heads on the target's last hidden state: every step's output then ranks their drafts
-        too (StepOutput.head_logits), computed only for the node a drafter asks for."""
+        too (StepOutput.extras[HEAD_LOGITS]), computed only for the node a drafter asks for."""
         self.heads = heads.to(self.device, self.dtype).eval().requires_grad_(False)
 
     @classmethod
@@ -93,8 +94,7 @@ class TorchBackend:
         self.cache.commit(range(count))
         states = self._stream_states(out, lower.hidden[:, -1:], [0]) if with_streams else None
         return StepOutput(host(self.model.logits(out.hidden[0, -1:])), self._stream_logits(states),
-                          stream_states=on_host(states), head_logits=self._head_source(out.hidden[0, -1:]),
-                          hidden=host(out.hidden[0, -1:]))
+                          extras=self._extras(out.hidden[0, -1:], states))
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -112,8 +112,7 @@ class TorchBackend:
         out = self.model.forward_upper(lower, torch.tensor([nodes], device=self.device) if fused else None)
         states = self._stream_states(out, lower.hidden, nodes) if with_streams else None
         return StepOutput(host(self.model.logits(out.hidden[0])), self._stream_logits(states), kept,
-                          head_logits=self._head_source(out.hidden[0]), hidden=host(out.hidden[0]),
-                          stream_states=on_host(states))
+                          extras=self._extras(out.hidden[0], states))
 
     def commit(self, nodes: Sequence[int]) -> None:
         self.cache.commit(list(nodes))
@@ -140,12 +139,15 @@ class TorchBackend:
         """node -> [gamma, V] stream logits (only gamma rows ever pay the LM head); None without streams."""
         return None if states is None else lambda node: host(self._head(states(node)))
 
-    def _head_source(self, hidden: torch.Tensor):
-        """node -> [heads, V] logits of the Medusa heads on the node's final-normed state [T, H] (None:
-        no heads attached)."""
-        if self.heads is None:
-            return None
-        return lambda node: host(self._head(self.heads(hidden[node])))
+    def _extras(self, hidden: torch.Tensor, states) -> dict:
+        """StepOutput.extras from the final-normed states [T, H] and the stream states' source; the Medusa
+        heads' logits on a node's state where heads are attached."""
+        extras = {HIDDEN: host(hidden)}
+        if states is not None:
+            extras[STREAM_STATES] = on_host(states)
+        if self.heads is not None:
+            extras[HEAD_LOGITS] = lambda node: host(self._head(self.heads(hidden[node])))
+        return extras
 
     @torch.inference_mode()
     def _deferred_streams(self, anchor_hidden: torch.Tensor) -> torch.Tensor:

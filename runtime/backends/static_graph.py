@@ -16,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from streamfuse.runtime.backends.base import CapacityError, PruneConfig, StepOutput, process_peak_rss_bytes
+from streamfuse.runtime.backends.base import (HEAD_LOGITS, HIDDEN, STREAM_STATES, CapacityError, PruneConfig, StepOutput,
+                                              process_peak_rss_bytes)
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -214,8 +215,8 @@ class StaticGraphBackend:
                 "prefill", [ids, self._length(), self.keys, self.values, np.array([len(piece) - 1], dtype=np.int64)])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
-        return StepOutput(_float(logits), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchor, self.length - 1, [0]), hidden=_float(hidden))
+        return StepOutput(_float(logits), stream_logits,
+                          extras=self._extras(hidden, stream_states, self._head_source(anchor, self.length - 1, [0])))
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
@@ -241,8 +242,8 @@ class StaticGraphBackend:
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
-        return StepOutput(_float(logits), stream_logits, stream_states=stream_states,
-                          head_logits=self._head_source(anchors, self.length, depths), hidden=_float(hidden))
+        return StepOutput(_float(logits), stream_logits,
+                          extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)))
 
     def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tree_inputs, built once per tree shape (the lookup branch fills nodes, it does not change them)."""
@@ -297,7 +298,13 @@ class StaticGraphBackend:
             return read
 
         return StepOutput(None, None, greedy_tokens=targets[:count].tolist(), ranked_drafts=at_accepted(drafts),
-                          stream_states=at_accepted(_float(states)))
+                          extras={STREAM_STATES: at_accepted(_float(states))})
+
+    @staticmethod
+    def _extras(hidden: np.ndarray, stream_states, head_logits) -> dict:
+        """StepOutput.extras: the final-normed states, and the stream states and Medusa heads where there are."""
+        sources = {HIDDEN: _float(hidden), STREAM_STATES: stream_states, HEAD_LOGITS: head_logits}
+        return {key: value for key, value in sources.items() if value is not None}
 
     def _head_source(self, anchors: np.ndarray, start: int, depths: Sequence[int]):
         """node -> [heads, V] Medusa heads' logits there (None: the graphs have no heads). Once a node is

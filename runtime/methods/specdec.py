@@ -1,0 +1,40 @@
+"""SpecDec++: sd's draft model with an acceptance head that stops each chain once a rejection gets likely."""
+
+from dataclasses import replace
+
+from streamfuse.runtime.acceptance_head import load_acceptance_predictor
+from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.methods.sd import draft_engine
+from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
+from streamfuse.runtime.tree import TreeSpec
+
+
+def drafter(loaded, settings) -> ModelDrafter:
+    entry = loaded.artifact.drafters["specdec++"]
+    rule = loaded.cached("specdec++", lambda: StopRule(
+        load_acceptance_predictor(loaded.artifact.drafter_path("specdec++")), entry["threshold"]))
+    if settings.threshold is not None:
+        rule = replace(rule, threshold=settings.threshold)
+    return ModelDrafter(draft_engine(loaded), settings, rule)
+
+
+def chains(tree: TreeSpec) -> list[TreeSpec]:
+    """It verifies chains of 2 drafts up to its longest."""
+    return [TreeSpec.chain(n) for n in range(2, tree.depth + 1)]
+
+
+def with_threshold(value: str) -> dict:
+    """specdec++:H, stop threshold 0 <= H <= 1."""
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = -1.0
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"specdec++:H takes a stop threshold 0 <= H <= 1, got {value!r}")
+    return {"threshold": threshold}
+
+
+METHOD = Method("specdec++", "SpecDec++: sd's draft model, each chain's length chosen by an acceptance head",
+                drafter=drafter, default_tree=lambda loaded: TreeSpec.from_dict(loaded.artifact.drafters["specdec++"]["tree"]),
+                build_flags="--set sd.enabled=true --set specdec.enabled=true", artifact_entries=("sd", "specdec++"),
+                chain=True, threshold=True, shapes=chains, variant=with_threshold)

@@ -1,0 +1,17 @@
+"""ss-adaptive: SS's streams, each step in the calibrated tree an acceptance head on the streams' states
+expects the most tokens per unit of step cost from (runtime/tree_choice.py)."""
+
+from streamfuse.runtime.acceptance_head import load_acceptance_predictor
+from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter
+
+
+def drafter(loaded, settings) -> AdaptiveStreamDrafter:
+    head = loaded.cached("ss-adaptive", lambda: load_acceptance_predictor(
+        loaded.artifact.drafter_path("ss-adaptive"), "adaptive"))
+    return AdaptiveStreamDrafter(loaded.tree_choice(settings.tree.num_nodes), head, loaded.backend.num_streams)
+
+
+METHOD = Method("ss-adaptive", "SS-adaptive: SS with each step's tree chosen by an acceptance head on the streams",
+                drafter=drafter, default_tree=lambda loaded: loaded.tree_choice().largest,
+                build_flags="--set adaptive.enabled=true", artifact_entries=("ss-adaptive",), streams=True)

@@ -1,0 +1,89 @@
+"""runtime/methods: one registry of decoding methods; a new one is a file and a registry line."""
+
+import json
+
+import pytest
+import toy_method
+
+from streamfuse.runtime import generate, methods
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.tree import TreeSpec
+from streamfuse.tools import bench, profiler
+
+# method -> (speculative, drafts from the streams, drafts a chain, takes a threshold, artifact entries)
+BUILT_IN = {
+    "ar": (False, False, False, False, ()),
+    "ss": (True, True, False, False, ()),
+    "sd": (True, False, True, False, ("sd",)),
+    "medusa": (True, False, False, False, ("medusa",)),
+    "specdec++": (True, False, True, True, ("sd", "specdec++")),
+    "ss-adaptive": (True, True, False, False, ("ss-adaptive",)),
+}
+
+
+def test_the_registry_declares_the_six_methods():
+    assert methods.names() == tuple(BUILT_IN)
+    for name, row in BUILT_IN.items():
+        method = methods.get(name)
+        assert (method.speculative, method.streams, method.chain, method.threshold, method.artifact_entries) == row
+        assert (method.build_flags is None) == (not method.artifact_entries), name
+
+
+# bench --methods variants: label value -> the settings fields, or the error
+VARIANTS = [
+    ("sd", "3", {"tree": TreeSpec.chain(3)}),
+    ("sd", "0", "G >= 1"),
+    ("sd", "x", "G >= 1"),
+    ("specdec++", "0.25", {"threshold": 0.25}),
+    ("specdec++", "1.5", "0 <= H <= 1"),
+]
+
+
+@pytest.mark.parametrize("name, value, expected", VARIANTS)
+def test_variants_parse_their_value(name, value, expected):
+    if isinstance(expected, dict):
+        assert methods.get(name).variant(value) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            methods.get(name).variant(value)
+
+
+def test_an_unknown_method_and_a_misplaced_threshold_are_clear_errors():
+    with pytest.raises(ValueError, match="method must be one of ar, ss"):
+        DecodeSettings("nope", StopRules(4))
+    with pytest.raises(ValueError, match="SpecDec\\+\\+'s, not method sd's"):
+        DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(2), threshold=0.5)
+    with pytest.raises(ValueError, match="registered already"):
+        methods.register(methods.get("ss").__class__(**{**methods.get("ss").__dict__, "label": "another"}))
+
+
+@pytest.fixture
+def with_toy(monkeypatch):
+    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))  # the registry as it was, after the test
+    methods.register(toy_method.METHOD)  # the one registry line
+
+
+def test_a_method_added_in_one_file_runs_through_generate_bench_and_the_profiler(with_toy, checkpoint, tmp_path,
+                                                                                  capsys):
+    common = ["--artifact", str(checkpoint / "ckpt"), "--prompt", "hello world", "--max-new-tokens", "10", "--json"]
+    assert generate.main([*common, "--method", "ar"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    trace = tmp_path / "toy.json"
+    assert generate.main([*common, "--method", "toy-repeat", "--trace", str(trace)]) == 0
+    toy = json.loads(capsys.readouterr().out)
+    assert toy["token_ids"] == plain["token_ids"] and toy["method"] == "toy-repeat"
+    assert toy["model_calls"] <= plain["model_calls"]
+
+    out = tmp_path / "bench"
+    assert bench.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file",
+                       str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "1",
+                       "--max-new-tokens", "8", "--threads", "1", "--methods", "ar,toy-repeat", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert len(report["rows"]) == 2 and all(row["same_tokens"] for row in report["rows"])
+    assert all(row["toy-repeat"]["token_ids"] == row["ar"]["token_ids"] for row in report["rows"])
+    assert json.loads((out / "trace_toy-repeat.json").read_text())["runs"]
+
+    assert profiler.main([str(trace), "--out", str(tmp_path / "profile")]) == 0
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert profile["call_reduction"] == pytest.approx(toy["new_tokens"] / toy["model_calls"])
