@@ -58,3 +58,17 @@ def test_no_module_shadows_an_installed_or_standard_one(folder):
 def test_no_source_edits_sys_path():
     for path in [*ROOT.glob("*.py"), *(p for package in ALLOWED for p in (ROOT / package).rglob("*.py"))]:
         assert "sys.path[" not in path.read_text() and "sys.path.insert" not in path.read_text(), path
+
+
+def test_every_package_folder_goes_into_the_wheel():
+    """The root folder is the package, so pyproject lists each subpackage: one left out imports from a
+    checkout (the editable install finds it by path) but is missing from the wheel."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    skip = {".venv", "build", "tests", "artifacts", "bench", ".git"}
+    folders = {path.parent.relative_to(ROOT) for path in ROOT.rglob("__init__.py")
+               if not skip & set(path.relative_to(ROOT).parts)}
+    expected = {".".join(("streamfuse", *folder.parts)): folder.as_posix() for folder in folders}
+    assert set(setup["packages"]) == set(expected)
+    assert setup["package-dir"] == expected
