@@ -13,27 +13,21 @@ schedule and the default draft vocabulary size rest on; rerun it on the target d
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from streamfuse.export.graph import (GraphShapes, GreedyStepPass, MainPass, StepPass, StreamsPass,  # noqa: E402
-                                     example_inputs)
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES  # noqa: E402
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
-from streamfuse.runtime.backends.sessions import OnnxRuntimeSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import (INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times,  # noqa: E402
-                                                      tree_inputs)
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
-from streamfuse.tools.latency import architecture_parser, report_medians  # noqa: E402
-
+from streamfuse.export.graph import GraphShapes, GreedyStepPass, MainPass, StepPass, StreamsPass, example_inputs
+from streamfuse.runtime.backends.base import STREAM_SCHEDULES
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
+from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
+from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times, tree_inputs
+from streamfuse.runtime.tree import TreeSpec
+from streamfuse.tools.latency import architecture_parser, report_medians
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 

@@ -13,31 +13,27 @@ to the call's own while that is at most half of the capacity, else all of it (st
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of  # noqa: E402
-from streamfuse.export.graph_attention import with_graph_attention  # noqa: E402
-from streamfuse.export.to_executorch import export_pte  # noqa: E402
-from streamfuse.export.to_onnx import export_onnx  # noqa: E402
-from streamfuse.export.xnnpack_graph import xnnpack_model  # noqa: E402
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
-from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession  # noqa: E402
-from streamfuse.runtime.backends.static_graph import (Session, bucket_method, interleaved_call_times,  # noqa: E402
-                                                      tree_inputs)
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of
+from streamfuse.export.graph_attention import with_graph_attention
+from streamfuse.export.to_executorch import export_pte
+from streamfuse.export.to_onnx import export_onnx
+from streamfuse.export.xnnpack_graph import xnnpack_model
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
+from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
+from streamfuse.runtime.backends.static_graph import Session, bucket_method, interleaved_call_times, tree_inputs
+from streamfuse.runtime.tree import TreeSpec
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 

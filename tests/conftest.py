@@ -9,6 +9,7 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import (the demo's tests): no display in-process
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import pytest
 
-os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import: no display needed in-process
-
-from streamfuse.apps.examples import read_examples  # noqa: E402
-from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text  # noqa: E402
-from streamfuse.apps.session import GenerationRequest, LoadRequest, Session  # noqa: E402
-from streamfuse.apps.stats import RunStats, comparison, stat_fields  # noqa: E402
-from streamfuse.runtime.decode import StepEvent  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS  # noqa: E402
-from streamfuse.runtime.trace import RunRecord  # noqa: E402
+from streamfuse.apps.examples import read_examples
+from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
+from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
+from streamfuse.apps.stats import RunStats, comparison, stat_fields
+from streamfuse.runtime.decode import StepEvent
+from streamfuse.runtime.loader import BACKENDS
+from streamfuse.runtime.trace import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = "zero one two three four five six seven eight nine ten eleven".split()

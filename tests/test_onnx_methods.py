@@ -6,13 +6,13 @@ import sys
 import numpy as np
 import pytest
 
+from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
+from streamfuse.export.to_onnx import share_weights
+from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, method_output
+
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-
-from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info  # noqa: E402
-from streamfuse.export.to_onnx import share_weights  # noqa: E402
-from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, method_output  # noqa: E402
+TensorProto, helper, numpy_helper = onnx.TensorProto, onnx.helper, onnx.numpy_helper
 
 K, N, LAYERS = 576, 1536, 40  # SmolLM2's MLP shape: 21 MiB of 4-bit weights, large beside the runtime's own RSS
 

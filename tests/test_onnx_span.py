@@ -8,11 +8,12 @@ slots, masked scores and zero probabilities, change nothing before them: probed 
 import numpy as np
 import pytest
 
-ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto, helper  # noqa: E402
+from streamfuse.adapters.masks import GRAPH_MASKED
+from streamfuse.runtime.backends.static_graph import SPAN_QUANTUM
 
-from streamfuse.adapters.masks import GRAPH_MASKED  # noqa: E402
-from streamfuse.runtime.backends.static_graph import SPAN_QUANTUM  # noqa: E402
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+TensorProto, helper = onnx.TensorProto, onnx.helper
 
 
 def one_op(op: str, inputs: list[str], **attributes):

@@ -16,34 +16,31 @@ the first backend, trace_<method>_<backend>.json for the others) into --out.
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import os
+import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spin-waiting threads distort CPU timings
+import torch
+from tqdm.auto import tqdm
 
-import argparse  # noqa: E402
-import importlib.metadata  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from streamfuse.runtime import cli, methods  # noqa: E402
-from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
-from streamfuse.tools import bench_report  # noqa: E402
-from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
-from streamfuse.runtime.backends.base import process_peak_rss_bytes  # noqa: E402
-from streamfuse.runtime.backends.static_graph import StaticGraphBackend  # noqa: E402
-from streamfuse.tools.bench_matrix import Engine, Matrix, pair, run_matrix  # noqa: E402
-from streamfuse.tools.bench_setup import load_engines, load_peers  # noqa: E402
-from streamfuse.tools.bench_summary import matched_precision, table  # noqa: E402
-from streamfuse.tools.peers import PEERS  # noqa: E402
+from streamfuse.runtime import cli, methods
+from streamfuse.runtime.backends.base import process_peak_rss_bytes
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids
+from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load
+from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.tools import bench_report
+from streamfuse.tools.bench_data import read_inputs, task_file
+from streamfuse.tools.bench_matrix import Engine, Matrix, pair, run_matrix
+from streamfuse.tools.bench_setup import load_engines, load_peers
+from streamfuse.tools.bench_summary import matched_precision, table
+from streamfuse.tools.peers import PEERS
 
 VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltools", "transformers", "llama-cpp-python")
 

@@ -14,31 +14,26 @@ the runtime reads its default tree and its fallback threshold. Run it again on e
 
 from __future__ import annotations
 
-import os
+import argparse
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spin-waiting threads distort timings
+import torch
+from tqdm.auto import tqdm
 
-import argparse  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from streamfuse.runtime import cli  # noqa: E402
-from streamfuse.runtime.artifact import Artifact, ArtifactError  # noqa: E402
-from streamfuse.runtime.calibration import (MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings,  # noqa: E402
-                                            calibrate)
-from streamfuse.runtime.decode import generate  # noqa: E402
-from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import prompt_ids  # noqa: E402
-from streamfuse.runtime.loader import BACKENDS, Loaded, load  # noqa: E402
-from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
-from streamfuse.runtime.trace import RunRecord, Trace  # noqa: E402
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
-from streamfuse.tools.bench_data import read_inputs, task_file  # noqa: E402
+from streamfuse.runtime import cli
+from streamfuse.runtime.artifact import Artifact, ArtifactError
+from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings, calibrate
+from streamfuse.runtime.decode import generate
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import prompt_ids
+from streamfuse.runtime.loader import BACKENDS, Loaded, load
+from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.trace import RunRecord, Trace
+from streamfuse.runtime.tree import TreeSpec
+from streamfuse.tools.bench_data import read_inputs, task_file
 
 
 def device_name(device: str = "cpu") -> str:

@@ -11,22 +11,19 @@ by the call reduction measured with trained weights to project a speed-up on thi
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from streamfuse.runtime.backends.packed_linear import KERNELS  # noqa: E402
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend  # noqa: E402
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
+from streamfuse.runtime.backends.packed_linear import KERNELS
+from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
+from streamfuse.runtime.tree import TreeSpec
 
 
 def architecture_parser(description: str) -> argparse.ArgumentParser:

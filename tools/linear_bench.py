@@ -14,18 +14,14 @@ kernel alone, and XNNPACK (needs the `executorch` extra; --no-xnnpack skips it, 
 
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
+import sys
+import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads
+import torch
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from streamfuse.runtime.backends.packed_linear import PackedLinear, packed_matmul, packing_available  # noqa: E402
+from streamfuse.runtime.backends.packed_linear import PackedLinear, packed_matmul, packing_available
 
 
 def median_us(call, reps: int) -> float:

@@ -37,32 +37,37 @@ peer back to back, the order rotating per input; figures are medians and same-ru
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / llama.cpp load: spinning threads distort timings
+import torch
+from tqdm.auto import tqdm
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from streamfuse.runtime.emitter import StopRules  # noqa: E402
-from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests  # noqa: E402
-from streamfuse.runtime.loader import STREAM_SCHEDULES, load  # noqa: E402
-from streamfuse.runtime.settings import DecodeSettings  # noqa: E402
-from streamfuse.runtime.tree import TreeSpec  # noqa: E402
-from streamfuse.tools import peers_gguf, peers_optimum  # noqa: E402
-from streamfuse.tools.peers_runners import (  # noqa: E402
-    HFRunner, LlamaCppRunner, PeerContext, PeerResult, PeerRunner, StreamfuseRunner, cut_at_stop, hf_model, load_base_hf,
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests
+from streamfuse.runtime.loader import STREAM_SCHEDULES, load
+from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.tree import TreeSpec
+from streamfuse.tools import peers_gguf, peers_optimum
+from streamfuse.tools.peers_runners import (
+    HFRunner,
+    LlamaCppRunner,
+    PeerContext,
+    PeerResult,
+    PeerRunner,
+    StreamfuseRunner,
+    cut_at_stop,
+    hf_model,
+    load_base_hf,
 )
 
 __all__ = ["PEERS", "PeerContext", "PeerFactory", "PeerResult", "PeerRunner", "StreamfuseRunner", "available",
