@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from streamfuse import seams
+
 # Families whose decoder layers take (hidden, attention_mask, position_embeddings,
 # past_key_values) and whose attention calls past_key_values.update(k, v, layer_idx).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -55,7 +57,7 @@ def register_attention(name: str, function) -> None:
 def set_attention(model: nn.Module, name: str) -> None:
     """Route every attention module of `model` to the registered implementation `name`; the
     modules read it from the config they share."""
-    unwrap_peft(model).config._attn_implementation = name
+    seams.set_attention_implementation(unwrap_peft(model).config, name)
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -1,6 +1,6 @@
 """Live figures of one generation: tokens/s, model calls, call reduction, mean accepted length.
 
-Definitions match the README and tools/profiler.py: CR = new tokens / model calls with the
+Definitions match the README and runtime/trace_profile.py: CR = new tokens / model calls with the
 prefill counted as a call (plain decoding: CR = 1); mean accepted length = accepted draft
 tokens per verify step (the profiler's mean_accepted_depth; the correction token not counted).
 """

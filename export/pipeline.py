@@ -41,9 +41,9 @@ from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
+from streamfuse.runtime.measure import calibrate_sources
 from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.tools.calibrate import calibrate_sources
 
 
 def head_info(directory: Path, manifest: str, read) -> dict:

@@ -1,5 +1,5 @@
 """The build's last stage: decode test inputs with the artifact, SS and plain interleaved, and
-profile where the speed-up comes from (tools/bench.py's loop, tools/profiler.py's report).
+profile where the speed-up comes from (runtime/measure.py's interleaved loop, runtime/trace_profile.py's report).
 The build runs it in a fresh process, so the peak memory it reports is the runtime's alone."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import Request
 from streamfuse.runtime.loader import load
+from streamfuse.runtime.measure import interleaved, summarise
+from streamfuse.runtime.trace_profile import profile_files, write_report
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
-from streamfuse.tools import bench, profiler
 
 
 def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,
@@ -31,13 +32,13 @@ def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]
     meta = dict(backend=loaded.backend.name, device="cpu", num_streams=loaded.backend.num_streams, threads=threads)
     traces = {"ss": Trace(method="ss", tree=loaded.tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}
     load_start = os.getloadavg()[0]
-    rows = bench.interleaved(loaded, [Request(i, text) for i, text in sources], ss, ar, traces, warmup=1)
+    rows = interleaved(loaded, [Request(i, text) for i, text in sources], ss, ar, traces, warmup=1)
     out.mkdir(parents=True, exist_ok=True)
     for name, trace in traces.items():
         trace.save(out / f"trace_{name}.json")
-    metrics = profiler.profile_files(out / "trace_ss.json", out / "trace_ar.json")
-    profiler.write_report(metrics, out / "profile")
-    summary = bench.summarise(rows)
+    metrics = profile_files(out / "trace_ss.json", out / "trace_ar.json")
+    write_report(metrics, out / "profile")
+    summary = summarise(rows)
     summary.update(backend=loaded.backend.name, threads=threads, load_average=[load_start, os.getloadavg()[0]],
                    mismatched_inputs=[r["id"] for r in rows if not r["same_tokens"]])
     return {"bench": summary, "profile": {k: v for k, v in metrics.items() if k not in ("runs", "meta")}}

@@ -16,20 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from streamfuse import seams
+
 DEFAULT_FUNCTION = "decode"  # every artifact has it
-
-
-def _register_alias() -> None:
-    """transformers' cache update leaves aten.alias nodes; they are identities."""
-    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
-    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op
-
-    if "alias" in _TORCH_OPS_REGISTRY.name_to_func_mapping:
-        return
-
-    @register_torch_op
-    def alias(context, node):
-        context.add(_get_inputs(context, node, expected=1)[0], node.name)
 
 
 SCRATCH_PREFIX = "coreml-"  # one package per method, beside the target, merged into it at the end
@@ -39,7 +28,7 @@ def export_mlpackage(modules: dict[str, nn.Module], inputs: dict[str, tuple], in
                      output_names: dict[str, list[str]], path: Path, precision: str = "float16") -> None:
     import coremltools as ct
 
-    _register_alias()
+    seams.register_coreml_alias()
     compute = {"float16": ct.precision.FLOAT16, "float32": ct.precision.FLOAT32}[precision]
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=Path(path).parent) as scratch:
         descriptor = ct.utils.MultiFunctionDescriptor()

@@ -14,13 +14,12 @@ q4-native puts the base GGUF's own codes in the same kernels (export/xnnpack_low
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from streamfuse import seams
 
 QUANTIZATIONS = ("none", "int8", "8da4w")
 GROUP = 32  # 8da4w: int4 weights share a scale per 32 input channels
@@ -75,91 +74,17 @@ def partitioner(delegate: str):
 def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path, delegate: str = "xnnpack") -> None:
     """Lower all methods into one .pte at `path` (the caller writes into a staging folder).
     Programs are exported afresh per call: the Core ML partitioner mutates what it is given."""
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir import to_edge_transform_and_lower
 
     programs = {name: torch.export.export(module, inputs[name], strict=False) for name, module in modules.items()}
     if delegate == "xnnpack":
         from streamfuse.export.xnnpack_graph import views_for_xnnpack
 
         programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
-    # No edge IR check after every pass (~10 % of lowering): the build runs each program against the eager
-    # model before it ships (export/verify.py), which also catches what the check would.
-    config = EdgeCompileConfig(_check_ir_validity=False)
-    with shared_weights(), shallow_provenance():
+    config = seams.edge_config_without_ir_check()  # the build checks each program against eager itself
+    with seams.lowering_shares_weights(), seams.shallow_provenance():
         lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate)], compile_config=config)
         Path(path).write_bytes(lowered.to_executorch(host_inputs()).buffer)
-
-
-@contextmanager
-def shallow_provenance() -> Iterator[None]:
-    """While lowering, a node's provenance record shares its history instead of deep-copying it.
-    torch.fx (torch/fx/traceback.py NodeSource) deep-copies each node's whole "from_node" history on every
-    pass, and the history grows by one level per pass: with edge decompositions and XNNPACK's 17 passes per
-    partition, that copying was ~12 % of lowering a method (a 12-layer test model: 21.4 s against 24.3 s).
-    The records are only read for debugging and never mutated, so sharing them changes no output."""
-    from torch.fx import traceback
-
-    original = traceback.NodeSource.__init__
-
-    def init(self, node, pass_name: str = "", action=None):
-        history = node.meta.pop("from_node", None) if node is not None else None
-        original(self, node, pass_name, action)  # copies an empty history
-        if history is not None:
-            node.meta["from_node"] = history
-            self.from_node = list(history)
-
-    traceback.NodeSource.__init__ = init
-    try:
-        yield
-    finally:
-        traceback.NodeSource.__init__ = original
-
-
-@contextmanager
-def shared_weights() -> Iterator[None]:
-    """While lowering, the methods share one copy of the weights. ExecuTorch's lowering deep-copies
-    every method's partitioned program, weights included, before any backend preprocesses them, and
-    XNNPACK then gives each method its own NamedDataStore holding a bytes copy of every weight it
-    reads, kept until to_executorch merges the stores by key. A .pte of 16 methods held 16 + 16 copies
-    of SmolLM2-135M's 540 MB of fp32 weights (that export was killed at 18 GB on a 23 GB machine).
-    Here the copies keep the original tensors (preprocessing rewrites graphs, not weights) and equal
-    blobs under one key become one bytes object; the program's bytes do not change."""
-    from executorch.exir._serialize._named_data_store import NamedDataStore
-    from executorch.exir.backend import backend_api
-
-    original = NamedDataStore.add_named_data
-    seen: dict[str, bytes] = {}
-
-    def add_named_data(self, key, data, *args, **kwargs):
-        if isinstance(data, bytes):
-            known = seen.setdefault(key, data)
-            if known is not data and known == data:
-                data = known
-        return original(self, key, data, *args, **kwargs)
-
-    NamedDataStore.add_named_data, backend_api.copy = add_named_data, _CopyKeepingWeights()
-    try:
-        yield
-    finally:
-        NamedDataStore.add_named_data, backend_api.copy = original, copy
-
-
-class _CopyKeepingWeights:
-    """The `copy` module for ExecuTorch's backend_api while lowering: deepcopy of an ExportedProgram
-    keeps its weight and constant tensors (the same objects), and copies the rest."""
-
-    def __getattr__(self, name: str):
-        return getattr(copy, name)
-
-    @staticmethod
-    def deepcopy(value, memo: dict | None = None):
-        from torch.export import ExportedProgram
-
-        memo = {} if memo is None else memo
-        if isinstance(value, ExportedProgram):
-            for tensor in [*value.state_dict.values(), *value.constants.values()]:
-                memo[id(tensor)] = tensor
-        return copy.deepcopy(value, memo)
 
 
 def host_inputs():

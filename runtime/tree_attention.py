@@ -20,10 +20,11 @@ import importlib.util
 import platform
 import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import numpy as np
+
+from streamfuse import seams
 
 SOURCES = Path(__file__).resolve().parent / "kernels"
 BUILD = Path(__file__).resolve().parents[1] / "build" / "kernels"
@@ -100,7 +101,7 @@ def executorch_library_path() -> Path:
         raise KernelUnavailable("the ExecuTorch tree attention kernel needs executorch: "
                                 "pip install 'streamfuse[executorch]'")
     root = Path(list(spec.submodule_search_locations)[0]).resolve()
-    runtime = root / "extension" / "pybindings" / f"_portable_lib{sysconfig.get_config_var('EXT_SUFFIX')}"
+    runtime = seams.executorch_runtime_library(root)
     if not (root / "include").is_dir() or not runtime.is_file():
         raise KernelUnavailable(f"the executorch wheel at {root} lacks its headers or runtime library; "
                                 f"reinstall it: pip install --force-reinstall 'streamfuse[executorch]'")

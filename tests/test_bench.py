@@ -165,6 +165,7 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.generate import DEFAULT_TREE, Request
     from streamfuse.runtime.loader import load
+    from streamfuse.runtime.measure import interleaved, summarise
     from streamfuse.runtime.trace import Trace
     from streamfuse.runtime.tree import TreeSpec
 
@@ -172,10 +173,10 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     ss = DecodeSettings("ss", StopRules(6, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))
     traces = {"ss": Trace(method="ss"), "ar": Trace(method="ar")}
     requests = [Request(str(i), "a b c") for i in range(3)]
-    rows = bench.interleaved(loaded, requests, ss, replace(ss, method="ar"), traces, warmup=1)
+    rows = interleaved(loaded, requests, ss, replace(ss, method="ar"), traces, warmup=1)
     assert [r["id"] for r in rows] == ["1", "2"] and all(r["same_tokens"] for r in rows)
     assert len(traces["ss"].runs) == len(traces["ar"].runs) == 2
-    summary = bench.summarise(rows)
+    summary = summarise(rows)
     assert summary["inputs"] == 2 and summary["parity_mismatches"] == 0 and summary["ar_ttft_s_median"] > 0
 
 

@@ -694,7 +694,7 @@ def with_acceptance(artifact, tmp_path):
 def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
     from test_calibration import MODEL
 
-    from streamfuse.tools.calibrate import calibrate_backend
+    from streamfuse.runtime.measure import calibrate_backend
 
     loaded = load(artifact, "onnxruntime", threads=1)
     loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)

@@ -128,7 +128,7 @@ def test_sampling_through_switches_matches_plain_sampling_token_for_token():
 
 
 def test_switches_reach_the_profile(tmp_path):
-    from streamfuse.tools.profiler import profile_files
+    from streamfuse.runtime.trace_profile import profile_files
 
     backend = backend_for(3)
     rules = StopRules(max_new_tokens=80)

@@ -126,9 +126,10 @@ def test_packed_for_inference_generates_what_eager_does():
 
 
 def test_a_torch_without_the_private_onednn_ops_runs_eager(monkeypatch):
+    from streamfuse import seams
     from streamfuse.runtime.backends import packed_linear
 
-    monkeypatch.setattr(packed_linear, "PRIVATE_OPS", ("_reorder_linear_weight", "_no_such_op"))
+    monkeypatch.setattr(seams, "MKLDNN_OPS", ("_reorder_linear_weight", "_no_such_op"))
     assert not packed_linear.packing_available("cpu", torch.float32)
     assert packed_linear.resolve_kernels("auto", "cpu", torch.float32) == "eager"
     with pytest.raises(ValueError, match="packed kernels need fp32 on a CPU with oneDNN"):

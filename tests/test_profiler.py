@@ -1,4 +1,5 @@
-"""tools/profiler.py on hand-made traces whose metrics are worked out by hand below (no model)."""
+"""runtime/trace_profile.py and its CLI, tools/profiler.py, on hand-made traces whose metrics are worked out by hand
+below (no model)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
+from streamfuse.runtime.trace_profile import PLOTS, profile_files, profile_trace
 from streamfuse.runtime.trace import SCHEMA
-from streamfuse.tools.profiler import PLOTS, main, profile_files, profile_trace
+from streamfuse.tools.profiler import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

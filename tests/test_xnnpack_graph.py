@@ -8,6 +8,7 @@ import torch
 from conftest import make_tiny_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from streamfuse import seams
 from streamfuse.adapters import hf
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
@@ -44,8 +45,8 @@ def test_xnnpack_model_gives_the_graphs_outputs_and_leaves_the_model_alone():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not any(isinstance(m, PooledRMSNorm) for m in model.modules())
     assert sum(isinstance(m, PooledRMSNorm) for m in ready.modules()) == 2 * 4 + 1
-    assert hf.unwrap_peft(model.model).config._attn_implementation == "sdpa"
-    assert hf.unwrap_peft(ready.model).config._attn_implementation == "streamfuse_span"
+    assert seams.attention_implementation(hf.unwrap_peft(model.model).config) == "sdpa"
+    assert seams.attention_implementation(hf.unwrap_peft(ready.model).config) == "streamfuse_span"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
@@ -84,7 +85,8 @@ def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_progr
     from executorch.exir import to_edge_transform_and_lower
     from torch.fx import traceback
 
-    from streamfuse.export.to_executorch import export_pte, host_inputs, partitioner, shared_weights
+    from streamfuse.export.to_executorch import export_pte, host_inputs, partitioner
+    from streamfuse.seams import lowering_shares_weights
 
     model = xnnpack_model(tiny_model())
     modules = {name: graph.graph_modules(model, SHAPES)[name] for name in ("decode", "step_4")}
@@ -94,7 +96,7 @@ def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_progr
     assert traceback.NodeSource.__init__ is original
     programs = {name: views_for_xnnpack(torch.export.export(module, inputs[name], strict=False))
                 for name, module in modules.items()}
-    with shared_weights():
+    with lowering_shares_weights():
         lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")])
         checked = lowered.to_executorch(host_inputs()).buffer
     assert (tmp_path / "fast.pte").read_bytes() == checked

@@ -1,6 +1,6 @@
 """The methods of one .pte share one copy of the weights: at load, XNNPACK's weight cache
-(runtime/backends/xnnpack_weights.py) keeps one packed copy with the same output bits as one copy per
-method; while lowering, shared_weights (export/to_executorch.py) keeps one copy with the same program
+(streamfuse/seams.py, share_xnnpack_weights) keeps one packed copy with the same output bits as one copy per
+method; while lowering, lowering_shares_weights (streamfuse/seams.py) keeps one copy with the same program
 bytes."""
 
 import importlib.util
@@ -46,7 +46,7 @@ LOAD = """
 import sys, torch
 from executorch.runtime import Runtime
 from streamfuse.runtime.backends.sessions import set_executorch_threads
-from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
+from streamfuse.seams import share_xnnpack_weights
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 set_executorch_threads(1)
@@ -85,7 +85,7 @@ def test_the_methods_share_one_packed_copy_and_give_the_same_bits(program, tmp_p
 
 def test_the_setting_reads_back_and_the_session_turns_it_on(program):
     from streamfuse.runtime.backends.sessions import ExecuTorchSession
-    from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
+    from streamfuse.seams import share_xnnpack_weights
 
     assert share_xnnpack_weights(False) is True  # True: the runtime confirmed the value written
     session = ExecuTorchSession(program[0], threads=1)
@@ -98,7 +98,8 @@ import contextlib, copy, hashlib, sys, torch
 from executorch.exir import to_edge_transform_and_lower
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from executorch.exir.backend import backend_api
-from streamfuse.export.to_executorch import partitioner, shared_weights
+from streamfuse.export.to_executorch import partitioner
+from streamfuse.seams import lowering_shares_weights
 def peak():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) * 1024
 width, methods = int(sys.argv[2]), int(sys.argv[3])
@@ -108,7 +109,7 @@ programs = {f"rows_{rows}": torch.export.export(model, (torch.randn(rows, width)
             for rows in range(1, methods + 1)}
 original = NamedDataStore.add_named_data
 before = peak()
-with shared_weights() if sys.argv[1] == "on" else contextlib.nullcontext():
+with lowering_shares_weights() if sys.argv[1] == "on" else contextlib.nullcontext():
     buffer = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")]).to_executorch().buffer
 assert NamedDataStore.add_named_data is original and backend_api.copy is copy  # both patches undone
 print(peak() - before, hashlib.sha256(buffer).hexdigest())

@@ -20,24 +20,22 @@ import argparse
 import importlib.metadata
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids
+from streamfuse.runtime.generate import DEFAULT_TREE
 from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.measure import summarise
 from streamfuse.tools import bench_report
 from streamfuse.tools.bench_data import read_inputs, task_file
-from streamfuse.tools.bench_matrix import Engine, Matrix, pair, run_matrix
+from streamfuse.tools.bench_matrix import Engine, Matrix, run_matrix
 from streamfuse.tools.bench_setup import load_engines, load_peers
 from streamfuse.tools.bench_summary import matched_precision, table
 from streamfuse.tools.peers import PEERS
@@ -148,41 +146,6 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "versions": versions, "load_average_start": os.getloadavg()}
-
-
-def summarise(rows: list[dict]) -> dict:
-    """SS vs AR on one backend (rows of `interleaved`): the build's profile stage uses this shape."""
-    ar_s = sum(r["ar"]["seconds"] for r in rows)
-    ss_s = sum(r["ss"]["seconds"] for r in rows)
-    tokens = sum(r["ss"]["new_tokens"] for r in rows)
-    return {
-        "inputs": len(rows),
-        "parity_mismatches": sum(not r["same_tokens"] for r in rows),
-        "new_tokens": tokens,
-        "call_reduction": tokens / sum(r["ss"]["model_calls"] for r in rows),
-        "speedup_total_time": ar_s / ss_s,
-        "speedup_median_per_input": statistics.median(r["ar"]["seconds"] / r["ss"]["seconds"] for r in rows),
-        "ar_tokens_per_s_median": statistics.median(r["ar"]["new_tokens"] / r["ar"]["seconds"] for r in rows),
-        "ss_tokens_per_s_median": statistics.median(r["ss"]["new_tokens"] / r["ss"]["seconds"] for r in rows),
-        "ar_ttft_s_median": statistics.median(r["ar"]["prefill_s"] for r in rows),
-        "ss_ttft_s_median": statistics.median(r["ss"]["prefill_s"] for r in rows),
-        "ss_mean_tokens_per_step": statistics.mean(t for r in rows for t in r["ss"]["step_tokens"]) if tokens else 0.0,
-        "peak_memory_bytes": max((r["ss"]["peak_memory_bytes"] or 0) for r in rows),
-    }
-
-
-def interleaved(loaded, requests, ss: DecodeSettings, ar: DecodeSettings, traces: dict, warmup: int) -> list[dict]:
-    """SS and AR per input on one backend, back to back, order alternating; the first `warmup` inputs untimed."""
-    engine = Engine(loaded, {"ar": ar, "ss": ss}, traces)
-    rows = []
-    for index, request in enumerate(tqdm(requests, desc="bench", unit="input", dynamic_ncols=True)):
-        ids = prompt_ids(loaded, request.text, True)
-        warm = index < warmup
-        results = pair(engine, ids, request.id, index % 2 == 1, not warm)
-        if not warm:
-            rows.append({"id": request.id, "prompt_tokens": len(ids), **results,
-                         "same_tokens": results["ss"]["token_ids"] == results["ar"]["token_ids"]})
-    return rows
 
 
 def headline(rows: list[dict], rows_table: list[dict], primary: str, methods: list[str]) -> dict:

@@ -17,8 +17,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.generate import prompt_ids, run
+from streamfuse.runtime.generate import prompt_ids
 from streamfuse.runtime.loader import Loaded
+from streamfuse.runtime.measure import timed_run
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
@@ -41,22 +42,10 @@ def current_rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
 
 
-def measure(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: Trace | None, run_id: str) -> dict:
-    # A disabled trace does not time spans, so an untraced run still gets a scratch one for its prefill.
-    trace = trace if trace is not None and trace.enabled else Trace()
-    result = run(loaded, ids, settings, trace, run_id)
-    record = result.run
-    return {"seconds": record.seconds, "new_tokens": record.new_tokens, "model_calls": record.model_calls,
-            "draft_calls": record.draft_calls,
-            "prefill_s": record.spans["prefill"], "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
-            "step_tokens": [s.tokens for s in record.steps], "step_drafts": [s.tree_nodes - 1 for s in record.steps],
-            "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
-
-
 def pair(engine: Engine, ids: list[int], run_id: str, flip: bool, traced: bool) -> dict[str, dict]:
     """Every method of one backend on one input, back to back; `flip` reverses the order."""
     methods = list(engine.settings)[::-1] if flip else list(engine.settings)
-    return {m: measure(engine.loaded, ids, engine.settings[m], engine.traces.get(m) if traced else None, run_id)
+    return {m: timed_run(engine.loaded, ids, engine.settings[m], engine.traces.get(m) if traced else None, run_id)
             for m in methods}
 
 

@@ -6,7 +6,7 @@
 The artifact's manifest holds the acceptance model, measured at export on validation dialogues
 (runtime/calibration.py). This times, on this device, a plain decoding step and a speculative step
 of each candidate tree: the best tree of every size up to --max-nodes (torch), or of each step graph's
-size bucket (the exported engines), all on the same validation dialogues, interleaved. Each
+size bucket (the exported engines), all on the same validation dialogues, interleaved (runtime/measure.py). Each
 candidate's expected tokens per step over its measured cost picks the tree; the choice, every
 candidate's cost and the plain step's go into the manifest (calibration.backends.<backend>), where
 the runtime reads its default tree and its fallback threshold. Run it again on each new device.
@@ -15,129 +15,19 @@ the runtime reads its default tree and its fallback threshold. Run it again on e
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact, ArtifactError
-from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings, calibrate
-from streamfuse.runtime.decode import generate
+from streamfuse.runtime.calibration import MAX_TREE_NODES
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import prompt_ids
 from streamfuse.runtime.loader import BACKENDS, Loaded, load
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import RunRecord, Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.measure import calibrate_backend, report
 from streamfuse.tools.bench_data import read_inputs, task_file
-
-
-def device_name(device: str = "cpu") -> str:
-    """The machine in words: the GPU's name, else the CPU model."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def candidates(loaded: Loaded, acceptance: AcceptanceModel, max_nodes: int) -> list[TreeSpec]:
-    """The trees SS can draft here: torch, the best of each size; exported graphs, the best tree of up to
-    each bucket's rows (a step costs its bucket's rows whatever the tree, so a smaller tree only loses)."""
-    best = acceptance.best_trees(min(max_nodes, loaded.max_nodes or max_nodes, loaded.backend.max_positions))
-    if loaded.max_nodes is None:
-        return list(best.values())
-    chosen, smaller = [], 0
-    for rows in loaded.backend.spec.buckets:
-        fits = [tree for nodes, tree in best.items() if smaller < nodes <= rows]
-        if fits:
-            chosen.append(max(fits, key=acceptance.expected_tokens))
-        smaller = rows
-    return chosen
-
-
-def seconds_per_call(run: RunRecord) -> float | None:
-    """Mean seconds of the calls after the prefill (each step, with its host work)."""
-    calls = run.model_calls - 1
-    return (run.seconds - run.spans["prefill"]) / calls if calls > 0 else None
-
-
-def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequence[int]], rules: StopRules,
-               rounds: int = 1) -> Timings:
-    """Per run (prompt x round): plain decoding's seconds per step, and each tree's, interleaved per
-    prompt (the order rotating) so background load touches every candidate alike; each tree's tokens
-    per step over all its runs; every run's prefill seconds per prompt token."""
-    plain: list[float] = []
-    prefill: list[float] = []
-    steps: dict[TreeSpec, list[float]] = {tree: [] for tree in trees}
-    made: dict[TreeSpec, list[int]] = {tree: [] for tree in trees}  # tokens of every speculative step
-    jobs = [None, *trees]  # None: plain decoding
-    for index in tqdm(range(rounds * len(prompts)), desc="calibrate", unit="input", dynamic_ncols=True):
-        ids = prompts[index % len(prompts)]
-        shift = index % len(jobs)
-        for job in jobs[shift:] + jobs[:shift]:
-            trace = Trace()
-            if job is None:
-                generate(loaded.backend, ids, DecodeSettings("ar", rules), trace=trace)
-            else:
-                generate(loaded.backend, ids, DecodeSettings("ss", rules, tree=job), trace=trace)
-            seconds = seconds_per_call(trace.runs[0])
-            prefill.append(trace.runs[0].spans["prefill"] / len(ids))
-            if seconds is not None:
-                (plain if job is None else steps[job]).append(seconds)
-            if job is not None:
-                made[job] += [step.tokens for step in trace.runs[0].steps]
-    realised = {tree: sum(tokens) / len(tokens) if tokens else 1.0 for tree, tokens in made.items()}
-    return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts))
-
-
-def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequence[Sequence[int]],
-                      rules: StopRules, device: str, threads: int, max_nodes: int = MAX_TREE_NODES,
-                      rounds: int = 1) -> BackendCalibration:
-    trees = candidates(loaded, acceptance, max_nodes)
-    if not trees:
-        raise ValueError(f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams")
-    warm = prompts[0][:8]
-    for tree in trees:  # engines may prepare a method on its first call
-        generate(loaded.backend, warm, DecodeSettings("ss", StopRules(2, rules.stop_token_ids), tree=tree))
-    return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
-
-
-def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], threads: int | None, max_new_tokens: int,
-                      acceptance: dict | None = None) -> dict:
-    """The build's call (in a fresh process): calibrate `backend` of an artifact (or, with `acceptance`
-    given, of a checkpoint: torch) on task source texts; returns the calibration as the manifest keeps it."""
-    if threads:
-        torch.set_num_threads(threads)
-    model = AcceptanceModel.from_dict(acceptance) if acceptance else Artifact.open(folder).acceptance
-    loaded = load(folder, backend, threads=threads, calibrated=False)
-    prompts = [prompt_ids(loaded, text, True) for text in sources]
-    calibration = calibrate_backend(loaded, model, prompts, StopRules(max_new_tokens, loaded.stop_token_ids), "cpu",
-                                    torch.get_num_threads())
-    print(report(calibration), flush=True)
-    return calibration.to_dict()
-
-
-def report(calibration: BackendCalibration) -> str:
-    lines = [f"plain step: {1e3 * calibration.plain_seconds:.2f} ms on {calibration.device}, "
-             f"{calibration.threads} threads; prefill {1e3 * calibration.prefill_seconds_per_token:.2f} ms per prompt token",
-             "nodes  tokens/step (model, timed runs)  step ms  x plain  expected speed-up  tree"]
-    for cost in sorted(calibration.trees, key=lambda c: c.tree.num_nodes):
-        mark = " <- chosen" if cost.tree == calibration.tree else ""
-        tree = cost.tree.to_dict()
-        lines.append(f"{cost.tree.num_nodes:5d}  {cost.expected_tokens:11.3f}  {cost.realised_tokens:11.3f}  "
-                     f"{1e3 * cost.step_seconds:13.2f}  "
-                     f"{cost.step_seconds / calibration.plain_seconds:7.3f}  "
-                     f"{cost.speedup(calibration.plain_seconds):17.3f}  {tree['paths']} lookup {tree['lookup']}{mark}")
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from streamfuse.runtime.backends.packed_linear import PackedLinear, packed_matmul, packing_available
+from streamfuse import seams
+from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available
 
 
 def median_us(call, reps: int) -> float:
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             times = {"eager": median_us(lambda: layer(x), args.reps),
                      "PackedLinear": median_us(lambda: packed_layer(x), args.reps),
-                     "oneDNN kernel": median_us(lambda: packed_matmul(x[0], packed_layer.packed_weight, None), args.reps)}
+                     "oneDNN kernel": median_us(lambda: seams.mkldnn_linear(x[0], packed_layer.packed_weight, None), args.reps)}
         line = "   ".join(f"{name} {us:7.0f} us" for name, us in times.items())
         if xnnpack_for is not None:
             method = xnnpack_for(layer, x)

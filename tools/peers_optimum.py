@@ -110,11 +110,10 @@ class OptimumExecuTorchRunner:
     @classmethod
     def open(cls, name: str, pte: Path, stop_ids: Sequence[int], threads: int, max_seq_len: int):
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (custom SDPA and KV cache kernels)
-        from executorch.extension.pybindings import portable_lib
         from executorch.kernels import quantized  # noqa: F401  (the 8-bit embedding's kernel)
 
+        from streamfuse import seams
         from streamfuse.runtime.backends.sessions import set_executorch_threads
-        from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 
         set_executorch_threads(threads)
         info = {"engine": f"ExecuTorch (XNNPACK), exported by optimum-executorch {VERSION}", "pte": str(pte),
@@ -122,8 +121,8 @@ class OptimumExecuTorchRunner:
                 "threads": threads,
                 # the setting our own .pte runs with (it frees the unpacked weights once packed), not the
                 # one left behind by whichever engine this process loaded first
-                "xnnpack_weight_cache": share_xnnpack_weights()}
-        return cls(name, portable_lib._load_for_executorch(str(pte)), stop_ids, max_seq_len, info)
+                "xnnpack_weight_cache": seams.share_xnnpack_weights()}
+        return cls(name, seams.load_executorch_program(pte), stop_ids, max_seq_len, info)
 
     def _logits(self, ids: Sequence[int], start: int) -> torch.Tensor:
         inputs = (torch.tensor([list(ids)], dtype=torch.long), torch.arange(start, start + len(ids), dtype=torch.long))

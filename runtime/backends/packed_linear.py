@@ -18,18 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamfuse import seams
+
 KERNELS = ("auto", "packed", "eager")
 ROWS_HINT = 4  # oneDNN picks its weight layout for about this many rows; tree steps use 2-16
 ONE_ROW_PACKED_MIN_ELEMENTS = 1 << 23  # weights this large (the LM head) run packed even for one row
 
 
-# oneDNN's packing and inner-product ops are private to torch: a build without them runs eager.
-PRIVATE_OPS = ("_reorder_linear_weight", "_linear_pointwise")
-
-
 def packing_available(device: str, dtype: torch.dtype) -> bool:
-    return (device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and all(hasattr(torch.ops.mkldnn, op) for op in PRIVATE_OPS))
+    """oneDNN's packing and inner-product ops are private to torch (streamfuse/seams.py): a build without
+    them runs eager."""
+    return device == "cpu" and dtype == torch.float32 and seams.mkldnn_packing_available()
 
 
 def resolve_kernels(kernels: str, device: str, dtype: torch.dtype) -> str:
@@ -53,17 +52,13 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         # Derived from weight, in oneDNN's blocked layout; not a parameter, never saved.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
+        self.packed_weight = seams.mkldnn_pack(linear.weight.detach(), ROWS_HINT)
         self.one_row_packed = linear.weight.numel() >= ONE_ROW_PACKED_MIN_ELEMENTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= 1 and not self.one_row_packed:
             return F.linear(x, self.weight, self.bias)
-        out = packed_matmul(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias)
+        out = seams.mkldnn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-
-def packed_matmul(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, in] @ packed weight (+ bias) -> [M, out], oneDNN's inner product whatever M is."""
-    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed_weight, bias, "none", [], "")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from streamfuse import seams
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.medusa import MedusaHeads
@@ -65,7 +66,7 @@ class TorchBackend:
         from streamfuse.adapters.base_model import resolve_base_model
 
         config = AutoConfig.from_pretrained(resolve_base_model(base_model))
-        config._attn_implementation = "sdpa"
+        seams.set_attention_implementation(config, "sdpa")
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         # The streams' own parameters start in fp32: the whole model runs in `dtype`.
         return cls(SpeculativeStreamingLM(model, streams).to(dtype), device, stream_schedule, kernels)

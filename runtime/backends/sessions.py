@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from streamfuse import seams
 from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, INPUT_NAMES, METHOD_INPUT,
                                                       METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
                                                       layer_input, method_output, span_rows)
-from streamfuse.runtime.backends.xnnpack_weights import share_xnnpack_weights
 from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels
 
 
@@ -39,13 +39,7 @@ def set_executorch_threads(threads: int) -> None:
     program: a program keeps the pool it was loaded with, and resetting the pool under it crashes,
     so the pool is reset only when the count changes."""
     global _POOL_THREADS
-    if threads != _POOL_THREADS:
-        from executorch.extension.pybindings import portable_lib
-
-        reset = getattr(portable_lib, "_unsafe_reset_threadpool", None)  # private: an ExecuTorch without it
-        if reset is None:  # keeps XNNPACK's own pool size, one thread per core
-            return
-        reset(threads)
+    if threads != _POOL_THREADS and seams.reset_executorch_threadpool(threads):  # else: one thread per core
         _POOL_THREADS = threads
 
 
@@ -61,7 +55,7 @@ class ExecuTorchSession:
             load_executorch_kernels()
         except KernelUnavailable as error:
             raise MissingBackend(str(error)) from None
-        self.shares_weights = share_xnnpack_weights()  # one packed copy for all methods, not one each
+        self.shares_weights = seams.share_xnnpack_weights()  # one packed copy for all methods, not one each
         self.tensor = torch.from_numpy  # ExecuTorch's Python runtime takes torch tensors: zero-copy views
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}
