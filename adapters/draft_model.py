@@ -2,7 +2,7 @@
 
 No smaller model shares SmolLM2's tokenizer here (the SS paper's baseline pairs OPT-1.3b with a
 smaller OPT), so the draft model is the base cut to its first `layers` decoder layers, with LoRA
-to train it towards what the target decodes (its own greedy answers, export/training/distill.py).
+to train it towards what the target decodes (its own greedy answers, training/distill.py).
 It is wrapped like the target, as a SpeculativeStreamingLM whose one nominal stream never runs,
 so the same training loop, backends and KV cache drive it (runtime/model_drafter.py).
 """

@@ -4,7 +4,7 @@ Head j is a residual block, h + SiLU(W_j h + b_j), read through the target's sha
 predicts the token j positions after the next one, as stream j does, so its top-k fill the same
 static trees (runtime/stream_drafter.py). W_j starts at zero, so a new head is the identity and
 drafts the next token itself. The target stays frozen (Medusa-1): the heads train on its
-final-normed states over its own greedy answers (export/training/medusa.py).
+final-normed states over its own greedy answers (training/medusa.py).
 
     <dir>/medusa.json          format version, number of heads, hidden size, info
     <dir>/heads.safetensors    the blocks' weights

@@ -40,7 +40,7 @@ class StreamingOutput:
 @dataclass
 class BottomState:
     """The main stream after layers [0, depth) that no trainable parameter touches: training
-    computes it once per example and starts later passes from it (export/training/frozen_states.py)."""
+    computes it once per example and starts later passes from it (training/frozen_states.py)."""
 
     depth: int
     hidden: torch.Tensor  # [B, T, H]

@@ -26,7 +26,6 @@ from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weigh
 from streamfuse.adapters.medusa import load_heads, read_heads_manifest
 from streamfuse.export import graph, worker
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.export.report import write_json
 from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
 from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.pytorch import TorchBackend
@@ -60,11 +59,20 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
              "coremltools", "streamfuse")
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Written whole or not at all: a temporary file per process (export workers write beside each other),
+    then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: export workers write beside each other
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     backends: tuple[str, ...] = DEFAULT_BACKENDS
     # The artifact's draft trees (data, not graphs), the default first: the build puts its calibrated
-    # choices here (export/calibration.py); without them, the 4-node chain (the fastest fixed tree on CPUs
+    # choices here (training/calibration.py); without them, the 4-node chain (the fastest fixed tree on CPUs
     # measured). Every tree must fit the largest bucket.
     trees: tuple[str, ...] = ("gamma=3,k=1",)
     # Row counts with step graphs (export/graph.py): any tree of up to T nodes runs in bucket T, padded.

@@ -1,105 +1,12 @@
-"""python export/build.py --task dialogsum: fine-tune, evaluate, export and profile a Speculative
-Streaming model. Each stage reuses its output when rerun with the same settings (README: stages):
-  data, train (SS model and LoRA baseline), distil (optional), evaluate, calibrate (acceptance model,
-  step cost per tree), export (ExecuTorch, ONNX, Core ML), verify (parity gates the artifact), profile
+"""python export/build.py --task dialogsum: the build's documented command, kept where users type it.
+
+The build (data, fine-tuning, evaluation, calibration, export, profile) is streamfuse.training.build;
+export/ holds the graphs, their lowering and parity, and imports nothing of the training package, so
+this script hands the process over to that module with the same arguments.
 """
 
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
 import os
 import sys
-from pathlib import Path
-
-import torch
-
-from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL, base_gguf
-from streamfuse.export.artifact import FORMATS
-from streamfuse.export.config import PRESETS, BuildConfig, preset, with_overrides
-from streamfuse.export.lock import exclusive
-from streamfuse.export.pipeline import Build, run_build
-from streamfuse.export.tasks import TASKS
-from streamfuse.runtime import cli
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=SET_HELP)
-    parser.add_argument("--task", default="dialogsum", choices=sorted(TASKS), help="task to fine-tune on")
-    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
-                        help="smoke: minutes, tests the pipeline; cpu (default): about an hour on 2 cores; "
-                             "cpu-distill: the benchmarked model, hours on 2 cores; paper: the paper's recipe, GPU")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one field of the preset (repeatable); see below")
-    parser.add_argument("--print-config", action="store_true", help="print the settings this build would use, then exit")
-    parser.add_argument("--backends", default=None, help="export targets, comma-separated: torch, executorch, onnx, "
-                        "coreml, executorch_coreml ('torch' alone skips export; default: export.backends)")
-    parser.add_argument("--quantize", default=None, help="weights: none, q4-native (the cpu presets' default), int8, "
-                        "8da4w (export.quantize; docs/export.md)")
-    parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
-                        help=f"'{DEFAULT_BASE_MODEL}' (bundled GGUF, converted once), a local HF folder, or a hub id")
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="folder with the task's files (default: ../shared/data/<task> beside the repo, else the hub)")
-    parser.add_argument("--work-dir", type=Path, default=Path("checkpoints"),
-                        help="checkpoints, snapshots and eval results (default: checkpoints/); a run with changed "
-                             "settings replaces <work-dir>/<task>-<preset>/ss, so give experiments their own")
-    parser.add_argument("--out", type=Path, default=None, help="artifact folder (default: artifacts/<task>)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    cli.add_debug_flag(parser)
-    args = parser.parse_args(argv)
-    args.out = args.out or Path("artifacts") / args.task
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
-    return args
-
-
-SET_HELP = """--set SECTION.FIELD=VALUE changes one field of the preset; --print-config lists them all:
-  streams.num_streams=3  streams.msa_layers=8  streams.init_rank=128   (gamma, N_s, f_eta rank)
-  train.epochs=1.2  train.stream_weight=0.5  data.train_limit=100  data.test_limit=100
-  distill.enabled=true  distill.main_targets=frozen  distill.unlabelled=true  (self-distillation)
-  export.trees='gamma=3,k=1;gamma=3,k=2'  export.capacity=768  export.draft_vocab=16384
-  stages.baseline=false  stages.zero_shot=false  stages.profile_limit=20  stages.calibration_inputs=4
-Values take the field's type (true/false, numbers, none where allowed, ';' between tuple items).
-Settings that contradict each other are refused, naming the field to set."""
-
-
-def build_config(args: argparse.Namespace) -> BuildConfig:
-    """The preset, then --backends / --quantize, then each --set in order; validated."""
-    config = preset(args.preset)
-    export = {}
-    if args.backends is not None:
-        export["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    if args.quantize is not None:
-        export["quantize"] = args.quantize
-    if export:
-        config = dataclasses.replace(config, export=dataclasses.replace(config.export, **export))
-    config = with_overrides(config, args.set)
-    config.validate()
-    return config
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = cli.usage(lambda: build_config(args))  # bad settings fail before hours of training
-    if config.export.quantize == "q4-native" and set(config.export.backends) & set(FORMATS["q4-native"]):
-        base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
-    if args.print_config:
-        print(json.dumps({"task": args.task, **dataclasses.asdict(config)}, indent=2))
-        return 0
-    build = Build(args, config)
-    with exclusive(build.run_dir), exclusive(args.out):  # one build per checkpoint run and artifact folder
-        return run_build(args, config, build)
-
-
-def console() -> int:
-    """The `streamfuse-build` command: main with one-line errors."""
-    return cli.run(main, prog="streamfuse-build")
-
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, prog="build.py"))
+    os.execv(sys.executable, [sys.executable, "-m", "streamfuse.training.build", *sys.argv[1:]])

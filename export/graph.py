@@ -85,7 +85,7 @@ class GraphShapes:
     span: bool = False
     # Ranks per stream greedy_step drafts, at least max_nodes - 1 (the widest level such a tree has): ranks
     # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
-    # further (export/calibration.py MAX_RANK = 8).
+    # further (training/calibration.py MAX_RANK = 8).
     draft_width: int = 9
 
     def __post_init__(self):
@@ -358,7 +358,7 @@ def head_rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
 
 
 # Largest bucket whose greedy_step runs streams beside every row under "auto". On the 2-core CPU
-# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; export/graph_latency.py) fused/deferred took
+# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; tools/graph_latency.py) fused/deferred took
 # 47.7/52.3 ms for the 4-node chain and 81.6/69.2 ms for 15 nodes (a 6-node tree was about even in
 # an exploratory run): extra rows cost compute, re-reading the MSA layers' weights costs bandwidth.
 FUSED_MAX_NODES = 7

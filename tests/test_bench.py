@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamfuse.metrics import rouge
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.metrics import rouge
 from streamfuse.tools import bench, bench_data
 
 

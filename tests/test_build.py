@@ -6,15 +6,15 @@ import re
 
 import pytest
 import torch
-from conftest import write_tiny_dialogsum
 from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.checkpoint import weights_digest
-from streamfuse.export import build, pipeline
-from streamfuse.export.training import distill
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.calibration import AcceptanceModel
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training import build, distill, pipeline
+
+from conftest import write_tiny_dialogsum
 
 
 def run_build(base, data, work, *extra):
@@ -208,9 +208,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err
 
     # A backend that is not lossless is refused at verify, naming the test dialogue; the installed artifact stays.
-    from test_export import Biased
-
     from streamfuse.runtime.backends import sessions
+
+    from test_export import Biased
 
     installed = (tmp_path / "artifact" / "manifest.json").read_bytes()
     real = sessions.open_session
@@ -239,7 +239,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
 def test_baseline_checkpoint_key_ignores_stream_settings():
     from dataclasses import replace
 
-    from streamfuse.export.config import preset
+    from streamfuse.training.config import preset
 
     cpu = preset("cpu")
     other = replace(cpu, streams=replace(cpu.streams, num_streams=4), train=replace(cpu.train, stream_weight=0.5))
@@ -320,7 +320,7 @@ def test_q4_native_without_base_codes_is_refused_before_training(tiny_base_dir, 
 
 def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     from streamfuse.export.artifact import BACKENDS, DEFAULT_BACKENDS, ExportConfig
-    from streamfuse.export.config import PRESETS
+    from streamfuse.training.config import PRESETS
 
     for name in PRESETS:
         config_of("--preset", name)  # validates
@@ -378,7 +378,7 @@ def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_pa
 def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_the_key_follows_what_trains():
     from dataclasses import replace
 
-    from streamfuse.export.config import preset
+    from streamfuse.training.config import preset
 
     assert preset("cpu").data.train_on_validation_rest and not preset("cpu-distill").data.train_on_validation_rest
     assert (preset("cpu").lora.dropout, preset("cpu-distill").lora.dropout) == (0.0, 0.05)
@@ -433,8 +433,8 @@ def test_threads_below_one_is_an_argparse_usage_error(capsys):
 def test_a_second_build_into_the_same_folder_refuses_with_one_line(tiny_base_dir, tmp_path, capsys):
     import os
 
-    from streamfuse.export.lock import FolderBusy, exclusive
     from streamfuse.runtime import cli
+    from streamfuse.training.lock import FolderBusy, exclusive
 
     out = tmp_path / "artifact"
     with exclusive(out):
@@ -448,3 +448,20 @@ def test_a_second_build_into_the_same_folder_refuses_with_one_line(tiny_base_dir
     assert err.startswith("build.py: error: ") and "being written by another build" in err and "--out" in err
     with exclusive(out):  # released with its holder
         pass
+
+
+def test_the_export_build_script_hands_the_process_to_the_training_build(tmp_path):
+    """`python export/build.py` stays the documented command; export/ imports nothing of training/, so the
+    script execs python -m streamfuse.training.build with the same arguments (and its exit status)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "export" / "build.py"
+    done = subprocess.run([sys.executable, str(script), "--print-config", "--preset", "smoke", "--task", "e2e_nlg"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["task"] == "e2e_nlg"
+    bad = subprocess.run([sys.executable, str(script), "--preset", "nope"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr

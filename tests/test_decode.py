@@ -5,7 +5,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,8 @@ from streamfuse.runtime.sampling import SamplingConfig, target_probs
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
+
+from conftest import make_tiny_llama
 
 
 def backend_for(seed: int, vocab: int = 97, gamma: int = 3, msa_layers: int = 2, schedule: str = "fused") -> TorchBackend:

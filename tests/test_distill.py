@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tiny_tokenizer
 
-from streamfuse.export.training import distill
-from streamfuse.export.training.data import Encoded
+from streamfuse.training import distill
+from streamfuse.training.data import Encoded
+
+from conftest import make_tiny_llama, make_tiny_tokenizer
 
 PROMPTS = ["<|im_start|> user the time of day <|im_end|> <|im_start|> assistant",
            "<|im_start|> user people and words <|im_end|> <|im_start|> assistant",

@@ -4,20 +4,21 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from streamfuse.adapters.config import LoraSettings
 from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.hf import decoder_parts, keep_first_layers
-from streamfuse.export.config import TrainConfig
-from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.train import train
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.model_drafter import ModelDrafter
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.config import TrainConfig
+from streamfuse.training.data import Encoded
+from streamfuse.training.train import train
+
+from conftest import make_tiny_llama
 
 
 @torch.no_grad()

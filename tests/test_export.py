@@ -14,7 +14,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import write_checkpoint
 
 from streamfuse.adapters.medusa import MedusaHeads, save_heads
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
@@ -30,6 +29,8 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
+
+from conftest import write_checkpoint
 
 
 def installed(*modules: str) -> bool:
@@ -192,14 +193,14 @@ def test_every_method_samples_the_exact_target_on_the_engine_itself(artifact, ba
     on the exported engine, against its exact law from the torch model: SS and ss-adaptive (the trees
     chosen per step by a random head), Medusa through the heads method, sd and specdec++ with a draft
     model on torch verifying chains in the chain graph."""
-    from test_decode import backend_for
-    from test_specdec import constant_head
-    from test_tree_choice import random_head
-
     from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
     from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
     from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter
     from streamfuse.runtime.tree_choice import TreeChoice
+
+    from test_decode import backend_for
+    from test_specdec import constant_head
+    from test_tree_choice import random_head
 
     loaded, sampling, prompt = load(artifact, backend), SamplingConfig(temperature=1.0), [5, 9, 14]
     exact = second_token_marginal(load(artifact, "torch").backend, prompt, sampling)
@@ -692,9 +693,9 @@ def with_acceptance(artifact, tmp_path):
 @needs("onnx")
 @pytest.mark.parametrize("slow", [0, 1])
 def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
-    from test_calibration import MODEL
-
     from streamfuse.runtime.measure import calibrate_backend
+
+    from test_calibration import MODEL
 
     loaded = load(artifact, "onnxruntime", threads=1)
     loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)

@@ -2,17 +2,17 @@
 
 import pytest
 import torch
-from conftest import make_tiny_llama
-from test_calibration import CHAIN, MODEL
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.calibration import (acceptance_model, lookup_matches, position_ranks, tree_text,
-                                           trees_to_export)
-from streamfuse.export.training.data import Encoded
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.calibration import BackendCalibration, TreeCost
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.calibration import acceptance_model, lookup_matches, position_ranks, tree_text, trees_to_export
+from streamfuse.training.data import Encoded
+
+from conftest import make_tiny_llama
+from test_calibration import CHAIN, MODEL
 
 # prompt 1 2 3 4 1 2 | answer 3 4 9 5: at root 3 lookup proposes 4 1 2 (after "1 2 3"), one right;
 # at root 4 it proposes 1 2 3 (after "2 3 4"), none right; at root 9 it has nothing.

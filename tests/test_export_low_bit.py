@@ -4,7 +4,6 @@ plain decoding (greedy and seeded sampling)."""
 
 import numpy as np
 import pytest
-from conftest import write_checkpoint
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
@@ -15,6 +14,8 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
+
+from conftest import write_checkpoint
 from test_export import DRAFT, prompts
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
@@ -184,9 +185,9 @@ def test_bench_runs_several_artifacts_in_one_interleaved_run(artifacts, gguf_che
     with its format, memory measured once its graphs are open."""
     import json
 
-    from conftest import write_tiny_dialogsum
-
     from streamfuse.tools import bench
+
+    from conftest import write_tiny_dialogsum
 
     data = write_tiny_dialogsum(tmp_path / "data")
     entries = [f"onnxruntime@{artifacts[fmt]}" for fmt in FORMATS]

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from test_decode import OracleDrafts, backend_for
 
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
@@ -11,6 +10,8 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
+
+from test_decode import OracleDrafts, backend_for
 
 # (tokens of each speculative step, in order) -> the step after which the switch goes plain (or None).
 # step_cost 1.5, probe 2 steps, block 3: a probe pays with >= 3 tokens, a block with >= 4.5.

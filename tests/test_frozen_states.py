@@ -4,16 +4,17 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tiny_tokenizer, write_tiny_dialogsum
 
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.config import TrainConfig
-from streamfuse.export.tasks import get_task
-from streamfuse.export.training.data import collate, encode
-from streamfuse.export.training.frozen_states import FrozenStates
-from streamfuse.export.training.train import forward_batch, train
+from streamfuse.training.config import TrainConfig
+from streamfuse.training.data import collate, encode
+from streamfuse.training.frozen_states import FrozenStates
+from streamfuse.training.tasks import get_task
+from streamfuse.training.train import forward_batch, train
+
+from conftest import make_tiny_llama, make_tiny_tokenizer, write_tiny_dialogsum
 
 STREAMS = StreamConfig(num_streams=2, msa_layers=2)  # 4 layers: streams from layer 2
 

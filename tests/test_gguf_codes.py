@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama, quantize_into_gguf
 from gguf import GGMLQuantizationType, quants
 
 from streamfuse.adapters import hf
 from streamfuse.adapters.base_model import base_gguf
 from streamfuse.adapters.gguf_codes import GGUFError, _unpermute, read_base_codes, unpack_blocks
+
+from conftest import make_tiny_llama, quantize_into_gguf
 
 
 def fp16_bytes(value: float) -> list[int]:

@@ -6,7 +6,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,13 +15,20 @@ from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, g
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import STREAM_STATES
-from streamfuse.runtime.backends.static_graph import (StaticGraphBackend, base_method, method_names, span_rows,
-                                                      tree_inputs)
+from streamfuse.runtime.backends.static_graph import (
+    StaticGraphBackend,
+    base_method,
+    method_names,
+    span_rows,
+    tree_inputs,
+)
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import ranked
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
+
+from conftest import make_tiny_llama
 
 TREES = [TreeSpec.full(3, 2), TreeSpec.chain(3), TreeSpec(((0,), (1,), (0, 0), (1, 0), (1, 0, 0), (1, 0, 1)))]
 
@@ -170,7 +176,7 @@ def test_buckets_are_distinct_ascending_and_fit_the_cache():
         GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 60))
     # greedy_step drafts the widest level calibration's trees reach (ranks up to MAX_RANK - 1, a lookup branch
     # one further), or more where the largest bucket holds a wider tree
-    from streamfuse.export.calibration import MAX_RANK
+    from streamfuse.training.calibration import MAX_RANK
 
     assert GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 8)).width == MAX_RANK + 1 == 9
     assert GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 16)).width == 15

@@ -1,10 +1,10 @@
-"""export/graph_latency.py on a tiny architecture: every graph variant exported and timed."""
+"""tools/graph_latency.py on a tiny architecture: every graph variant exported and timed."""
 
 import json
 
 import pytest
 
-from streamfuse.export import graph_latency
+from streamfuse.tools import graph_latency
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
 

@@ -10,11 +10,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # package -> streamfuse packages it may import
 ALLOWED = {
-    "runtime": {"runtime", "adapters", "seams"},
+    "runtime": {"runtime", "adapters", "seams"},  # adapters: the torch backend's model only
     "adapters": {"adapters", "seams"},
     "metrics": {"metrics"},
-    "export": {"export", "adapters", "runtime", "metrics", "tools", "seams"},  # the build calibrates and profiles
-    "tools": {"tools", "runtime", "metrics", "seams"},
+    "export": {"export", "adapters", "runtime", "seams"},
+    "training": {"training", "export", "adapters", "runtime", "metrics", "seams"},  # the build: train, then export
+    "tools": {"tools", "runtime", "metrics", "export", "adapters", "seams"},
     "apps": {"apps", "runtime"},
 }
 
@@ -42,7 +43,7 @@ def test_imports_flow_one_way(package):
 
 
 # Folders whose files run as scripts (python export/build.py): Python puts the folder first on sys.path.
-SCRIPT_FOLDERS = ("export", "tools", "apps")
+SCRIPT_FOLDERS = ("export", "training", "tools", "apps")
 
 
 @pytest.mark.parametrize("folder", SCRIPT_FOLDERS)

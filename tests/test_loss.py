@@ -1,13 +1,14 @@
 """Eq. 5 against a hand computation on a toy batch."""
 
 import torch
-from conftest import make_tiny_llama
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import IGNORE, Encoded, collate
-from streamfuse.export.training.loss import stream_targets, streaming_loss
-from streamfuse.export.training.train import forward_batch
+from streamfuse.training.data import IGNORE, Encoded, collate
+from streamfuse.training.loss import stream_targets, streaming_loss
+from streamfuse.training.train import forward_batch
+
+from conftest import make_tiny_llama
 
 ITEMS = [Encoded("a", [5, 6, 7, 8, 9, 10], prompt_len=3), Encoded("b", [11, 12, 13, 14], prompt_len=2)]
 

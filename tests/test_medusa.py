@@ -2,14 +2,10 @@
 
 import pytest
 import torch
-from conftest import make_tiny_llama
-from test_decode import backend_for
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.medusa import MedusaHeads, load_heads, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.medusa import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
 from streamfuse.runtime.backends.base import HEAD_LOGITS
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
@@ -18,6 +14,11 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.stream_drafter import HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.data import Encoded
+from streamfuse.training.medusa import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
+
+from conftest import make_tiny_llama
+from test_decode import backend_for
 
 
 def medusa(backend, prompt, settings, heads):

@@ -3,13 +3,14 @@
 import json
 
 import pytest
-import toy_method
 
 from streamfuse.runtime import generate, methods
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools import bench, profiler
+
+import toy_method
 
 # method -> (speculative, drafts from the streams, drafts a chain, takes a threshold, artifact entries)
 BUILT_IN = {

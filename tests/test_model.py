@@ -2,13 +2,14 @@
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues
+
+from conftest import make_tiny_llama
 
 
 def inputs(batch=2, tokens=9, seed=1):

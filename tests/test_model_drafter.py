@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from test_decode import backend_for, chi_square_p, exact_joint
 
 from streamfuse.runtime.accept import accept_sampled
 from streamfuse.runtime.decode import generate
@@ -14,6 +13,8 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
+
+from test_decode import backend_for, chi_square_p, exact_joint
 
 
 def sd(target, engine, prompt, settings, trace=None):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from torch import nn
 
 from streamfuse.adapters.config import StreamConfig
@@ -18,6 +17,8 @@ from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
+
+from conftest import make_tiny_llama
 
 needs_onednn = pytest.mark.skipif(not packing_available("cpu", torch.float32),
                                   reason="this torch build has no oneDNN (mkldnn) CPU kernels to pack for")
@@ -111,7 +112,7 @@ def test_packed_speculative_equals_eager_plain(seed, schedule):
 @needs_onednn
 def test_packed_for_inference_generates_what_eager_does():
     """The build's evaluation and self-distillation generate on packed kernels: same greedy tokens."""
-    from streamfuse.export.training.evaluation import packed_for_inference
+    from streamfuse.training.evaluation import packed_for_inference
 
     prompt = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(5))
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)

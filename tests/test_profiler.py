@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.trace_profile import PLOTS, profile_files, profile_trace
 from streamfuse.runtime.trace import SCHEMA
+from streamfuse.runtime.trace_profile import PLOTS, profile_files, profile_trace
 from streamfuse.tools.profiler import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,9 +44,9 @@ def test_real_model_smoke_build(tmp_path):
     """The smoke preset fine-tunes the real model on 16 DialogSum rows and evaluates it."""
     import json
 
-    from streamfuse.export import build
-    from streamfuse.export.tasks import get_task
-    from streamfuse.export.tasks.base import DataError
+    from streamfuse.training import build
+    from streamfuse.training.tasks import get_task
+    from streamfuse.training.tasks.base import DataError
 
     try:
         get_task("dialogsum").load("test", limit=1)
@@ -97,9 +97,9 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
 
 
 def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
-    from streamfuse.export.tasks import get_task
-    from streamfuse.export.tasks.base import DataError
-    from streamfuse.export.training.data import prompt_text
+    from streamfuse.training.data import prompt_text
+    from streamfuse.training.tasks import get_task
+    from streamfuse.training.tasks.base import DataError
 
     task = get_task("dialogsum")
     try:
@@ -126,6 +126,6 @@ def test_real_model_speculative_greedy_equals_plain_greedy():
 
 
 def _dialogsum_texts(count: int) -> list[str]:
-    from streamfuse.export.tasks import get_task
+    from streamfuse.training.tasks import get_task
 
     return [ex.source for ex in get_task("dialogsum").load("test", limit=count)]

@@ -1,9 +1,10 @@
 """The roofline model's arithmetic, worked by hand (it projects devices we cannot run on)."""
 
 import pytest
-from test_calibration import MODEL
 
 from streamfuse.tools.roofline import Device, Shape, project
+
+from test_calibration import MODEL
 
 # 100 M weights at 2 bytes over 100 GB/s: 2 ms; 1 layer, 1 KV head of 8 dims, 1 head; context 10.
 SHAPE = Shape(parameters=100_000_000, num_layers=1, num_kv_heads=1, head_dim=8, num_heads=1)

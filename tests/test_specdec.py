@@ -5,16 +5,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
-from test_decode import backend_for, chi_square_p, exact_joint
 
 from streamfuse.adapters.acceptance import AcceptanceHead, load_acceptance_head, save_acceptance_head
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.acceptance import (AcceptanceFeatures, AcceptanceTraining, branch_inputs,
-                                                   item_features, train_acceptance, weighted_bce)
-from streamfuse.export.training.data import Encoded
 from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
@@ -23,6 +18,18 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.acceptance import (
+    AcceptanceFeatures,
+    AcceptanceTraining,
+    branch_inputs,
+    item_features,
+    train_acceptance,
+    weighted_bce,
+)
+from streamfuse.training.data import Encoded
+
+from conftest import make_tiny_llama
+from test_decode import backend_for, chi_square_p, exact_joint
 
 
 def constant_head(probability: float) -> AcceptancePredictor:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from streamfuse.export.tasks import TASKS, DataError, Example, Task, get_task
-from streamfuse.export.tasks import base
-from streamfuse.export.tasks.e2e_nlg import held_out
 from streamfuse.metrics.rouge import rouge, split_sentences
 from streamfuse.metrics.sql import exact_match, normalize_sql
+from streamfuse.training.tasks import TASKS, DataError, Example, Task, base, get_task
+from streamfuse.training.tasks.e2e_nlg import held_out
 
 DIALOGSUM = get_task("dialogsum")
 E2E = get_task("e2e_nlg")
@@ -252,10 +251,10 @@ def test_real_e2e_counts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dialogsum_unlabelled_dialogues_load_without_references(tmp_path):
-    from conftest import write_tiny_dialogsum
+    from streamfuse.training.tasks import get_task
+    from streamfuse.training.tasks.base import UNLABELLED
 
-    from streamfuse.export.tasks import get_task
-    from streamfuse.export.tasks.base import UNLABELLED
+    from conftest import write_tiny_dialogsum
 
     data = write_tiny_dialogsum(tmp_path / "data")
     rows = get_task("dialogsum").load(UNLABELLED, data)

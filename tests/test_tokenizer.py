@@ -1,9 +1,10 @@
 """runtime/tokenizer.py against Transformers' tokenizer on the same files: same prompt text, ids and text."""
 
 import pytest
-from conftest import make_tiny_tokenizer
 
 from streamfuse.runtime.tokenizer import Tokenizer
+
+from conftest import make_tiny_tokenizer
 
 # SmolLM2-135M-Instruct's chat template, as its tokenizer ships it: a system turn is added when the
 # first message is not one (trim_blocks and the literal newlines decide the exact text).

@@ -4,18 +4,19 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tiny_tokenizer, write_tiny_dialogsum
 
 from streamfuse.adapters.checkpoint import load_checkpoint, save_checkpoint
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.config import TrainConfig
-from streamfuse.export.tasks import get_task
-from streamfuse.export.training import train as train_module
-from streamfuse.export.training.data import collate, encode
-from streamfuse.export.training.loss import streaming_loss
-from streamfuse.export.training.train import forward_batch, train
+from streamfuse.training import train as train_module
+from streamfuse.training.config import TrainConfig
+from streamfuse.training.data import collate, encode
+from streamfuse.training.loss import streaming_loss
+from streamfuse.training.tasks import get_task
+from streamfuse.training.train import forward_batch, train
+
+from conftest import make_tiny_llama, make_tiny_tokenizer, write_tiny_dialogsum
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0)
 STREAMS = StreamConfig(num_streams=2, msa_layers=2)
@@ -122,7 +123,7 @@ def test_checkpoint_round_trip(tiny_base_dir, tmp_path, per_stream_f_eta):
 
 
 def items_for_roundtrip():
-    from streamfuse.export.training.data import Encoded
+    from streamfuse.training.data import Encoded
 
     return Encoded("r", [2, 4, 9, 12, 3, 2, 5, 20, 21, 3], prompt_len=7)
 

@@ -2,18 +2,12 @@
 
 import pytest
 import torch
-from test_decode import backend_for, chi_square_p, exact_joint
-from test_specdec import constant_head
 
 from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import Encoded, collate
-from streamfuse.export.training.loss import stream_targets
-from streamfuse.export.training.stream_acceptance import item_features
-from streamfuse.export.training.train import forward_batch
+from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
 from streamfuse.runtime.decode import generate
-from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -21,6 +15,13 @@ from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice, lookup_gain, top_probabilities
+from streamfuse.training.data import Encoded, collate
+from streamfuse.training.loss import stream_targets
+from streamfuse.training.stream_acceptance import item_features
+from streamfuse.training.train import forward_batch
+
+from test_decode import backend_for, chi_square_p, exact_joint
+from test_specdec import constant_head
 
 # Four positions: ranks (0, 0), (0,), (1,), none. P(0) = 1/2, P(0, 0) = 1/4, P(1) = 1/4: p_1 = p_2 = 1/2.
 ACCEPTANCE = AcceptanceModel(4, 2, ((((0, 0), -1), ((0,), -1), ((1,), -1), ((), -1)),))

@@ -5,7 +5,6 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import make_tiny_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from streamfuse import seams
@@ -14,6 +13,8 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.xnnpack_graph import PooledRMSNorm, views_for_xnnpack, xnnpack_model
+
+from conftest import make_tiny_llama
 
 SHAPES = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,), span=True)
 PLAIN = graph.GraphShapes(capacity=48, prefill_chunk=8, buckets=(4,))

@@ -1,7 +1,7 @@
 """Benchmark inputs: a task split's rows -> (id, source text, references).
 
 tools/ may not import export/ (one-way data flow), so the task files are a small table here:
-the same file names export/tasks/*.py read, looked up in --data-dir (or its <task>/ folder),
+the same file names training/tasks/*.py read, looked up in --data-dir (or its <task>/ folder),
 $STREAMFUSE_DATA_DIR/<task>, then ../shared/data/<task> beside the checkout. --input-file
 overrides the table. JSON lines rows are the task's fields ("summary1".."summary3" for the
 DialogSum test split); CSV rows (E2E NLG) are one (mr, ref) pair per line, grouped per MR.

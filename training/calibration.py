@@ -17,12 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import Encoded, collate
-from streamfuse.export.training.loss import stream_targets
-from streamfuse.export.training.train import forward_batch
 from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration
 from streamfuse.runtime.lookup import PromptLookup
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.data import Encoded, collate
+from streamfuse.training.loss import stream_targets
+from streamfuse.training.train import forward_batch
 
 MAX_RANK = 8  # candidates per stream the model records: wider trees than any calibration tries
 MEMORY_BOUND_NODES = 8  # the wide tree: where a step costs about one plain step (NPUs, mobile and Jetson GPUs)

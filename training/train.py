@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM
-from streamfuse.export.config import TrainConfig
-from streamfuse.export.training.data import Batch, Encoded, epoch_batches
-from streamfuse.export.training.frozen_states import FrozenStates
-from streamfuse.export.training.loss import streaming_loss
+from streamfuse.training.config import TrainConfig
+from streamfuse.training.data import Batch, Encoded, epoch_batches
+from streamfuse.training.frozen_states import FrozenStates
+from streamfuse.training.loss import streaming_loss
 
 
 @dataclass

@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.feature_cache import load_features, save_features
+from streamfuse.training.data import Encoded
+from streamfuse.training.feature_cache import load_features, save_features
 
 
 @dataclass(frozen=True)

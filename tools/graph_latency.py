@@ -1,4 +1,4 @@
-"""python -m streamfuse.export.graph_latency: per-call latency of the exported graphs on ONNX Runtime.
+"""python -m streamfuse.tools.graph_latency: per-call latency of the exported graphs on ONNX Runtime.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with
 random weights, exports `decode` and, per tree (in a bucket of its size), `step`, `streams` and greedy_step in every
@@ -6,7 +6,7 @@ requested variant (stream schedule x draft vocabulary size) to ONNX in a scratch
 times them interleaved at a given cache length. It measures what export/graph.py's "auto"
 schedule and the default draft vocabulary size rest on; rerun it on the target device.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.graph_latency --threads 2 \
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.graph_latency --threads 2 \
         --trees "gamma=3,k=1;[[0],[1],[0,0],[0,1],[1,0],[0,0,0]];gamma=3,k=2" --draft-vocab 16384,0
 """
 

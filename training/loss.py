@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from streamfuse.adapters.model import SpeculativeStreamingLM, StreamingOutput
-from streamfuse.export.training.data import IGNORE, Batch
+from streamfuse.training.data import IGNORE, Batch
 
 
 def _cross_entropy(model: SpeculativeStreamingLM, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.feature_cache import load_features, save_features
+from streamfuse.training.data import Encoded
+from streamfuse.training.feature_cache import load_features, save_features
 
 IGNORE = -100
 

@@ -14,11 +14,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM, swap_linears
-from streamfuse.export.tasks.base import Example, Task
-from streamfuse.export.training.data import Encoded, collate
-from streamfuse.export.training.loss import stream_targets
-from streamfuse.export.training.train import forward_batch
 from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available
+from streamfuse.training.data import Encoded, collate
+from streamfuse.training.loss import stream_targets
+from streamfuse.training.tasks.base import Example, Task
+from streamfuse.training.train import forward_batch
 
 
 def packed_for_inference(model: nn.Module) -> nn.Module:

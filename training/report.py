@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from streamfuse.adapters.base_model import resolve_base_model
@@ -108,13 +106,6 @@ def accuracy_table(summary: dict) -> list[str]:
         tail = f"{mine['top1']:.1f} | {mine[top_key]:.1f}" if mine else "- | -"
         lines.append(f"| {name} | {row['top1']:.1f} | {row[top_key]:.1f} | {row['tokens']} | {tail} |")
     return lines
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: export workers write beside each other
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 # within_tolerance -> the table's word; None: a low-bit format, whose error against fp32 is recorded, not judged

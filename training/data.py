@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamfuse.export.tasks.base import Example, Task
 from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.training.tasks.base import Example, Task
 
 IGNORE = -100  # label of tokens that carry no loss (the prompt)
 

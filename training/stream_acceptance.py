@@ -19,11 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.training.acceptance import AcceptanceFeatures
-from streamfuse.export.training.data import Encoded, collate
-from streamfuse.export.training.feature_cache import load_features, save_features
-from streamfuse.export.training.loss import stream_targets
-from streamfuse.export.training.train import forward_batch
+from streamfuse.training.acceptance import AcceptanceFeatures
+from streamfuse.training.data import Encoded, collate
+from streamfuse.training.feature_cache import load_features, save_features
+from streamfuse.training.loss import stream_targets
+from streamfuse.training.train import forward_batch
 
 
 @torch.inference_mode()

@@ -14,9 +14,9 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import Request
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.measure import interleaved, summarise
-from streamfuse.runtime.trace_profile import profile_files, write_report
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
+from streamfuse.runtime.trace_profile import profile_files, write_report
 
 
 def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,

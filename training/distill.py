@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from streamfuse.export.training.data import Encoded
-from streamfuse.export.training.evaluation import greedy_answer_ids
+from streamfuse.training.data import Encoded
+from streamfuse.training.evaluation import greedy_answer_ids
 
 BLOCK = 32  # examples generated between appends to the cache
 

@@ -20,7 +20,7 @@ import torch
 
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.model import BottomState, SpeculativeStreamingLM
-from streamfuse.export.training.data import Batch
+from streamfuse.training.data import Batch
 
 DEFAULT_BUDGET_BYTES = 3 * 2**30  # beyond this, rows are computed each time instead of stored
 

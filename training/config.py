@@ -68,7 +68,7 @@ MAIN_TARGETS = ("own", "references", "frozen")
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """Second training stage on the SS model's own greedy answers (export/training/distill.py).
+    """Second training stage on the SS model's own greedy answers (training/distill.py).
 
     It starts from the first stage's weights. main_targets "own": the main stream trains on the
     own answers too (its targets are its own argmax, which mostly holds it in place);
@@ -155,7 +155,7 @@ class MedusaConfig:
 class SpecDecConfig:
     """SpecDec++, method specdec++ (adapters/acceptance.py): an acceptance head on sd's frozen draft
     model decides each chain's length, 2..max_drafts, stopping once P(a rejection) passes `threshold`.
-    Trained on the draft model's states over the target's own answers (export/training/acceptance.py).
+    Trained on the draft model's states over the target's own answers (training/acceptance.py).
     Needs sd.enabled; an existing artifact gets it added."""
 
     enabled: bool = False
@@ -180,7 +180,7 @@ class SpecDecConfig:
 class AdaptiveConfig:
     """Method ss-adaptive (runtime/tree_choice.py): SpecDec++'s acceptance head on the SS model's stream
     states picks each step's tree among the calibrated ones. Trained on the frozen SS model's own
-    answers (export/training/stream_acceptance.py); an existing artifact gets it added."""
+    answers (training/stream_acceptance.py); an existing artifact gets it added."""
 
     enabled: bool = False
     depth: int = 3  # residual blocks before the logit (0: linear)
@@ -224,7 +224,7 @@ class StagesConfig:
 
 
 # The build's export settings: trees () means the ones calibration picks on this machine
-# (export/calibration.py); two export processes (ExecuTorch lowers while ONNX and Core ML export).
+# (training/calibration.py); two export processes (ExecuTorch lowers while ONNX and Core ML export).
 BUILD_EXPORT = ExportConfig(trees=(), workers=2)
 
 

@@ -20,23 +20,16 @@ from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export import report, worker
-from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
-from streamfuse.export.calibration import acceptance_model, tree_text, trees_to_export
-from streamfuse.export.config import BuildConfig
+from streamfuse.export import worker
+from streamfuse.export.artifact import (
+    RUNS_HERE,
+    ArtifactBuilder,
+    ExportConfig,
+    install_drafter,
+    start_lowering,
+    write_json,
+)
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
-from streamfuse.export.profiling import profile_artifact
-from streamfuse.export.tasks import get_task
-from streamfuse.export.tasks.base import UNLABELLED
-from streamfuse.export.training.acceptance import AcceptanceTraining, acceptance_features, train_acceptance
-from streamfuse.export.training.data import Encoded, encode, prompt_format, prompt_text
-from streamfuse.export.training.distill import distill_rows, self_distilled
-from streamfuse.export.training.evaluation import (answer_quality, greedy_answer_ids, packed_for_inference,
-                                                   stream_accuracy, task_quality)
-from streamfuse.export.training.frozen_states import FrozenStates
-from streamfuse.export.training.medusa import HeadTraining, head_features, train_heads
-from streamfuse.export.training.stream_acceptance import stream_acceptance_features
-from streamfuse.export.training.train import train
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
@@ -44,6 +37,26 @@ from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
 from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training import report
+from streamfuse.training.acceptance import AcceptanceTraining, acceptance_features, train_acceptance
+from streamfuse.training.calibration import acceptance_model, tree_text, trees_to_export
+from streamfuse.training.config import BuildConfig
+from streamfuse.training.data import Encoded, encode, prompt_format, prompt_text
+from streamfuse.training.distill import distill_rows, self_distilled
+from streamfuse.training.evaluation import (
+    answer_quality,
+    greedy_answer_ids,
+    packed_for_inference,
+    stream_accuracy,
+    task_quality,
+)
+from streamfuse.training.frozen_states import FrozenStates
+from streamfuse.training.medusa import HeadTraining, head_features, train_heads
+from streamfuse.training.profiling import profile_artifact
+from streamfuse.training.stream_acceptance import stream_acceptance_features
+from streamfuse.training.tasks import get_task
+from streamfuse.training.tasks.base import UNLABELLED
+from streamfuse.training.train import train
 
 
 def head_info(directory: Path, manifest: str, read) -> dict:
@@ -293,7 +306,7 @@ class Build:
                 print(f"[eval] reusing {path}", flush=True)
                 return stored["result"]
         result = compute()
-        report.write_json(path, {"key": key, "result": result})
+        write_json(path, {"key": key, "result": result})
         return result
 
     def eval_key(self, checkpoint_key: str) -> str:
@@ -326,7 +339,7 @@ class Build:
     # --- calibrate --------------------------------------------------------------------------
     def acceptance(self, ss_dir: Path) -> AcceptanceModel:
         """The acceptance model: the SS model's own greedy answers to the validation inputs, their
-        stream ranks teacher-forced (export/calibration.py); cached with the evaluations."""
+        stream ranks teacher-forced (training/calibration.py); cached with the evaluations."""
         def compute() -> dict:
             model = self.inference_model(ss_dir)
             ev = self.config.eval
@@ -491,8 +504,8 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
     specdec_dir = build.ensure_specdec(ss_dir, sd_dir) if config.specdec.enabled else None
     adaptive_dir = build.ensure_adaptive(ss_dir) if config.adaptive.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
-    report.write_json(ss_dir / "eval.json", summary)
-    report.write_json(build.run_dir / "eval.json", summary)
+    write_json(ss_dir / "eval.json", summary)
+    write_json(build.run_dir / "eval.json", summary)
     print(report.markdown(summary), flush=True)
     print(f"[done] eval.json written to {ss_dir / 'eval.json'}", flush=True)
     export = config.export

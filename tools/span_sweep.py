@@ -1,4 +1,4 @@
-"""python -m streamfuse.export.span_sweep: step time of the exported graphs by engine, used span and rows.
+"""python -m streamfuse.tools.span_sweep: step time of the exported graphs by engine, used span and rows.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with random
 weights, exports `decode` and a step graph per --rows bucket to one program per --engine and --capacity
@@ -7,7 +7,7 @@ ExecuTorch, attention is the exact kernel over the used span (export/span_attent
 grows with the span, not with the capacity. The ONNX graphs (GraphShapes.in_place) take the cache rows up
 to the call's own while that is at most half of the capacity, else all of it (static_graph.span_rows).
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.export.span_sweep --threads 2 --engine executorch,onnx \
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.span_sweep --threads 2 --engine executorch,onnx \
         --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json
 """
 
