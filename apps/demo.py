@@ -17,27 +17,21 @@ from pathlib import Path
 
 from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples
 from streamfuse.runtime import cli
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend
+from streamfuse.runtime.loader import BACKENDS, fastest_backend
+from streamfuse.runtime.options import add_model_options
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, default=None,
-                        help="model folder to open at start (default: none; the window says how to build one)")
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="execution engine (default: the fastest the artifact has here, by its calibrations)")
-    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
-                        help="fused: streams at every tree node in one pass; deferred: streams of the last accepted "
-                             "node only (cheaper on CPUs)")
     parser.add_argument("--examples", type=Path, default=DEFAULT_EXAMPLES,
                         help="DialogSum JSON lines to pick dialogues from (default: ../shared/data/dialogsum test split)")
     parser.add_argument("--example", type=int, default=0, help="index of the example selected at start")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="initial 'max new tokens' setting")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--autorun", action="store_true", help="once the artifact loads, run both panes")
     parser.add_argument("--screenshot", type=Path, default=None,
                         help="save a PNG of the window when the autorun (or the load) is done")
     parser.add_argument("--quit-after", action="store_true", help="exit after the autorun / screenshot")
+    add_model_options(parser, artifact="optional: open it at start; without it the window says how to build one")
     cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.autorun and args.artifact is None:

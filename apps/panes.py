@@ -6,7 +6,16 @@ import html
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QBrush, QColor, QFont, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import QComboBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QComboBox,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 from streamfuse.apps.markup import LEGEND, STYLES, Segment, Style, output_text
 from streamfuse.apps.session import METHODS

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.trace import RunRecord
 
-
 STOP_LABELS = {"max_new_tokens": "max tokens", "stop_string": "stop string"}
 
 

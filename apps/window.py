@@ -7,9 +7,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
-                               QLineEdit, QMainWindow, QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QMainWindow,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
 
 from streamfuse.apps.examples import Example
 from streamfuse.apps.panes import RunPane, legend_html
@@ -17,7 +31,8 @@ from streamfuse.apps.session import BUILD_HINT, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
 from streamfuse.apps.worker import Engine
 from streamfuse.runtime.generate import DEFAULT_TREE
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, fastest_backend
+from streamfuse.runtime.loader import BACKENDS, fastest_backend
+from streamfuse.runtime.options import STREAM_SCHEDULES
 
 SEQUENTIAL_NOTE = ("Both panes run one after the other on the same input: run at once, they would share "
                    "the CPU cores and disturb each other's timings.")

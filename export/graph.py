@@ -58,9 +58,15 @@ from torch import nn
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import KeyValues, SpanKeyValues, StepKeyValues, in_place_slots
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES
-from streamfuse.runtime.backends.static_graph import (INPUT_NAMES, OUTPUT_NAMES, GraphSpec, base_method, bucket_method,
-                                                      tree_inputs)
+from streamfuse.runtime.backends.static_graph import (
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    GraphSpec,
+    base_method,
+    bucket_method,
+    tree_inputs,
+)
+from streamfuse.runtime.options import STREAM_SCHEDULES
 from streamfuse.runtime.tree import TreeSpec
 
 # The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].

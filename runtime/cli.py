@@ -20,8 +20,8 @@ import warnings
 from collections.abc import Callable
 
 from streamfuse.runtime.artifact import ArtifactError
-from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.backends.base import CapacityError
+from streamfuse.runtime.backends.sessions import MissingBackend
 
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = "show the traceback of an error instead of its one line"

@@ -17,7 +17,8 @@ from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, Loaded, fastest_backend, load
+from streamfuse.runtime.loader import Loaded, fastest_backend, load
+from streamfuse.runtime.options import add_model_options, check_model_options
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
@@ -122,8 +123,6 @@ def result_record(request: Request, loaded: Loaded, result: GenerationResult, se
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True,
-                        help="exported artifact (artifacts/<task>) or fine-tuned checkpoint folder made by export/build.py")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one input: a user message, or the task's source text with --task")
     source.add_argument("--input-file", type=Path, help="JSON lines, one input per line")
@@ -132,15 +131,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cut-source", action="store_true", help="with --task: cut a source longer than the model "
                         "was fine-tuned on to that length, as training did (default: keep it whole, up to the context)")
     parser.add_argument("--method", choices=methods.names(), default="ss", help=methods_help())
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="execution engine (default: the fastest the artifact has here, by its calibrations)")
-    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
-                        help="fused: streams ride along every tree node in one pass (memory-bound devices); "
-                             "deferred: streams of the last accepted node only, after verification (CPUs)")
-    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K', a JSON list of paths, or a JSON file "
-                        f"(default: the tree calibrated for the backend, else the artifact's, else {DEFAULT_TREE}; "
-                        "sd: the chain of the length its draft model was built for)")
     parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
                         help="auto: decode plainly while speculation does not pay, judged against the step cost "
                              "calibrated for the tree (tools/calibrate.py; off where none was measured)")
@@ -154,9 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: its own)")
     parser.add_argument("--trace", type=Path, default=None, help="write a decode trace (JSON) for tools/profiler.py")
     parser.add_argument("--json", action="store_true", help="print one JSON object per input instead of text")
+    add_model_options(parser, tree=f"the tree calibrated for the backend, else the artifact's, else {DEFAULT_TREE}; "
+                                   "sd: the chain of the length its draft model was built for")
     cli.add_debug_flag(parser)
     return parser.parse_args(argv)
 
@@ -170,7 +161,7 @@ def methods_help() -> str:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad values before the (slow) model load."""
-    cli.check(args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}")
+    check_model_options(args)
     cli.check(args.limit is None or args.limit >= 1, f"--limit must be >= 1, got {args.limit}")
     cli.check(args.input_file is None or args.input_file.is_file(), f"--input-file {args.input_file}: no such file")
     cli.usage(lambda: StopRules(args.max_new_tokens))

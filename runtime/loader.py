@@ -14,16 +14,16 @@ from pathlib import Path
 
 from streamfuse.runtime import methods
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES, Backend  # noqa: F401  (STREAM_SCHEDULES: for the CLIs)
+from streamfuse.runtime.backends.base import Backend
 from streamfuse.runtime.calibration import BackendCalibration
 from streamfuse.runtime.drafter import Drafter
 from streamfuse.runtime.fallback import FallbackConfig
+from streamfuse.runtime.options import BACKENDS
 from streamfuse.runtime.prompt import PromptFormat
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice
 
-BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 # backend name -> the key of its files in the artifact manifest
 ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.

@@ -31,8 +31,9 @@ from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DEFAULT_TREE
-from streamfuse.runtime.loader import BACKENDS, STREAM_SCHEDULES, load
+from streamfuse.runtime.loader import BACKENDS, load
 from streamfuse.runtime.measure import summarise
+from streamfuse.runtime.options import add_model_options
 from streamfuse.tools import bench_report
 from streamfuse.tools.bench_data import read_inputs, task_file
 from streamfuse.tools.bench_matrix import Engine, Matrix, run_matrix
@@ -60,8 +61,6 @@ def schedule_of(engine: Engine) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, default=None, help="exported artifact (any backend it was built for) "
-                        "or checkpoint folder (torch only) made by export/build.py (default: artifacts/<task>)")
     parser.add_argument("--task", required=True, help="task the model was fine-tuned for (formats the inputs)")
     parser.add_argument("--split", default=None, help="task split (train, validation, test): finds the task's file "
                         "in --data-dir, $STREAMFUSE_DATA_DIR/<task> or ../shared/data/<task>")
@@ -69,23 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "overrides --split")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files (or a <task>/ subfolder)")
     parser.add_argument("--limit", type=int, default=100, help="number of timed inputs (the first N of the file)")
-    parser.add_argument("--backends", default=None, help=f"comma-separated, among {', '.join(BACKENDS)} (default: "
-                        "the fastest the artifact has here); BACKEND@FOLDER runs another artifact's backend in the same interleaved run "
-                        "(e.g. onnxruntime,onnxruntime@artifacts/dialogsum-q4)")
     parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(methods.names())}, "
                         "'ar' among them (AR is every speed-up's baseline); sd, medusa, specdec++ and ss-adaptive need an "
                         "artifact with their drafters (export/build.py --set sd.enabled=true ...). Variants in the same "
                         "run: sd:G (a chain of G drafts), specdec++:H (stop threshold H), e.g. ar,sd:2,sd:4,specdec++:0.5")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
-    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
-                        help="fused: streams ride along every tree node in one pass (memory-bound devices); "
-                             "deferred: streams of the last accepted node only, after verification (CPUs)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2, help="fixed threads for torch, onnxruntime and llama.cpp "
-                        "(also sizes ExecuTorch's XNNPACK pool)")
-    parser.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K' or a JSON list of paths "
-                        f"(default: the artifact's tree, else {DEFAULT_TREE})")
     parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
                         help="SS decodes plainly while speculation does not pay, against the calibrated step cost "
                              "(runtime/fallback.py; off where the artifact has no calibration for the backend)")
@@ -95,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="inputs run once, untimed, by every row first")
     parser.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (0: longest prompt + new tokens, rounded up)")
     parser.add_argument("--out", type=Path, default=Path("bench"), help="folder for bench.json, bench.md, plots and traces")
+    add_model_options(parser, artifact="optional: default artifacts/<task>", backends="", threads=2,
+                      tree=f"the backend's calibrated tree, else the artifact's, else {DEFAULT_TREE}")
+    parser.epilog = ("--backends: BACKEND@FOLDER runs another artifact's backend in the same interleaved run (e.g. "
+                     "onnxruntime,onnxruntime@artifacts/dialogsum-q4); --threads also sizes llama.cpp's and "
+                     "ExecuTorch's pools")
     cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
     args.artifact = args.artifact or Path("artifacts") / args.task

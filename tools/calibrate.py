@@ -25,15 +25,14 @@ from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.calibration import MAX_TREE_NODES
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import prompt_ids
-from streamfuse.runtime.loader import BACKENDS, Loaded, load
+from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.measure import calibrate_backend, report
+from streamfuse.runtime.options import add_model_options
 from streamfuse.tools.bench_data import read_inputs, task_file
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (export/build.py)")
-    parser.add_argument("--backend", choices=BACKENDS, required=True, help="the engine to calibrate on this device")
     parser.add_argument("--input-file", type=Path, default=None,
                         help="JSON lines of task inputs (default: the task's validation split)")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder holding the task's files")
@@ -42,11 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per timed run")
     parser.add_argument("--max-nodes", type=int, default=MAX_TREE_NODES,
                         help="largest tree to try where any tree runs (torch)")
-    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
-    parser.add_argument("--stream-schedule", default="fused", choices=("fused", "deferred"),
-                        help="the torch backend's streams schedule")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument("--dry-run", action="store_true", help="print the calibration, leave the manifest as it is")
+    add_model_options(parser, backend_required=True)
     cli.add_debug_flag(parser)
     return parser.parse_args(argv)
 

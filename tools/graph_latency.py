@@ -22,10 +22,10 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.export.graph import GraphShapes, GreedyStepPass, MainPass, StepPass, StreamsPass, example_inputs
-from streamfuse.runtime.backends.base import STREAM_SCHEDULES
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times, tree_inputs
+from streamfuse.runtime.options import STREAM_SCHEDULES
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.latency import architecture_parser, report_medians
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from streamfuse.runtime.options import add_model_options  # argparse only: the measurements start clean
+
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 MIB = 2**20
 
@@ -43,9 +45,9 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     from streamfuse.runtime.artifact import Artifact
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.generate import prompt_ids, run
-    from streamfuse.runtime.settings import DecodeSettings
     from streamfuse.runtime.loader import ARTIFACT_FILES, load
     from streamfuse.runtime.sampling import SamplingConfig
+    from streamfuse.runtime.settings import DecodeSettings
     from streamfuse.tools.bench_data import read_inputs
 
     opened = Artifact.open(artifact)
@@ -94,17 +96,15 @@ def markdown(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="an exported artifact folder (manifest.json)")
-    parser.add_argument("--backends", default="executorch,onnxruntime",
-                        help="comma-separated; those the artifact was not built for are skipped (default: %(default)s)")
     parser.add_argument("--task", default=None, help="decode this task's inputs after loading (e.g. dialogsum)")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=3, help="inputs to decode (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one backend, in a fresh process
     parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    add_model_options(parser, backends="executorch,onnxruntime", threads=2, device=False, schedule=False)
+    parser.epilog = "--backends: those the artifact was not built for are skipped"
     return parser.parse_args(argv)
 
 

@@ -54,7 +54,8 @@ from tqdm.auto import tqdm
 
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests
-from streamfuse.runtime.loader import STREAM_SCHEDULES, load
+from streamfuse.runtime.loader import load
+from streamfuse.runtime.options import STREAM_SCHEDULES
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools import peers_gguf, peers_optimum

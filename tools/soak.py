@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from streamfuse.runtime import cli
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import choose_tree, prompt_ids, run
-from streamfuse.runtime.loader import BACKENDS, Loaded, load
+from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.options import add_model_options
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file
 from streamfuse.tools.memory import status
@@ -77,17 +78,15 @@ def soak(loaded: Loaded, prompts: list[list[int]], settings: DecodeSettings, gen
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact or checkpoint (torch)")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="the engine to soak")
     parser.add_argument("--generations", type=int, default=1000, help="generations in all (default 1000)")
     parser.add_argument("--warmup", type=int, default=100, help="generations before the first measurement")
     parser.add_argument("--input-file", type=Path, default=None,
                         help="JSON lines of task inputs (default: the task's validation split)")
     parser.add_argument("--limit", type=int, default=20, help="distinct inputs, decoded round-robin")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-growth", type=float, default=MAX_GROWTH, help="RSS growth allowed after warm-up")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    add_model_options(parser, backend="torch", threads=2, device=False, schedule=False)
     cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
     if min(args.generations, args.limit, args.threads, args.max_new_tokens) < 1:

@@ -11,10 +11,6 @@ import numpy as np
 from streamfuse.runtime.sampling import ranked
 from streamfuse.runtime.tree import TreeSpec
 
-# When streams run: "fused" in the verify pass at every tree node (the paper; memory-bound devices),
-# "deferred" after the commit for the last accepted node only (same outputs; compute-bound CPUs).
-STREAM_SCHEDULES = ("fused", "deferred")
-
 
 class CapacityError(RuntimeError):
     """A run needs more KV positions than the backend holds."""

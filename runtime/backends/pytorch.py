@@ -14,10 +14,17 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.base import (HEAD_LOGITS, HIDDEN, STREAM_SCHEDULES, STREAM_STATES, PruneConfig,
-                                              StepOutput, process_peak_rss_bytes)
+from streamfuse.runtime.backends.base import (
+    HEAD_LOGITS,
+    HIDDEN,
+    STREAM_STATES,
+    PruneConfig,
+    StepOutput,
+    process_peak_rss_bytes,
+)
 from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
 from streamfuse.runtime.kv_cache import KVCache
+from streamfuse.runtime.options import STREAM_SCHEDULES
 from streamfuse.runtime.tree import TreeSpec
 
 

@@ -11,9 +11,18 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse import seams
-from streamfuse.runtime.backends.static_graph import (CACHE_INPUTS, INPUT_NAMES, METHOD_INPUT,
-                                                      METHODS_METADATA, OUTPUT_NAMES, Session, base_method,
-                                                      layer_input, method_output, span_rows)
+from streamfuse.runtime.backends.static_graph import (
+    CACHE_INPUTS,
+    INPUT_NAMES,
+    METHOD_INPUT,
+    METHODS_METADATA,
+    OUTPUT_NAMES,
+    Session,
+    base_method,
+    layer_input,
+    method_output,
+    span_rows,
+)
 from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels
 
 

@@ -16,10 +16,16 @@ from typing import Protocol
 
 import numpy as np
 
-from streamfuse.runtime.backends.base import (HEAD_LOGITS, HIDDEN, STREAM_STATES, CapacityError, PruneConfig, StepOutput,
-                                              process_peak_rss_bytes)
+from streamfuse.runtime.backends.base import (
+    HEAD_LOGITS,
+    HIDDEN,
+    STREAM_STATES,
+    CapacityError,
+    PruneConfig,
+    StepOutput,
+    process_peak_rss_bytes,
+)
 from streamfuse.runtime.tree import TreeSpec
-
 
 # The exported methods and their tensors (export/graph.py builds graphs to this). A tree is data: the
 # step and greedy_step graphs take it as inputs (`tree`, each node's ancestors and itself, as 0/1 rows;
