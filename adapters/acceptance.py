@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head_files import load_head_weights, read_head_manifest, residual_blocks, save_head
+from streamfuse.head_format import ACCEPTANCE_MANIFEST, ACCEPTANCE_VERSION, read_head_manifest
 
-MANIFEST = "acceptance.json"
-FORMAT_VERSION = 1
+from .head_files import load_head_weights, residual_blocks, save_head
+
+MANIFEST, FORMAT_VERSION = ACCEPTANCE_MANIFEST, ACCEPTANCE_VERSION
 
 
 class AcceptanceHead(nn.Module):

@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-WEIGHTS = "heads.safetensors"
+from streamfuse.head_format import WEIGHTS
 
 
 def residual_blocks(hidden_size: int, count: int) -> nn.ModuleList:
@@ -32,19 +32,6 @@ def save_head(module: nn.Module, directory: Path, manifest_name: str, manifest: 
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     save_file(state, str(directory / WEIGHTS))
     (directory / manifest_name).write_text(json.dumps(manifest, indent=2))
-
-
-def read_head_manifest(directory: Path, manifest_name: str, version: int, what: str, option: str) -> dict:
-    """The manifest, checked: a missing folder or another format is a one-line error naming the fix."""
-    path = Path(directory) / manifest_name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {directory} holds no {what} (export/build.py "
-                                f"--set {option}.enabled=true makes them)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != version:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
-                         f"{version}: rebuild the {what}")
-    return manifest
 
 
 def load_head_weights(module: nn.Module, directory: Path) -> nn.Module:

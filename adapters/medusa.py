@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head_files import load_head_weights, read_head_manifest, residual_blocks, save_head
+from streamfuse.head_format import read_head_manifest
+
+from .head_files import load_head_weights, residual_blocks, save_head
 
 MANIFEST = "medusa.json"
 FORMAT_VERSION = 1

@@ -1,5 +1,5 @@
 """SpecDec++'s acceptance head on the host, in numpy: the runtime's reader of what
-adapters/acceptance.py trains and saves (the format below is that module's).
+adapters/acceptance.py trains and saves (the format: streamfuse/head_format.py).
 
 The head is D residual blocks h + SiLU(W h + b), then a linear layer to one logit; it reads a
 draft model's final state (method specdec++) or the streams' states (method ss-adaptive). A few
@@ -11,15 +11,12 @@ H x H products per step: numpy does them without torch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-MANIFEST = "acceptance.json"
-WEIGHTS = "heads.safetensors"
-FORMAT_VERSION = 1
+from streamfuse.head_format import ACCEPTANCE_MANIFEST, ACCEPTANCE_VERSION, WEIGHTS, read_head_manifest
 
 
 class AcceptancePredictor:
@@ -49,12 +46,5 @@ def load_acceptance_predictor(directory: Path, option: str = "specdec") -> Accep
     """option: the build's config section that trains the head (specdec, adaptive), for the error's fix."""
     from safetensors.numpy import load_file
 
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {directory} holds no acceptance head (export/build.py "
-                                f"--set {option}.enabled=true makes it)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
-                         f"{FORMAT_VERSION}: rebuild the acceptance head")
+    read_head_manifest(directory, ACCEPTANCE_MANIFEST, ACCEPTANCE_VERSION, "acceptance head", option)
     return AcceptancePredictor(load_file(str(Path(directory) / WEIGHTS)))

@@ -170,7 +170,7 @@ def second_token_marginal(eager, prompt: list[int], sampling: SamplingConfig) ->
 
     def next_probs(ids: list[int]) -> torch.Tensor:
         eager.reset(len(ids) + 1)
-        return target_probs(eager.prefill(ids, with_streams=False).main_logits[0], sampling)
+        return torch.from_numpy(target_probs(eager.prefill(ids, with_streams=False).main_logits[0], sampling))
 
     first = next_probs(prompt)
     return sum(first[x1] * next_probs(prompt + [x1]) for x1 in range(len(first)))
@@ -882,11 +882,13 @@ def test_the_wheel_with_only_its_onnxruntime_extra_decodes_an_artifact(artifact,
     root = pathlib.Path(__file__).resolve().parents[1]
     source = tmp_path / "source"
     source.mkdir()
-    keep = ("pyproject.toml", "README.md", "__init__.py", "runtime", "adapters", "export", "tools", "apps", "metrics")
-    for name in keep:
-        copy = shutil.copytree if (root / name).is_dir() else shutil.copy2
-        copy(root / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                            if (root / name).is_dir() else {}))
+    import tomllib
+
+    folders = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    for folder in sorted({f.split("/")[0] for f in folders} - {"."}):  # the package's folders, as the wheel takes them
+        shutil.copytree(root / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [root / "pyproject.toml", root / "README.md", *root.glob("*.py")]:  # and its root modules
+        shutil.copy2(path, source / path.name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
                    check=True, cwd=tmp_path, timeout=600)
