@@ -58,14 +58,14 @@ class ModelDrafter:
         self.stop = stop
         self.sampling = settings.sampling
         self.seed = settings.seed
-        self.generator = np.random.default_rng(self.seed + 1)
+        self.generator: np.random.Generator | None = None  # seeded per run (start)
         self.pending: list[int] = []  # emitted tokens the draft cache lacks; the last is the current root
         self.length = 0  # rows in the draft cache
         self.base = 0  # its length once the pending tokens are in, before the drafts
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
         self.engine.reset(capacity + self.gamma)
-        self.generator = np.random.default_rng(self.seed + 1)  # its own stream: the target's draws stay plain decoding's
+        self.generator = np.random.default_rng(self.seed + 1)  # its own: the target's draws stay plain decoding's
         self.engine.prefill(prompt_ids, with_streams=False)
         self.length, self.pending = len(prompt_ids), [root]
         return 1
