@@ -828,32 +828,23 @@ def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(ar
     assert load(copy, "onnxruntime").calibration.tree in bucket_candidates()
 
 
-# A device app's generation: the artifact's ONNX model, its tokenizer and the decode loop. It must not load
-# torch, Transformers or the training code (the default artifact's run is the same code on a larger model).
-NO_TORCH_RUN = """
-import sys, runpy
-artifact, temperature = sys.argv[1:3]
-for method in ("ss", "ar"):
-    sys.argv = ["generate", "--artifact", artifact, "--backend", "onnxruntime", "--prompt", "hello world",
-                "--max-new-tokens", "6", "--json", "--method", method, "--temperature", temperature]
-    try:
-        runpy.run_module("streamfuse.runtime.generate", run_name="__main__")
-    except SystemExit as done:
-        assert done.code == 0, done.code
-print("loaded:", sorted(m for m in ("torch", "transformers", "peft", "streamfuse.adapters", "streamfuse.export")
-                        if m in sys.modules))
-"""
-
-
+# A device app's generation: the artifact's ONNX model, its tokenizer and the decode loop, through
+# tools/footprint.py (generate's output, then the process's footprint). It must not load torch,
+# Transformers or the training code (the default artifact's run is the same code on a larger model).
 def generate_without_torch(python: str, artifact, temperature: str, cwd) -> list[dict]:
     import subprocess
 
-    done = subprocess.run([python, "-c", NO_TORCH_RUN, str(artifact), temperature], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    *records, loaded = done.stdout.strip().splitlines()
-    assert loaded == "loaded: []", loaded
-    return [json.loads(line) for line in records]
+    records = []
+    for method in ("ss", "ar"):
+        done = subprocess.run([python, "-m", "streamfuse.tools.footprint", "--artifact", str(artifact), "--backend",
+                               "onnxruntime", "--prompt", "hello world", "--max-new-tokens", "6", "--json", "--method",
+                               method, "--temperature", temperature], capture_output=True, text=True, cwd=cwd,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        record, footprint = map(json.loads, done.stdout.strip().splitlines())
+        assert footprint["heavy_modules"] == [] and footprint["status"] == 0, footprint
+        records.append(record)
+    return records
 
 
 @needs("onnx")
