@@ -1,5 +1,6 @@
 """runtime/methods: one registry of decoding methods; a new one is a file and a registry line."""
 
+import dataclasses
 import json
 
 import pytest
@@ -56,7 +57,7 @@ def test_an_unknown_method_and_a_misplaced_threshold_are_clear_errors():
     with pytest.raises(ValueError, match="SpecDec\\+\\+'s, not method sd's"):
         DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(2), threshold=0.5)
     with pytest.raises(ValueError, match="registered already"):
-        methods.register(methods.get("ss").__class__(**{**methods.get("ss").__dict__, "label": "another"}))
+        methods.register(dataclasses.replace(methods.get("ss"), label="another"))
 
 
 @pytest.fixture
