@@ -104,6 +104,27 @@ class StepKeyValues(KeyValues):
         return past_keys.index_copy(2, slots, keys), past_values.index_copy(2, slots, values)
 
 
+class ScratchKeyValues(KeyValues):
+    """K/V written into the free slots of a preallocated cache (eager only: the graphs' "scratch" layout):
+    this call's main rows go to slots start.. of cache (keys, values [L, kv, C, d]) in place, and attention
+    reads a view of slots [0, start + rows): no copy of the cache. The host keeps the rows it accepts and
+    overwrites the rest on the next call."""
+
+    def __init__(self, num_layers: int, main_len: int, cache: tuple[torch.Tensor, torch.Tensor], start: int):
+        super().__init__(main_len)
+        self.cache, self.start = cache, start
+        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def _store(self, layer, keys, values):
+        end = self.start + self.main_len
+        if end > self.cache[0].shape[2]:
+            raise ValueError(f"{end} cache slots needed, {self.cache[0].shape[2]} allocated")
+        self.new[layer] = (keys, values)
+        for cache, rows in zip(self.cache, (keys, values)):
+            cache[layer : layer + 1, :, self.start : end] = rows
+        return self.cache[0][layer : layer + 1, :, :end], self.cache[1][layer : layer + 1, :, :end]
+
+
 def in_place_slots(start: torch.Tensor, capacity: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots [start, start + count) of a capacity-row cache: (inside [C] bool, index [C] of the new
     row each slot takes, clamped where outside)."""

@@ -58,7 +58,7 @@ SLOT_COLUMNS = 16  # probs x values in column blocks this wide: ONNX Runtime's f
 
 
 def decode_ordered(scores: torch.Tensor, value: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Softmax over each main row's scores in plain decoding's order (export/graph.py decode_order: the
+    """Softmax over each main row's scores in plain decoding's order (runtime/backends/graph_passes.py decode_order: the
     row's ancestors at their depths), the probabilities back at their slots, then probs x values in
     SLOT_COLUMNS-wide blocks. scores [B, kv, group, T', K] (K: the C slots, then stream keys), value
     [B, kv, K, d] -> [B·kv, group·T', d]."""

@@ -49,7 +49,7 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
 
 def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
     """The graphs take the K / V cache as one input per layer (runtime/backends/static_graph.py
-    CACHE_INPUTS): [L, kv, C, d] -> a list of L [1, kv, C, d] tensors (export/graph.py split_cache
+    CACHE_INPUTS): [L, kv, C, d] -> a list of L [1, kv, C, d] tensors (runtime/backends/graph_passes.py split_cache
     reads either), named <name>_<layer>."""
     flat_args, flat_names = [], []
     for name, value in zip(names, args):

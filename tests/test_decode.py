@@ -49,7 +49,8 @@ class OracleDrafts:
         return self._oracle_streams(self.inner.prefill(token_ids, with_streams))
 
     def step(self, tokens, tree, with_streams, prune=None, greedy=False):
-        return self._oracle_streams(self.inner.step(tokens, tree, with_streams, prune, greedy))
+        # Logits, not the engine's greedy step: the oracle replaces the streams the greedy step would rank.
+        return self._oracle_streams(self.inner.step(tokens, tree, with_streams, prune))
 
     def commit(self, nodes):
         self.inner.commit(nodes)
@@ -59,7 +60,7 @@ class OracleDrafts:
 
     def _oracle_streams(self, out: StepOutput) -> StepOutput:
         def streams(node: int) -> np.ndarray:
-            done = self.inner.cache.length - self.prompt_len  # tokens already in the cache
+            done = self.inner.length - self.prompt_len  # tokens already in the cache
             logits = torch.randn(self.num_streams, self.vocab_size)
             for depth in range(1, self.num_streams + 1):
                 index = done + depth

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.graph import GraphShapes, accepted_node, graph_modules, graph_spec, greedy_schedule
+from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import STREAM_STATES
+from streamfuse.runtime.backends.graph_passes import accepted_node
 from streamfuse.runtime.backends.static_graph import (
     StaticGraphBackend,
     base_method,

@@ -6,8 +6,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.msa import StepKeyValues
-from streamfuse.export import graph
 from streamfuse.export.graph_attention import grouped_attention
+from streamfuse.runtime.backends import graph_passes
 
 
 @pytest.mark.parametrize("left_over", [None, "other layer", "no layer"])
@@ -19,7 +19,7 @@ def test_graph_attention_is_eager_attention(left_over):
     module.num_key_value_groups, module.training = 3, False
     if left_over is not None:
         slots = torch.zeros(1, 2, 512, 16)
-        order = graph.decode_order(torch.tensor([5]), torch.eye(4), torch.zeros(4, dtype=torch.long), 512)
+        order = graph_passes.decode_order(torch.tensor([5]), torch.eye(4), torch.zeros(4, dtype=torch.long), 512)
         provider = StepKeyValues(1, 4, [(slots, slots)], write_at=torch.tensor([5]), order=order)
         provider.update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), 0)
         module.layer_idx = 1 if left_over == "other layer" else None

@@ -3,7 +3,7 @@
 import pytest
 
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.backends.pytorch import keep_nodes
+from streamfuse.runtime.backends.static_graph import keep_nodes
 from streamfuse.runtime.tree import TreeSpec
 
 

@@ -28,7 +28,6 @@ import torch
 
 from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DEFAULT_TREE
 from streamfuse.runtime.loader import BACKENDS, load
@@ -56,7 +55,7 @@ def default_backends(artifact: Path) -> str:
 def schedule_of(engine: Engine) -> str:
     """Where the benchmarked tree's streams run on this engine (fused or deferred)."""
     backend, tree = engine.loaded.backend, engine.settings["ar"].tree
-    return backend.stream_schedule(tree) if isinstance(backend, StaticGraphBackend) else backend.stream_schedule
+    return backend.stream_schedule(tree)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from streamfuse.export.graph import GraphShapes, GreedyStepPass, MainPass, StepPass, StreamsPass, example_inputs
+from streamfuse.export.graph import GraphShapes, example_inputs
+from streamfuse.runtime.backends.graph_passes import GreedyStepPass, MainPass, StepPass, StreamsPass
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times, tree_inputs

@@ -216,7 +216,7 @@ class StreamfuseRunner:
     def info(self) -> dict:
         return {"engine": "streamfuse", "method": self.settings.method, "backend": self.loaded.backend.name,
                 "tree": self.settings.tree.to_dict() if self.settings.method == "ss" else None,
-                "stream_schedule": getattr(self.loaded.backend, "stream_schedule", None)}
+                "stream_schedule": self.loaded.backend.stream_schedule(self.settings.tree) if self.settings.tree else None}
 
     def close(self) -> None:
         pass

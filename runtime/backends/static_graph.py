@@ -1,9 +1,11 @@
-"""The backend for exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML).
+"""The backend over the graphs' functions: exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML)
+and the same functions run eagerly by torch (runtime/backends/pytorch.py).
 
 The graphs are pure functions (see the artifact's manifest, "methods"); this class owns what
 they leave to the host: the KV cache [L, kv_heads, C, d], chunked prefill, committing the
-accepted tree nodes' rows, and running the streams of the last accepted node after the commit.
-A `Session` is the only engine-specific part: it runs one named method on a list of numpy arrays.
+accepted tree nodes' rows, running the streams of the last accepted node after the commit, and
+pruning a tree. A `Session` is the only engine-specific part: it runs one named method on a list of
+arrays (numpy; the torch session keeps the cache as tensors on its device).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ INPUT_NAMES = {
     "streams": ["anchor", "cache_len", "keys", "values"],
     "greedy_step": ["ids", "cache_len", "tree", "depths", "parents", "keys", "values"],
     "heads": ["anchor", "cache_len", "keys", "values"],
+    "pruned_step": ["ids", "cache_len", "tree", "depths", "parents", "keys", "values"],  # the torch session's only
 }
 OUTPUT_NAMES = {
     "prefill": ["logits", "anchor", "hidden", "new_keys", "new_values"],
@@ -49,6 +52,7 @@ OUTPUT_NAMES = {
     "streams": ["stream_logits", "stream_states"],
     "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values", "stream_states"],
     "heads": ["head_logits"],
+    "pruned_step": ["logits", "anchor", "hidden", "new_keys", "new_values", "transitions"],
 }
 # A pad row's depth: its position is the row before the tree's root (a real, finite one), and greedy_step
 # weighs reachable rows by depth + 1, so a pad row (weight 0) never wins over the root (weight 1).
@@ -148,26 +152,31 @@ def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[np.nda
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """What the host must know about the exported graphs (from the artifact manifest)."""
+    """What the host must know about the graphs (an artifact's manifest, or the torch session's model)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     num_streams: int
-    capacity: int  # KV rows the graphs attend over
-    prefill_chunk: int
-    buckets: tuple[int, ...]  # row counts with step / greedy_step graphs, ascending
-    greedy_schedules: tuple[str, ...]  # each bucket's greedy_step streams schedule
-    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead
+    capacity: int  # KV rows the graphs attend over (dynamic: the most the host allocates unasked)
+    prefill_chunk: int  # prompt tokens per prefill call (dynamic: the whole prompt in one call)
+    buckets: tuple[int, ...]  # row counts with step / greedy_step graphs, ascending (dynamic: none)
+    greedy_schedules: tuple[str, ...]  # each bucket's greedy_step streams schedule (dynamic: one for all)
+    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead (dynamic: any)
     heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
+    # The session runs any row count (torch eager): a tree takes its own rows, no pad; the cache grows on reset.
+    dynamic: bool = False
 
     @property
-    def max_nodes(self) -> int:
-        return self.buckets[-1]
+    def max_nodes(self) -> int | None:
+        """The largest tree a step takes (None: any)."""
+        return None if self.dynamic else self.buckets[-1]
 
     def bucket(self, tree: TreeSpec) -> int:
         """The rows of the smallest step graph that holds `tree`."""
+        if self.dynamic:
+            return tree.num_nodes
         for rows in self.buckets:
             if tree.num_nodes <= rows:
                 return rows
@@ -175,16 +184,23 @@ class GraphSpec:
                          f"({self.max_nodes} rows): use a tree of at most {self.max_nodes} nodes, or rebuild the "
                          f"artifact with export/build.py --set export.buckets=...,{tree.num_nodes}")
 
+    def drafts_from(self, tree: TreeSpec) -> bool:
+        """Whether greedy_step's ranked drafts cover every level of `tree`."""
+        return self.dynamic or max(tree.widths) <= self.width
+
     def schedule(self, rows: int) -> str:
-        return self.greedy_schedules[self.buckets.index(rows)]
+        return self.greedy_schedules[0 if self.dynamic else self.buckets.index(rows)]
 
 
 class StaticGraphBackend:
     """Backend protocol over a Session. Greedy steps run the tree's greedy_step, one call (unless
     use_greedy_step is False); otherwise, and for sampling, its `step` and then, after the commit,
-    a `streams` call for the accepted node (the deferred schedule)."""
+    a `streams` call for the accepted node (the deferred schedule). A pruned step (a session with
+    pruned_step: the torch one) also returns each node's transition probability, and the host keeps
+    the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the session's device tensors)."""
 
-    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True):
+    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True,
+                 zeros: Callable[[tuple[int, ...]], object] = functools.partial(np.zeros, dtype=np.float32)):
         self.session = session
         self.spec = spec
         self.use_greedy_step = use_greedy_step
@@ -193,11 +209,12 @@ class StaticGraphBackend:
         self.num_streams = spec.num_streams
         self.vocab_size = spec.vocab_size
         self.max_positions = spec.capacity  # the artifact's context: a run must fit its static cache
-        shape = (spec.num_layers, spec.num_kv_heads, spec.capacity, spec.head_dim)
-        self.keys = np.zeros(shape, dtype=np.float32)
-        self.values = np.zeros(shape, dtype=np.float32)
+        self._zeros = zeros
+        self.keys = self.values = None
+        if not spec.dynamic:
+            self._allocate(spec.capacity)
         self.length = 0
-        self._pending: tuple[np.ndarray, np.ndarray] | None = None
+        self._pending = None
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def step_rows(self, tree: TreeSpec | None) -> int:
@@ -205,15 +222,19 @@ class StaticGraphBackend:
         return self.spec.bucket(tree) if tree is not None else 1
 
     def reset(self, capacity: int) -> None:
-        if capacity > self.spec.capacity:
+        if self.spec.dynamic:
+            if self.keys is None or self.keys.shape[2] < capacity:
+                self._allocate(capacity)
+        elif capacity > self.spec.capacity:
             raise CapacityError(f"a run needs {capacity} KV positions but the artifact was exported with capacity "
                                 f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --set export.capacity=N")
         self.length = 0
         self._pending = None
 
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
-        chunk = self.spec.prefill_chunk
         tokens = list(token_ids)
+        chunk = len(tokens) if self.spec.dynamic else self.spec.prefill_chunk
+        self._check_room(len(tokens))
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             ids = _ids(piece + [0] * (chunk - len(piece)))  # pad rows come last: causal, never seen
@@ -226,29 +247,34 @@ class StaticGraphBackend:
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
              prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
-        if prune is not None:
+        if prune is not None and not getattr(self.session, "prunes", False):
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
         count = tree.num_nodes if tree is not None else 1
         if len(tokens) != count:
             raise ValueError(f"a step of {count} nodes takes {count} tokens, got {len(tokens)}")
-        rows = self.spec.bucket(tree) if tree is not None else 1
-        if self.length + rows > self.spec.capacity:
-            raise CapacityError(f"KV cache full: {self.length} committed + {rows} new > capacity {self.spec.capacity}")
+        rows = self.step_rows(tree)
+        self._check_room(rows)
         ids = _ids(list(tokens) + [0] * (rows - count))  # pad rows see only themselves
         if tree is None:
             method, inputs = "decode", [ids, self._length(), self.keys, self.values]
         else:
             visible, depths, parents = self._tree_inputs(tree, rows)
-            if greedy and with_streams and self.use_greedy_step and max(tree.widths) <= self.spec.width:
+            if prune is not None:
+                method, inputs = "pruned_step", [ids, self._length(), visible, depths, parents, self.keys, self.values]
+            elif greedy and with_streams and self.use_greedy_step and self.spec.drafts_from(tree):
                 return self._greedy_step(bucket_method("greedy_step", rows), count, [
                     ids, self._length(), visible, depths, parents, self.keys, self.values])
-            method, inputs = bucket_method("step", rows), [ids, self._length(), visible, depths, self.keys, self.values]
-        logits, anchors, hidden, new_keys, new_values = (t[..., :count, :] for t in self.session.run(method, inputs))
+            else:
+                method = bucket_method("step", rows)
+                inputs = [ids, self._length(), visible, depths, self.keys, self.values]
+        logits, anchors, hidden, new_keys, new_values, *transitions = (
+            t[..., :count, :] if t.ndim > 1 else t for t in self.session.run(method, inputs))
         self._pending = (new_keys, new_values)
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
-        return StepOutput(_float(logits), stream_logits,
+        kept = keep_nodes(tree, transitions[0].tolist(), prune) if prune is not None else None
+        return StepOutput(_float(logits), stream_logits, kept,
                           extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)))
 
     def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -260,15 +286,17 @@ class StaticGraphBackend:
 
     def stream_schedule(self, tree: TreeSpec) -> str:
         """Where a greedy step of `tree` runs its streams (its bucket's greedy_step schedule), else deferred."""
-        greedy = self.use_greedy_step and max(tree.widths) <= self.spec.width
+        greedy = self.use_greedy_step and self.spec.drafts_from(tree)
         return self.spec.schedule(self.spec.bucket(tree)) if greedy else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
             raise RuntimeError("commit without a step")
         new_keys, new_values = self._pending
-        index = np.asarray(nodes, dtype=np.int64)
-        self._store(new_keys[:, :, index], new_values[:, :, index])
+        index = list(nodes)
+        # A prefix of the step's rows needs no gather (a scratch session's rows are where they belong already).
+        keep = slice(0, len(index)) if index == list(range(len(index))) else np.asarray(index, dtype=np.int64)
+        self._store(new_keys[:, :, keep], new_values[:, :, keep])
         self._pending = None
 
     def rollback(self, length: int) -> None:
@@ -281,10 +309,19 @@ class StaticGraphBackend:
         return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
+    def _allocate(self, rows: int) -> None:
+        shape = (self.spec.num_layers, self.spec.num_kv_heads, rows, self.spec.head_dim)
+        self.keys, self.values = self._zeros(shape), self._zeros(shape)
+
+    def _check_room(self, rows: int) -> None:
+        if self.length + rows > self.keys.shape[2]:
+            raise CapacityError(f"KV cache full: {self.length} committed + {rows} new > capacity "
+                                f"{self.keys.shape[2]}; reset the backend with a larger capacity or lower max_new_tokens")
+
     def _length(self) -> np.ndarray:
         return np.array([self.length], dtype=np.int64)
 
-    def _store(self, keys: np.ndarray, values: np.ndarray) -> None:
+    def _store(self, keys, values) -> None:
         count = keys.shape[2]
         self.keys[:, :, self.length : self.length + count] = keys
         self.values[:, :, self.length : self.length + count] = values
@@ -340,6 +377,26 @@ class StaticGraphBackend:
         -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
         logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
         return _float(logits), _float(states)
+
+
+def keep_nodes(tree: TreeSpec, transition: Sequence[float], prune: PruneConfig) -> list[bool]:
+    """Nodes that survive pruning; always ancestor-closed, the root always kept."""
+    score = [1.0] * tree.num_nodes
+    kept = [True] * tree.num_nodes
+    for node in range(1, tree.num_nodes):
+        parent = tree.parents[node]
+        score[node] = score[parent] * transition[node]
+        below = prune.threshold is not None and transition[node] < prune.threshold
+        kept[node] = kept[parent] and not below
+    if prune.budget is not None:
+        # Path probability only falls along a path, so the best-scoring nodes form a closed subtree
+        # (ties broken towards shallower, earlier nodes, which are ancestors).
+        ranked = sorted((n for n in range(1, tree.num_nodes) if kept[n]), key=lambda n: (-score[n], n))
+        allowed = set(ranked[: prune.budget])
+        kept = [n == 0 or (kept[n] and n in allowed) for n in range(tree.num_nodes)]
+        for node in range(1, tree.num_nodes):
+            kept[node] = kept[node] and kept[tree.parents[node]]
+    return kept
 
 
 def _ids(tokens: list[int]) -> np.ndarray:
