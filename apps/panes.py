@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from streamfuse.apps.markup import LEGEND, STYLES, Segment, Style, output_text
-from streamfuse.apps.session import METHODS
+from streamfuse.apps.session import DEFAULT_METHODS, method_choices
 from streamfuse.apps.stats import RunStats, stat_fields
 
 
@@ -51,9 +51,7 @@ class RunPane(QWidget):
     def __init__(self, method: str, parent: QWidget | None = None):
         super().__init__(parent)
         self.method_box = QComboBox()
-        for choice in METHODS:
-            self.method_box.addItem(choice.label, choice.key)
-        self.method_box.setCurrentIndex(self.method_box.findData(method))
+        self.set_methods(method_choices(DEFAULT_METHODS), method)
         self.run_button = QPushButton("Run")
         self.run_button.clicked.connect(self.run_clicked)
         self.output = QTextBrowser()
@@ -78,6 +76,14 @@ class RunPane(QWidget):
             grid.addWidget(name, 0, column)
             grid.addWidget(self.stat_values[label], 1, column)
         return grid
+
+    def set_methods(self, choices: list[tuple[str, str]], current: str | None = None) -> None:
+        """The selector's (name, label) choices; keeps `current` (default: the selected one) where it is one."""
+        current = current or self.method
+        self.method_box.clear()
+        for name, label in choices:
+            self.method_box.addItem(label, name)
+        self.method_box.setCurrentIndex(max(self.method_box.findData(current), 0))
 
     @property
     def method(self) -> str:

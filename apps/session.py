@@ -16,6 +16,7 @@ from streamfuse.apps.stats import RunStats
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DEFAULT_TREE, choose_tree, prompt_ids, run
+from streamfuse.runtime import methods
 from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -25,25 +26,13 @@ BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum
               "artifacts/dialogsum (every backend) or checkpoints/dialogsum-<preset>/ss (torch only).")
 
 
-@dataclass(frozen=True)
-class Method:
-    key: str  # DecodeSettings.method
-    label: str
-    drafts: bool  # uses a draft tree, so the tree setting applies
+# The panes' choices before a model is loaded; once one is, those of the registry it carries drafters for.
+DEFAULT_METHODS = ("ar", "ss")
 
 
-# The decoding methods runtime.generate.run knows; a new one needs only a row here.
-METHODS = (
-    Method("ar", "AR: plain decoding", drafts=False),
-    Method("ss", "SS: speculative streaming", drafts=True),
-)
-
-
-def method_named(key: str) -> Method:
-    for method in METHODS:
-        if method.key == key:
-            return method
-    raise ValueError(f"unknown method {key!r}; choose one of {', '.join(m.key for m in METHODS)}")
+def method_choices(names) -> list[tuple[str, str]]:
+    """(name, label) of registered methods, for a selector."""
+    return [(name, methods.get(name).label) for name in names]
 
 
 @dataclass(frozen=True)
@@ -92,11 +81,15 @@ class Session:
         streams = loaded.backend.num_streams
         # An artifact: its calibrated (or default) tree, which its graphs have; a checkpoint takes any that fits.
         tree = "" if loaded.tree is not None else f"gamma={min(3, streams)},k=2"
-        for method in METHODS:
-            if method.drafts and not streams:
+        for name in DEFAULT_METHODS:
+            if methods.get(name).streams and not streams:
                 continue  # a model without streams can still decode plainly
-            self.generate(GenerationRequest(method.key, "Hello.", tree, max_new_tokens=4), lambda *_: None,
+            self.generate(GenerationRequest(name, "Hello.", tree, max_new_tokens=4), lambda *_: None,
                           threading.Event())
+
+    def methods(self) -> list[tuple[str, str]]:
+        """(name, label) of the methods the loaded model decodes with (the registry's, where it has drafters)."""
+        return method_choices(self._loaded().methods)
 
     def default_tree(self) -> str:
         """What an empty tree setting means for the loaded artifact."""
@@ -117,11 +110,17 @@ class Session:
                 f"{self.request.stream_schedule} streams schedule")
 
     def settings(self, request: GenerationRequest) -> DecodeSettings:
-        method_named(request.method)
-        rules = StopRules(request.max_new_tokens, self._loaded().stop_token_ids)
-        tree = choose_tree(request.tree or None, self._loaded())
+        loaded = self._loaded()
+        if request.method not in loaded.methods:
+            raise ValueError(f"method {request.method!r} is not available for this model; it decodes with "
+                             f"{', '.join(loaded.methods)}")
+        method = methods.get(request.method)
+        rules = StopRules(request.max_new_tokens, loaded.stop_token_ids)
+        tree = choose_tree(request.tree or None, loaded, request.method)
+        if method.speculative:
+            loaded.check_method_tree(request.method, tree)
         return DecodeSettings(request.method, rules, tree=tree, sampling=SamplingConfig(request.temperature),
-                              seed=request.seed, fallback=self._loaded().fallback(tree))
+                              seed=request.seed, fallback=loaded.fallback(tree) if method.streams else None)
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
         """Run one generation; `on_update(new_segments, stats)` after every model call.

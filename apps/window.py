@@ -268,13 +268,14 @@ class MainWindow(QMainWindow):
             event.set()
 
     # --- worker reports -------------------------------------------------------------------
-    @Slot(str, str)
-    def _on_loaded(self, description: str, default_tree: str) -> None:
+    @Slot(str, str, object)
+    def _on_loaded(self, description: str, default_tree: str, methods: list[tuple[str, str]]) -> None:
         self.loading, self.ready = False, True
         self.model_label.setText(description)
         self.tree_edit.setPlaceholderText(f"default: {default_tree}")
         self.statusBar().showMessage("Ready: pick an example or paste a dialogue, then Run.")
         for pane in self.panes:
+            pane.set_methods(methods)
             pane.show_message("Ready.")
         self._update_busy()
         self.load_done.emit(True)

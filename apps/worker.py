@@ -19,7 +19,7 @@ from streamfuse.apps.stats import RunStats
 class Worker(QObject):
     """Lives in the worker thread; every slot reports back through a signal, never raises."""
 
-    loaded = Signal(str, str)  # description of the loaded artifact, what an empty tree setting means
+    loaded = Signal(str, str, object)  # the loaded artifact's description, what an empty tree means, its methods
     load_failed = Signal(str)
     started = Signal(int)  # pane
     progressed = Signal(int, object, object)  # pane, list[Segment], RunStats snapshot
@@ -38,7 +38,7 @@ class Worker(QObject):
         except Exception as error:  # shown in the window: a bad folder must not end the app
             self.load_failed.emit(f"Could not load {request.artifact}: {error}")
             return
-        self.loaded.emit(self.session.describe(), self.session.default_tree())
+        self.loaded.emit(self.session.describe(), self.session.default_tree(), self.session.methods())
 
     @Slot(int, object, object)
     def generate(self, pane: int, request: GenerationRequest, stop: threading.Event) -> None:

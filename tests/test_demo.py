@@ -17,6 +17,7 @@ from streamfuse.apps.examples import read_examples
 from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
 from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
 from streamfuse.apps.stats import RunStats, comparison, stat_fields
+from streamfuse.runtime import methods
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.loader import BACKENDS
 from streamfuse.runtime.trace import RunRecord
@@ -113,7 +114,7 @@ def test_session_stop_ends_after_the_current_step(session, checkpoint):
 def test_session_reports_bad_requests(session, tmp_path):
     with pytest.raises(ValueError, match="input is empty"):
         session.generate(GenerationRequest("ss", "  "), lambda *_: None, threading.Event())
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="method 'medusa' is not available for this model; it decodes with ar, "):
         session.generate(GenerationRequest("medusa", "x"), lambda *_: None, threading.Event())
     with pytest.raises(ValueError, match="tree"):
         session.generate(GenerationRequest("ss", "x", tree="gamma=3"), lambda *_: None, threading.Event())
@@ -164,6 +165,11 @@ def test_window_runs_both_panes_through_the_worker(qapp, checkpoint):
     try:
         wait_for(qapp, lambda: not window.loading)
         assert "torch backend" in window.model_label.text() and not window.banner.isVisibleTo(window)
+        # The selectors list the registry's methods this checkpoint decodes with (none needs a drafter file).
+        carried = [name for name in methods.names() if not methods.get(name).artifact_entries]
+        for pane, current in zip(window.panes, ("ar", "ss")):
+            assert [pane.method_box.itemData(i) for i in range(pane.method_box.count())] == carried
+            assert pane.method == current
         assert window.input_edit.toPlainText() == examples[0].dialogue
         assert window.reference.text().startswith("Reference summary:")
         window.both_button.click()
