@@ -12,7 +12,7 @@ from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.calibration import AcceptanceModel
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import build, distill, pipeline
+from streamfuse.training import build, distill, pipeline, stages
 
 from conftest import write_tiny_dialogsum
 
@@ -52,7 +52,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     first = json.loads((run_dir / "ss_stage1" / "streamfuse.json").read_text())["info"]
     first_ss_key = json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["training_key"]
     assert json.loads((run_dir / "ss" / "streamfuse.json").read_text())["info"]["first_stage"]["training_key"] == first["training_key"]
-    own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss_stage1')}-train.jsonl"
+    own_answers = run_dir / "distill" / f"{stages.model_key(run_dir / 'ss_stage1')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16
     unlabelled = own_answers.with_name(own_answers.name.replace("-train.jsonl", "-unlabelled.jsonl"))
     assert len(unlabelled.read_text().splitlines()) == 4  # the dialogues without references
@@ -62,6 +62,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     lora = [load_file(str(run_dir / stage / "lora" / "adapter_model.safetensors")) for stage in ("ss_stage1", "ss")]
     assert lora[0].keys() == lora[1].keys() and all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])
     assert not list(run_dir.glob("*.snapshot")), "snapshots are removed once a checkpoint is saved"
+    assert not list(run_dir.glob(".*.partial-*")) and not list(run_dir.glob(".*.old")), "stages' staging folders"
     manifest = json.loads((run_dir / "ss" / "streamfuse.json").read_text())
     assert manifest["info"]["prompt"]["source_template"] == "{dialogue}"  # the runtime formats inputs from it
     out = capsys.readouterr().out
@@ -128,7 +129,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert rebuilt["graphs"]["buckets"] == [4, 8]
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
     assert "[specdec++] acceptance head added to" in out and "[ss-adaptive] acceptance head added to" in out
-    own_answers = run_dir / "distill" / f"{pipeline.model_key(run_dir / 'ss')}-train.jsonl"
+    own_answers = run_dir / "distill" / f"{stages.model_key(run_dir / 'ss')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16  # the target's, beside its first stage's
     assert json.loads((run_dir / "sd" / "streamfuse.json").read_text())["base_layers"] == 2
     drafters = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["drafters"]
@@ -241,12 +242,15 @@ def test_baseline_checkpoint_key_ignores_stream_settings():
 
     from streamfuse.training.config import preset
 
+    def inputs(config, with_streams):
+        return stages.train_inputs(config, "dialogsum", "m", with_streams)
+
     cpu = preset("cpu")
     other = replace(cpu, streams=replace(cpu.streams, num_streams=4), train=replace(cpu.train, stream_weight=0.5))
-    assert cpu.training_key("dialogsum", "m", with_streams=False) == other.training_key("dialogsum", "m", with_streams=False)
-    assert cpu.training_key("dialogsum", "m", with_streams=True) != other.training_key("dialogsum", "m", with_streams=True)
+    assert inputs(cpu, with_streams=False) == inputs(other, with_streams=False)
+    assert inputs(cpu, with_streams=True) != inputs(other, with_streams=True)
     longer = replace(cpu, train=replace(cpu.train, epochs=3.0))
-    assert cpu.training_key("dialogsum", "m", with_streams=False) != longer.training_key("dialogsum", "m", with_streams=False)
+    assert inputs(cpu, with_streams=False) != inputs(longer, with_streams=False)
 
 
 def config_of(*argv: str):
@@ -345,7 +349,7 @@ def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
 def test_distilled_model_is_keyed_on_its_first_stage_and_its_recipe():
     cpu = config_of("--preset", "cpu-distill")
     own = config_of("--preset", "cpu-distill", "--set", "distill.with_references=false")
-    assert cpu.distill_key("a-ss") != cpu.distill_key("b-ss") != own.distill_key("b-ss")
+    assert stages.distill_inputs(cpu, "a-ss") != stages.distill_inputs(cpu, "b-ss") != stages.distill_inputs(own, "b-ss")
 
 
 def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_path):
@@ -367,7 +371,7 @@ def test_validation_rows_past_the_held_out_slice_can_train(tiny_base_dir, tmp_pa
     assert [ex.id for ex in sliced.validation] == [f"dev_{i}" for i in range(5)]
     assert [ex.id for ex in sliced.train_examples] == [f"train_{i}" for i in range(24)] + ["dev_5", "dev_6", "dev_7"]
     # Which rows train then depends on the slice, so the checkpoint key does; without the option it does not.
-    key = lambda c: c.training_key("dialogsum", "m", with_streams=True)  # noqa: E731
+    key = lambda c: stages.train_inputs(c, "dialogsum", "m", with_streams=True)  # noqa: E731
     assert key(config) != key(more.config) != key(plain.config)
     unsliced = dataclasses.replace(plain.config, data=dataclasses.replace(plain.config.data, validation_limit=5))
     assert key(unsliced) == key(plain.config)
@@ -384,7 +388,7 @@ def test_the_cpu_preset_trains_on_the_rest_of_the_validation_split_and_the_key_f
     assert (preset("cpu").lora.dropout, preset("cpu-distill").lora.dropout) == (0.0, 0.05)
 
     def key(config):
-        return config.training_key("dialogsum", "m", True)
+        return stages.train_inputs(config, "dialogsum", "m", True)
 
     for name in ("cpu", "cpu-distill"):  # the test cut never trains; the validation cut only where its rest does
         config = preset(name)

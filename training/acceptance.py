@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,15 +76,24 @@ def item_features(model: SpeculativeStreamingLM, item: Encoded) -> tuple[torch.T
 
 def acceptance_features(model: SpeculativeStreamingLM, items: Sequence[Encoded], cache: Path) -> AcceptanceFeatures:
     """Every item's examples (cached in `cache`, a safetensors file, per draft model)."""
+    return collect_features(items, lambda item: item_features(model, item), cache, "specdec++")
+
+
+def collect_features(items: Sequence[Encoded], examples: Callable[[Encoded], tuple[torch.Tensor, torch.Tensor]],
+                     cache: Path, method: str) -> AcceptanceFeatures:
+    """examples(item) -> ([P, H] states, [P] accepted) over every item whose answer has two tokens or more
+    (the first is the target's own, never drafted); cached in `cache`, a safetensors file."""
     if (stored := load_features(cache)) is not None:
         return AcceptanceFeatures(stored["hidden"], stored["accepted"])
     hidden, accepted = [], []
-    for item in tqdm(items, desc="specdec++ features", unit="ex", dynamic_ncols=True):
+    for item in tqdm(items, desc=f"{method} features", unit="ex", dynamic_ncols=True):
         if len(item.input_ids) - item.prompt_len < 2:
             continue
-        states, labels = item_features(model, item)
+        states, labels = examples(item)
         hidden.append(states.to(torch.float16))
         accepted.append(labels)
+    if not hidden:
+        raise ValueError(f"{method}: no own answer of two or more tokens to learn acceptance from")
     features = AcceptanceFeatures(torch.cat(hidden), torch.cat(accepted))
     save_features(cache, {"hidden": features.hidden, "accepted": features.accepted})
     return features

@@ -6,8 +6,6 @@ to set, never silently compensated by changing another field."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import types
 import typing
 from dataclasses import asdict, dataclass, field, replace
@@ -204,10 +202,6 @@ class EvalConfig:
     top_k: int = 5  # stream accuracy is reported as top-1 and top-k
 
 
-# TrainConfig fields that only the streams use: the next-token baseline's key leaves them out.
-STREAM_TRAIN_FIELDS = ("stream_weight", "pruning_weight", "stream_lr_scale", "init_lr_scale")
-
-
 @dataclass(frozen=True)
 class StagesConfig:
     """The build's stages around training: which run, and on how many inputs."""
@@ -259,56 +253,6 @@ class BuildConfig:
         if self.distill.enabled and self.streams.init_rank and self.distill.init_rank:
             raise ValueError(f"the first stage already gives the streams an f_eta (streams.init_rank="
                              f"{self.streams.init_rank}); set distill.init_rank=0 to train it on in the second stage")
-
-    def training_key(self, task: str, base_model: str, with_streams: bool) -> str:
-        """Hash of everything that determines the trained weights: a checkpoint is reused only
-        when this matches. The next-token baseline ignores the stream settings; the test cut and,
-        unless its rest trains, the validation cut do not change what trains."""
-        data, train = asdict(self.data), asdict(self.train)
-        data.pop("test_limit")
-        if not self.data.train_on_validation_rest:
-            data.pop("validation_limit")
-        payload = {"task": task, "base": base_model, "lora": asdict(self.lora), "data": data, "train": train}
-        if with_streams:
-            payload["streams"] = asdict(self.streams)
-        else:
-            for field_name in STREAM_TRAIN_FIELDS:
-                train.pop(field_name)
-        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-        return digest + ("-ss" if with_streams else "-lora")
-
-    def distill_key(self, first_stage_key: str) -> str:
-        """The distilled model depends on the first stage, the answers' length and the stage's recipe."""
-        payload = {"first": first_stage_key, "distill": asdict(self.distill), "answer_tokens": self.data.max_target_tokens}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-distilled"
-
-    def sd_key(self, target_key: str) -> str:
-        """The draft model depends on the target whose answers it learns, their length and its recipe
-        (not gamma: how many it drafts per step is the runtime's choice)."""
-        recipe = {k: v for k, v in asdict(self.sd).items() if k not in ("enabled", "gamma")}
-        payload = {"target": target_key, "sd": recipe, "train": asdict(self.train),
-                   "answer_tokens": self.data.max_target_tokens}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-sd"
-
-    def medusa_key(self, target_key: str) -> str:
-        """The heads depend on the target whose states they read, its answers' length and their recipe."""
-        recipe = {k: v for k, v in asdict(self.medusa).items() if k != "enabled"}
-        payload = {"target": target_key, "medusa": recipe, "seed": self.train.seed,
-                   "answer_tokens": self.data.max_target_tokens}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-medusa"
-
-    def specdec_key(self, draft_key: str) -> str:
-        """The head depends on the draft model it reads and its recipe (not the threshold or γ_max: runtime choices)."""
-        recipe = {k: v for k, v in asdict(self.specdec).items() if k not in ("enabled", "threshold", "max_drafts")}
-        payload = {"draft": draft_key, "specdec": recipe, "seed": self.train.seed}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-specdec"
-
-    def adaptive_key(self, target_key: str) -> str:
-        """The head depends on the SS model whose streams it reads, its answers' length and its recipe."""
-        recipe = {k: v for k, v in asdict(self.adaptive).items() if k != "enabled"}
-        payload = {"target": target_key, "adaptive": recipe, "seed": self.train.seed,
-                   "answer_tokens": self.data.max_target_tokens}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + "-adaptive"
 
     def as_dict(self) -> dict:
         return asdict(self)

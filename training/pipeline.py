@@ -1,5 +1,6 @@
-"""The build's stages, driven by export/build.py: data, train, distil, evaluate, calibrate, export,
-verify and profile, each reusing its output when rerun with the same settings."""
+"""The build, driven by export/build.py: data, the trained stages (training/stages.py: train, distil,
+the other methods' drafters), evaluate, calibrate, export, verify and profile, each reusing its output
+when rerun with the same settings."""
 
 from __future__ import annotations
 
@@ -7,18 +8,15 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from streamfuse.adapters.acceptance import MANIFEST as ACCEPTANCE_MANIFEST
-from streamfuse.adapters.acceptance import AcceptanceHead, read_acceptance_manifest, save_acceptance_head
+from streamfuse.adapters.acceptance import read_acceptance_manifest
 from streamfuse.adapters.base_model import load_base_model
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
-from streamfuse.adapters.draft_model import draft_model
+from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.adapters.lora import add_lora
-from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
+from streamfuse.adapters.medusa import read_heads_manifest
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import worker
 from streamfuse.export.artifact import (
@@ -37,11 +35,10 @@ from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
 from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import report
-from streamfuse.training.acceptance import AcceptanceTraining, acceptance_features, train_acceptance
+from streamfuse.training import report, stages
 from streamfuse.training.calibration import acceptance_model, tree_text, trees_to_export
 from streamfuse.training.config import BuildConfig
-from streamfuse.training.data import Encoded, encode, prompt_format, prompt_text
+from streamfuse.training.data import Encoded, encode, prompt_text
 from streamfuse.training.distill import distill_rows, self_distilled
 from streamfuse.training.evaluation import (
     answer_quality,
@@ -51,41 +48,9 @@ from streamfuse.training.evaluation import (
     task_quality,
 )
 from streamfuse.training.frozen_states import FrozenStates
-from streamfuse.training.medusa import HeadTraining, head_features, train_heads
 from streamfuse.training.profiling import profile_artifact
-from streamfuse.training.stream_acceptance import stream_acceptance_features
 from streamfuse.training.tasks import get_task
 from streamfuse.training.tasks.base import UNLABELLED
-from streamfuse.training.train import train
-
-
-def head_info(directory: Path, manifest: str, read) -> dict:
-    """The info of the trained head in `directory` (Medusa's, an acceptance head's); {} when there is none yet."""
-    return read(directory)["info"] if (directory / manifest).is_file() else {}
-
-
-def reusing(label: str, directory: Path, info: dict, key: str) -> bool:
-    """True, and says so, when `directory` holds what `key` trains."""
-    if info.get("training_key") != key:
-        return False
-    print(f"[{label}] reusing {directory} (same settings)", flush=True)
-    return True
-
-
-def stored_info(directory: Path) -> dict:
-    """The info of the checkpoint in `directory`; {} when there is none yet, or one of another format
-    (trained again)."""
-    if not (directory / "streamfuse.json").is_file():
-        return {}
-    try:
-        return read_manifest(directory)["info"]
-    except ValueError:
-        return {}
-
-
-def model_key(directory: Path) -> str:
-    """What results computed from a checkpoint are cached under: its settings and its weights."""
-    return f"{read_manifest(directory)['info']['training_key']}-{weights_digest(directory)}"
 
 
 class Build:
@@ -116,24 +81,7 @@ class Build:
     def _encode(self, example):
         return encode(self.task, self.tokenizer, example, self.config.data.max_source_tokens, self.config.data.max_target_tokens)
 
-    # --- train ----------------------------------------------------------------------------
-    def ensure_trained(self, name: str, with_streams: bool) -> Path:
-        directory = self.run_dir / name
-        key = self.config.training_key(self.task.name, self.args.base_model, with_streams)
-        prompt = prompt_format(self.task, self.config.data.max_source_tokens).to_dict()
-        existing = stored_info(directory)
-        if existing.get("training_key") == key:
-            print(f"[train] reusing {directory} (same settings)", flush=True)
-            if existing.get("prompt") != prompt:
-                update_info(directory, prompt=prompt)  # checkpoints from before the prompt was recorded
-            return directory
-        model = self.new_model()
-        info = {"task": self.task.name, "prompt": prompt, "preset": self.config.preset, "with_streams": with_streams,
-                "extra_parameters": model.extra_parameters()}
-        result = self._train_and_save(model, self.train_items, self.config.train, directory, key, with_streams, info)
-        print(f"[train] {name}: {result.seconds / 60:.1f} min, {result.tokens} tokens -> {directory}", flush=True)
-        return directory
-
+    # --- models and answers the stages share (training/stages.py) ------------------------
     def new_model(self) -> SpeculativeStreamingLM:
         """The base model with fresh LoRA, streams and pruning head, initialised from the training
         seed: libraries reseed torch's generator at import, so without it no two builds match."""
@@ -141,21 +89,6 @@ class Build:
         torch.manual_seed(self.config.train.seed)
         return SpeculativeStreamingLM(add_lora(base, self.config.lora), self.config.streams)
 
-    def _train_and_save(self, model, items, config, directory: Path, key: str, with_streams: bool, info: dict,
-                        lora=None, base_layers: int | None = None):
-        """Train (resumably), then save the checkpoint with `info` plus this stage's figures. A model of
-        the base's first `base_layers` layers (a draft model) has no frozen bottom shared with the others."""
-        snapshot = self.run_dir / f"{directory.name}-{key}.snapshot"
-        states = self.frozen_states if base_layers is None else None
-        result = train(model, items, config, snapshot, self.pad_id, with_streams, directory.name, states)
-        stage = {"train_seconds": round(result.seconds, 1), "train_tokens": result.tokens,
-                 "optimizer_steps": result.optimizer_steps, "final_losses": result.final_losses}
-        save_checkpoint(model, self.tokenizer, directory, self.args.base_model, lora or self.config.lora,
-                        {**info, **stage, "training_key": key, "config": self.config.as_dict()}, base_layers)
-        shutil.rmtree(snapshot, ignore_errors=True)
-        return result
-
-    # --- distil ---------------------------------------------------------------------------
     def own_answers(self, model, key: str, examples, split: str) -> list[Encoded]:
         """Prompt + the model's own greedy answer for each example, cached per model and split."""
         prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in examples]
@@ -163,44 +96,6 @@ class Build:
         return self_distilled(model.model, self.tokenizer, [ex.id for ex in examples], prompts,
                               self.config.data.max_target_tokens, self.config.distill.batch_size, cache, split)
 
-    def ensure_distilled(self, first_dir: Path) -> Path:
-        """Second stage: the first-stage SS model trained further on its own greedy answers."""
-        directory = self.run_dir / "ss"
-        first = read_manifest(first_dir)["info"]
-        key = self.config.distill_key(first["training_key"])
-        first_weights = weights_digest(first_dir)
-        stored = stored_info(directory)
-        # Checkpoints from before the first stage's weights were recorded are taken at their key.
-        trained_from = stored.get("first_stage", {}).get("weights", first_weights)
-        if stored.get("training_key") == key and trained_from == first_weights:
-            print(f"[distil] reusing {directory} (same settings)", flush=True)
-            return directory
-        distill = self.config.distill
-        first_model, first_key = self.inference_model(first_dir), model_key(first_dir)
-        answers = self.own_answers(first_model, first_key, self.train_examples, "train")
-        if distill.unlabelled:  # inputs without references: their own answers are their only targets
-            answers += self.own_answers(first_model, first_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
-        del first_model
-        # Frozen: LoRA loads untrainable, so the main stream computes exactly what the first stage's does.
-        model, _, _ = load_checkpoint(first_dir, self.args.base_model, trainable=distill.main_targets != "frozen")
-        if distill.init_rank:
-            torch.manual_seed(self.config.train.seed)  # the new f_eta blocks: the same every build
-            try:
-                model.grow_stream_init(distill.init_rank, distill.init_per_stream)
-            except ValueError as error:
-                raise ValueError(f"{first_dir}: {error}; pass --set distill.init_rank=0 to train its streams as they "
-                                 f"are") from error
-        items, finished = distill_rows(answers, self.train_items, self.tokenizer.eos_token_id, distill.main_targets,
-                                       self.config.data.max_target_tokens, distill.with_references)
-        first_stage = {"training_key": first["training_key"], "weights": first_weights,
-                       **{k: first[k] for k in report.STAGE_FIELDS}}
-        info = {**first, "extra_parameters": model.extra_parameters(), "first_stage": first_stage}
-        result = self._train_and_save(model, items, distill.train_config(self.config.train), directory, key, True, info)
-        print(f"[distil] {result.seconds / 60:.1f} min on {finished} of {len(answers)} own answers (the rest did not "
-              f"finish) and {len(items) - finished} references -> {directory}", flush=True)
-        return directory
-
-    # --- other methods --------------------------------------------------------------------
     def target_answers(self, target: SpeculativeStreamingLM, target_key: str, unlabelled: bool) -> tuple[list[Encoded], int]:
         """The SS model's own greedy answers that finished (prompt + answer), and how many it gave: what
         every other method's drafter learns, cached per model (the target features they share)."""
@@ -209,88 +104,6 @@ class Build:
             answers += self.own_answers(target, target_key, self.task.load(UNLABELLED, self.args.data_dir), UNLABELLED)
         items, _ = distill_rows(answers, [], self.tokenizer.eos_token_id, "own", self.config.data.max_target_tokens)
         return items, len(answers)
-
-    def ensure_draft_model(self, ss_dir: Path) -> Path:
-        """Method sd: the base's first layers with LoRA, trained on the SS model's own greedy answers."""
-        directory, sd = self.run_dir / "sd", self.config.sd
-        target_key = model_key(ss_dir)
-        key = self.config.sd_key(target_key)
-        if reusing("sd", directory, stored_info(directory), key):
-            return directory
-        items, answers = self.target_answers(self.inference_model(ss_dir), target_key, sd.unlabelled)
-        base, _ = load_base_model(self.args.base_model)
-        torch.manual_seed(self.config.train.seed)
-        model = draft_model(base, sd.layers, sd.lora())
-        info = {"task": self.task.name, "preset": self.config.preset, "method": "sd", "target": target_key,
-                "layers": sd.layers}
-        result = self._train_and_save(model, items, sd.train_config(self.config.train), directory, key, False, info,
-                                      sd.lora(), sd.layers)
-        print(f"[sd] {result.seconds / 60:.1f} min on {len(items)} of {answers} own answers -> {directory}", flush=True)
-        return directory
-
-    def ensure_medusa(self, ss_dir: Path) -> Path:
-        """Method medusa: heads on the frozen SS model's states over its own answers (Medusa-1)."""
-        directory, config = self.run_dir / "medusa", self.config.medusa
-        target_key = model_key(ss_dir)
-        key = self.config.medusa_key(target_key)
-        if reusing("medusa", directory, head_info(directory, "medusa.json", read_heads_manifest), key):
-            return directory
-        target = self.inference_model(ss_dir)
-        items, answers = self.target_answers(target, target_key, config.unlabelled)
-        cache = self.run_dir / "distill" / f"{target_key}-medusa{config.heads}{'-unlabelled' if config.unlabelled else ''}.safetensors"
-        features = head_features(target, items, config.heads, cache)
-        torch.manual_seed(self.config.train.seed)
-        heads = MedusaHeads(config.heads, features.hidden.shape[1])
-        training = HeadTraining(config.epochs, config.learning_rate, config.batch, seed=self.config.train.seed)
-        del target  # packed for the features pass: its kernels pass no gradient, so train through the eager head
-        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
-        result = train_heads(heads, eager.parts.lm_head, features, training)
-        save_heads(heads, directory, {"training_key": key, "target": target_key, "answers": len(items), **result})
-        print(f"[medusa] {result['seconds'] / 60:.1f} min on {len(features.hidden)} positions of {len(items)} of "
-              f"{answers} own answers -> {directory}", flush=True)
-        return directory
-
-    def ensure_specdec(self, ss_dir: Path, sd_dir: Path) -> Path:
-        """Method specdec++: an acceptance head on sd's frozen draft model, over the SS model's own answers."""
-        directory, config = self.run_dir / "specdec", self.config.specdec
-        draft_key = read_manifest(sd_dir)["info"]["training_key"]
-        key = self.config.specdec_key(draft_key)
-        if reusing("specdec++", directory, head_info(directory, ACCEPTANCE_MANIFEST, read_acceptance_manifest), key):
-            return directory
-        items, answers = self.target_answers(self.inference_model(ss_dir), model_key(ss_dir), self.config.sd.unlabelled)
-        draft, _, _ = load_checkpoint(sd_dir, self.args.base_model, merge_lora=True)
-        cache = self.run_dir / "distill" / f"{draft_key}-acceptance.safetensors"
-        features = acceptance_features(draft.eval(), items, cache)
-        return self._acceptance_head("specdec++", features, config, directory,
-                                     {"training_key": key, "draft": draft_key, "answers": len(items)}, answers)
-
-    def ensure_adaptive(self, ss_dir: Path) -> Path:
-        """Method ss-adaptive: an acceptance head on the frozen SS model's stream states, over its own answers."""
-        directory, config = self.run_dir / "ss-adaptive", self.config.adaptive
-        target_key = model_key(ss_dir)
-        key = self.config.adaptive_key(target_key)
-        if reusing("ss-adaptive", directory, head_info(directory, ACCEPTANCE_MANIFEST, read_acceptance_manifest), key):
-            return directory
-        target = self.inference_model(ss_dir)
-        items, answers = self.target_answers(target, target_key, config.unlabelled)
-        cache = self.run_dir / "distill" / f"{target_key}-stream-acceptance{'-unlabelled' if config.unlabelled else ''}.safetensors"
-        features = stream_acceptance_features(target, items, self.pad_id, cache)
-        return self._acceptance_head("ss-adaptive", features, config, directory,
-                                     {"training_key": key, "target": target_key, "answers": len(items)}, answers)
-
-    def _acceptance_head(self, method: str, features, config, directory: Path, info: dict, answers: int) -> Path:
-        """Train and save an acceptance head (specdec++'s or ss-adaptive's) on its features."""
-        torch.manual_seed(self.config.train.seed)
-        head = AcceptanceHead(features.hidden.shape[1], config.depth)
-        training = AcceptanceTraining(config.epochs, config.learning_rate, config.batch, config.reject_weight,
-                                      self.config.train.seed)
-        result = train_acceptance(head, features, training, desc=f"train {method}")
-        save_acceptance_head(head, directory, {**info, **result})
-        print(f"[{method}] {result['seconds'] / 60:.1f} min on {result['examples']} drafts of {info['answers']} of "
-              f"{answers} own answers (accepted {result['acceptance_rate']:.0%}; mean prediction "
-              f"{result['predicted_if_accepted']} where accepted, {result['predicted_if_rejected']} where not) "
-              f"-> {directory}", flush=True)
-        return directory
 
     # --- evaluate -------------------------------------------------------------------------
     def inference_model(self, directory: Path) -> SpeculativeStreamingLM:
@@ -318,7 +131,7 @@ class Build:
         return task_quality(model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label)
 
     def evaluate_checkpoint(self, directory: Path, label: str, with_streams: bool) -> dict:
-        key = model_key(directory)
+        key = stages.model_key(directory)
 
         def compute() -> dict:
             model = self.inference_model(directory)
@@ -351,8 +164,8 @@ class Build:
                      zip(self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers)]
             return acceptance_model(model, items, self.pad_id).to_dict()
 
-        return AcceptanceModel.from_dict(self.cached("acceptance", self.eval_key(model_key(ss_dir)) + " acceptance",
-                                                     compute))
+        key = self.eval_key(stages.model_key(ss_dir)) + " acceptance"
+        return AcceptanceModel.from_dict(self.cached("acceptance", key, compute))
 
     def calibration_sources(self) -> list[str]:
         return [ex.source for ex in self.validation[: self.config.stages.calibration_inputs]]
@@ -364,7 +177,7 @@ class Build:
                               CALIBRATION_TOKENS, acceptance.to_dict())
 
         model = hashlib.sha256(json.dumps(acceptance.to_dict()).encode()).hexdigest()[:16]
-        key = json.dumps([self.eval_key(model_key(ss_dir)), "calibrate torch", self.args.threads,
+        key = json.dumps([self.eval_key(stages.model_key(ss_dir)), "calibrate torch", self.args.threads,
                           self.config.stages.calibration_inputs, CALIBRATION_TOKENS, model])
         calibration = BackendCalibration.from_dict(self.cached("calibration-torch", key, compute))
         print(f"[calibrate] torch on {calibration.device}: {calibration.tree.num_nodes}-node tree, expected "
@@ -489,20 +302,20 @@ def with_method_buckets(buckets: tuple[int, ...], config: BuildConfig) -> tuple[
 def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> int:
     build.load_data()
     # The model users open is always <run>/ss; with self-distillation, its first stage sits beside it.
-    ss_dir = build.ensure_trained("ss_stage1" if config.distill.enabled else "ss", with_streams=True)
+    ss_dir = stages.trained(build, "ss_stage1" if config.distill.enabled else "ss", with_streams=True)
     if config.distill.enabled:
-        ss_dir = build.ensure_distilled(ss_dir)
+        ss_dir = stages.distilled(build, ss_dir)
     build.start_lowering(ss_dir)  # the longest export, on one core, while the rest of the build goes on
-    baseline_dir = build.ensure_trained("lora_baseline", with_streams=False) if config.stages.baseline else None
+    baseline_dir = stages.trained(build, "lora_baseline", with_streams=False) if config.stages.baseline else None
     results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
     if baseline_dir is not None:
         results["lora_baseline"] = build.evaluate_checkpoint(baseline_dir, "lora_baseline", with_streams=False)
     if config.stages.zero_shot:
         results["zero_shot"] = build.evaluate_zero_shot()
-    sd_dir = build.ensure_draft_model(ss_dir) if config.sd.enabled else None
-    medusa_dir = build.ensure_medusa(ss_dir) if config.medusa.enabled else None
-    specdec_dir = build.ensure_specdec(ss_dir, sd_dir) if config.specdec.enabled else None
-    adaptive_dir = build.ensure_adaptive(ss_dir) if config.adaptive.enabled else None
+    sd_dir = stages.draft_model(build, ss_dir) if config.sd.enabled else None
+    medusa_dir = stages.medusa_heads(build, ss_dir) if config.medusa.enabled else None
+    specdec_dir = stages.specdec_head(build, ss_dir, sd_dir) if config.specdec.enabled else None
+    adaptive_dir = stages.adaptive_head(build, ss_dir) if config.adaptive.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     write_json(ss_dir / "eval.json", summary)
     write_json(build.run_dir / "eval.json", summary)

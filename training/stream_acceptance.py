@@ -16,12 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.training.acceptance import AcceptanceFeatures
+from streamfuse.training.acceptance import AcceptanceFeatures, collect_features
 from streamfuse.training.data import Encoded, collate
-from streamfuse.training.feature_cache import load_features, save_features
 from streamfuse.training.loss import stream_targets
 from streamfuse.training.train import forward_batch
 
@@ -49,17 +47,4 @@ def item_features(model: SpeculativeStreamingLM, item: Encoded, pad_id: int) -> 
 def stream_acceptance_features(model: SpeculativeStreamingLM, items: Sequence[Encoded], pad_id: int,
                                cache: Path) -> AcceptanceFeatures:
     """Every item's examples (cached in `cache`, a safetensors file, per SS model)."""
-    if (stored := load_features(cache)) is not None:
-        return AcceptanceFeatures(stored["hidden"], stored["accepted"])
-    hidden, accepted = [], []
-    for item in tqdm(items, desc="ss-adaptive features", unit="ex", dynamic_ncols=True):
-        if len(item.input_ids) - item.prompt_len < 2:
-            continue
-        states, labels = item_features(model, item, pad_id)
-        hidden.append(states.to(torch.float16))
-        accepted.append(labels)
-    if not hidden:
-        raise ValueError("ss-adaptive: no own answer of two or more tokens to learn acceptance from")
-    features = AcceptanceFeatures(torch.cat(hidden), torch.cat(accepted))
-    save_features(cache, {"hidden": features.hidden, "accepted": features.accepted})
-    return features
+    return collect_features(items, lambda item: item_features(model, item, pad_id), cache, "ss-adaptive")
