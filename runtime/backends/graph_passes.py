@@ -138,26 +138,33 @@ class MainPass(nn.Module):
 
 
 class StepPass(nn.Module):
-    """step: the main stream over a draft tree of T rows, the tree given as inputs. pruned_step (eager only)
-    also returns each node's transition probability: its token under the early-exit head at its parent (the
-    root's is 1), from which the host prunes the tree (paper 3.2.3)."""
+    """step: the main stream over a draft tree of T rows, the tree given as inputs."""
 
-    def __init__(self, model: SpeculativeStreamingLM, layout: str = APPEND, pruned: bool = False):
+    def __init__(self, model: SpeculativeStreamingLM, layout: str = APPEND):
         super().__init__()
         self.model = model
-        self.layout, self.pruned = layout, pruned
+        self.layout = layout
 
-    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor, *rest):
-        parents, keys, values = rest if self.pruned else (None, *rest)
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout, self.pruned)
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor):
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout)
         hidden = self.model.forward_upper(lower).hidden[0]
-        outputs = (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider))
-        return (*outputs, self._transitions(lower.pruning_hidden[0], ids[0], parents)) if self.pruned else outputs
+        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider))
 
-    def _transitions(self, early: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.model.logits(early.index_select(0, parents[1:])).float(), dim=-1)
-        children = probs.gather(1, ids[1:, None])[:, 0]
-        return torch.cat([children.new_ones(1), children])
+
+class PrunedStepPass(StepPass):
+    """pruned_step (eager only): step, and each node's transition probability: its token under the early-exit
+    head at its parent (the root's is 1), from which the host prunes the tree (paper 3.2.3)."""
+
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
+                parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout, True)
+        hidden = self.model.forward_upper(lower).hidden[0]
+        early = lower.pruning_hidden[0].index_select(0, parents[1:])
+        probs = torch.softmax(self.model.logits(early).float(), dim=-1)
+        children = probs.gather(1, ids[0, 1:, None])[:, 0]
+        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider),
+                torch.cat([children.new_ones(1), children]))
 
 
 def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,15 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.backends.graph_passes import SCRATCH, GreedyStepPass, HeadsPass, MainPass, StepPass, StreamsPass
+from streamfuse.runtime.backends.graph_passes import (
+    SCRATCH,
+    GreedyStepPass,
+    HeadsPass,
+    MainPass,
+    PrunedStepPass,
+    StepPass,
+    StreamsPass,
+)
 from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kernels
 from streamfuse.runtime.backends.static_graph import (
     CACHE_INPUTS,
@@ -43,7 +51,7 @@ class TorchSession:
     def __init__(self, model: SpeculativeStreamingLM, device: str, schedule: str):
         self.model, self.device, self.dtype, self.schedule = model, device, next(model.parameters()).dtype, schedule
         self.modules = {"decode": MainPass(model, 1, False, SCRATCH), "streams": StreamsPass(model, SCRATCH),
-                        "step": StepPass(model, SCRATCH), "pruned_step": StepPass(model, SCRATCH, pruned=True)}
+                        "step": StepPass(model, SCRATCH), "pruned_step": PrunedStepPass(model, SCRATCH)}
         self._greedy: dict[int, GreedyStepPass] = {}
         self._own_buffers(self.modules["decode"])
 
