@@ -33,28 +33,28 @@ from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
 
-BACKENDS = ("torch", "executorch", "onnx", "coreml", "executorch_coreml")
+BACKENDS = ("torch", "executorch", "onnxruntime", "coreml", "executorch_coreml")
 # What this machine can verify. Core ML (.mlpackage, fp16: 270 MB for SmolLM2-135M) and the Core ML-delegated
 # .pte run only on Apple devices, where their parity is checked: asked for (--backends ...,coreml).
-DEFAULT_BACKENDS = ("torch", "executorch", "onnx")
+DEFAULT_BACKENDS = ("torch", "executorch", "onnxruntime")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
 # Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
 # ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
-IN_PLACE = ("onnx",)
+IN_PLACE = ("onnxruntime",)
 # ONNX Runtime's fp32 GEMM with 16 columns (graph_attention.SLOT_COLUMNS) sums up to 1,024 slots in one pass;
 # past that it adds blocks, and a term's block would depend on its slot (measured, docs/export.md).
 EXACT_ONNX_SLOTS = 1024
 # Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span):
 # ExecuTorch on XNNPACK, which runs the kernel as a registered custom op (runtime/tree_attention.py).
 SPAN = ("executorch",)
-RUNS_HERE = {"executorch": "executorch", "onnx": "onnxruntime"}  # artifact files -> runtime backend checked here
+RUNS_HERE = ("executorch", "onnxruntime")  # the exported backends whose parity is checked here
 # What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).
 LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
 # --quantize value -> the backends that build that format; the others are exported unquantized (the
 # manifest's graphs.quantize says which got what). docs/export.md: what each format computes.
-FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnx"), "8da4w": ("executorch",),
-           "q4-native": ("executorch", "onnx")}
+FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnxruntime"), "8da4w": ("executorch",),
+           "q4-native": ("executorch", "onnxruntime")}
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -101,10 +101,10 @@ class ExportConfig:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
-        if "onnx" in self.backends and self.capacity > EXACT_ONNX_SLOTS:
+        if "onnxruntime" in self.backends and self.capacity > EXACT_ONNX_SLOTS:
             raise ValueError(f"export.capacity={self.capacity}: the ONNX graphs are exact (SS == plain decoding) over at "
                              f"most {EXACT_ONNX_SLOTS} cache slots (docs/export.md); lower export.capacity or leave "
-                             f"onnx out of --backends")
+                             f"onnxruntime out of --backends")
         shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
         graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
         for tree in (TreeSpec.parse(tree) for tree in self.trees):
@@ -318,7 +318,7 @@ class ArtifactBuilder:
             model = xnnpack_model(self.model_and_tokenizer()[0])
             quantize_weights(model, fmt)
             return model, {"name": fmt, **({} if fmt == "none" else {"activations": "int8 per token (dynamic)"})}
-        if backend != "onnx":
+        if backend != "onnxruntime":
             return self.model_and_tokenizer()[0], {"name": fmt}
         # ONNX: attention whose rows do not depend on the call's size (SS == plain decoding exactly)
         if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
@@ -358,7 +358,7 @@ class ArtifactBuilder:
             export_pte(modules, inputs, target.with_suffix(".tmp"), delegate)
             target.with_suffix(".tmp").replace(target)
             return {"files": {"program": self._entry(target)}, "format": fmt}
-        if backend == "onnx":
+        if backend == "onnxruntime":
             from streamfuse.export.to_onnx import export_onnx
 
             folder = self.staging / "onnx"

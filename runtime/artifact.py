@@ -28,7 +28,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/13"  # /13: every ONNX method takes the cache rows up to its own (span_rows)
+SCHEMA = "streamfuse.artifact/14"  # /14: files, parity and formats keyed by the runtime's backend names (onnxruntime)
 MANIFEST = "manifest.json"
 
 

@@ -24,8 +24,6 @@ from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice
 
-# backend name -> the key of its files in the artifact manifest
-ARTIFACT_FILES = {"executorch": "executorch", "onnxruntime": "onnx", "coreml": "coreml"}
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
 TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
@@ -138,7 +136,7 @@ def runnable_backends(artifact: Path) -> list[str]:
     if not (Path(artifact) / MANIFEST).is_file():
         return ["torch"]
     files = Artifact.open(artifact).manifest["files"]
-    return [b for b in BACKENDS if b == "torch" or (ARTIFACT_FILES[b] in files and
+    return [b for b in BACKENDS if b == "torch" or (b in files and
                                                     (b != "coreml" or platform.system() == "Darwin"))]
 
 
@@ -177,7 +175,7 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
                                 f"checkpoint): build one with `python export/build.py --task dialogsum`")
     if backend != "torch":
         raise ValueError(f"{artifact} is a checkpoint, which only the torch backend runs; export it for {backend} "
-                         f"with `python export/build.py --backends {ARTIFACT_FILES[backend]}` and pass the artifact")
+                         f"with `python export/build.py --backends {backend}` and pass the artifact")
     return _load_checkpoint(artifact, device, stream_schedule)
 
 
@@ -205,8 +203,7 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     from streamfuse.runtime.backends.sessions import open_session
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
-    key = ARTIFACT_FILES[backend]
-    session = open_session(key, artifact.backend_files(key), threads)
+    session = open_session(backend, artifact.backend_files(backend), threads)
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,

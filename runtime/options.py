@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")  # runtime/loader.py loads each
+# runtime/loader.py loads each; the same names key an artifact's files (export/build.py --backends)
+BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
+EXPORTED_BACKENDS = BACKENDS[1:]  # those that run an artifact's exported graphs
 # When streams run: "fused" in the verify pass at every tree node (the paper; memory-bound devices),
 # "deferred" after the commit for the last accepted node only (same outputs; compute-bound CPUs).
 STREAM_SCHEDULES = ("fused", "deferred")

@@ -108,7 +108,7 @@ def onnx_artifact(checkpoint, tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (12, 20)]
     out = tmp_path_factory.mktemp("bench-export") / "artifact"
-    config = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=2)
+    config = ExportConfig(backends=("torch", "onnxruntime"), capacity=128, prefill_chunk=16, parity_prompts=2)
     ArtifactBuilder(checkpoint / "ckpt", out, config, prompts, 16, {}).build()
     return out
 

@@ -35,7 +35,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
     # Frozen (the cpu recipe): only the streams, with a per-stream f_eta, train in the second stage,
     # on the own answers and the references.
-    export = ["--backends", "torch,onnx", "--out", str(tmp_path / "artifact")] + [f"--set={a}" for a in (
+    export = ["--backends", "torch,onnxruntime", "--out", str(tmp_path / "artifact")] + [f"--set={a}" for a in (
         "distill.enabled=true", "distill.main_targets=frozen", "distill.init_rank=4", "distill.with_references=true",
         "distill.unlabelled=true", "export.capacity=256", "export.parity_prompts=3", "stages.profile_limit=2",
         "export.draft_vocab=40")]
@@ -69,9 +69,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert "on 10 of 20 own answers (the rest did not finish) and 16 references" in out
     assert "| Speculative Streaming |" in out and "stream-1 top-1" in out
     # lowered in a worker from the end of training, before calibration chose the trees
-    assert out.index("[export] lowering onnx in a worker process") < out.index("[calibrate]")
+    assert out.index("[export] lowering onnxruntime in a worker process") < out.index("[calibrate]")
     artifact = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
-    assert set(artifact["files"]) == {"onnx"} and artifact["parity"]["onnx"]["ss_equals_torch_eager"] == 3
+    assert set(artifact["files"]) == {"onnxruntime"} and artifact["parity"]["onnxruntime"]["ss_equals_torch_eager"] == 3
     greedy = artifact["graphs"]["greedy_step"]
     # Calibrated: the acceptance model from validation answers, the best tree of each size timed on torch here;
     # the artifact's trees are its choice among those the largest bucket (8 rows) holds, then the tree of up to
@@ -103,7 +103,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert artifact["profile"]["bench"]["inputs"] == 2 and artifact["profile"]["bench"]["parity_mismatches"] == 0
     # Profiled in a fresh process: its peak is the runtime's, below this process's (which trained and exported).
     assert 0 < artifact["profile"]["profile"]["peak_memory_bytes"] < process_peak_rss_bytes()
-    assert "| onnx |" in out and "call reduction CR" in out
+    assert "| onnxruntime |" in out and "call reduction CR" in out
     assert not list(tmp_path.glob(".artifact.partial-*")), "the staging folder is renamed into place"
 
     # A rerun with the same settings trains, evaluates, exports and profiles nothing.
@@ -175,7 +175,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # it there as well, its head on the final states the draft's graphs return.
     assert {key for key in exported_target.resources if key.startswith("sd:")} == {"sd:onnxruntime"}
     assert exported_target.resources["sd:onnxruntime"].name.startswith("onnxruntime")
-    draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnx"]
+    draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnxruntime"]
     assert draft_parity["ss_equals_own_plain"] == draft_parity["plain_prompts"] > 0
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
@@ -314,7 +314,7 @@ def test_q4_native_without_base_codes_is_refused_before_training(tiny_base_dir, 
     from streamfuse.runtime import cli
 
     argv = ["--task", "dialogsum", "--base-model", str(tiny_base_dir), "--work-dir", str(tmp_path / "work"),
-            "--out", str(tmp_path / "artifact"), "--backends", "torch,onnx"]  # the cpu preset: q4-native
+            "--out", str(tmp_path / "artifact"), "--backends", "torch,onnxruntime"]  # the cpu preset: q4-native
     assert cli.run(build.main, argv, prog="build.py") == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("build.py: error: --quantize q4-native keeps the base model's GGUF codes") and "\n" not in err
@@ -339,8 +339,8 @@ def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     assert (cpu.export.quantize, cpu.stages.baseline, cpu.stages.zero_shot) == ("q4-native", False, False)
     assert config_of("--preset", "cpu-distill").export.quantize == "q4-native"
     assert config_of("--preset", "smoke").export.quantize == "none" and config_of("--preset", "smoke").stages.baseline
-    quantized = config_of("--backends", "torch,onnx", "--quantize", "int8")
-    assert (quantized.export.backends, quantized.export.quantize) == (("torch", "onnx"), "int8")
+    quantized = config_of("--backends", "torch,onnxruntime", "--quantize", "int8")
+    assert (quantized.export.backends, quantized.export.quantize) == (("torch", "onnxruntime"), "int8")
     assert build.main(["--preset", "smoke", "--set", "train.epochs=3", "--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["train"]["epochs"] == 3.0 and printed["preset"] == "smoke" and printed["export"]["trees"] == []
@@ -416,7 +416,7 @@ def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tin
     (["--set", "export.trees=gamma=x"], "gamma=x"),
     (["--backends", "tflite"], "tflite"),
     (["--set", "stages.calibration_inputs=0"], "stages.calibration_inputs must be >= 1"),
-    (["--backends", "onnx", "--set", "export.capacity=2048"], "exact (SS == plain decoding) over at most 1024"),
+    (["--backends", "onnxruntime", "--set", "export.capacity=2048"], "exact (SS == plain decoding) over at most 1024"),
 ])
 def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, capsys, argv, message):
     from streamfuse.runtime import cli

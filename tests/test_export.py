@@ -38,7 +38,7 @@ def installed(*modules: str) -> bool:
 
 
 # export backend -> the packages it needs; a test skips, with the reason, only for what it uses
-REQUIRES = {"torch": (), "executorch": ("executorch",), "onnx": ("onnx", "onnxruntime"), "coreml": ("coremltools",),
+REQUIRES = {"torch": (), "executorch": ("executorch",), "onnxruntime": ("onnx", "onnxruntime"), "coreml": ("coremltools",),
             "executorch_coreml": ("executorch", "coremltools")}
 HERE = tuple(b for b in BACKENDS if installed(*REQUIRES[b]))
 
@@ -49,7 +49,7 @@ def needs(*backends: str):
 
 
 # runtime backend -> its parametrization, skipped where its packages are missing
-EXPORTED = [pytest.param("executorch", marks=needs("executorch")), pytest.param("onnxruntime", marks=needs("onnx"))]
+EXPORTED = [pytest.param("executorch", marks=needs("executorch")), pytest.param("onnxruntime", marks=needs("onnxruntime"))]
 
 # Two trees: the 15-node tree (the default) and the chain, both with streams beside every node (auto
 # would pick deferred for 15 nodes, which test_build runs), and a draft vocabulary of 60 of the tiny
@@ -95,10 +95,10 @@ def test_export_workers_do_not_change_the_artifact_key():
         ExportConfig(workers=0).validate()
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 def test_build_records_parity_for_backends_that_run_here(artifact):
     parity = manifest(artifact)["parity"]
-    assert set(parity) == {"executorch", "onnx"}
+    assert set(parity) == {"executorch", "onnxruntime"}
     for result in parity.values():
         assert result["ss_equals_torch_eager"] == result["prompts"] == 4
         assert result["ss_equals_own_plain"] == result["plain_prompts"]
@@ -223,7 +223,7 @@ def test_every_method_samples_the_exact_target_on_the_engine_itself(artifact, ba
         assert pooled_chi_square_p(counts, exact) > 1e-3, method
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_prefill_spanning_several_chunks_matches_eager(artifact):
     loaded, eager = load(artifact, "onnxruntime"), load(artifact, "torch")
     ids = prompts(1, seed=2)[0] * 3  # > 2 chunks of 16
@@ -289,7 +289,7 @@ def test_every_tree_row_is_plain_decoding_of_its_path_bit_for_bit(artifact, back
             assert np.array_equal(plain.extras[HIDDEN][0], step.extras[HIDDEN][node]), (tree.paths, node)
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 def test_manifest_describes_the_graphs(artifact):
     data = manifest(artifact)
     assert data["schema"] == SCHEMA
@@ -332,7 +332,7 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
     assert ExecuTorchSession(pte, threads=1).shares_weights
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tools.memory reads /proc")
 def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, tmp_path):
     from streamfuse.tools import memory
@@ -345,9 +345,9 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
     assert set(rows) == {"executorch", "onnxruntime"}  # coreml: built, but not run on Linux
     data = manifest(artifact)
     cache = 2 * 4 * math.prod(data["kv_layout"]["shape"])  # keys and values, fp32
-    for backend, key in (("executorch", "executorch"), ("onnxruntime", "onnx")):
+    for backend in ("executorch", "onnxruntime"):
         row = rows[backend]
-        assert row["file_bytes"] == sum(f["bytes"] for f in data["files"][key].values())
+        assert row["file_bytes"] == sum(f["bytes"] for f in data["files"][backend].values())
         assert row["kv_cache_bytes"] == cache and row["inputs"] == 1
         assert row["load_bytes"] > 0 and row["decode_peak_bytes"] >= row["load_bytes"]  # the peak holds the load
     assert "| executorch |" in capsys.readouterr().out
@@ -356,7 +356,7 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
         assert message in capsys.readouterr().err
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp_path):
     from streamfuse.runtime import cli
     from streamfuse.tools import call_times
@@ -393,7 +393,7 @@ def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
         assert spec[method]["outputs"] == [o["name"] for o in signature["outputs"]]
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     """One model: an If per method side by side at the top (a nested If's branch would not find the
     top graph's weights to prepack), every weight an initializer of the top graph, each tensor once."""
@@ -431,7 +431,7 @@ def copy_of(artifact, tmp_path):
     return target
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
     broken = copy_of(artifact, tmp_path)
     pte = broken / "model.pte"
@@ -446,7 +446,7 @@ def test_truncated_or_corrupted_model_file_is_named(artifact, tmp_path):
         load(broken, "onnxruntime")
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_medusa_heads_added_after_the_export_are_refused_on_its_graphs(artifact, tmp_path):
     broken = copy_of(artifact, tmp_path)
     data = manifest(broken)
@@ -457,7 +457,7 @@ def test_medusa_heads_added_after_the_export_are_refused_on_its_graphs(artifact,
         loaded.drafter(DecodeSettings("medusa", StopRules(8), tree=loaded.method_tree("medusa")))
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, tmp_path):
     broken = copy_of(artifact, tmp_path)
     data = manifest(broken)
@@ -476,7 +476,7 @@ def test_other_schema_and_foreign_tokenizer_are_rejected(artifact, checkpoint, t
         load(broken, "onnxruntime")
 
 
-@needs("onnx", "coreml")
+@needs("onnxruntime", "coreml")
 def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
     loaded = load(artifact, "onnxruntime")
     # Any tree of up to 15 nodes runs in a bucket; one of 21 nodes fits none.
@@ -492,10 +492,10 @@ def test_runs_the_artifact_cannot_serve_fail_clearly(artifact, checkpoint):
         load(checkpoint / "ckpt", "executorch")
 
 
-@needs("onnx", "coreml", "executorch_coreml")
+@needs("onnxruntime", "coreml", "executorch_coreml")
 def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "artifact"
-    config = ExportConfig(backends=("torch", "onnx", "coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
+    config = ExportConfig(backends=("torch", "onnxruntime", "coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
                           parity_prompts=2)
     original = ArtifactBuilder._export
 
@@ -519,28 +519,28 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     # Parity runs once every export is in, so the interrupted build never reached it.
     assert "[export] onnx: done earlier, reusing" in printed and "[export] parity-onnx-" in printed
     assert not re.search(r"parity-onnx-\w+: done earlier", printed)
-    assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml"}
+    assert set(Artifact.open(out).manifest["files"]) == {"onnxruntime", "coreml"}
     assert not list(tmp_path.glob(".artifact.partial-*"))
     assert not list(out.glob("coreml-*")) and not list(out.glob("*.tmp"))
 
     # Asking for one more backend exports only that one and keeps the others.
-    more = ExportConfig(backends=("torch", "onnx", "executorch_coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
+    more = ExportConfig(backends=("torch", "onnxruntime", "executorch_coreml"), buckets=(4,), capacity=128, prefill_chunk=16,
                         parity_prompts=2)
     ArtifactBuilder(checkpoint / "ckpt", out, more, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
     assert "onnx: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
-    assert set(Artifact.open(out).manifest["files"]) == {"onnx", "coreml", "executorch_coreml"}
+    assert set(Artifact.open(out).manifest["files"]) == {"onnxruntime", "coreml", "executorch_coreml"}
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_files_lowered_before_calibration_chose_the_trees_are_the_builds(checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "artifact"
-    early = ExportConfig(backends=("torch", "onnx"), trees=("gamma=1,k=1",), buckets=(4,), capacity=128,
+    early = ExportConfig(backends=("torch", "onnxruntime"), trees=("gamma=1,k=1",), buckets=(4,), capacity=128,
                          prefill_chunk=16, parity_prompts=2)
     arguments = (checkpoint / "ckpt", out, early, prompts(2), 16, {}, None, (), None)
-    pending = start_lowering(arguments, ["onnx"])  # a worker process lowers; the build calibrates meanwhile
-    assert set(pending) == {"onnx"}
+    pending = start_lowering(arguments, ["onnxruntime"])  # a worker process lowers; the build calibrates meanwhile
+    assert set(pending) == {"onnxruntime"}
 
     def exported_twice(self, backend):
         raise AssertionError(f"{backend} exported again")
@@ -549,9 +549,9 @@ def test_files_lowered_before_calibration_chose_the_trees_are_the_builds(checkpo
     chosen = dataclasses.replace(early, trees=("gamma=3,k=1",))
     built = ArtifactBuilder(checkpoint / "ckpt", out, chosen, prompts(2), 16, {}, pending=pending).build()
     assert [TreeSpec.from_dict(tree) for tree in built["trees"]] == [TreeSpec.chain(3)]
-    assert built["parity"]["onnx"]["ss_equals_own_plain"] == 2 and set(built["files"]) == {"onnx"}
+    assert built["parity"]["onnxruntime"]["ss_equals_own_plain"] == 2 and set(built["files"]) == {"onnxruntime"}
     # Another tree later: the finished files are lent, nothing lowers again, parity runs for the new trees.
-    assert start_lowering((*arguments[:2], chosen, *arguments[3:]), ["onnx"]) == {}
+    assert start_lowering((*arguments[:2], chosen, *arguments[3:]), ["onnxruntime"]) == {}
     capsys.readouterr()
     other = dataclasses.replace(early, trees=("gamma=2,k=1",))
     rebuilt = ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(2), 16, {}).build()
@@ -572,7 +572,7 @@ def test_a_thousand_generations_keep_memory_and_file_handles_flat(artifact, back
     assert result.passed(), result.to_dict()
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_the_soak_catches_a_leak_of_memory_or_of_a_file(artifact, monkeypatch, tmp_path):
     from streamfuse.tools import soak
 
@@ -608,7 +608,7 @@ class Biased:
         return outputs
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(artifact, checkpoint, tmp_path,
                                                                                  monkeypatch):
     from streamfuse.export.verify import ParityError
@@ -618,7 +618,7 @@ def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(
     installed = (out / "manifest.json").read_bytes()
     real = sessions.open_session
     monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
-    other = ExportConfig(backends=("torch", "onnx"), capacity=128, prefill_chunk=16, parity_prompts=3)
+    other = ExportConfig(backends=("torch", "onnxruntime"), capacity=128, prefill_chunk=16, parity_prompts=3)
     with pytest.raises(ParityError, match=r"^parity failed on onnx: SS vs its own plain decoding differs on dialogue_a "
                                           r"from generated token \d+ \(\d+ mismatches in all\); the artifact was not"):
         ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(3), 16, {},
@@ -690,7 +690,7 @@ def with_acceptance(artifact, tmp_path):
     return copy
 
 
-@needs("onnx")
+@needs("onnxruntime")
 @pytest.mark.parametrize("slow", [0, 1])
 def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
     from streamfuse.runtime.measure import calibrate_backend
@@ -715,7 +715,7 @@ def bucket_candidates() -> list[TreeSpec]:
     return [best[3], best[6]]
 
 
-@needs("executorch", "onnx")
+@needs("executorch", "onnxruntime")
 def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, tmp_path, capsys):
     from streamfuse.runtime.generate import main as generate
     from streamfuse.runtime.loader import fastest_backend
@@ -756,7 +756,7 @@ def last_line(err: str) -> str:
     (["--backend", "onnxruntime", "--max-nodes", "1"], 2, "--max-nodes must be >= 2"),
     (["--backend", "onnxruntime"], 1, "has no acceptance model"),
 ])
-@needs("onnx")
+@needs("onnxruntime")
 def test_calibrate_bad_input_is_one_line(artifact, argv, status, message, capsys):
     from streamfuse.runtime import cli
     from streamfuse.tools import calibrate
@@ -777,7 +777,7 @@ ARTIFACT_PROBES = [
 
 
 @pytest.mark.parametrize("argv, broken, status, message", ARTIFACT_PROBES, ids=[p[3] for p in ARTIFACT_PROBES])
-@needs("executorch", "onnx", "coreml")
+@needs("executorch", "onnxruntime", "coreml")
 def test_generate_on_a_bad_artifact_or_tree_is_one_line(artifact, tmp_path, capsys, argv, broken, status, message):
     from streamfuse.runtime import cli
     from streamfuse.runtime.generate import main as generate
@@ -813,7 +813,7 @@ def test_seeded_sampling_ss_equals_plain_sampling_on_exported_backends(artifact,
     assert len(accepted) == 3 and all(count > 0 for count in accepted.values()), accepted  # the rule was exercised
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_an_unreadable_calibration_is_named_and_calibrating_again_replaces_it(artifact, tmp_path):
     from streamfuse.tools import calibrate
 
@@ -847,7 +847,7 @@ def generate_without_torch(python: str, artifact, temperature: str, cwd) -> list
     return records
 
 
-@needs("onnx")
+@needs("onnxruntime")
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, tmp_path, temperature):
     """In a subprocess (this one has torch): ss and plain decoding, greedy and sampled; SS gives plain
@@ -864,7 +864,7 @@ def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, t
     assert here.token_ids == plain["token_ids"]
 
 
-@needs("onnx")
+@needs("onnxruntime")
 def test_the_wheel_with_only_its_onnxruntime_extra_decodes_an_artifact(artifact, tmp_path):
     """The package as a wheel in a fresh virtual environment with `streamfuse[onnxruntime]` alone (pip
     fetches what the base install and the extra need): generation runs from there."""

@@ -25,7 +25,7 @@ FORMATS = ("q4-native", "int8")
 
 def config(fmt: str) -> ExportConfig:
     # the default 4-node chain (streams beside every node): a chain step's rows are exactly plain decoding's
-    return ExportConfig(backends=("onnx",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
+    return ExportConfig(backends=("onnxruntime",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
                         quantize=fmt, parity_prompts=4, greedy_schedule="fused")
 
 
@@ -44,11 +44,11 @@ def artifacts(gguf_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_manifest_records_the_format_and_its_parity(artifacts, fmt):
     manifest = Artifact.open(artifacts[fmt]).manifest
-    assert manifest["graphs"]["quantize"] == {"onnx": fmt}
-    details = manifest["graphs"]["formats"]["onnx"]
+    assert manifest["graphs"]["quantize"] == {"onnxruntime": fmt}
+    details = manifest["graphs"]["formats"]["onnxruntime"]
     assert details["name"] == fmt and "int8 per row" in details["activations"]
     assert details["lora"] == ("float32, unmerged" if fmt == "q4-native" else "merged")
-    parity = manifest["parity"]["onnx"]
+    parity = manifest["parity"]["onnxruntime"]
     assert parity["ss_equals_own_plain"] == parity["plain_prompts"] == 4
     assert parity["within_tolerance"] is None and parity["max_abs_diff"]["step_4.logits"] > 0  # error vs fp32, recorded
 
@@ -149,7 +149,7 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
 
 def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):
     builder = ArtifactBuilder(gguf_checkpoint / "ckpt", tmp_path / "a", ExportConfig(quantize="q4-native"), [], 8, {})
-    assert [builder.format(b) for b in ("onnx", "executorch", "coreml")] == ["q4-native", "q4-native", "none"]
+    assert [builder.format(b) for b in ("onnxruntime", "executorch", "coreml")] == ["q4-native", "q4-native", "none"]
     with pytest.raises(ValueError, match=r"export.quantize \(--quantize\) must be one of none, int8, 8da4w, q4-native"):
         ExportConfig(quantize="q3").validate()
 

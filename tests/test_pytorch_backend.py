@@ -57,7 +57,7 @@ def test_steps_equal_the_exported_modules_and_the_cache_holds_the_committed_rows
 
 @torch.no_grad()
 def test_a_step_writes_only_the_free_slots_and_a_greedy_step_drafts_what_step_then_streams_draft():
-    model, (tree, tokens, path) = tiny_model(), CASES[2]
+    model, (tree, tokens, _) = tiny_model(), CASES[2]
     backend = TorchBackend(model, stream_schedule="deferred", kernels="eager")
     backend.reset(40)
     backend.prefill(PROMPT, with_streams=True)

@@ -55,7 +55,7 @@ def test_real_model_smoke_build(tmp_path):
     # ONNX only: the real model's ExecuTorch lowering takes ~10 min here, too long for CI. No LoRA baseline,
     # calibration (each backend times every candidate tree) on one input, one step bucket (five methods to
     # export, not seven; the tiny models' tests cover more buckets): the suite's time.
-    export = ["--backends", "torch,onnx", "--out", str(tmp_path / "artifact"), "--set", "export.parity_prompts=2",
+    export = ["--backends", "torch,onnxruntime", "--out", str(tmp_path / "artifact"), "--set", "export.parity_prompts=2",
               "--set", "export.buckets=4",
               "--set", "stages.profile_limit=1", "--set", "export.capacity=512", "--set", "stages.zero_shot=false",
               "--set", "stages.baseline=false", "--set", "stages.calibration_inputs=1"]
@@ -65,7 +65,7 @@ def test_real_model_smoke_build(tmp_path):
     losses = summary["training"]["ss"]["final_losses"]
     assert losses["main"] < 3.5 and "stream_3" in losses
     assert summary["stream_accuracy_own"]["main"]["top1"] > 90.0  # its own answers are its argmax
-    parity = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["parity"]["onnx"]
+    parity = json.loads((tmp_path / "artifact" / "manifest.json").read_text())["parity"]["onnxruntime"]
     assert parity["ss_equals_torch_eager"] == 2 and parity["within_tolerance"], parity
     assert_lossless(tmp_path / "artifact", ("torch", "onnxruntime"))
 

@@ -16,7 +16,7 @@ from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import choose_tree, prompt_ids, run
-from streamfuse.runtime.loader import ARTIFACT_FILES, Loaded, load
+from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
@@ -29,7 +29,7 @@ def backend_precision(artifact: Path, backend: str) -> str:
     """fp32 unless the artifact's manifest records quantized weights for the backend or a Core ML precision."""
     manifest = artifact / MANIFEST
     graphs = json.loads(manifest.read_text()).get("graphs", {}) if manifest.is_file() else {}
-    quantized = graphs.get("quantize", {}).get(ARTIFACT_FILES.get(backend, backend), "none")
+    quantized = graphs.get("quantize", {}).get(backend, "none")
     if backend != "coreml" and quantized != "none":
         return quantized
     if backend == "coreml":

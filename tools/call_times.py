@@ -25,7 +25,6 @@ from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import base_method, interleaved_call_times, tree_inputs
-from streamfuse.runtime.loader import ARTIFACT_FILES
 from streamfuse.runtime.tree import TreeSpec
 
 ENGINES = ("executorch", "onnxruntime")
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     most = capacity - max(graphs["buckets"])  # a step's rows go after the span
     cli.check(all(1 <= s <= most for s in spans), f"--spans must lie in [1, {most}] (the artifact's cache holds "
               f"{capacity} slots, a step adds up to {max(graphs['buckets'])}), got {args.spans}")
-    session = open_session(ARTIFACT_FILES[args.backend], artifact.backend_files(ARTIFACT_FILES[args.backend]),
+    session = open_session(args.backend, artifact.backend_files(args.backend),
                            args.threads)
     methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
     table = {}

@@ -45,7 +45,7 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     from streamfuse.runtime.artifact import Artifact
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.generate import prompt_ids, run
-    from streamfuse.runtime.loader import ARTIFACT_FILES, load
+    from streamfuse.runtime.loader import load
     from streamfuse.runtime.sampling import SamplingConfig
     from streamfuse.runtime.settings import DecodeSettings
     from streamfuse.tools.bench_data import read_inputs
@@ -65,7 +65,7 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
         for method in ("ar", "ss"):
             run(loaded, ids, DecodeSettings(method, rules, tree=loaded.tree, sampling=sampling))
     end = status()
-    files = opened.backend_files(ARTIFACT_FILES[backend])
+    files = opened.backend_files(backend)
     cache = loaded.backend.keys.nbytes + loaded.backend.values.nbytes  # the host's KV cache, all rows written
     return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()), "kv_cache_bytes": cache,
             "load_bytes": after["VmRSS"] - before["VmRSS"], "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row))
         return 0
     from streamfuse.runtime.artifact import Artifact, ArtifactError
-    from streamfuse.runtime.loader import ARTIFACT_FILES
+    from streamfuse.runtime.options import EXPORTED_BACKENDS
     from streamfuse.tools.bench_data import task_file
     from streamfuse.tools.bench_report import write_atomic
 
@@ -143,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --limit, --threads and --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     backends = args.backends.split(",")
-    unknown = [b for b in backends if b not in ARTIFACT_FILES]
+    unknown = [b for b in backends if b not in EXPORTED_BACKENDS]
     if unknown:
         print(f"error: --backends {','.join(unknown)}: not an exported backend (choose from "
-              f"{', '.join(ARTIFACT_FILES)})", file=sys.stderr)
+              f"{', '.join(EXPORTED_BACKENDS)})", file=sys.stderr)
         return 2
     rows = []
     for backend in backends:
-        if ARTIFACT_FILES.get(backend) not in built:
+        if backend not in built:
             print(f"[memory] {backend}: not in {args.artifact} (built: {', '.join(built)}); skipped", file=sys.stderr)
             continue
         result = subprocess.run(_child_command(args, backend, data), capture_output=True, text=True)

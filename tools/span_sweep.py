@@ -7,7 +7,7 @@ ExecuTorch, attention is the exact kernel over the used span (export/span_attent
 grows with the span, not with the capacity. The ONNX graphs (GraphShapes.in_place) take the cache rows up
 to the call's own while that is at most half of the capacity, else all of it (static_graph.span_rows).
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.span_sweep --threads 2 --engine executorch,onnx \
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.span_sweep --threads 2 --engine executorch,onnxruntime \
         --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json
 """
 
@@ -41,7 +41,7 @@ PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
-    parser.add_argument("--engine", default="executorch", help="engines, comma-separated: executorch, onnx")
+    parser.add_argument("--engine", default="executorch", help="engines, comma-separated: executorch, onnxruntime")
     parser.add_argument("--gamma", type=int, default=3, help="number of streams")
     parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
     parser.add_argument("--rows", default="1,4,8,16", help="row counts: 1 is decode, others step graphs of that size")
@@ -57,7 +57,7 @@ def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-ENGINES = {"executorch": (xnnpack_model, dict(span=True)), "onnx": (with_graph_attention, dict(in_place=True))}
+ENGINES = {"executorch": (xnnpack_model, dict(span=True)), "onnxruntime": (with_graph_attention, dict(in_place=True))}
 
 
 def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one field of the preset (repeatable); see below")
     parser.add_argument("--print-config", action="store_true", help="print the settings this build would use, then exit")
-    parser.add_argument("--backends", default=None, help="export targets, comma-separated: torch, executorch, onnx, "
+    parser.add_argument("--backends", default=None, help="export targets, comma-separated: torch, executorch, onnxruntime, "
                         "coreml, executorch_coreml ('torch' alone skips export; default: export.backends)")
     parser.add_argument("--quantize", default=None, help="weights: none, q4-native (the cpu presets' default), int8, "
                         "8da4w (export.quantize; docs/export.md)")

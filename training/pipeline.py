@@ -191,8 +191,8 @@ class Build:
         opened = Artifact.open(artifact)
         opened.save_acceptance(acceptance)
         opened.save_calibration("torch", torch_calibration)
-        for files, backend in RUNS_HERE.items():
-            if files not in opened.manifest["files"]:
+        for backend in RUNS_HERE:
+            if backend not in opened.manifest["files"]:
                 continue
             if opened.calibration(backend) is None:
                 data = worker.run(calibrate_sources, artifact, backend, self.calibration_sources(),

@@ -159,12 +159,12 @@ class CoreMLSession:
                 for name in self.outputs[method]]
 
 
-def open_session(files_key: str, files: dict[str, Path], threads: int | None = None) -> Session:
-    """The session for one backend's checked files (artifact manifest key -> engine)."""
-    if files_key == "executorch":
+def open_session(backend: str, files: dict[str, Path], threads: int | None = None) -> Session:
+    """The session for one backend's checked files (the artifact manifest's files[backend])."""
+    if backend == "executorch":
         return ExecuTorchSession(files["program"], threads)
-    if files_key == "onnx":
+    if backend == "onnxruntime":
         return OnnxRuntimeSession(files["model"], threads=threads)
-    if files_key == "coreml":
+    if backend == "coreml":
         return CoreMLSession(files["package"])
-    raise ValueError(f"no runtime session for {files_key!r} files (built for a device, not for this runtime)")
+    raise ValueError(f"no runtime session for {backend!r} files (built for a device, not for this runtime)")
