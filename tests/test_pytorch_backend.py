@@ -111,3 +111,14 @@ def test_the_cache_grows_on_reset_and_a_full_cache_is_a_clear_error():
         backend.step([1, 2, 3, 4], TreeSpec.chain(3), with_streams=False)
     backend.reset(64)
     assert backend.keys.shape[2] == 64 and backend.length == 0
+
+
+@torch.no_grad()
+def test_a_tree_wider_than_the_greedy_drafts_runs_step_then_streams():
+    backend = TorchBackend(tiny_model(), kernels="eager")
+    wide = TreeSpec(tuple((rank,) for rank in range(backend.spec.width + 1)))
+    assert not backend.spec.drafts_from(wide) and backend.stream_schedule(wide) == "deferred"
+    backend.reset(64)
+    backend.prefill(PROMPT, with_streams=True)
+    out = backend.step(list(range(1, wide.num_nodes + 1)), wide, with_streams=True, greedy=True)
+    assert out.main_logits is not None and out.greedy_tokens is None  # logits, not the greedy step's ids

@@ -130,6 +130,9 @@ def span_rows(cache_len: int, new_rows: int, capacity: int) -> int:
 
 
 class Session(Protocol):
+    """Runs the graphs' methods. A session that also runs pruned_step says so with a true `prunes` attribute
+    (the torch session; exported graphs have none)."""
+
     name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -163,7 +166,7 @@ class GraphSpec:
     prefill_chunk: int  # prompt tokens per prefill call (dynamic: the whole prompt in one call)
     buckets: tuple[int, ...]  # row counts with step / greedy_step graphs, ascending (dynamic: none)
     greedy_schedules: tuple[str, ...]  # each bucket's greedy_step streams schedule (dynamic: one for all)
-    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead (dynamic: any)
+    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead
     heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
     # The session runs any row count (torch eager): a tree takes its own rows, no pad; the cache grows on reset.
     dynamic: bool = False
@@ -186,7 +189,7 @@ class GraphSpec:
 
     def drafts_from(self, tree: TreeSpec) -> bool:
         """Whether greedy_step's ranked drafts cover every level of `tree`."""
-        return self.dynamic or max(tree.widths) <= self.width
+        return max(tree.widths) <= self.width
 
     def schedule(self, rows: int) -> str:
         return self.greedy_schedules[0 if self.dynamic else self.buckets.index(rows)]
