@@ -102,7 +102,7 @@ def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatc
 
 @pytest.fixture(scope="module")
 def onnx_artifact(checkpoint, tmp_path_factory):
-    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 
     generator = torch.Generator().manual_seed(0)

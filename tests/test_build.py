@@ -218,7 +218,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
     assert cli.run(build.main, [*argv, "--set", "export.parity_prompts=2"], prog="build.py") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("build.py: error: parity failed on onnx: SS vs its own plain decoding differs on test_"), err
+    assert err.startswith("build.py: error: parity failed on onnxruntime: SS vs its own plain decoding differs on test_"), err
     assert (tmp_path / "artifact" / "manifest.json").read_bytes() == installed
     monkeypatch.setattr(sessions, "open_session", real)
 

@@ -517,8 +517,8 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
     ArtifactBuilder(checkpoint / "ckpt", out, config, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
     # Parity runs once every export is in, so the interrupted build never reached it.
-    assert "[export] onnx: done earlier, reusing" in printed and "[export] parity-onnx-" in printed
-    assert not re.search(r"parity-onnx-\w+: done earlier", printed)
+    assert "[export] onnxruntime: done earlier, reusing" in printed and "[export] parity-onnxruntime-" in printed
+    assert not re.search(r"parity-onnxruntime-\w+: done earlier", printed)
     assert set(Artifact.open(out).manifest["files"]) == {"onnxruntime", "coreml"}
     assert not list(tmp_path.glob(".artifact.partial-*"))
     assert not list(out.glob("coreml-*")) and not list(out.glob("*.tmp"))
@@ -528,7 +528,7 @@ def test_interrupted_export_leaves_nothing_loadable_and_resumes(checkpoint, tmp_
                         parity_prompts=2)
     ArtifactBuilder(checkpoint / "ckpt", out, more, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
-    assert "onnx: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
+    assert "onnxruntime: done earlier" in printed and "coreml: done earlier" in printed and "[export] executorch_coreml:" in printed
     assert set(Artifact.open(out).manifest["files"]) == {"onnxruntime", "coreml", "executorch_coreml"}
     assert load(out, "onnxruntime").backend.name.startswith("onnxruntime")
 
@@ -556,7 +556,7 @@ def test_files_lowered_before_calibration_chose_the_trees_are_the_builds(checkpo
     other = dataclasses.replace(early, trees=("gamma=2,k=1",))
     rebuilt = ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(2), 16, {}).build()
     printed = capsys.readouterr().out
-    assert "[export] onnx: done earlier, reusing" in printed and not re.search(r"parity-onnx-\w+: done earlier", printed)
+    assert "[export] onnxruntime: done earlier, reusing" in printed and not re.search(r"parity-onnxruntime-\w+: done earlier", printed)
     assert rebuilt["files"] == built["files"] and rebuilt["build_key"] != built["build_key"]
     assert not list(tmp_path.glob(".artifact.partial-*"))
 
@@ -619,7 +619,7 @@ def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(
     real = sessions.open_session
     monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
     other = ExportConfig(backends=("torch", "onnxruntime"), capacity=128, prefill_chunk=16, parity_prompts=3)
-    with pytest.raises(ParityError, match=r"^parity failed on onnx: SS vs its own plain decoding differs on dialogue_a "
+    with pytest.raises(ParityError, match=r"^parity failed on onnxruntime: SS vs its own plain decoding differs on dialogue_a "
                                           r"from generated token \d+ \(\d+ mismatches in all\); the artifact was not"):
         ArtifactBuilder(checkpoint / "ckpt", out, other, prompts(3), 16, {},
                         prompt_names=["dialogue_a", "dialogue_b", "dialogue_c"]).build()

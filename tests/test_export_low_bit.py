@@ -18,7 +18,7 @@ from streamfuse.runtime.settings import DecodeSettings
 from conftest import write_checkpoint
 from test_export import DRAFT, prompts
 
-pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
 
 FORMATS = ("q4-native", "int8")
 

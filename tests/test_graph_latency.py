@@ -6,7 +6,7 @@ import pytest
 
 from streamfuse.tools import graph_latency
 
-pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
 
 
 def test_times_decode_and_each_trees_graph_variants(tiny_base_dir, tmp_path):

@@ -93,7 +93,7 @@ class Attention(torch.nn.Module):
 
 def exported_rows(module, example, dims, tmp_path):
     """An ONNX Runtime session per thread count over `module` exported with dynamic rows."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     from streamfuse.export.to_onnx import custom_translations
 
     program = torch.export.export(module, example, strict=False, dynamic_shapes=dims)
@@ -132,7 +132,7 @@ def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, he
     """The graphs' attention gives each query the same output in a call of any size. Graphs have
     static shapes, so each size is its own export, as prefill / decode / step are: a lone query row
     is computed as two (ONNX Runtime's one-row MatMul differs from the same row in a bigger call)."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     torch.manual_seed(0)
     module = Attention(heads, kv_heads).eval()
     query, visible = torch.randn(1, heads, 1, 16), torch.zeros(1, 1, 1, 40)
@@ -169,7 +169,7 @@ class IndexCopy(torch.nn.Module):
 def test_onnx_index_copy_is_one_scatter_on_the_data_layout(tmp_path, dim):
     """The in-place graphs write a call's rows with index_copy: in ONNX one ScatterND on the cache as
     it is (the exporter's own translation transposes the whole cache there and back), same values."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     import onnx
 
     from streamfuse.export.to_onnx import custom_translations
@@ -196,7 +196,7 @@ def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_erro
     """MatMulNBits gets d·(q - 8) and the min term m + 8d: the same weights, but what the kernel
     multiplies by int8-quantized activations is centred. Against the exact product (float64), the
     error of the exported layer is about half that of d·q with zero point 0 and m as the min term."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     from streamfuse.export.to_onnx import custom_translations
 
     codes = random_codes("q4_1", 256, 512, seed=3)
