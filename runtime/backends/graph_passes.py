@@ -97,7 +97,7 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
                                  order=decode_order(cache_len, visible, depths, span))
     elif layout == SCRATCH:  # [T, cache_len + T]: the used cache, then the new rows in the slots after it
         start = int(cache_len[0])
-        mask = torch.cat([among.new_zeros(count, start), among], dim=1).to(keys.dtype)[None, None]
+        mask = as_scores(torch.cat([among.new_zeros(count, start), among], dim=1), keys, layout)[None, None]
         provider = ScratchKeyValues(len(past), count, (keys, values), start)
     else:  # [T, C + T]
         mask = torch.cat([cache_mask(cache_len, span, count), among], dim=1)[None, None]
@@ -147,9 +147,14 @@ class StepPass(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout)
+        return self.verify(ids, cache_len, tree, depths, keys, values)[0]
+
+    def verify(self, ids, cache_len, tree, depths, keys, values, with_pruning: bool = False):
+        """(step's outputs, the lower state)."""
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout,
+                                     with_pruning)
         hidden = self.model.forward_upper(lower).hidden[0]
-        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider))
+        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider)), lower
 
 
 class PrunedStepPass(StepPass):
@@ -158,13 +163,11 @@ class PrunedStepPass(StepPass):
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
                 parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout, True)
-        hidden = self.model.forward_upper(lower).hidden[0]
+        outputs, lower = self.verify(ids, cache_len, tree, depths, keys, values, with_pruning=True)
         early = lower.pruning_hidden[0].index_select(0, parents[1:])
         probs = torch.softmax(self.model.logits(early).float(), dim=-1)
         children = probs.gather(1, ids[0, 1:, None])[:, 0]
-        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider),
-                torch.cat([children.new_ones(1), children]))
+        return (*outputs, torch.cat([children.new_ones(1), children]))
 
 
 def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,9 +274,9 @@ class GreedyStepPass(nn.Module):
             provider = SpanKeyValues(len(rows), 0, (keys, values), cache_len, prefix=rows)
             return model.forward_streams(anchor[None], position, among[None, None], provider)[0, 0]
         if self.layout == SCRATCH:  # the step's rows sit in the slots after the used cache already
-            used = int(cache_len[0]) + new_keys.shape[2]
-            past = split_cache(keys[:, :, :used], values[:, :, :used])
-            visible = torch.cat([among.new_zeros(1, used - new_keys.shape[2]), among], dim=1).to(keys.dtype)
+            start = int(cache_len[0])
+            past = split_cache(keys[:, :, : start + new_keys.shape[2]], values[:, :, : start + new_keys.shape[2]])
+            visible = as_scores(torch.cat([among.new_zeros(1, start), among], dim=1), keys, self.layout)
         else:
             visible = torch.cat([cache_mask(cache_len, keys_rows(keys), 1), among], dim=1)
             past = [(layer_keys, layer_values) if layer < model.split else

@@ -48,8 +48,8 @@ class TorchSession:
     name = "torch"
     prunes = True  # it has pruned_step
 
-    def __init__(self, model: SpeculativeStreamingLM, device: str, schedule: str):
-        self.model, self.device, self.dtype, self.schedule = model, device, next(model.parameters()).dtype, schedule
+    def __init__(self, model: SpeculativeStreamingLM, device: str, dtype: torch.dtype, schedule: str):
+        self.model, self.device, self.dtype, self.schedule = model, device, dtype, schedule
         self.modules = {"decode": MainPass(model, 1, False, SCRATCH), "streams": StreamsPass(model, SCRATCH),
                         "step": StepPass(model, SCRATCH), "pruned_step": PrunedStepPass(model, SCRATCH)}
         self._greedy: dict[int, GreedyStepPass] = {}
@@ -112,7 +112,7 @@ class TorchBackend(StaticGraphBackend):
         spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
                          parts.max_positions, prefill_chunk=0, buckets=(), greedy_schedules=(stream_schedule,),
                          width=DRAFT_WIDTH, dynamic=True)
-        super().__init__(TorchSession(self.model, device, stream_schedule), spec, device,
+        super().__init__(TorchSession(self.model, device, self.dtype, stream_schedule), spec, device,
                          zeros=lambda shape: torch.zeros(shape, dtype=self.dtype, device=device))
         self.heads: MedusaHeads | None = None
 

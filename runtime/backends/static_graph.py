@@ -296,10 +296,8 @@ class StaticGraphBackend:
         if self._pending is None:
             raise RuntimeError("commit without a step")
         new_keys, new_values = self._pending
-        index = list(nodes)
-        # A prefix of the step's rows needs no gather (a scratch session's rows are where they belong already).
-        keep = slice(0, len(index)) if index == list(range(len(index))) else np.asarray(index, dtype=np.int64)
-        self._store(new_keys[:, :, keep], new_values[:, :, keep])
+        index = np.asarray(nodes, dtype=np.int64)
+        self._store(new_keys[:, :, index], new_values[:, :, index])
         self._pending = None
 
     def rollback(self, length: int) -> None:
