@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,6 +75,8 @@ class SpeculativeStreamingLM(nn.Module):
         self.rotation_step = (
             config.value_rotation_step(self.parts.max_positions) if config.stream_init == "value_rotation" else None
         )
+        self.register_buffer("vocab_ids", None)  # keep_vocab's token ids; None: the head covers the vocabulary
+        self.vocab_head: nn.Module | None = None
 
     @property
     def num_streams(self) -> int:
@@ -109,8 +112,31 @@ class SpeculativeStreamingLM(nn.Module):
         return swapped
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shared LM head: [..., H] final-normed states -> [..., V]."""
-        return self.parts.lm_head(hidden)
+        """Shared LM head: [..., H] final-normed states -> [..., V] (after keep_vocab: [..., D], the kept rows)."""
+        return self.parts.lm_head(hidden) if self.vocab_head is None else self.vocab_head(hidden)
+
+    def keep_vocab(self, ids: torch.Tensor) -> None:
+        """Restrict the LM head to the rows of `ids` (ascending token ids): a draft model's pruned vocabulary
+        (FR-Spec). Its logits cover those D tokens only, so a call reads D rows of the head instead of V; the
+        embedding stays whole. Call before any module swap: the rows come from the float head."""
+        weight = getattr(self.parts.lm_head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError("keep_vocab needs the float LM head: call it before the head is quantized or packed")
+        ids = torch.as_tensor(ids, dtype=torch.long, device=weight.device)
+        if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= len(weight):
+            raise ValueError(f"the kept vocabulary must be ascending distinct ids in [0, {len(weight)}), got {len(ids)} "
+                             f"ids that are not")
+        head = nn.Linear(weight.shape[1], len(ids), bias=False).to(weight.device, weight.dtype)
+        head.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
+        self.vocab_ids, self.vocab_head = ids, head
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """The token ids of logits columns (an argmax, a top-k): the columns themselves unless keep_vocab."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
+
+    def kept_vocab(self) -> np.ndarray | None:
+        """keep_vocab's ids as a host array (the logits' columns), or None: the head covers the vocabulary."""
+        return None if self.vocab_ids is None else self.vocab_ids.cpu().numpy()
 
     def forward(
         self,

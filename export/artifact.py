@@ -27,7 +27,7 @@ from streamfuse.adapters.medusa import load_heads, read_heads_manifest
 from streamfuse.export import graph, worker
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
-from streamfuse.runtime.artifact import MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest
+from streamfuse.runtime.artifact import HEAD_VOCAB, MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest, save_head_vocab
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
@@ -113,15 +113,16 @@ class ExportConfig:
                                  f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more")
 
     def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None,
-            graphs_only: bool = False) -> str:
+            head: DraftVocab | None = None, graphs_only: bool = False) -> str:
         """What the artifact depends on: the checkpoint's settings and its weights (weights_digest), these
-        settings, the draft vocabulary, the Medusa heads (their training key). The backend list is not
+        settings, the draft vocabulary, the Medusa heads (their training key), the head's kept rows. The backend list is not
         part of it: an artifact with the same key lends its finished exports to a build that asks for
         more backends. graphs_only: what the exported files depend on, without the trees and the parity
         prompts (data the graphs take as inputs), so the files can be lowered before calibration."""
         payload = {"schema": SCHEMA, "training": training_key, "weights": weights,
                    "methods": method_names(self.buckets, heads_key is not None), "heads": heads_key, **asdict(self),
-                   "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest()}
+                   "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest(),
+                   "head_ids": hashlib.sha256(json.dumps(head.ids if head else None).encode()).hexdigest()}
         for name in ("backends", "workers", *(("trees", "parity_prompts") if graphs_only else ())):
             payload.pop(name)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -144,13 +145,14 @@ class ArtifactBuilder:
 
     def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
                  max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = (),
-                 heads: Path | None = None, pending: dict[str, Future] | None = None):
-        """pending: backends whose files a worker lowers meanwhile (start_lowering), into this staging folder."""
+                 heads: Path | None = None, head: DraftVocab | None = None, pending: dict[str, Future] | None = None):
+        """head: the LM head's rows (a draft model's pruned vocabulary: its logits cover those tokens only).
+        pending: backends whose files a worker lowers meanwhile (start_lowering), into this staging folder."""
         config.validate()
         # for workers
-        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names, heads)
+        self.arguments = (checkpoint, out, config, prompts, max_new_tokens, info, draft, prompt_names, heads, head)
         self.pending = dict(pending or {})
-        self.checkpoint, self.out, self.config, self.draft = Path(checkpoint), Path(out), config, draft
+        self.checkpoint, self.out, self.config, self.draft, self.head = Path(checkpoint), Path(out), config, draft, head
         self.prompts, self.max_new_tokens, self.info = prompts[: config.parity_prompts], max_new_tokens, info
         self.prompt_names = tuple(prompt_names)[: config.parity_prompts]  # for a parity failure's message
         self.heads = None if heads is None else Path(heads)
@@ -158,7 +160,7 @@ class ArtifactBuilder:
         self.num_heads = 0 if heads_manifest is None else heads_manifest["num_heads"]
         self.heads_key = None if heads_manifest is None else heads_manifest["info"].get("training_key", "untracked")
         identity = (read_manifest(checkpoint)["info"].get("training_key", "untracked"), weights_digest(checkpoint), draft,
-                    self.heads_key)
+                    self.heads_key, head)
         self.key, self.graph_key = config.key(*identity), config.key(*identity, graphs_only=True)
         # Keyed by the graphs: files lowered before calibration chose the trees are this build's files.
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.graph_key}"
@@ -292,6 +294,8 @@ class ArtifactBuilder:
         for name in ("tokenizer", "adapter"):
             shutil.rmtree(self.staging / name, ignore_errors=True)
         tokenizer.save_pretrained(self.staging / "tokenizer")
+        if self.head is not None:
+            save_head_vocab(self.staging / HEAD_VOCAB, self.head.ids)
         shutil.copytree(self.checkpoint, self.staging / "adapter",
                         ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
         return {}
@@ -338,6 +342,7 @@ class ArtifactBuilder:
         from streamfuse.export.low_bit import use_base_codes
 
         model, _, checkpoint = load_checkpoint(self.checkpoint)
+        self._keep_head(model)
         parts = model.requires_grad_(False).parts
         codes = read_base_codes(base_gguf(checkpoint["base_model"]), parts.num_heads, parts.num_kv_heads)
         return model, {"name": "q4-native", **use_base_codes(model, codes)}
@@ -404,8 +409,13 @@ class ArtifactBuilder:
     def model_and_tokenizer(self):
         if self._model is None:
             model, tokenizer, manifest = load_checkpoint(self.checkpoint, merge_lora=True)
+            self._keep_head(model)
             self._model = (model.eval().requires_grad_(False), tokenizer, manifest)
         return self._model
+
+    def _keep_head(self, model) -> None:
+        if self.head is not None:
+            model.keep_vocab(torch.tensor(self.head.ids))
 
     def shapes(self, in_place: bool = False, span: bool = False) -> graph.GraphShapes:
         return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, in_place, span)
@@ -459,7 +469,9 @@ class ArtifactBuilder:
             "model": {"base_model": checkpoint["base_model"], "num_layers": parts.num_layers,
                       "hidden_size": parts.hidden_size, "num_kv_heads": parts.num_kv_heads, "head_dim": parts.head_dim,
                       "vocab_size": parts.vocab_size, "max_positions": parts.max_positions,
-                      "num_parameters": sum(p.numel() for p in model.parameters())},
+                      "num_parameters": sum(p.numel() for p in model.parameters()),
+                      "head_vocab": None if self.head is None else {
+                          "path": HEAD_VOCAB, **self.head.to_dict(), **file_digest(self.staging / HEAD_VOCAB)}},
             "streams": checkpoint["streams"],
             "trees": [tree.to_dict() for tree in self.trees],
             "calibration": {"acceptance": None, "backends": {}},

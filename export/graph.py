@@ -171,7 +171,8 @@ def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Se
     """What the host must know to run graph_modules(model, shapes, ..., schedules) (and `heads` Medusa heads)."""
     parts = model.parts
     return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, shapes.buckets, tuple(schedules), shapes.width, heads)
+                     shapes.capacity, shapes.prefill_chunk, shapes.buckets, tuple(schedules), shapes.width, heads,
+                     head_ids=model.kept_vocab())
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -4,6 +4,7 @@
                                backend: step costs and the chosen tree), graphs (methods, shapes),
                                KV layout, tokenizer, files (bytes + sha256), parity, eval, versions
     <artifact>/tokenizer/      the tokenizer the model was trained with
+    <artifact>/head_vocab.safetensors  a draft model's artifact only: the token ids its LM head keeps
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
                                and what other tasks on the same base share
     <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint, run on torch; medusa:
@@ -24,16 +25,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/14"  # /14: files, parity and formats keyed by the runtime's backend names (onnxruntime)
+SCHEMA = "streamfuse.artifact/15"  # /15: model.head_vocab (a draft model's pruned LM head)
 MANIFEST = "manifest.json"
+HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
 
 
 class ArtifactError(ValueError):
     pass
+
+
+def save_head_vocab(path: Path, ids) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({"ids": np.asarray(ids, dtype=np.int64)}, str(path))
 
 
 def file_digest(path: Path) -> dict:
@@ -146,7 +156,20 @@ class Artifact:
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
                          self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"],
                          tuple(graphs["buckets"]), tuple(graphs["greedy_step"]["schedules"]), graphs["greedy_step"]["width"],
-                         graphs["heads"]["count"])
+                         graphs["heads"]["count"], head_ids=self.head_ids())
+
+    def head_ids(self) -> np.ndarray | None:
+        """The token ids the LM head keeps (model.head_vocab: a draft model's pruned vocabulary), checked; None:
+        the head covers the vocabulary."""
+        entry = self.manifest["model"]["head_vocab"]
+        if entry is None:
+            return None
+        file = self.path / entry["path"]
+        if not file.is_file() or file_digest(file)["sha256"] != entry["sha256"]:
+            raise ArtifactError(f"{file} is missing or differs from the manifest: copy the artifact again or rebuild it")
+        from safetensors.numpy import load_file
+
+        return load_file(file)["ids"]
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""

@@ -181,10 +181,15 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
 
 def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None,
                      calibrated: bool = True) -> Loaded:
+    import torch
+
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
     model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
+    kept = artifact.head_ids() if artifact is not None else None
+    if kept is not None:  # a draft model exported with a pruned head runs with the same head on torch
+        model.keep_vocab(torch.from_numpy(kept))
     backend = TorchBackend(model, device, stream_schedule)
     calibration = artifact.calibration("torch") if artifact is not None and calibrated else None
     return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact,

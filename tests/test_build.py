@@ -117,7 +117,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # (the base's first 2 layers) and 2 Medusa heads train on the SS model's own answers, the acceptance head
     # on the draft model's states over them, and all land in drafters/. The graphs are exported again with
     # the heads method; the chains sd and specdec++ verify (3 and 2..4 drafts) fit the 8-row bucket.
-    with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2",
+    with_sd = [*export, "--set=sd.enabled=true", "--set=sd.layers=2", "--set=sd.gamma=3", "--set=sd.epochs=2", "--set=sd.vocab=40",
                "--set=medusa.enabled=true", "--set=medusa.heads=2", "--set=medusa.batch=16",
                "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16",
                "--set=adaptive.enabled=true", "--set=adaptive.batch=16"]
@@ -141,19 +141,19 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive")
+    assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive", "pearl")
     assert loaded.method_tree("sd") == TreeSpec.chain(3)
     assert loaded.method_tree("specdec++") == TreeSpec.chain(4)
     assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     rules = StopRules(12, loaded.stop_token_ids)
     with pytest.raises(ValueError, match="has no calibration for torch: run python -m streamfuse.tools.calibrate"):
         dataclasses.replace(loaded, calibration=None, resources={}).tree_choice()
-    for method in ("sd", "medusa", "specdec++", "ss-adaptive"):
+    for method in ("sd", "medusa", "specdec++", "ss-adaptive", "pearl"):
         settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
             result = generate(loaded.backend, prompt, settings, drafter=loaded.drafter(settings))
             assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
-            assert (result.run.draft_calls > 0) == (method in ("sd", "specdec++"))
+            assert (result.run.draft_calls > 0) == (method in ("sd", "specdec++", "pearl"))
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
@@ -164,7 +164,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     exported_target = load(tmp_path / "artifact", "onnxruntime")
     assert json.loads((tmp_path / "artifact" / "manifest.json").read_text())["graphs"]["heads"]["count"] == 2
     for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0), ("medusa", None),
-                              ("ss-adaptive", None)):
+                              ("ss-adaptive", None), ("pearl", None)):
         settings = DecodeSettings(method, rules, tree=exported_target.method_tree(method), threshold=threshold)
         exported_target.check_method_tree(method, settings.tree)
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
@@ -174,9 +174,15 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # sd's draft model was exported too (its own artifact in drafters/sd, parity checked); specdec++ drives
     # it there as well, its head on the final states the draft's graphs return.
     assert {key for key in exported_target.resources if key.startswith("sd:")} == {"sd:onnxruntime"}
+    assert exported_target.resources["pearl:onnxruntime"].name.startswith("onnxruntime")  # PEARL's worker too
     assert exported_target.resources["sd:onnxruntime"].name.startswith("onnxruntime")
     draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnxruntime"]
     assert draft_parity["ss_equals_own_plain"] == draft_parity["plain_prompts"] > 0
+    # Its LM head keeps the 40 tokens the SS model's answers use most, on every engine it runs on.
+    head = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["model"]["head_vocab"]
+    assert head["size"] == 40 and 0.3 < head["coverage"] <= 1.0 and "draft head vocabulary: 40 tokens" in out
+    assert len(exported_target.resources["sd:onnxruntime"].spec.head_ids) == 40
+    assert len(loaded.resources["sd:torch"].spec.head_ids) == 40
     # One bench table for every method: SD's draft calls beside SS's none, both equal to plain decoding.
     from streamfuse.tools import bench
 

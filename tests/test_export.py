@@ -91,6 +91,7 @@ def test_export_workers_do_not_change_the_artifact_key():
     assert CONFIG.key("t", "w", DRAFT) != CONFIG.key("t", "other weights", DRAFT)
     with_heads = CONFIG.key("t", "w", DRAFT, "heads-1")  # Medusa heads (their training key) are in the graphs
     assert with_heads not in (CONFIG.key("t", "w", DRAFT), CONFIG.key("t", "w", DRAFT, "heads-2"))
+    assert CONFIG.key("t", "w", DRAFT, head=DraftVocab((1, 2), 1.0)) != CONFIG.key("t", "w", DRAFT)  # a pruned head
     with pytest.raises(ValueError, match="export.workers must be >= 1"):
         ExportConfig(workers=0).validate()
 

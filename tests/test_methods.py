@@ -21,10 +21,11 @@ BUILT_IN = {
     "medusa": (True, False, False, False, ("medusa",)),
     "specdec++": (True, False, True, True, ("sd", "specdec++")),
     "ss-adaptive": (True, True, False, False, ("ss-adaptive",)),
+    "pearl": (True, False, True, False, ("sd",)),
 }
 
 
-def test_the_registry_declares_the_six_methods():
+def test_the_registry_declares_the_seven_methods():
     assert methods.names() == tuple(BUILT_IN)
     for name, row in BUILT_IN.items():
         method = methods.get(name)
@@ -37,6 +38,7 @@ VARIANTS = [
     ("sd", "3", {"tree": TreeSpec.chain(3)}),
     ("sd", "0", "G >= 1"),
     ("sd", "x", "G >= 1"),
+    ("pearl", "6", {"tree": TreeSpec.chain(6)}),
     ("specdec++", "0.25", {"threshold": 0.25}),
     ("specdec++", "1.5", "0 <= H <= 1"),
 ]

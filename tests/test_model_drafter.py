@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from streamfuse.adapters.config import StreamConfig
+from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.accept import accept_sampled
+from streamfuse.runtime.backends.base import PruneConfig
+from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.fallback import FallbackConfig
@@ -14,6 +18,7 @@ from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 
+from conftest import make_tiny_llama
 from test_decode import backend_for, chi_square_p, exact_joint
 
 
@@ -124,3 +129,92 @@ def test_sd_settings_need_a_chain():
         DecodeSettings("sd", StopRules(4), tree=TreeSpec.full(2, 2))
     with pytest.raises(ValueError, match="its drafter"):
         generate(backend_for(0), [1, 2], DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(2)))
+
+
+# A draft model's pruned head (FR-Spec; SpeculativeStreamingLM.keep_vocab): its logits cover the kept ids, the
+# host spreads them over the vocabulary with -inf elsewhere, so drafts and q stay inside the kept set.
+def pruned_engine(seed: int, keep: list[int], vocab: int = 97, gamma: int = 3) -> TorchBackend:
+    model = SpeculativeStreamingLM(make_tiny_llama(seed, vocab=vocab), StreamConfig(gamma, 2))
+    model.keep_vocab(torch.tensor(keep))
+    return TorchBackend(model)
+
+
+class DraftLog(ModelDrafter):
+    """Records every drafted token and its q."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.tokens, self.probs = [], []
+
+    def propose(self, root):
+        draft = super().propose(root)
+        self.tokens += draft.tokens[1:]
+        if draft.probs is not None:
+            self.probs += list(draft.probs[1:])
+        return draft
+
+
+def test_a_pruned_head_gives_the_full_heads_logits_on_its_rows_and_minus_inf_elsewhere():
+    keep = [0, 3, 4, 40, 96]
+    full, pruned = backend_for(3), pruned_engine(3, keep)
+    for backend in (full, pruned):
+        backend.reset(16)
+    whole, kept = full.prefill([1, 2, 3], False).main_logits, pruned.prefill([1, 2, 3], False).main_logits
+    assert kept.shape == whole.shape == (1, 97)
+    assert np.allclose(kept[:, keep], whole[:, keep], atol=1e-6)
+    assert np.isneginf(np.delete(kept, keep, axis=1)).all()
+    assert pruned.model.logits(torch.zeros(2, 32)).shape == (2, 5)  # the call reads 5 rows, not 97
+
+
+@pytest.mark.parametrize("ids, message", [([3, 3], "ascending distinct"), ([5, 2], "ascending distinct"),
+                                          ([0, 97], "ascending distinct"), ([], "ascending distinct")])
+def test_a_kept_vocabulary_must_be_ascending_ids_inside_the_vocabulary(ids, message):
+    model = SpeculativeStreamingLM(make_tiny_llama(0), StreamConfig(3, 2))
+    with pytest.raises(ValueError, match=message):
+        model.keep_vocab(torch.tensor(ids, dtype=torch.long))
+
+
+@pytest.mark.parametrize("gamma, prompt_len", [(2, 4), (4, 9)])
+def test_greedy_sd_with_a_pruned_draft_head_equals_plain_greedy(gamma, prompt_len):
+    keep = sorted(set(range(0, 97, 2)) | {5})
+    target, engine = backend_for(1), pruned_engine(3, keep)
+    prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    rules = StopRules(max_new_tokens=30, stop_token_ids=(5,))
+    settings = DecodeSettings("sd", rules, tree=TreeSpec.chain(gamma))
+    drafter = DraftLog(engine, settings)
+    fast = generate(target, prompt, settings, drafter=drafter)
+    plain = generate(target, prompt, DecodeSettings("ar", rules))
+    assert (fast.token_ids, fast.stop_reason) == (plain.token_ids, plain.stop_reason)
+    assert drafter.tokens and set(drafter.tokens) <= set(keep)
+
+
+def test_speculative_sampling_with_a_pruned_draft_head_matches_the_target_distribution():
+    """The draft distribution q is zero outside the kept tokens (here 5 of 8); the target's tokens outside
+    them still come, from the residual max(p - q, 0), at the target's rate."""
+    keep = [0, 2, 3, 5, 6]
+    target, engine = backend_for(5, vocab=8, gamma=2), pruned_engine(9, keep, vocab=8, gamma=2)
+    exact = exact_joint(target, SamplingConfig(1.0))
+    counts, drafted = torch.zeros(8, 8), []
+    for seed in range(2000):
+        settings = DecodeSettings("sd", StopRules(2), tree=TreeSpec.chain(2), sampling=SamplingConfig(1.0), seed=seed)
+        drafter = DraftLog(engine, settings)
+        tokens = generate(target, [1, 2], settings, drafter=drafter).token_ids
+        counts[tokens[0], tokens[1]] += 1
+        drafted += drafter.probs
+    assert chi_square_p(counts, exact) > 1e-3
+    outside = [t for t in range(8) if t not in keep]
+    assert all(q[outside].sum() == 0 and q.sum() == pytest.approx(1) for q in drafted)
+    assert exact.view(8, 8)[:, outside].sum() > 0.1 and counts[:, outside].sum() > 200  # the residual's share
+
+
+@pytest.mark.parametrize("tree", [TreeSpec.chain(3), TreeSpec.full(2, 2)])
+def test_a_pruned_head_model_decodes_ss_as_its_own_plain_decoding(tree):
+    """In-graph argmax and top-k (greedy_step's targets and drafts) give token ids, not head columns."""
+    keep = sorted(set(range(1, 97, 3)) | {5})
+    engine = pruned_engine(2, keep)
+    rules = StopRules(max_new_tokens=24)
+    plain = generate(engine, [4, 8, 15], DecodeSettings("ar", rules))
+    fast = generate(engine, [4, 8, 15], DecodeSettings("ss", rules, tree=tree))
+    assert fast.token_ids == plain.token_ids and set(plain.token_ids) <= set(keep)
+    with pytest.raises(ValueError, match="tree pruning reads the early-exit head over the whole vocabulary"):
+        generate(engine, [4, 8], DecodeSettings("ss", rules, tree=tree, prune=PruneConfig(threshold=0.1)))

@@ -117,11 +117,16 @@ class DraftModelConfig:
     epochs: float = 1.0
     learning_rate: float = 1e-3
     unlabelled: bool = False  # the task's unlabelled inputs' own answers too
+    # Its exported LM head's rows: the `vocab` tokens most frequent in the SS model's own answers and their prompts
+    # (FR-Spec), so a draft call reads that many rows instead of all V (the head is 2/3 of a 4-layer call). 0: all.
+    vocab: int = 8192
 
     def validate(self) -> None:
         if self.layers < 2 or self.gamma < 1 or self.lora_rank < 1:
             raise ValueError(f"sd.layers must be >= 2, sd.gamma and sd.lora_rank >= 1, got {self.layers}, "
                              f"{self.gamma} and {self.lora_rank}")
+        if self.vocab < 0:
+            raise ValueError(f"sd.vocab must be >= 0 (0: the draft head keeps every token), got {self.vocab}")
 
     def lora(self) -> LoraSettings:
         return LoraSettings(rank=self.lora_rank, alpha=2.0 * self.lora_rank, dropout=0.0)

@@ -226,16 +226,21 @@ class Build:
         ArtifactBuilder(*self.builder_arguments(ss_dir, export, info, heads), pending=pending).build()
         return self.args.out
 
-    def export_draft(self, sd_dir: Path, export: ExportConfig, longest: int) -> Path:
+    def export_draft(self, sd_dir: Path, ss_dir: Path, export: ExportConfig, longest: int) -> Path:
         """sd's draft model exported like the target, to its own small artifact (<run>/sd-export): the same
-        engines, fp32, a cache `longest` drafts past the target's; parity checked like SS's."""
+        engines, fp32, a cache `longest` drafts past the target's, its head pruned to the sd.vocab tokens most
+        frequent in the SS model's own answers and their prompts (answers copy names from them); parity checked
+        like SS's."""
         out = self.run_dir / "sd-export"
+        sd = self.config.sd
+        items, _ = self.target_answers(self.inference_model(ss_dir), stages.model_key(ss_dir), sd.unlabelled)
+        head = self.vocab("draft head", [item.input_ids for item in items], sd.vocab)
         config = dataclasses.replace(export, trees=("gamma=1,k=1",), buckets=(2,), capacity=export.capacity + longest,
                                      quantize="none",
                                      draft_vocab=0, greedy_schedule="auto", parity_prompts=min(export.parity_prompts, 5))
         print(f"[sd] exporting the draft model ({', '.join(b for b in config.backends if b != 'torch')})", flush=True)
         ArtifactBuilder(sd_dir, out, config, self.parity_prompts(), self.config.eval.max_new_tokens, {"drafter": "sd"},
-                        None, [ex.id for ex in self.test]).build()
+                        None, [ex.id for ex in self.test], head=head).build()
         return out
 
     def parity_prompts(self) -> list[list[int]]:
@@ -243,11 +248,15 @@ class Build:
         return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
 
     def draft_vocab(self, size: int) -> DraftVocab | None:
-        """From the training prompts and answers; coverage measured on the validation answers."""
+        """greedy_step's: from the training prompts and answers."""
+        return self.vocab("draft", [item.input_ids for item in self.train_items], size)
+
+    def vocab(self, label: str, texts: list[list[int]], size: int) -> DraftVocab | None:
+        """The `size` tokens most frequent in `texts`; coverage measured on the validation answers."""
         answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
-        draft = draft_vocab([item.input_ids for item in self.train_items], answers, size, len(self.tokenizer))
+        draft = draft_vocab(texts, answers, size, len(self.tokenizer))
         if draft is not None:
-            print(f"[export] draft vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
+            print(f"[export] {label} vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
                   f"answer tokens", flush=True)
         return draft
 
@@ -339,7 +348,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
         if sd_dir is not None:
             longest = max(config.sd.gamma, config.specdec.max_drafts if config.specdec.enabled else 0)
-            draft = build.export_draft(sd_dir, export, longest)
+            draft = build.export_draft(sd_dir, ss_dir, export, longest)
             install_drafter(artifact, "sd", draft, {"tree": TreeSpec.chain(config.sd.gamma).to_dict(),
                                                      "layers": config.sd.layers,
                                                      "training_key": read_manifest(sd_dir)["info"]["training_key"]})

@@ -141,8 +141,8 @@ def distilled(build: Build, first_dir: Path) -> Path:
 # --- other methods' drafters ------------------------------------------------------------------
 def sd_inputs(config: BuildConfig, target_key: str) -> dict:
     """The draft model depends on the target whose answers it learns, their length and its recipe (not
-    gamma: how many it drafts per step is the runtime's choice)."""
-    return {"target": target_key, "sd": recipe(config.sd, "gamma"), "train": asdict(config.train),
+    gamma: how many it drafts per step is the runtime's choice; not vocab: the export prunes its head)."""
+    return {"target": target_key, "sd": recipe(config.sd, "gamma", "vocab"), "train": asdict(config.train),
             "answer_tokens": config.data.max_target_tokens}
 
 

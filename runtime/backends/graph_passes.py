@@ -163,6 +163,9 @@ class PrunedStepPass(StepPass):
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
                 parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        if self.model.vocab_ids is not None:
+            raise ValueError("tree pruning reads the early-exit head over the whole vocabulary; this model's head "
+                             "keeps a subset (a draft model's): decode without --prune")
         outputs, lower = self.verify(ids, cache_len, tree, depths, keys, values, with_pruning=True)
         early = lower.pruning_hidden[0].index_select(0, parents[1:])
         probs = torch.softmax(self.model.logits(early).float(), dim=-1)
@@ -247,7 +250,7 @@ class GreedyStepPass(nn.Module):
         fused = self.schedule == "fused"
         out = self.model.forward_upper(lower, self.all_nodes if fused else None)
         new_keys, new_values = new_rows(provider)
-        targets = self.model.logits(out.hidden[0]).argmax(-1)
+        targets = self.model.token_ids(self.model.logits(out.hidden[0]).argmax(-1))
         accepted = accepted_node(ids[0], targets, tree, depths, parents)
         if fused:
             streams = out.stream_hidden[0].index_select(0, accepted)[0]
@@ -260,7 +263,7 @@ class GreedyStepPass(nn.Module):
     def ranked_drafts(self, streams: torch.Tensor) -> torch.Tensor:
         """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""
         if self.draft_ids is None:
-            return self.model.logits(streams).topk(self.width, dim=-1).indices
+            return self.model.token_ids(self.model.logits(streams).topk(self.width, dim=-1).indices)
         ranks = self.draft_head(streams).topk(self.width, dim=-1).indices
         return self.draft_ids[ranks]
 

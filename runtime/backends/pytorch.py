@@ -111,7 +111,7 @@ class TorchBackend(StaticGraphBackend):
         parts = model.parts
         spec = GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
                          parts.max_positions, prefill_chunk=0, buckets=(), greedy_schedules=(stream_schedule,),
-                         width=DRAFT_WIDTH, dynamic=True)
+                         width=DRAFT_WIDTH, dynamic=True, head_ids=model.kept_vocab())
         super().__init__(TorchSession(self.model, device, self.dtype, stream_schedule), spec, device,
                          zeros=lambda shape: torch.zeros(shape, dtype=self.dtype, device=device))
         self.heads: MedusaHeads | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -170,6 +170,17 @@ class GraphSpec:
     heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
     # The session runs any row count (torch eager): a tree takes its own rows, no pad; the cache grows on reset.
     dynamic: bool = False
+    # Ascending token ids of the logits' columns where the LM head keeps only those rows (a draft model's pruned
+    # vocabulary, SpeculativeStreamingLM.keep_vocab); the host gives every other token -inf. None: all V.
+    head_ids: np.ndarray | None = field(default=None, compare=False)
+
+    def full_logits(self, logits: np.ndarray) -> np.ndarray:
+        """[..., V] float32 logits from a graph's [..., V] or, with head_ids, [..., D]."""
+        if self.head_ids is None:
+            return _float(logits)
+        full = np.full((*logits.shape[:-1], self.vocab_size), -np.inf, dtype=np.float32)
+        full[..., self.head_ids] = logits
+        return full
 
     @property
     def max_nodes(self) -> int | None:
@@ -245,7 +256,7 @@ class StaticGraphBackend:
                 "prefill", [ids, self._length(), self.keys, self.values, np.array([len(piece) - 1], dtype=np.int64)])
             self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
-        return StepOutput(_float(logits), stream_logits,
+        return StepOutput(self.spec.full_logits(logits), stream_logits,
                           extras=self._extras(hidden, stream_states, self._head_source(anchor, self.length - 1, [0])))
 
     def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
@@ -277,7 +288,7 @@ class StaticGraphBackend:
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
         kept = keep_nodes(tree, transitions[0].tolist(), prune) if prune is not None else None
-        return StepOutput(_float(logits), stream_logits, kept,
+        return StepOutput(self.spec.full_logits(logits), stream_logits, kept,
                           extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)))
 
     def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -363,7 +374,7 @@ class StaticGraphBackend:
                 raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) before its commit")
             (out,) = self.session.run("heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64),
                                                 self.keys, self.values])
-            return _float(out)
+            return self.spec.full_logits(out)
 
         return logits
 
@@ -377,7 +388,7 @@ class StaticGraphBackend:
         """Call after the commit: the anchor node's K/V must be in the cache (it is the last row).
         -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
         logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
-        return _float(logits), _float(states)
+        return self.spec.full_logits(logits), _float(states)
 
 
 def keep_nodes(tree: TreeSpec, transition: Sequence[float], prune: PruneConfig) -> list[bool]:
