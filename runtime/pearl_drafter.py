@@ -2,7 +2,7 @@
 target verifies, so neither waits for the other.
 
     worker (draft model, 1 thread, pinned to the last core): drafts the next token, again and again, up to
-             gamma + 1 past the confirmed text; between calls it reads the host's commit / reset messages
+             2 gamma + 1 past the confirmed text; between calls it reads the host's commit / reset messages
     host:    post-verify: propose(root) takes the worker's gamma drafts after root (ready: they were drafted
              during the previous verify) and the target verifies them while the worker drafts on;
              pre-verify (after a miss): the target takes a plain step on the root while the worker drafts
@@ -168,7 +168,7 @@ def serve(connection, folder: str, engine: str, device: str, core: int | None) -
 
 class DraftLoop:
     """The worker's state: `tokens` (prompt + confirmed text + drafts), the first `cached` of them in the draft
-    model's cache, `logits` after the last cached one; drafting stops gamma + 1 past the confirmed text."""
+    model's cache, `logits` after the last cached one; drafting stops 2 gamma + 1 past the confirmed text."""
 
     def __init__(self, backend, connection):
         self.backend, self.connection = backend, connection
@@ -179,8 +179,9 @@ class DraftLoop:
 
     def run(self) -> None:
         while True:
-            # the host verifies gamma drafts after the confirmed text and looks at one more
-            if self.logits is not None and len(self.tokens) < min(self.confirmed + self.gamma + 1, self.capacity):
+            # while the host verifies gamma drafts after the confirmed text, the next chain and the draft that
+            # decides whether it holds: gamma + 1 more (the paper's post-verify)
+            if self.logits is not None and len(self.tokens) < min(self.confirmed + 2 * self.gamma + 1, self.capacity):
                 while self.connection.poll():
                     self.handle(self.connection.recv())
                 self.draft_one()

@@ -200,6 +200,16 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     # Variants in the same run: sd:2 verifies 2 drafts a step; specdec++ at threshold 1 never stops before its 4.
     assert rows["sd:2/torch"]["mean_draft_nodes"] == 2 and rows["specdec++:1/torch"]["mean_draft_nodes"] == 4
     assert "| sd/torch |" in (tmp_path / "bench" / "bench.md").read_text()
+    # PEARL replayed on this machine's measured calls (and a given device): the matches of the artifact's draft.
+    from streamfuse.tools import pearl_replay
+
+    assert pearl_replay.main(["--artifact", str(tmp_path / "artifact"), "--input-file", str(data / "dialogsum.test.jsonl"),
+                              "--limit", "2", "--max-new-tokens", "8", "--threads", "1", "--gamma", "2",
+                              "--device", "given:10,12,1", "--matches", str(tmp_path / "matches.json"),
+                              "--out", str(tmp_path / "replay.json")]) == 0
+    replayed = json.loads((tmp_path / "replay.json").read_text())["rows"]
+    assert [row["device"] for row in replayed][1] == "given" and replayed[0]["latencies_ms"]["draft_ms"] > 0
+    assert [0 < len(row) <= 8 for row in json.loads((tmp_path / "matches.json").read_text())["matches"]] == [True] * 2
 
     # A profile whose SS output differs from plain decoding fails the build, naming the inputs.
     from streamfuse.runtime import cli
