@@ -164,6 +164,7 @@ def timed_run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: T
             "draft_calls": record.draft_calls,
             "prefill_s": record.spans["prefill"], "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
             "step_tokens": [s.tokens for s in record.steps], "step_drafts": [s.tree_nodes - 1 for s in record.steps],
+            "step_draft_s": [s.draft_seconds for s in record.steps],
             "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
 
 

@@ -160,7 +160,7 @@ def serve(connection, folder: str, engine: str, device: str, core: int | None) -
     connection.send(("ready", backend.name))
     try:
         DraftLoop(backend, connection).run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, ConnectionError, KeyboardInterrupt):  # the host went away: nothing to report to
         return
     except Exception as error:
         connection.send(("error", f"{type(error).__name__}: {error}"))

@@ -31,6 +31,7 @@ def _row(r: dict) -> str:
             f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
             f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['draft_calls'], 'd')} | "
             f"{_num(r['mean_accepted_tokens'], '.2f')} | {_num(r['mean_draft_nodes'], '.2f')} | "
+            f"{_num(r['draft_ms_per_step'], '.1f')} | "
             f"{r['ttft_s_median']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['prompt_ms_per_token_median']:.2f} | "
             f"{_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
             f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |")
@@ -57,10 +58,10 @@ def markdown(report: dict) -> str:
         "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input "
         "| speed-up after the first token | vs "
         "| call reduction CR (tokens / target calls) | draft-model calls | mean accepted tokens | mean drafts verified "
-        "| TTFT (median, s) "
+        "| draft ms per drafted step | TTFT (median, s) "
         "| tokens/s after the first token | prompt ms per token (median) | ROUGE-1 | ROUGE-Lsum "
         "| output != baseline (inputs) | RSS added at load (MiB) |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(_row(r) for r in report["table"]), "",
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the target's calls, the prefill included; AR rows have CR = mean accepted "

@@ -71,7 +71,9 @@ def _streamfuse_row(method: str, backend: str, rows: Sequence[dict], inputs: Seq
             "call_reduction": sum(r["new_tokens"] for r in runs) / sum(r["model_calls"] for r in runs),
             "draft_calls": sum(r["draft_calls"] for r in runs),
             "mean_accepted_tokens": (statistics.mean(steps) if steps else None) if method != "ar" else 1.0,
-            "mean_draft_nodes": statistics.mean(d for r in runs for d in r["step_drafts"]) if steps else None}
+            "mean_draft_nodes": statistics.mean(d for r in runs for d in r["step_drafts"]) if steps else None,
+            # the host's time in the drafter per drafted step (PEARL: waiting for its worker's drafts)
+            "draft_ms_per_step": 1000 * statistics.mean(d for r in runs for d in r["step_draft_s"]) if steps else None}
 
 
 def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[BenchInput], methods: Sequence[str],
@@ -92,6 +94,7 @@ def table(rows: Sequence[dict], peer_rows: Sequence[dict], inputs: Sequence[Benc
                     "baseline": f"{method}/{backend}" if reference else None,
                     **_stats(runs, reference, inputs, [r["prompt_tokens"] for r in peer_rows]),
                     "call_reduction": None, "draft_calls": None, "mean_accepted_tokens": None, "mean_draft_nodes": None,
+                    "draft_ms_per_step": None,
                     **info[name]})
     return out
 
