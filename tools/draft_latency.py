@@ -85,7 +85,7 @@ def exported(model, engine: str, capacity: int, folder: Path, threads: int) -> S
     from streamfuse.export.xnnpack_graph import xnnpack_model
 
     span, in_place = engine == "executorch", engine == "onnxruntime"
-    ready = xnnpack_model(model) if span else with_graph_attention(copy.deepcopy(model))
+    ready = xnnpack_model(model) if span else with_graph_attention(model)  # copies, with the engine's attention
     shapes = graph.GraphShapes(capacity, PREFILL_CHUNK, (2,), in_place, span)
     modules = {name: module for name, module in graph.graph_modules(ready, shapes).items() if name in METHODS}
     inputs = {name: value for name, value in graph.example_inputs(ready, shapes).items() if name in METHODS}
