@@ -33,7 +33,6 @@ from streamfuse.runtime.backends.base import StepOutput
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.sampling import SamplingConfig, draw, target_probs
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
 
 WORKER_START_SECONDS = 300  # loading the draft model in a fresh interpreter (torch import included)
 
@@ -94,8 +93,7 @@ class PearlDrafter:
     def __init__(self, worker: PearlWorker, settings: DecodeSettings):
         if settings.method != self.name:
             raise ValueError(f"this drafter drafts for method pearl, not {settings.method!r}")
-        self.worker, self.tree, self.gamma = worker, settings.tree, settings.tree.depth
-        self.chain = TreeSpec.chain(self.gamma)
+        self.worker, self.tree, self.gamma = worker, settings.tree, settings.tree.depth  # a chain (DecodeSettings)
         self.sampling, self.seed = settings.sampling, settings.seed
         self.confirmed = 0  # tokens the target has emitted or been given (prompt + output); the root is the last
         self.capacity = 0  # positions the worker drafts up to (the run's)
@@ -116,7 +114,7 @@ class PearlDrafter:
         drafted = [self._draft(position) for position in positions]
         probs = None if self.sampling.greedy else np.stack([np.zeros_like(drafted[0][1]),
                                                             *(q for _, q in drafted)])
-        return Draft(self.chain, [root, *(token for token, _ in drafted)], probs, calls=self.gamma)
+        return Draft(self.tree, [root, *(token for token, _ in drafted)], probs, calls=self.gamma)
 
     def observe(self, draft: Draft, out: StepOutput, path: Sequence[int], correction: int) -> None:
         accepted = len(path) - 1

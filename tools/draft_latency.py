@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ from streamfuse.export import graph
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
+from streamfuse.tools.latency import step_seconds
 
 ENGINES = ("torch", "executorch", "onnxruntime")
 PREFILL_CHUNK = 64
@@ -137,11 +137,7 @@ def main(argv=None) -> int:
         samples: dict[tuple[str, int], list[float]] = {label: [] for label in backends}
         for round_ in tqdm(range(args.reps + 3), desc="time", unit="round"):
             for label, backend in backends.items():
-                token = int(rng.integers(0, backend.vocab_size))
-                start = time.perf_counter()
-                backend.step([token], None, with_streams=False)
-                elapsed = time.perf_counter() - start
-                backend.rollback(args.context)
+                elapsed = step_seconds(backend, [int(rng.integers(0, backend.vocab_size))], None)
                 if round_ >= 3:
                     samples[label].append(elapsed)
     meta = {"threads": args.threads, "layers": args.layers, "capacity": args.capacity, "context": args.context,

@@ -60,6 +60,14 @@ def timed(backend: TorchBackend, call) -> float:
     return time.perf_counter() - start
 
 
+def step_seconds(backend, tokens: list[int], tree: TreeSpec | None) -> float:
+    """One step through the host at the backend's current length (never committed: rolled back)."""
+    length = backend.length
+    seconds = timed(backend, lambda: backend.step(tokens, tree, with_streams=False))
+    backend.rollback(length)
+    return seconds
+
+
 def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
     """Name -> a zero-argument call doing one step of that kind (scratch rows, never committed)."""
     calls = {"plain": lambda: backend.step([1], None, with_streams=False).main_logits.argmax(-1)}

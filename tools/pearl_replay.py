@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from streamfuse.runtime.loader import load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.bench_data import read_inputs, task_file
+from streamfuse.tools.latency import step_seconds
 
 
 @dataclass(frozen=True)
@@ -158,22 +158,12 @@ def measured_matches(args) -> tuple[list[list[bool]], Latencies]:
             logits = draft.step([token], None, with_streams=False).main_logits[0]
             draft.commit([0])
         found.append(row)
-        times["target"].append(call_seconds(target.backend, answer[-1:], None))
-        times["verify"].append(call_seconds(target.backend, answer[-1:] * (args.gamma + 1), chain))
-        times["draft"].append(call_seconds(draft, answer[-1:], None))
+        times["target"].append(step_seconds(target.backend, answer[-1:], None))
+        times["verify"].append(step_seconds(target.backend, answer[-1:] * (args.gamma + 1), chain))
+        times["draft"].append(step_seconds(draft, answer[-1:], None))
     here = Latencies(f"this machine ({args.backend}, {args.threads} thread(s) per model), measured",
                      *(round(1000 * float(np.median(times[k])), 2) for k in ("target", "verify", "draft")))
     return found, here
-
-
-def call_seconds(backend, tokens: list[int], tree) -> float:
-    """One call at the backend's current length, then rolled back."""
-    length = backend.length
-    start = time.perf_counter()
-    backend.step(tokens, tree, with_streams=False)
-    elapsed = time.perf_counter() - start
-    backend.rollback(length)
-    return elapsed
 
 
 def replay(matches: list[list[bool]], gamma: int, devices: list[Latencies]) -> list[dict]:
