@@ -121,3 +121,10 @@ def call_layer(
         position_embeddings=position_embeddings,
         past_key_values=key_values,
     )
+
+
+def fresh_decoder_layer(model: nn.Module) -> nn.Module:
+    """A new float decoder layer of the model's class and shape, layer index 0 (a drafter's own layer)."""
+    base = unwrap_peft(model)
+    layer = type(base.model.layers[0])(base.config, 0)
+    return layer.to(next(base.parameters()).dtype)

@@ -7,11 +7,12 @@ walk moves there, else the token becomes the correction. Every emitted token is 
 token plain decoding would produce (greedy) or a draw from the target conditional given the
 accepted prefix (sampling): lossless either way, and with one seed the same tokens.
 
-`accept_sampled` (a chain drawn from a draft model's distribution q) is standard speculative
-sampling (Leviathan et al. 2023, Chen et al. 2023): draft x is kept with probability
-min(1, p(x)/q(x)); the first rejected one is replaced by a draw from norm(max(0, p - q)), and a
-fully accepted chain adds a draw from p. Each emitted token is distributed as p: lossless in
-distribution, not draw for draw.
+`accept_sampled` (drafts drawn from a draft distribution q: a draft model's chain, or a tree whose
+siblings were drawn without replacement) is speculative sampling (Leviathan et al. 2023, Chen et al.
+2023; for trees, recursive rejection sampling): draft x is kept with probability min(1, p(x)/q(x));
+after a rejection the next sibling is tried against norm(max(0, p - q)), and when none is left the
+correction is a draw from that residual; a fully accepted path adds a draw from p. Each emitted token
+is distributed as p: lossless in distribution, not draw for draw.
 """
 
 from __future__ import annotations
@@ -48,21 +49,43 @@ def accept(tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], in
 
 def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: np.ndarray, target: Callable[[int], np.ndarray],
                    generator: np.random.Generator) -> Acceptance:
-    """tree: a chain; tokens [T] drawn from probs [T, V] (row 0, the root, unused); target(n): [V]
-    target probabilities after node n."""
-    if any(len(kids) > 1 for kids in tree.children):
-        raise ValueError("speculative sampling of drawn drafts takes a chain; a tree of drawn drafts needs "
-                         "multi-draft acceptance")
+    """tokens [T] of the nodes; the children of a node were drawn without replacement from one q, its rows
+    probs[child] [V] (row 0, the root, unused); target(n): [V] target probabilities after node n.
+
+    Multi-draft speculative sampling (SpecInfer; Jeon et al. 2024, recursive rejection sampling): child x is
+    kept with probability min(1, p(x)/q(x)); after a rejection p becomes norm(max(0, p - q)) and q loses x
+    (zeroed, renormalised: the next sibling was drawn without it), and the next child is tried; when none is
+    left, the correction is drawn from the current p. A chain is standard speculative sampling."""
     node, path = 0, [0]
     while True:
         p = target(node)
-        if not tree.children[node]:
+        child = _sampled_child(tree.children[node], tokens, probs, p, generator)
+        if isinstance(child, Acceptance):
+            return Acceptance(path, child.correction)
+        if child is None:
             return Acceptance(path, draw(p, generator))
-        child = tree.children[node][0]
-        token, q = tokens[child], probs[child]
+        path.append(child)
+        node = child
+
+
+def _sampled_child(children: Sequence[int], tokens: Sequence[int], probs: np.ndarray, p: np.ndarray,
+                   generator: np.random.Generator) -> int | Acceptance | None:
+    """The kept child, or (every child rejected) an Acceptance carrying the correction drawn from the residual,
+    or None (a leaf: the caller draws from p)."""
+    q = None
+    for index, child in enumerate(children):
+        token = tokens[child]
+        q = np.array(probs[child], dtype=np.float64) if q is None else q
         if generator.random() * float(q[token]) < float(p[token]):  # u < p/q
-            path.append(child)
-            node = child
-            continue
+            return child
         residual = np.maximum(p - q, 0)
-        return Acceptance(path, draw(residual if residual.sum() > 0 else p, generator))
+        if residual.sum() <= 0:  # p == q up to rounding: the residual is p itself
+            residual = np.asarray(p, dtype=np.float64)
+        if index == len(children) - 1:
+            return Acceptance([], draw(residual, generator))
+        q[token] = 0.0
+        if q.sum() <= 0:  # q had no other token to draw: the remaining children hold no draft
+            return Acceptance([], draw(residual, generator))
+        p = residual / residual.sum()
+        q /= q.sum()
+    return None

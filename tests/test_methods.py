@@ -22,10 +22,11 @@ BUILT_IN = {
     "specdec++": (True, False, True, True, ("sd", "specdec++")),
     "ss-adaptive": (True, True, False, False, ("ss-adaptive",)),
     "pearl": (True, False, True, False, ("sd",)),
+    "parallelspec": (True, False, False, False, ("parallelspec",)),
 }
 
 
-def test_the_registry_declares_the_seven_methods():
+def test_the_registry_declares_the_eight_methods():
     assert methods.names() == tuple(BUILT_IN)
     for name, row in BUILT_IN.items():
         method = methods.get(name)
@@ -39,6 +40,9 @@ VARIANTS = [
     ("sd", "0", "G >= 1"),
     ("sd", "x", "G >= 1"),
     ("pearl", "6", {"tree": TreeSpec.chain(6)}),
+    ("parallelspec", "3-2-1-1", {"tree": TreeSpec(((0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)))}),
+    ("parallelspec", "2-0", "children per depth >= 1"),
+    ("parallelspec", "2,1", "children per depth >= 1"),
     ("specdec++", "0.25", {"threshold": 0.25}),
     ("specdec++", "1.5", "0 <= H <= 1"),
 ]

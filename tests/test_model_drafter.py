@@ -118,12 +118,6 @@ def test_speculative_sampling_keeps_a_draft_with_p_over_q(p, q, token, keep, res
         assert (corrections / corrections.sum()).tolist() == pytest.approx(residual, abs=0.03)
 
 
-def test_speculative_sampling_of_a_tree_is_refused():
-    with pytest.raises(ValueError, match="takes a chain"):
-        accept_sampled(TreeSpec.full(1, 2), [0, 1, 2], np.ones((3, 3)) / 3, lambda n: np.ones(3) / 3,
-                       np.random.default_rng(0))
-
-
 def test_sd_settings_need_a_chain():
     with pytest.raises(ValueError, match="drafts a chain"):
         DecodeSettings("sd", StopRules(4), tree=TreeSpec.full(2, 2))

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.medusa import read_heads_manifest
+from streamfuse.adapters.parallelspec import load_drafter, read_drafter_manifest
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import worker
 from streamfuse.export.artifact import (
@@ -28,11 +30,13 @@ from streamfuse.export.artifact import (
     write_json,
 )
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
+from streamfuse.export.parallel_graph import export_drafter
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
+from streamfuse.runtime.methods.parallelspec import widths_tree
 from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.training import report, stages
@@ -243,6 +247,31 @@ class Build:
                         None, [ex.id for ex in self.test], head=head).build()
         return out
 
+    def export_parallel(self, parallel_dir: Path, ss_dir: Path, export: ExportConfig) -> tuple[Path, dict]:
+        """ParallelSpec's drafter beside its weights at <run>/parallelspec-export: its pass as a graph for each of
+        the artifact's engines (parity-checked against eager), the embedding table, its vocabulary -> (folder,
+        manifest entry without the tree). Reused while the drafter, capacity and engines are the same."""
+        config, out = self.config.parallelspec, self.run_dir / "parallelspec-export"
+        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
+        key = [read_drafter_manifest(parallel_dir)["info"]["training_key"], config.capacity, config.quantize, engines]
+        done = out / "export.json"
+        if done.is_file() and json.loads(done.read_text())["key"] == key:
+            print(f"[parallelspec] reusing the drafter's graphs in {out}", flush=True)
+            return out, json.loads(done.read_text())["entry"]
+        staging = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(parallel_dir, staging)
+        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
+        drafter = load_drafter(parallel_dir, eager.model)
+        print(f"[parallelspec] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {config.quantize})",
+              flush=True)
+        entry = export_drafter(drafter, eager.parts.embed, config.masks + 2, config.capacity, engines, staging,
+                               config.quantize)
+        (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+        return out, entry
+
     def parity_prompts(self) -> list[list[int]]:
         """The test prompts' token ids: what an export's parity check decodes (its first export.parity_prompts)."""
         return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
@@ -323,6 +352,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         results["zero_shot"] = build.evaluate_zero_shot()
     sd_dir = stages.draft_model(build, ss_dir) if config.sd.enabled else None
     medusa_dir = stages.medusa_heads(build, ss_dir) if config.medusa.enabled else None
+    parallel_dir = stages.parallel_drafter(build, ss_dir) if config.parallelspec.enabled else None
     specdec_dir = stages.specdec_head(build, ss_dir, sd_dir) if config.specdec.enabled else None
     adaptive_dir = stages.adaptive_head(build, ss_dir) if config.adaptive.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
@@ -358,6 +388,14 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
             install_drafter(artifact, "medusa", medusa_dir, {"tree": tree.to_dict(), "heads": config.medusa.heads,
                                                              "training_key": read_heads_manifest(medusa_dir)["info"]["training_key"]})
             print(f"[medusa] heads added to {artifact}/drafters/medusa (tree of {tree.num_nodes} nodes)", flush=True)
+        if parallel_dir is not None:
+            folder, entry = build.export_parallel(parallel_dir, ss_dir, export)
+            tree = (widths_tree(config.parallelspec.tree)["tree"] if config.parallelspec.tree
+                    else heads_tree(Artifact.open(artifact).tree, config.parallelspec.masks + 1))
+            install_drafter(artifact, "parallelspec", folder, {**entry, "tree": tree.to_dict(), "training_key":
+                                                               read_drafter_manifest(parallel_dir)["info"]["training_key"]})
+            print(f"[parallelspec] drafter added to {artifact}/drafters/parallelspec (tree of {tree.num_nodes} nodes, "
+                  f"graph parity {entry['parity']})", flush=True)
         if specdec_dir is not None:
             install_drafter(artifact, "specdec++", specdec_dir, {"tree": TreeSpec.chain(config.specdec.max_drafts).to_dict(),
                                                                  "draft": "sd", "threshold": config.specdec.threshold,

@@ -20,12 +20,15 @@ from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_
 from streamfuse.adapters.draft_model import draft_model as first_layers_model
 from streamfuse.adapters.medusa import MANIFEST as MEDUSA_MANIFEST
 from streamfuse.adapters.medusa import MedusaHeads, read_heads_manifest, save_heads
+from streamfuse.adapters.parallelspec import MANIFEST as PARALLEL_MANIFEST
+from streamfuse.adapters.parallelspec import ParallelSpecModel, read_drafter_manifest, save_drafter
 from streamfuse.training import report
 from streamfuse.training.acceptance import AcceptanceFeatures, AcceptanceTraining, acceptance_features, train_acceptance
 from streamfuse.training.config import BuildConfig, TrainConfig
 from streamfuse.training.data import prompt_format
 from streamfuse.training.distill import distill_rows
 from streamfuse.training.medusa import HeadTraining, head_features, train_heads
+from streamfuse.training.parallelspec import DrafterTraining, answer_states, embed_scale, train_drafter
 from streamfuse.training.stage import OutputFormat, Stage, recipe
 from streamfuse.training.stream_acceptance import stream_acceptance_features
 from streamfuse.training.tasks.base import UNLABELLED
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 
 CHECKPOINT = OutputFormat(CHECKPOINT_MANIFEST, read_manifest)
 MEDUSA_HEADS = OutputFormat(MEDUSA_MANIFEST, read_heads_manifest)
+PARALLEL_DRAFTER = OutputFormat(PARALLEL_MANIFEST, read_drafter_manifest)
 ACCEPTANCE_HEAD = OutputFormat(ACCEPTANCE_MANIFEST, read_acceptance_manifest)
 
 # TrainConfig fields that only the streams use: the next-token baseline's key leaves them out.
@@ -199,6 +203,39 @@ def medusa_heads(build: Build, ss_dir: Path) -> Path:
 
     return Stage("medusa", build.run_dir / "medusa", "medusa", medusa_inputs(build.config, target_key), MEDUSA_HEADS,
                  run).output()
+
+
+def parallelspec_inputs(config: BuildConfig, target_key: str) -> dict:
+    """The drafter depends on the target whose states it reads, its answers' length and its recipe (not the
+    exported cache's capacity, its format or its tree)."""
+    return {"target": target_key, "parallelspec": recipe(config.parallelspec, "capacity", "tree", "quantize"), "seed": config.train.seed,
+            "answer_tokens": config.data.max_target_tokens}
+
+
+def parallel_drafter(build: Build, ss_dir: Path) -> Path:
+    """<run>/parallelspec, method parallelspec: a one-layer drafter on the frozen SS model's states over its own
+    answers, its head pruned to the parallelspec.vocab tokens most frequent in them and their prompts."""
+    config, target_key = build.config.parallelspec, model_key(ss_dir)
+
+    def run(folder: Path, stage: Stage) -> str:
+        states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "parallelspec",
+                                                 answer_states)
+        vocab = build.vocab("parallelspec head", [item.input_ids for item in items], config.vocab)
+        eager, _, _ = load_checkpoint(ss_dir, build.args.base_model, merge_lora=True)
+        ids = torch.tensor(vocab.ids) if vocab is not None else torch.arange(eager.parts.vocab_size)
+        torch.manual_seed(build.config.train.seed)
+        drafter = ParallelSpecModel.like(eager.model, ids, config.masks)  # its layer starts as the target's last
+        drafter.start_fused(embed_scale(states, eager.parts.embed))
+        training = DrafterTraining(config.epochs, config.learning_rate, config.items, config.decay,
+                                   build.config.train.seed)
+        result = train_drafter(drafter, eager.parts.embed, items, states, training)
+        coverage = None if vocab is None else round(vocab.coverage, 4)
+        save_drafter(drafter, folder, {"training_key": stage.key, "target": target_key, "answers": len(items),
+                                       "vocab_coverage": coverage, **result})
+        return f"{result['seconds'] / 60:.1f} min on {len(states.hidden)} positions of {len(items)} of {answers} own answers"
+
+    return Stage("parallelspec", build.run_dir / "parallelspec", "parallelspec",
+                 parallelspec_inputs(build.config, target_key), PARALLEL_DRAFTER, run).output()
 
 
 def specdec_inputs(config: BuildConfig, draft_key: str) -> dict:
