@@ -165,15 +165,15 @@ class ParallelSpecConfig:
     enabled: bool = False
     masks: int = 3
     vocab: int = 8192
-    # 10 epochs at 1.5e-3 (the paper: 20 at 5e-4 on 68k conversations): on dialogsum's 981 own answers the held-out
-    # top-1 of depths 1-4 rose from 0.50/0.39/0.29/0.25 (3 at 5e-4) to 0.57/0.45/0.38/0.31 (10 at 1.5e-3)
+    # the paper: 20 epochs at 5e-4 on 68k conversations; on dialogsum's 981 own answers 10 at 1.5e-3 drafted
+    # better on held-out answers than 3 at 5e-4 (issue 40's note has the sweep)
     epochs: float = 10.0
     learning_rate: float = 1.5e-3
     items: int = 8  # answers per step
     decay: float = 0.8  # [MASK]_j's loss weight is decay^j
     capacity: int = 256
-    # ExecuTorch's pass: "none" (fp32) or "int8" (weights per channel, int8 activations; ONNX stays fp32). int8
-    # cut its pass from 2.4 to 1.5 ms but the drafts' CR from 1.70 to 1.52: 0.93x against 0.94x (30 dialogues)
+    # ExecuTorch's pass: "none" (fp32) or "int8" (weights per channel, int8 activations; ONNX stays fp32): no
+    # faster overall here (docs/benchmarks.md)
     quantize: str = "none"
     tree: str = "2-1"  # children per depth along the top path (runtime/methods/parallelspec.py); "": SS's tree cut
     unlabelled: bool = False  # the task's unlabelled inputs' own answers too
