@@ -122,12 +122,9 @@ class SpeculativeStreamingLM(nn.Module):
         weight = getattr(self.parts.lm_head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("keep_vocab needs the float LM head: call it before the head is quantized or packed")
-        ids = torch.as_tensor(ids, dtype=torch.long, device=weight.device)
-        if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= len(weight):
-            raise ValueError(f"the kept vocabulary must be ascending distinct ids in [0, {len(weight)}), got {len(ids)} "
-                             f"ids that are not")
+        ids, rows = kept_rows(weight, ids)
         head = nn.Linear(weight.shape[1], len(ids), bias=False).to(weight.device, weight.dtype)
-        head.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
+        head.weight = nn.Parameter(rows, requires_grad=False)
         self.vocab_ids, self.vocab_head = ids, head
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
@@ -258,6 +255,16 @@ class SpeculativeStreamingLM(nn.Module):
         msa_mask = multi_stream_mask(mask, anchors, gamma)
         combined = self._run_layers(range(self.split, self.parts.num_layers), combined, msa_mask, rope, key_values)
         return combined[:, :tokens], combined[:, tokens:].reshape(batch, num_anchors, gamma, size)
+
+
+def kept_rows(weight: torch.Tensor, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pruned head's token ids (checked: ascending, distinct, inside the vocabulary) and its rows of the LM head
+    `weight` [V, H], detached copies."""
+    ids = torch.as_tensor(ids, dtype=torch.long, device=weight.device)
+    if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= len(weight):
+        raise ValueError(f"the kept vocabulary must be ascending distinct ids in [0, {len(weight)}), got {len(ids)} "
+                         f"ids that are not")
+    return ids, weight.detach()[ids].clone()
 
 
 def swap_linears(root: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -> int:

@@ -28,6 +28,7 @@ from streamfuse.head_format import read_head_manifest
 
 from . import hf
 from .head_files import load_head_weights, save_head
+from .model import kept_rows
 from .msa import StepKeyValues
 
 MANIFEST = "parallelspec.json"
@@ -53,14 +54,11 @@ class ParallelSpecModel(nn.Module):
         """A drafter for `model` (an HF causal LM): its layer a copy of the model's last, the final norm a copy,
         the head the LM head's rows of `vocab_ids` (ascending token ids)."""
         parts = hf.decoder_parts(model)
-        weight = parts.lm_head.weight
-        ids = torch.as_tensor(vocab_ids, dtype=torch.long)
-        if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= len(weight):
-            raise ValueError(f"the drafter's vocabulary must be ascending distinct ids in [0, {len(weight)})")
+        ids, rows = kept_rows(parts.lm_head.weight, vocab_ids)
         layer, norm, rotary = _fresh_parts(model)
         layer.load_state_dict(parts.layers[-1].state_dict())
         norm.load_state_dict(parts.norm.state_dict())
-        drafter = cls(layer, norm, rotary, weight.detach()[ids], ids, masks)
+        drafter = cls(layer, norm, rotary, rows, ids, masks)
         drafter.start_fused(1.0)
         return drafter
 
@@ -96,9 +94,6 @@ class ParallelSpecModel(nn.Module):
         """[B, R, H] states and next-token embeddings -> [B, R + masks, H] the layer's input rows."""
         real = self.fuse(torch.cat([states, embeds], dim=-1))
         return torch.cat([real, self.mask_inputs[:masks].expand(real.shape[0], masks, -1).to(real.dtype)], dim=1)
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        return self.vocab_ids[columns]
 
 
 def save_drafter(drafter: ParallelSpecModel, directory: Path, info: dict) -> None:

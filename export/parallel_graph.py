@@ -25,7 +25,7 @@ from streamfuse.runtime.backends.parallel_graph import INPUT_NAMES  # the runtim
 
 QUANTIZE = ("none", "int8")
 OUTPUT_NAMES = ["logits", "new_keys", "new_values"]
-ONNX_FILE, PTE_FILE, EMBEDDING_FILE = "drafter.onnx", "drafter.pte", "embedding.npy"
+ONNX_FILE, PTE_FILE, EMBEDDING_FILE, VOCAB_FILE = "drafter.onnx", "drafter.pte", "embedding.npy", "vocab.npy"
 
 
 class DraftPass(nn.Module):
@@ -107,7 +107,6 @@ def write_embedding(embed: nn.Module, folder: Path) -> None:
     np.save(folder / EMBEDDING_FILE, embed.weight.detach().to(torch.float16).cpu().numpy())
 
 
-VOCAB_FILE = "vocab.npy"
 # max |graph - eager twin| logit over a sequence of passes, relative to the largest |eager| logit (the twin: the fp32
 # module, or torchao's int8 one for ExecuTorch's int8 graph): ~1e-6 here
 PARITY_TOLERANCE = 1e-4
@@ -171,8 +170,8 @@ def max_difference(graph, eager, hidden: int, vocab: int, passes: int = 6) -> fl
     """Both passes over the same sequence of 1..rows real rows (random states and tokens): the largest logit
     difference, relative to the largest eager logit."""
     generator = np.random.default_rng(0)
-    graph.reset(0)
-    eager.reset(0)
+    graph.reset()
+    eager.reset()
     worst, position = 0.0, 20
     for index in range(passes):
         real = 1 + index % graph.rows

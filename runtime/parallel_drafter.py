@@ -46,8 +46,8 @@ class ParallelPass(Protocol):
     vocab_ids: np.ndarray  # [D] the token id of each logits column, ascending
     vocab_size: int  # V, the target's
 
-    def reset(self, capacity: int) -> None:
-        """Empty the drafter's cache, with room for `capacity` real rows."""
+    def reset(self) -> None:
+        """Empty the drafter's cache (its size is the engine's: a graph's is static, torch's grows)."""
 
     def run(self, states: np.ndarray, tokens: Sequence[int], position: int) -> np.ndarray:
         """Real rows (states [R, H], the tokens after them [R]) at positions position.., then the masks ->
@@ -69,7 +69,7 @@ class ParallelDrafter:
         self.generator: np.random.Generator | None = None
 
     def start(self, prompt_ids: Sequence[int], prefill: StepOutput, root: int, capacity: int) -> int:
-        self.engine.reset(capacity)
+        self.engine.reset()
         self.position = len(prompt_ids) - 1
         self.pending = ([prefill.extras[HIDDEN][-1]], [root])
         self.generator = np.random.default_rng(self.seed + 2)  # its own: the target's draws stay plain decoding's

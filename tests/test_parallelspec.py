@@ -76,7 +76,7 @@ def test_the_training_layout_gives_the_runtime_passes_logits():
     states, answer = torch.randn(5, 32), [7, 3, 9, 11, 2]
     logits, labels, rank = packed_logits(drafter, embed, [(states, answer)])
     engine = torch_pass(backend, drafter)
-    engine.reset(0)
+    engine.reset()
     for first, last in [(0, 1), (2, 2), (3, 4)]:
         out = engine.run(states[first : last + 1].numpy(), answer[first : last + 1], 40 + first)
         group = 5 + last * 2  # the masks of group `last` in the packed rows
@@ -132,8 +132,8 @@ def test_the_static_pass_with_pad_rows_and_chunks_equals_the_torch_pass():
     backend = backend_for(4)
     drafter = drafter_for(backend, noise=0.3)
     graph, dynamic = eager_graph(backend, drafter, rows=3), torch_pass(backend, drafter)
-    graph.reset(0)
-    dynamic.reset(0)
+    graph.reset()
+    dynamic.reset()
     generator, position = np.random.default_rng(1), 10
     for real in (1, 3, 2, 5, 1):  # 5 > R: two passes
         states = generator.standard_normal((real, 32)).astype(np.float32)

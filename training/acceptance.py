@@ -15,7 +15,6 @@ The loss is the paper's weighted BCE: rejections weigh `reject_weight`, acceptan
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from tqdm.auto import tqdm
 from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.training.data import Encoded
+from streamfuse.training.data import Encoded, shuffled_rows
 from streamfuse.training.feature_cache import load_features, save_features
 
 
@@ -122,15 +121,11 @@ def train_acceptance(head: AcceptanceHead, features: AcceptanceFeatures, config:
     count = len(features.accepted)
     steps = math.ceil(config.epochs * math.ceil(count / config.batch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
-    order, generator, running = [], random.Random(config.seed), None
+    batches, running = shuffled_rows(count, config.batch, config.seed), None
     started = time.perf_counter()
     head.train()
     for _ in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
-        if len(order) < config.batch:
-            shuffled = list(range(count))
-            generator.shuffle(shuffled)
-            order += shuffled
-        rows, order = order[: config.batch], order[config.batch :]
+        rows = next(batches)
         loss = weighted_bce(head(features.hidden[rows].float()), features.accepted[rows], config.reject_weight)
         loss.backward()
         optimizer.step()

@@ -75,6 +75,19 @@ def collate(items: Sequence[Encoded], pad_id: int) -> Batch:
     return Batch(input_ids, padding, labels, anchors, anchor_valid, main_loss)
 
 
+def shuffled_rows(count: int, size: int, seed: int) -> Iterator[list[int]]:
+    """Endless batches of `size` row indices out of `count`: each pass a fresh shuffle (seeded), a batch may
+    span two passes. The small heads' training streams (Medusa, SpecDec++'s acceptance head, ParallelSpec)."""
+    order, generator = [], random.Random(seed)
+    while True:
+        if len(order) < size:
+            shuffled = list(range(count))
+            generator.shuffle(shuffled)
+            order += shuffled
+        batch, order = order[:size], order[size:]
+        yield batch
+
+
 def epoch_batches(items: Sequence[Encoded], micro_batch: int, pad_id: int, seed: int, epoch: int) -> Iterator[Batch]:
     """A deterministic shuffle per (seed, epoch), so a resumed run sees the same order."""
     order = list(range(len(items)))

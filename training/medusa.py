@@ -10,7 +10,6 @@ the shared, frozen LM head; the loss weighs head j by decay^(j-1), as Medusa doe
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.training.data import Encoded
+from streamfuse.training.data import Encoded, shuffled_rows
 from streamfuse.training.feature_cache import load_features, save_features
 
 IGNORE = -100
@@ -73,16 +72,12 @@ def train_heads(heads: MedusaHeads, lm_head: torch.nn.Module, features: HeadFeat
     steps = math.ceil(config.epochs * math.ceil(len(features.hidden) / config.batch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     weights = torch.tensor([config.decay ** j for j in range(heads.num_heads)])
-    order, generator = [], random.Random(config.seed)
+    batches = shuffled_rows(len(features.hidden), config.batch, config.seed)
     running = torch.zeros(heads.num_heads)
     started = time.perf_counter()
     heads.train()
     for _ in tqdm(range(steps), desc="train medusa", unit="step", dynamic_ncols=True):
-        if len(order) < config.batch:
-            shuffled = list(range(len(features.hidden)))
-            generator.shuffle(shuffled)
-            order += shuffled
-        rows, order = order[: config.batch], order[config.batch :]
+        rows = next(batches)
         losses = head_losses(heads, lm_head, features.hidden[rows].float(), features.targets[rows])
         (weights * losses).sum().backward()
         if not any(p.grad is not None and bool(p.grad.any()) for p in heads.parameters()):

@@ -11,7 +11,6 @@ runtime's view at a step: its cache, the last real row, the masks). The loss wei
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import StepKeyValues
 from streamfuse.adapters.parallelspec import ParallelSpecModel
-from streamfuse.training.data import Encoded
+from streamfuse.training.data import Encoded, shuffled_rows
 from streamfuse.training.feature_cache import load_features, save_features
 
 IGNORE = -100
@@ -99,16 +98,11 @@ def train_drafter(drafter: ParallelSpecModel, embed: torch.nn.Module, items: Seq
     steps = math.ceil(config.epochs * math.ceil(len(items) / config.items))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     weights = torch.tensor([config.decay ** j for j in range(drafter.num_masks + 1)])
-    order, generator, running = [], random.Random(config.seed), torch.zeros(drafter.num_masks + 1)
+    batches, running = shuffled_rows(len(items), config.items, config.seed), torch.zeros(drafter.num_masks + 1)
     started = time.perf_counter()
     drafter.train()
     for _ in tqdm(range(steps), desc="train parallelspec", unit="step", dynamic_ncols=True):
-        if len(order) < config.items:
-            shuffled = list(range(len(items)))
-            generator.shuffle(shuffled)
-            order += shuffled
-        chosen, order = order[: config.items], order[config.items :]
-        pieces = [(states.hidden[offsets[i] : offsets[i + 1]].float(), answers[i]) for i in chosen]
+        pieces = [(states.hidden[offsets[i] : offsets[i + 1]].float(), answers[i]) for i in next(batches)]
         losses = drafter_losses(drafter, embed, pieces)
         (weights * losses).sum().backward()
         optimizer.step()

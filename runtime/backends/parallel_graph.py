@@ -13,22 +13,18 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.backends.base import CapacityError
-from streamfuse.runtime.backends.sessions import ExecuTorchSession, _require
+from streamfuse.runtime.backends.sessions import ExecuTorchSession, _require, ort_options
 from streamfuse.runtime.parallel_drafter import pass_visibility
 
 INPUT_NAMES = ["states", "embeds", "positions", "read", "mask", "keys", "values"]
 
 
 class OnnxDraftSession:
-    """The one-method drafter model through ONNX Runtime (no spinning threads, as the target's session)."""
+    """The one-method drafter model through ONNX Runtime, with the target's session options."""
 
     def __init__(self, model: Path, threads: int | None = None):
         ort = _require("onnxruntime", "onnxruntime")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(model), ort_options(ort, threads), providers=["CPUExecutionProvider"])
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         return self.session.run(None, dict(zip(INPUT_NAMES, inputs)))
@@ -53,7 +49,7 @@ class GraphParallelPass:
         return cls(session, embedding, vocab_ids, entry["masks"], entry["rows"], entry["capacity"],
                    tuple(entry["cache"]), vocab_size)
 
-    def reset(self, capacity: int) -> None:
+    def reset(self) -> None:
         shape = (1, self.kv_heads, self.capacity, self.head_dim)
         self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         self.length = 0

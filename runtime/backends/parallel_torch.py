@@ -23,7 +23,7 @@ class TorchParallelPass:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def reset(self, capacity: int) -> None:
+    def reset(self) -> None:
         self.keys = self.values = None
 
     @torch.inference_mode()

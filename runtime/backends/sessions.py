@@ -79,6 +79,17 @@ PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "Co
                        "CPUExecutionProvider")
 
 
+def ort_options(ort, threads: int | None):
+    """ONNX Runtime's session options for every session here: `threads` intra-op threads, and no spin-waiting
+    between calls (as OMP_WAIT_POLICY=PASSIVE for torch): spinning threads steal the cores from whatever runs
+    next, which distorts every other timing on a small CPU."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 class OnnxRuntimeSession:
     """The artifact's one ONNX model (every method, export/onnx_methods.py) in one InferenceSession:
     one prepacked copy of the weights for all methods. The provider is the best available one,
@@ -91,12 +102,7 @@ class OnnxRuntimeSession:
             raise MissingBackend(f"onnxruntime provider {provider} is not available here (available: "
                                  f"{', '.join(available)}); GPU providers need the onnxruntime-gpu package")
         provider = provider or next(p for p in PROVIDER_PREFERENCE if p in available)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        # No spin-waiting between calls (as OMP_WAIT_POLICY=PASSIVE for torch): spinning threads
-        # steal the cores from whatever runs next, which distorts every other timing on a small CPU.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = ort_options(ort, threads)
         if not Path(model).is_file():
             raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
         self.session = ort.InferenceSession(str(model), options, providers=[provider])
