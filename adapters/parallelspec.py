@@ -18,7 +18,6 @@ prefill and its calls do not grow with the prompt.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -26,48 +25,21 @@ from torch import nn
 
 from streamfuse.head_format import read_head_manifest
 
-from . import hf
+from .fused_drafter import FusedDrafter, fresh_parts
 from .head_files import load_head_weights, save_head
-from .model import kept_rows
 from .msa import StepKeyValues
 
 MANIFEST = "parallelspec.json"
 FORMAT_VERSION = 1
 
 
-class ParallelSpecModel(nn.Module):
+class ParallelSpecModel(FusedDrafter):
     def __init__(self, layer: nn.Module, norm: nn.Module, rotary: nn.Module, head_rows: torch.Tensor,
                  vocab_ids: torch.Tensor, masks: int):
-        super().__init__()
+        super().__init__(layer, norm, rotary, head_rows, vocab_ids)
         if masks < 1:
             raise ValueError(f"ParallelSpec needs >= 1 [MASK] input, got {masks}")
-        hidden = head_rows.shape[1]
-        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer, self.norm, self.rotary = layer, norm, rotary
-        self.mask_inputs = nn.Parameter(torch.randn(masks, hidden) * 0.02)
-        self.head = nn.Linear(hidden, len(vocab_ids), bias=False)
-        self.head.weight = nn.Parameter(head_rows.detach().clone(), requires_grad=False)
-        self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())
-
-    @classmethod
-    def like(cls, model: nn.Module, vocab_ids: torch.Tensor, masks: int) -> "ParallelSpecModel":
-        """A drafter for `model` (an HF causal LM): its layer a copy of the model's last, the final norm a copy,
-        the head the LM head's rows of `vocab_ids` (ascending token ids)."""
-        parts = hf.decoder_parts(model)
-        ids, rows = kept_rows(parts.lm_head.weight, vocab_ids)
-        layer, norm, rotary = _fresh_parts(model)
-        layer.load_state_dict(parts.layers[-1].state_dict())
-        norm.load_state_dict(parts.norm.state_dict())
-        drafter = cls(layer, norm, rotary, rows, ids, masks)
-        drafter.start_fused(1.0)
-        return drafter
-
-    def start_fused(self, embed_scale: float) -> None:
-        """fuse([h; e]) = h + embed_scale * e: the layer first sees the target's state plus the next token, at a
-        scale that makes the token heard (final-normed states are far larger than embeddings)."""
-        hidden = self.fuse.out_features
-        with torch.no_grad():
-            self.fuse.weight.copy_(torch.cat([torch.eye(hidden), embed_scale * torch.eye(hidden)], dim=1))
+        self.mask_inputs = nn.Parameter(torch.randn(masks, head_rows.shape[1]) * 0.02)
 
     @property
     def num_masks(self) -> int:
@@ -81,25 +53,16 @@ class ParallelSpecModel(nn.Module):
         -> [B, R + masks, D] logits over the kept vocabulary."""
         return self.run(self.inputs(states, embeds, masks), positions, mask, key_values)
 
-    def run(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, key_values: StepKeyValues) -> torch.Tensor:
-        """The layer, norm and head over input rows [B, N, H] (fused real rows and mask inputs, in any order)."""
-        return self.head(self.states(rows, positions, mask, key_values))
-
-    def states(self, rows: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, key_values: StepKeyValues) -> torch.Tensor:
-        """The layer and the final norm: [B, N, H] final-normed states, for the head."""
-        rope = self.rotary(rows, positions)
-        return self.norm(hf.call_layer(self.layer, rows, mask, rope, key_values))
-
     def inputs(self, states: torch.Tensor, embeds: torch.Tensor, masks: int) -> torch.Tensor:
         """[B, R, H] states and next-token embeddings -> [B, R + masks, H] the layer's input rows."""
-        real = self.fuse(torch.cat([states, embeds], dim=-1))
+        real = self.fused(states, embeds)
         return torch.cat([real, self.mask_inputs[:masks].expand(real.shape[0], masks, -1).to(real.dtype)], dim=1)
 
 
 def save_drafter(drafter: ParallelSpecModel, directory: Path, info: dict) -> None:
     """Write the drafter and its manifest (last: a folder with one is complete)."""
     save_head(drafter, directory, MANIFEST, {"format_version": FORMAT_VERSION, "masks": drafter.num_masks,
-                                             "hidden_size": drafter.head.in_features,
+                                             "hidden_size": drafter.hidden_size,
                                              "vocab": len(drafter.vocab_ids), "info": info})
 
 
@@ -111,12 +74,5 @@ def load_drafter(directory: Path, model: nn.Module) -> ParallelSpecModel:
     """The drafter in `directory` for `model` (the HF causal LM it was trained on, or one of its shape)."""
     manifest = read_drafter_manifest(directory)
     vocab, hidden = manifest["vocab"], manifest["hidden_size"]
-    drafter = ParallelSpecModel(*_fresh_parts(model), torch.zeros(vocab, hidden), torch.arange(vocab), manifest["masks"])
+    drafter = ParallelSpecModel(*fresh_parts(model), torch.zeros(vocab, hidden), torch.arange(vocab), manifest["masks"])
     return load_head_weights(drafter, directory)
-
-
-def _fresh_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """A new float layer, final norm (the layer's norm class: a packed model's may be swapped) and rotary
-    embedding of the model's shape."""
-    layer = hf.fresh_decoder_layer(model)
-    return layer, copy.deepcopy(layer.post_attention_layernorm), copy.deepcopy(hf.decoder_parts(model).rotary)

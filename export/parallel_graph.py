@@ -62,7 +62,7 @@ def export_graphs(drafter: ParallelSpecModel, rows: int, capacity: int, engines:
     inputs = example_inputs(drafter, rows, capacity)
     files = {}
     if "onnxruntime" in engines:
-        _export_onnx(module, inputs, folder)
+        export_onnx(module, inputs, folder, OUTPUT_NAMES)
         files["onnxruntime"] = ONNX_FILE
     if "executorch" in engines:
         from streamfuse.export.to_executorch import export_pte
@@ -83,14 +83,15 @@ def quantized(module: DraftPass, quantize: str) -> DraftPass:
     return copy_
 
 
-def _export_onnx(module: nn.Module, inputs: tuple, folder: Path) -> None:
+def export_onnx(module: nn.Module, inputs: tuple, folder: Path, output_names: list[str]) -> None:
+    """A drafter pass (inputs INPUT_NAMES) as folder/ONNX_FILE, its weights in the shared external-data file."""
     import onnx
 
     from streamfuse.export.onnx_methods import strip_debug_info
     from streamfuse.export.to_onnx import WEIGHTS_FILE, share_weights
 
     program = torch.export.export(module, inputs, strict=False)
-    exported = torch.onnx.export(program, (), dynamo=True, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+    exported = torch.onnx.export(program, (), dynamo=True, input_names=INPUT_NAMES, output_names=output_names,
                                  optimize=True, verbose=False)
     scratch = folder / "scratch.onnx"
     exported.save(str(scratch), external_data=True)

@@ -94,20 +94,33 @@ class ParallelDrafter:
         tokens += [draft.tokens[n] for n in path[1:]] + [correction]
 
     def _sampled(self, root: int, logits: np.ndarray) -> Draft:
-        """Each node's children drawn without replacement from its depth's q (the kept columns spread over V)."""
-        full = np.full((len(logits), self.engine.vocab_size), -np.inf, dtype=np.float32)
-        full[:, self.engine.vocab_ids] = logits
-        q = np.stack([target_probs(row, self.sampling) for row in full])
-        tokens, probs = [root] + [0] * (self.tree.num_nodes - 1), np.zeros((self.tree.num_nodes, full.shape[1]))
-        for children in self.tree.children:
-            left = None
-            for child in sorted(children, key=lambda c: self.tree.ranks[c]):
-                depth = self.tree.depths[child] - 1
-                left = q[depth].astype(np.float64) if left is None else left
-                if left.sum() <= 0:  # q has fewer tokens than the node has children: the rest hold no draft
-                    break
-                tokens[child] = draw(left, self.generator)
-                probs[child] = q[depth]
-                left = left.copy()
-                left[tokens[child]] = 0.0
+        q = kept_probs(logits, self.engine.vocab_ids, self.engine.vocab_size, self.sampling)
+        tokens, probs = [root] + [0] * (self.tree.num_nodes - 1), np.zeros((self.tree.num_nodes, q.shape[1]))
+        draw_children(self.tree, tokens, probs, q, 1, self.generator)
         return Draft(self.tree, tokens, probs, calls=1)
+
+
+def kept_probs(logits: np.ndarray, vocab_ids: np.ndarray, vocab_size: int, sampling: SamplingConfig) -> np.ndarray:
+    """[N, D] logits over a drafter's kept columns -> [N, V] its q over the target's vocabulary (zero elsewhere)."""
+    full = np.full((len(logits), vocab_size), -np.inf, dtype=np.float32)
+    full[:, vocab_ids] = logits
+    return np.stack([target_probs(row, sampling) for row in full])
+
+
+def draw_children(tree: TreeSpec, tokens: list[int], probs: np.ndarray, q: np.ndarray, first_depth: int,
+                  generator: np.random.Generator) -> None:
+    """Fill the nodes at depths first_depth.. first_depth + len(q) - 1 (in place): each node's children drawn
+    without replacement from their depth's q (q[depth - first_depth]), probs[child] the q it was drawn from."""
+    for children in tree.children:
+        left = None
+        for child in sorted(children, key=lambda c: tree.ranks[c]):
+            row = tree.depths[child] - first_depth
+            if not 0 <= row < len(q):
+                break
+            left = q[row].astype(np.float64) if left is None else left
+            if left.sum() <= 0:  # q has fewer tokens than the node has children: the rest hold no draft
+                break
+            tokens[child] = draw(left, generator)
+            probs[child] = q[row]
+            left = left.copy()
+            left[tokens[child]] = 0.0

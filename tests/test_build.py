@@ -122,7 +122,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
                "--set=specdec.enabled=true", "--set=specdec.max_drafts=4", "--set=specdec.batch=16",
                "--set=adaptive.enabled=true", "--set=adaptive.batch=16",
                "--set=parallelspec.enabled=true", "--set=parallelspec.masks=1", "--set=parallelspec.vocab=40",
-               "--set=parallelspec.epochs=1", "--set=parallelspec.capacity=32", "--set=parallelspec.tree=2-1"]
+               "--set=parallelspec.epochs=1", "--set=parallelspec.capacity=32", "--set=parallelspec.tree=2-1",
+               "--set=falcon.enabled=true", "--set=falcon.vocab=40", "--set=falcon.epochs=1", "--set=falcon.capacity=32",
+               "--set=falcon.tree=2-1-1", "--set=falcon.max_passes=2"]
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[export] reusing" not in out and out.count("[train] reusing") == 2
@@ -132,6 +134,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert "[sd] draft model added to" in out and "[medusa] heads added to" in out
     assert "[specdec++] acceptance head added to" in out and "[ss-adaptive] acceptance head added to" in out
     assert "[parallelspec] drafter added to" in out and "parallelspec head vocabulary: 40 tokens" in out
+    assert "[falcon] drafter added to" in out and "falcon head vocabulary: 40 tokens" in out
     own_answers = run_dir / "distill" / f"{stages.model_key(run_dir / 'ss')}-train.jsonl"
     assert len(own_answers.read_text().splitlines()) == 16  # the target's, beside its first stage's
     assert json.loads((run_dir / "sd" / "streamfuse.json").read_text())["base_layers"] == 2
@@ -141,37 +144,42 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     parallel = drafters["parallelspec"]  # its pass exported for the artifact's engine, parity checked
     assert (parallel["masks"], parallel["vocab"], parallel["capacity"]) == (1, 40, 32)
     assert set(parallel["graphs"]) == {"onnxruntime"} and parallel["parity"]["onnxruntime"] <= 1e-4
+    falcon = drafters["falcon"]  # k = 2, scratch for 2 passes past its 32 rows
+    assert (falcon["block"], falcon["vocab"], falcon["slots"], falcon["max_passes"]) == (2, 40, 34, 2)
+    assert set(falcon["graphs"]) == {"onnxruntime"} and falcon["parity"]["onnxruntime"] <= 1e-4
     from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
-    assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive", "pearl", "parallelspec")
+    assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive", "pearl", "parallelspec", "falcon")
     assert loaded.method_tree("sd") == TreeSpec.chain(3)
     assert loaded.method_tree("specdec++") == TreeSpec.chain(4)
     assert loaded.method_tree("medusa").depth <= 2 and set(loaded.method_tree("medusa").paths) <= set(trees[0].paths)
     assert loaded.method_tree("parallelspec").paths == ((0,), (1,), (0, 0))
+    assert loaded.method_tree("falcon").paths == ((0,), (1,), (0, 0), (0, 0, 0))
     rules = StopRules(12, loaded.stop_token_ids)
     with pytest.raises(ValueError, match="has no calibration for torch: run python -m streamfuse.tools.calibrate"):
         dataclasses.replace(loaded, calibration=None, resources={}).tree_choice()
-    for method in ("sd", "medusa", "specdec++", "ss-adaptive", "pearl", "parallelspec"):
+    for method in ("sd", "medusa", "specdec++", "ss-adaptive", "pearl", "parallelspec", "falcon"):
         settings = DecodeSettings(method, rules, tree=loaded.method_tree(method))
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
             result = generate(loaded.backend, prompt, settings, drafter=loaded.drafter(settings))
             assert result.token_ids == generate(loaded.backend, prompt, DecodeSettings("ar", rules)).token_ids
-            assert (result.run.draft_calls > 0) == (method in ("sd", "specdec++", "pearl", "parallelspec"))
+            assert (result.run.draft_calls > 0) == (method in ("sd", "specdec++", "pearl", "parallelspec", "falcon"))
     assert run_build(tiny_base_dir, data, tmp_path / "work", *with_sd) == 0
     out = capsys.readouterr().out
     assert "[sd] reusing" in out and "[medusa] reusing" in out and "[specdec++] reusing" in out
     assert "[ss-adaptive] reusing" in out and "[parallelspec] reusing the drafter's graphs" in out
+    assert out.count("[falcon] reusing") == 2 and "[falcon] reusing the drafter's graphs" in out  # stage, graphs
     assert "[export] reusing" in out
     # The draft-model methods on the exported target (ONNX Runtime): chains of every length, plain's tokens;
     # Medusa through the graphs' heads method.
     exported_target = load(tmp_path / "artifact", "onnxruntime")
     assert json.loads((tmp_path / "artifact" / "manifest.json").read_text())["graphs"]["heads"]["count"] == 2
     for method, threshold in (("sd", None), ("specdec++", 0.5), ("specdec++", 1.0), ("medusa", None),
-                              ("ss-adaptive", None), ("pearl", None), ("parallelspec", None)):
+                              ("ss-adaptive", None), ("pearl", None), ("parallelspec", None), ("falcon", None)):
         settings = DecodeSettings(method, rules, tree=exported_target.method_tree(method), threshold=threshold)
         exported_target.check_method_tree(method, settings.tree)
         for prompt in ([5, 9, 14, 3], [7, 7, 21]):
@@ -184,6 +192,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert exported_target.resources["pearl:onnxruntime"].name.startswith("onnxruntime")  # PEARL's worker too
     assert exported_target.resources["sd:onnxruntime"].name.startswith("onnxruntime")
     assert len(exported_target.resources["parallelspec:onnxruntime"].vocab_ids) == 40  # its graph, not torch
+    assert exported_target.resources["falcon:onnxruntime"].slots == 34
     draft_parity = json.loads((tmp_path / "artifact" / "drafters" / "sd" / "manifest.json").read_text())["parity"]["onnxruntime"]
     assert draft_parity["ss_equals_own_plain"] == draft_parity["plain_prompts"] > 0
     # Its LM head keeps the 40 tokens the SS model's answers use most, on every engine it runs on.
@@ -197,7 +206,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert bench.main(["--artifact", str(tmp_path / "artifact"), "--task", "dialogsum", "--input-file",
                        str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
                        "--threads", "1", "--backends", "torch",
-                       "--methods", "ar,ss,sd,medusa,specdec++,sd:2,specdec++:1,ss-adaptive,parallelspec",
+                       "--methods", "ar,ss,sd,medusa,specdec++,sd:2,specdec++:1,ss-adaptive,parallelspec,falcon:1-1",
                        "--out",
                        str(tmp_path / "bench")]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "bench" / "bench.json").read_text())["table"]}
@@ -207,6 +216,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert rows["specdec++/torch"]["mismatches"] == rows["sd:2/torch"]["mismatches"] == 0
     assert rows["ss-adaptive/torch"]["mismatches"] == 0 and rows["ss-adaptive/torch"]["draft_calls"] == 0
     assert rows["parallelspec/torch"]["mismatches"] == 0 and rows["parallelspec/torch"]["draft_calls"] > 0
+    assert rows["falcon:1-1/torch"]["mismatches"] == 0 and rows["falcon:1-1/torch"]["mean_draft_nodes"] == 2
     # Variants in the same run: sd:2 verifies 2 drafts a step; specdec++ at threshold 1 never stops before its 4.
     assert rows["sd:2/torch"]["mean_draft_nodes"] == 2 and rows["specdec++:1/torch"]["mean_draft_nodes"] == 4
     assert "| sd/torch |" in (tmp_path / "bench" / "bench.md").read_text()
@@ -330,6 +340,8 @@ REFUSED = [
     ("cpu", ["parallelspec.masks=1", "parallelspec.tree=2-1-1"], "deeper than the 2 depths a pass drafts"),
     ("cpu", ["parallelspec.tree=2-x"], "children per depth >= 1, got '2-x'"),
     ("cpu", ["parallelspec.quantize=int4"], "parallelspec.quantize must be none or int8, got 'int4'"),
+    ("cpu", ["falcon.max_passes=1", "falcon.tree=2-1-1"], "deeper than falcon.max_passes x falcon.block = 2"),
+    ("cpu", ["falcon.block=0"], "falcon.block, falcon.passes, falcon.max_passes and falcon.items must be >= 1"),
 ]
 
 

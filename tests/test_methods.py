@@ -23,10 +23,11 @@ BUILT_IN = {
     "ss-adaptive": (True, True, False, False, ("ss-adaptive",)),
     "pearl": (True, False, True, False, ("sd",)),
     "parallelspec": (True, False, False, False, ("parallelspec",)),
+    "falcon": (True, False, False, False, ("falcon",)),
 }
 
 
-def test_the_registry_declares_the_eight_methods():
+def test_the_registry_declares_the_nine_methods():
     assert methods.names() == tuple(BUILT_IN)
     for name, row in BUILT_IN.items():
         method = methods.get(name)
@@ -43,6 +44,7 @@ VARIANTS = [
     ("parallelspec", "3-2-1-1", {"tree": TreeSpec(((0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)))}),
     ("parallelspec", "2-0", "children per depth >= 1"),
     ("parallelspec", "2,1", "children per depth >= 1"),
+    ("falcon", "2-1", {"tree": TreeSpec(((0,), (1,), (0, 0)))}),
     ("specdec++", "0.25", {"threshold": 0.25}),
     ("specdec++", "1.5", "0 <= H <= 1"),
 ]

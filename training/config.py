@@ -193,6 +193,47 @@ class ParallelSpecConfig:
 
 
 @dataclass(frozen=True)
+class FalconConfig:
+    """Falcon, method falcon (adapters/falcon.py): a one-layer semi-autoregressive drafter drafts `block` (k)
+    depths of its tree per pass, the passes fed its own predicted states and top tokens, trained on the frozen
+    SS model's states over its own greedy answers with CSGD (training/falcon.py; glance=false: teacher forcing,
+    the ablation). Its head keeps the `vocab` most frequent tokens. Exported beside the artifact's graphs with
+    a cache of `capacity` rows plus scratch for `max_passes` passes. Off unless enabled."""
+
+    enabled: bool = False
+    block: int = 2  # k, the paper's
+    passes: int = 2  # blocks per training group: what later passes learn to read (m at run time is the tree's)
+    glance: bool = True
+    vocab: int = 8192
+    epochs: float = 6.0
+    learning_rate: float = 1.5e-3
+    items: int = 8  # answers per step
+    distill_weight: float = 0.1  # SmoothL1 + w (0.9 KL + 0.1 CE): the paper's w
+    capacity: int = 256
+    max_passes: int = 4  # the graphs' scratch: trees up to max_passes * block deep run without re-export
+    quantize: str = "none"  # ExecuTorch's pass: "none" or "int8" (as parallelspec.quantize)
+    # children per depth along the top path (runtime/methods/falcon.py): one pass; deeper trees accept more but
+    # cost the 4-bit target more than they repay on a CPU (docs/benchmarks.md, the k x m sweep)
+    tree: str = "2-1"
+    unlabelled: bool = False  # the task's unlabelled inputs' own answers too
+
+    def validate(self) -> None:
+        from streamfuse.runtime.methods.parallelspec import widths_tree
+
+        if self.block < 1 or self.passes < 1 or self.max_passes < 1 or self.items < 1 or self.epochs <= 0 \
+                or self.vocab < 0 or self.capacity < 8:
+            raise ValueError(f"falcon.block, falcon.passes, falcon.max_passes and falcon.items must be >= 1, "
+                             f"falcon.epochs > 0, falcon.vocab >= 0 and falcon.capacity >= 8, got {self.block}, "
+                             f"{self.passes}, {self.max_passes}, {self.items}, {self.epochs}, {self.vocab} and "
+                             f"{self.capacity}")
+        if widths_tree(self.tree)["tree"].depth > self.max_passes * self.block:
+            raise ValueError(f"falcon.tree {self.tree!r} is deeper than falcon.max_passes x falcon.block = "
+                             f"{self.max_passes * self.block}: shorten it or raise falcon.max_passes")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"falcon.quantize must be none or int8, got {self.quantize!r}")
+
+
+@dataclass(frozen=True)
 class SpecDecConfig:
     """SpecDec++, method specdec++ (adapters/acceptance.py): an acceptance head on sd's frozen draft
     model decides each chain's length, 2..max_drafts, stopping once P(a rejection) passes `threshold`.
@@ -276,6 +317,7 @@ class BuildConfig:
     sd: DraftModelConfig = field(default_factory=DraftModelConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     parallelspec: ParallelSpecConfig = field(default_factory=ParallelSpecConfig)
+    falcon: FalconConfig = field(default_factory=FalconConfig)
     specdec: SpecDecConfig = field(default_factory=SpecDecConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -284,7 +326,7 @@ class BuildConfig:
 
     def validate(self) -> None:
         """Every section's own checks, then those across sections; bad settings fail before any work."""
-        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.parallelspec, self.specdec,
+        for section in (self.data, self.train, self.distill, self.sd, self.medusa, self.parallelspec, self.falcon, self.specdec,
                         self.adaptive, self.stages):
             section.validate()
         if self.specdec.enabled and not self.sd.enabled:

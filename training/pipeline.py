@@ -18,6 +18,7 @@ from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.medusa import read_heads_manifest
+from streamfuse.adapters import falcon as falcon_files
 from streamfuse.adapters.parallelspec import load_drafter, read_drafter_manifest
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import worker
@@ -30,6 +31,7 @@ from streamfuse.export.artifact import (
     write_json,
 )
 from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
+from streamfuse.export import falcon_graph
 from streamfuse.export.parallel_graph import export_drafter
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact import Artifact
@@ -272,6 +274,30 @@ class Build:
         staging.rename(out)
         return out, entry
 
+    def export_falcon(self, falcon_dir: Path, ss_dir: Path, export: ExportConfig) -> tuple[Path, dict]:
+        """Falcon's drafter beside its weights at <run>/falcon-export, as export_parallel does ParallelSpec's."""
+        config, out = self.config.falcon, self.run_dir / "falcon-export"
+        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
+        key = [falcon_files.read_drafter_manifest(falcon_dir)["info"]["training_key"], config.capacity,
+               config.max_passes, config.quantize, engines]
+        done = out / "export.json"
+        if done.is_file() and json.loads(done.read_text())["key"] == key:
+            print(f"[falcon] reusing the drafter's graphs in {out}", flush=True)
+            return out, json.loads(done.read_text())["entry"]
+        staging = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(falcon_dir, staging)
+        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
+        drafter = falcon_files.load_drafter(falcon_dir, eager.model)
+        print(f"[falcon] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {config.quantize})",
+              flush=True)
+        entry = falcon_graph.export_drafter(drafter, eager.parts.embed, config.block + 2, config.capacity,
+                                            config.max_passes, engines, staging, config.quantize)
+        (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+        return out, entry
+
     def parity_prompts(self) -> list[list[int]]:
         """The test prompts' token ids: what an export's parity check decodes (its first export.parity_prompts)."""
         return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
@@ -353,6 +379,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
     sd_dir = stages.draft_model(build, ss_dir) if config.sd.enabled else None
     medusa_dir = stages.medusa_heads(build, ss_dir) if config.medusa.enabled else None
     parallel_dir = stages.parallel_drafter(build, ss_dir) if config.parallelspec.enabled else None
+    falcon_dir = stages.falcon_drafter(build, ss_dir) if config.falcon.enabled else None
     specdec_dir = stages.specdec_head(build, ss_dir, sd_dir) if config.specdec.enabled else None
     adaptive_dir = stages.adaptive_head(build, ss_dir) if config.adaptive.enabled else None
     summary = report.summarise(build, ss_dir, baseline_dir, results)
@@ -396,6 +423,13 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
                                                                read_drafter_manifest(parallel_dir)["info"]["training_key"]})
             print(f"[parallelspec] drafter added to {artifact}/drafters/parallelspec (tree of {tree.num_nodes} nodes, "
                   f"graph parity {entry['parity']})", flush=True)
+        if falcon_dir is not None:
+            folder, entry = build.export_falcon(falcon_dir, ss_dir, export)
+            tree = widths_tree(config.falcon.tree)["tree"]
+            install_drafter(artifact, "falcon", folder, {**entry, "tree": tree.to_dict(), "training_key":
+                                                         falcon_files.read_drafter_manifest(falcon_dir)["info"]["training_key"]})
+            print(f"[falcon] drafter added to {artifact}/drafters/falcon (k = {entry['block']}, tree of "
+                  f"{tree.num_nodes} nodes, graph parity {entry['parity']})", flush=True)
         if specdec_dir is not None:
             install_drafter(artifact, "specdec++", specdec_dir, {"tree": TreeSpec.chain(config.specdec.max_drafts).to_dict(),
                                                                  "draft": "sd", "threshold": config.specdec.threshold,

@@ -1,7 +1,8 @@
 """The build's trained stages (training/stage.py), in the order run_build makes them: the SS model and
 the next-token LoRA baseline, the self-distilled second stage, and the other methods' drafters: sd's
-draft model, Medusa's heads, and the acceptance heads of specdec++ and ss-adaptive. Each function
-returns the stage's folder, reused or made; `*_inputs` say what each one's key is a hash of."""
+draft model, Medusa's heads, the ParallelSpec and Falcon drafters, and the acceptance heads of specdec++
+and ss-adaptive. Each function returns the stage's folder, reused or made; `*_inputs` say what each
+one's key is a hash of."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamfuse.adapters import falcon as falcon_files
 from streamfuse.adapters.acceptance import MANIFEST as ACCEPTANCE_MANIFEST
 from streamfuse.adapters.acceptance import AcceptanceHead, read_acceptance_manifest, save_acceptance_head
 from streamfuse.adapters.base_model import load_base_model
@@ -27,6 +29,7 @@ from streamfuse.training.acceptance import AcceptanceFeatures, AcceptanceTrainin
 from streamfuse.training.config import BuildConfig, TrainConfig
 from streamfuse.training.data import prompt_format
 from streamfuse.training.distill import distill_rows
+from streamfuse.training.falcon import FalconTraining, train_falcon
 from streamfuse.training.medusa import HeadTraining, head_features, train_heads
 from streamfuse.training.parallelspec import DrafterTraining, answer_states, embed_scale, train_drafter
 from streamfuse.training.stage import OutputFormat, Stage, recipe
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 CHECKPOINT = OutputFormat(CHECKPOINT_MANIFEST, read_manifest)
 MEDUSA_HEADS = OutputFormat(MEDUSA_MANIFEST, read_heads_manifest)
 PARALLEL_DRAFTER = OutputFormat(PARALLEL_MANIFEST, read_drafter_manifest)
+FALCON_DRAFTER = OutputFormat(falcon_files.MANIFEST, falcon_files.read_drafter_manifest)
 ACCEPTANCE_HEAD = OutputFormat(ACCEPTANCE_MANIFEST, read_acceptance_manifest)
 
 # TrainConfig fields that only the streams use: the next-token baseline's key leaves them out.
@@ -218,7 +222,7 @@ def parallel_drafter(build: Build, ss_dir: Path) -> Path:
     config, target_key = build.config.parallelspec, model_key(ss_dir)
 
     def run(folder: Path, stage: Stage) -> str:
-        states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "parallelspec",
+        states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "answer-states",
                                                  answer_states)
         vocab = build.vocab("parallelspec head", [item.input_ids for item in items], config.vocab)
         eager, _, _ = load_checkpoint(ss_dir, build.args.base_model, merge_lora=True)
@@ -236,6 +240,39 @@ def parallel_drafter(build: Build, ss_dir: Path) -> Path:
 
     return Stage("parallelspec", build.run_dir / "parallelspec", "parallelspec",
                  parallelspec_inputs(build.config, target_key), PARALLEL_DRAFTER, run).output()
+
+
+def falcon_inputs(config: BuildConfig, target_key: str) -> dict:
+    """The drafter depends on the target whose states it reads, its answers' length and its recipe (not the
+    exported cache, its scratch, its format or its tree)."""
+    return {"target": target_key, "falcon": recipe(config.falcon, "capacity", "max_passes", "tree", "quantize"),
+            "seed": config.train.seed, "answer_tokens": config.data.max_target_tokens}
+
+
+def falcon_drafter(build: Build, ss_dir: Path) -> Path:
+    """<run>/falcon, method falcon: a one-layer semi-autoregressive drafter on the frozen SS model's states over
+    its own answers (CSGD), its head pruned to the falcon.vocab tokens most frequent in them and their prompts."""
+    config, target_key = build.config.falcon, model_key(ss_dir)
+
+    def run(folder: Path, stage: Stage) -> str:
+        states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "answer-states",
+                                                 answer_states)
+        vocab = build.vocab("falcon head", [item.input_ids for item in items], config.vocab)
+        eager, _, _ = load_checkpoint(ss_dir, build.args.base_model, merge_lora=True)
+        ids = torch.tensor(vocab.ids) if vocab is not None else torch.arange(eager.parts.vocab_size)
+        torch.manual_seed(build.config.train.seed)
+        drafter = falcon_files.FalconModel.like(eager.model, ids, config.block)  # its layer starts as the target's last
+        drafter.start_fused(embed_scale(states, eager.parts.embed))
+        training = FalconTraining(config.epochs, config.learning_rate, config.items, config.passes, config.glance,
+                                  distill_weight=config.distill_weight, seed=build.config.train.seed)
+        result = train_falcon(drafter, eager.parts.embed, items, states, training)
+        coverage = None if vocab is None else round(vocab.coverage, 4)
+        falcon_files.save_drafter(drafter, folder, {"training_key": stage.key, "target": target_key,
+                                                    "answers": len(items), "vocab_coverage": coverage, **result})
+        return f"{result['seconds'] / 60:.1f} min on {len(states.hidden)} positions of {len(items)} of {answers} own answers"
+
+    return Stage("falcon", build.run_dir / "falcon", "falcon", falcon_inputs(build.config, target_key),
+                 FALCON_DRAFTER, run).output()
 
 
 def specdec_inputs(config: BuildConfig, draft_key: str) -> dict:

@@ -6,11 +6,11 @@ BUILT_IN; a method defined elsewhere joins with `register`.
 
 from __future__ import annotations
 
-from streamfuse.runtime.methods import ar, medusa, parallelspec, pearl, sd, specdec, ss, ss_adaptive
+from streamfuse.runtime.methods import ar, falcon, medusa, parallelspec, pearl, sd, specdec, ss, ss_adaptive
 from streamfuse.runtime.methods.method import Method
 
 BUILT_IN = (ar.METHOD, ss.METHOD, sd.METHOD, medusa.METHOD, specdec.METHOD, ss_adaptive.METHOD, pearl.METHOD,
-            parallelspec.METHOD)
+            parallelspec.METHOD, falcon.METHOD)
 _REGISTRY: dict[str, Method] = {}
 
 

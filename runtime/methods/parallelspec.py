@@ -31,11 +31,11 @@ def draft_pass(loaded):
 
 
 def widths_tree(value: str) -> dict:
-    """parallelspec:W1-W2-..: W_d children at depth d, under the depth d - 1 node of the all-top path (the
-    drafts' best guess), which is where acceptance goes deepest."""
+    """parallelspec:W1-W2-.. (falcon:W1-W2-.. too): W_d children at depth d, under the depth d - 1 node of the
+    all-top path (the drafts' best guess), which is where acceptance goes deepest."""
     widths = value.split("-")
     if not all(w.isdigit() and int(w) >= 1 for w in widths):
-        raise ValueError(f"parallelspec:W1-W2-.. takes children per depth >= 1, got {value!r}")
+        raise ValueError(f"METHOD:W1-W2-.. takes children per depth >= 1, got {value!r}")
     paths = [(0,) * depth + (rank,) for depth, width in enumerate(map(int, widths)) for rank in range(width)]
     return {"tree": TreeSpec(tuple(paths))}
 

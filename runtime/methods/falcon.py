@@ -1,0 +1,48 @@
+"""Falcon: a semi-autoregressive one-layer drafter drafts k depths of the tree per pass, m passes a step
+(runtime/falcon_drafter.py); its pass runs on the target's engine (its own graph in the artifact) or, for a
+torch target, in torch."""
+
+from streamfuse.runtime.falcon_drafter import FalconDrafter
+from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.methods.parallelspec import widths_tree
+from streamfuse.runtime.tree import TreeSpec
+
+
+def draft_pass(loaded):
+    """The drafter pass for the loaded target, made once per Loaded."""
+    entry, folder = loaded.artifact.drafters["falcon"], loaded.artifact.drafter_path("falcon")
+    if loaded.engine == "torch":
+        def make():
+            from streamfuse.adapters.falcon import load_drafter
+            from streamfuse.runtime.backends.falcon_torch import TorchFalconPass
+
+            model = loaded.backend.model
+            return TorchFalconPass(load_drafter(folder, model.model), model.parts.embed, model.parts.vocab_size,
+                                   loaded.backend.device, loaded.backend.dtype)
+        return loaded.cached("falcon:torch", make)
+    if loaded.engine not in entry.get("graphs", {}):
+        raise ValueError(f"method falcon: {loaded.artifact.path} has no {loaded.engine} graph of its drafter (it has "
+                         f"{', '.join(entry.get('graphs', {})) or 'none'}); rebuild it with export/build.py --set "
+                         f"falcon.enabled=true, or pass --backend torch")
+
+    def make_graph():
+        from streamfuse.runtime.backends.falcon_graph import GraphFalconPass
+
+        return GraphFalconPass.open(folder, entry, loaded.engine, loaded.backend.vocab_size, loaded.threads)
+    return loaded.cached(f"falcon:{loaded.engine}", make_graph)
+
+
+def drafter(loaded, settings) -> FalconDrafter:
+    entry = loaded.artifact.drafters["falcon"]
+    max_passes = entry["max_passes"] if loaded.engine != "torch" else None  # a graph's scratch is static
+    return FalconDrafter(draft_pass(loaded), settings.tree, settings.sampling, settings.seed, max_passes)
+
+
+def default_tree(loaded) -> TreeSpec:
+    """The tree the build recorded (falcon.tree)."""
+    return TreeSpec.from_dict(loaded.artifact.drafters["falcon"]["tree"])
+
+
+METHOD = Method("falcon", "Falcon: a semi-autoregressive one-layer drafter, k depths per pass, m passes a step",
+                drafter=drafter, default_tree=default_tree, build_flags="--set falcon.enabled=true",
+                artifact_entries=("falcon",), variant=widths_tree)
