@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -253,46 +254,42 @@ class Build:
         """ParallelSpec's drafter beside its weights at <run>/parallelspec-export: its pass as a graph for each of
         the artifact's engines (parity-checked against eager), the embedding table, its vocabulary -> (folder,
         manifest entry without the tree). Reused while the drafter, capacity and engines are the same."""
-        config, out = self.config.parallelspec, self.run_dir / "parallelspec-export"
-        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
-        key = [read_drafter_manifest(parallel_dir)["info"]["training_key"], config.capacity, config.quantize, engines]
-        done = out / "export.json"
-        if done.is_file() and json.loads(done.read_text())["key"] == key:
-            print(f"[parallelspec] reusing the drafter's graphs in {out}", flush=True)
-            return out, json.loads(done.read_text())["entry"]
-        staging = out.with_name(f".{out.name}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(parallel_dir, staging)
-        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
-        drafter = load_drafter(parallel_dir, eager.model)
-        print(f"[parallelspec] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {config.quantize})",
-              flush=True)
-        entry = export_drafter(drafter, eager.parts.embed, config.masks + 2, config.capacity, engines, staging,
-                               config.quantize)
-        (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
-        return out, entry
+        config = self.config.parallelspec
+        key = [read_drafter_manifest(parallel_dir)["info"]["training_key"], config.capacity, config.quantize]
+
+        def write(model, embed, engines: list[str], folder: Path) -> dict:
+            return export_drafter(load_drafter(parallel_dir, model), embed, config.masks + 2, config.capacity, engines,
+                                  folder, config.quantize)
+        return self._export_drafter("parallelspec", parallel_dir, ss_dir, export, key, config.quantize, write)
 
     def export_falcon(self, falcon_dir: Path, ss_dir: Path, export: ExportConfig) -> tuple[Path, dict]:
         """Falcon's drafter beside its weights at <run>/falcon-export, as export_parallel does ParallelSpec's."""
-        config, out = self.config.falcon, self.run_dir / "falcon-export"
-        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
+        config = self.config.falcon
         key = [falcon_files.read_drafter_manifest(falcon_dir)["info"]["training_key"], config.capacity,
-               config.max_passes, config.quantize, engines]
+               config.max_passes, config.quantize]
+
+        def write(model, embed, engines: list[str], folder: Path) -> dict:
+            return falcon_graph.export_drafter(falcon_files.load_drafter(falcon_dir, model), embed, config.block + 2,
+                                               config.capacity, config.max_passes, engines, folder, config.quantize)
+        return self._export_drafter("falcon", falcon_dir, ss_dir, export, key, config.quantize, write)
+
+    def _export_drafter(self, method: str, trained: Path, ss_dir: Path, export: ExportConfig, key: list, quantize: str,
+                        write: Callable) -> tuple[Path, dict]:
+        """<run>/<method>-export: the trained drafter's folder plus what write(model, embed, engines, folder) adds
+        (its graphs), made in a staging folder and reused while `key` and the engines are the same."""
+        out = self.run_dir / f"{method}-export"
+        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
+        key = [*key, engines]
         done = out / "export.json"
         if done.is_file() and json.loads(done.read_text())["key"] == key:
-            print(f"[falcon] reusing the drafter's graphs in {out}", flush=True)
+            print(f"[{method}] reusing the drafter's graphs in {out}", flush=True)
             return out, json.loads(done.read_text())["entry"]
         staging = out.with_name(f".{out.name}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(falcon_dir, staging)
+        shutil.copytree(trained, staging)
         eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
-        drafter = falcon_files.load_drafter(falcon_dir, eager.model)
-        print(f"[falcon] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {config.quantize})",
-              flush=True)
-        entry = falcon_graph.export_drafter(drafter, eager.parts.embed, config.block + 2, config.capacity,
-                                            config.max_passes, engines, staging, config.quantize)
+        print(f"[{method}] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {quantize})", flush=True)
+        entry = write(eager.model, eager.parts.embed, engines, staging)
         (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)

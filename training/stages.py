@@ -220,26 +220,34 @@ def parallel_drafter(build: Build, ss_dir: Path) -> Path:
     """<run>/parallelspec, method parallelspec: a one-layer drafter on the frozen SS model's states over its own
     answers, its head pruned to the parallelspec.vocab tokens most frequent in them and their prompts."""
     config, target_key = build.config.parallelspec, model_key(ss_dir)
+    training = DrafterTraining(config.epochs, config.learning_rate, config.items, config.decay, build.config.train.seed)
+    run = fused_drafter_run(build, ss_dir, target_key, "parallelspec", config,
+                            lambda model, ids: ParallelSpecModel.like(model, ids, config.masks),
+                            lambda *data: train_drafter(*data, training), save_drafter)
+    return Stage("parallelspec", build.run_dir / "parallelspec", "parallelspec",
+                 parallelspec_inputs(build.config, target_key), PARALLEL_DRAFTER, run).output()
 
+
+def fused_drafter_run(build: Build, ss_dir: Path, target_key: str, label: str, config, make: Callable,
+                      train: Callable, save: Callable) -> Callable[[Path, Stage], str]:
+    """The stage run of a fused drafter (adapters/fused_drafter.py): make(model, kept ids) it, its layer a copy of
+    the SS model's last and its fused input scaled to the target's states; train(drafter, embed, items, states)
+    on the SS model's own answers (config.unlabelled: the unlabelled inputs' too); save(drafter, folder, info)."""
     def run(folder: Path, stage: Stage) -> str:
         states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "answer-states",
                                                  answer_states)
-        vocab = build.vocab("parallelspec head", [item.input_ids for item in items], config.vocab)
+        vocab = build.vocab(f"{label} head", [item.input_ids for item in items], config.vocab)
         eager, _, _ = load_checkpoint(ss_dir, build.args.base_model, merge_lora=True)
         ids = torch.tensor(vocab.ids) if vocab is not None else torch.arange(eager.parts.vocab_size)
         torch.manual_seed(build.config.train.seed)
-        drafter = ParallelSpecModel.like(eager.model, ids, config.masks)  # its layer starts as the target's last
+        drafter = make(eager.model, ids)
         drafter.start_fused(embed_scale(states, eager.parts.embed))
-        training = DrafterTraining(config.epochs, config.learning_rate, config.items, config.decay,
-                                   build.config.train.seed)
-        result = train_drafter(drafter, eager.parts.embed, items, states, training)
+        result = train(drafter, eager.parts.embed, items, states)
         coverage = None if vocab is None else round(vocab.coverage, 4)
-        save_drafter(drafter, folder, {"training_key": stage.key, "target": target_key, "answers": len(items),
-                                       "vocab_coverage": coverage, **result})
+        save(drafter, folder, {"training_key": stage.key, "target": target_key, "answers": len(items),
+                               "vocab_coverage": coverage, **result})
         return f"{result['seconds'] / 60:.1f} min on {len(states.hidden)} positions of {len(items)} of {answers} own answers"
-
-    return Stage("parallelspec", build.run_dir / "parallelspec", "parallelspec",
-                 parallelspec_inputs(build.config, target_key), PARALLEL_DRAFTER, run).output()
+    return run
 
 
 def falcon_inputs(config: BuildConfig, target_key: str) -> dict:
@@ -253,24 +261,11 @@ def falcon_drafter(build: Build, ss_dir: Path) -> Path:
     """<run>/falcon, method falcon: a one-layer semi-autoregressive drafter on the frozen SS model's states over
     its own answers (CSGD), its head pruned to the falcon.vocab tokens most frequent in them and their prompts."""
     config, target_key = build.config.falcon, model_key(ss_dir)
-
-    def run(folder: Path, stage: Stage) -> str:
-        states, items, answers = target_features(build, ss_dir, target_key, config.unlabelled, "answer-states",
-                                                 answer_states)
-        vocab = build.vocab("falcon head", [item.input_ids for item in items], config.vocab)
-        eager, _, _ = load_checkpoint(ss_dir, build.args.base_model, merge_lora=True)
-        ids = torch.tensor(vocab.ids) if vocab is not None else torch.arange(eager.parts.vocab_size)
-        torch.manual_seed(build.config.train.seed)
-        drafter = falcon_files.FalconModel.like(eager.model, ids, config.block)  # its layer starts as the target's last
-        drafter.start_fused(embed_scale(states, eager.parts.embed))
-        training = FalconTraining(config.epochs, config.learning_rate, config.items, config.passes, config.glance,
-                                  distill_weight=config.distill_weight, seed=build.config.train.seed)
-        result = train_falcon(drafter, eager.parts.embed, items, states, training)
-        coverage = None if vocab is None else round(vocab.coverage, 4)
-        falcon_files.save_drafter(drafter, folder, {"training_key": stage.key, "target": target_key,
-                                                    "answers": len(items), "vocab_coverage": coverage, **result})
-        return f"{result['seconds'] / 60:.1f} min on {len(states.hidden)} positions of {len(items)} of {answers} own answers"
-
+    training = FalconTraining(config.epochs, config.learning_rate, config.items, config.passes, config.glance,
+                              distill_weight=config.distill_weight, seed=build.config.train.seed)
+    run = fused_drafter_run(build, ss_dir, target_key, "falcon", config,
+                            lambda model, ids: falcon_files.FalconModel.like(model, ids, config.block),
+                            lambda *data: train_falcon(*data, training), falcon_files.save_drafter)
     return Stage("falcon", build.run_dir / "falcon", "falcon", falcon_inputs(build.config, target_key),
                  FALCON_DRAFTER, run).output()
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.backends.base import CapacityError
-from streamfuse.runtime.backends.parallel_graph import OnnxDraftSession
-from streamfuse.runtime.backends.sessions import ExecuTorchSession
+from streamfuse.runtime.backends.parallel_graph import open_files
 from streamfuse.runtime.falcon_drafter import block_visibility
 
 
@@ -32,10 +31,7 @@ class GraphFalconPass:
     @classmethod
     def open(cls, folder: Path, entry: dict, engine: str, vocab_size: int, threads: int | None = None) -> "GraphFalconPass":
         """The pass of `engine` in the drafter folder, as its manifest entry records it."""
-        file = Path(folder) / entry["graphs"][engine]
-        session = ExecuTorchSession(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
-        vocab_ids = np.load(Path(folder) / entry["vocab_file"])
-        embedding = np.load(Path(folder) / entry["embedding"], mmap_mode="r")  # the pages a pass reads, not V x H
+        session, embedding, vocab_ids = open_files(folder, entry, engine, threads)
         return cls(session, embedding, vocab_ids, entry["block"], entry["rows"], entry["slots"], tuple(entry["cache"]),
                    vocab_size)
 

@@ -30,6 +30,14 @@ class OnnxDraftSession:
         return self.session.run(None, dict(zip(INPUT_NAMES, inputs)))
 
 
+def open_files(folder: Path, entry: dict, engine: str, threads: int | None) -> tuple[object, np.ndarray, np.ndarray]:
+    """A drafter folder's files as its manifest entry names them -> (the engine's session, the fp16 embedding table
+    mapped from disk: the pages a pass reads, not V x H; the kept token ids)."""
+    file = Path(folder) / entry["graphs"][engine]
+    session = ExecuTorchSession(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
+    return session, np.load(Path(folder) / entry["embedding"], mmap_mode="r"), np.load(Path(folder) / entry["vocab_file"])
+
+
 class GraphParallelPass:
     def __init__(self, session, embedding: np.ndarray, vocab_ids: np.ndarray, masks: int, rows: int, capacity: int,
                  cache_shape: tuple[int, int], vocab_size: int):
@@ -42,10 +50,7 @@ class GraphParallelPass:
     @classmethod
     def open(cls, folder: Path, entry: dict, engine: str, vocab_size: int, threads: int | None = None) -> "GraphParallelPass":
         """The pass of `engine` in the drafter folder, as its manifest entry records it."""
-        file = Path(folder) / entry["graphs"][engine]
-        session = ExecuTorchSession(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
-        vocab_ids = np.load(Path(folder) / entry["vocab_file"])
-        embedding = np.load(Path(folder) / entry["embedding"], mmap_mode="r")  # the pages a pass reads, not V x H
+        session, embedding, vocab_ids = open_files(folder, entry, engine, threads)
         return cls(session, embedding, vocab_ids, entry["masks"], entry["rows"], entry["capacity"],
                    tuple(entry["cache"]), vocab_size)
 

@@ -4,32 +4,24 @@ torch target, in torch."""
 
 from streamfuse.runtime.falcon_drafter import FalconDrafter
 from streamfuse.runtime.methods.method import Method
-from streamfuse.runtime.methods.parallelspec import widths_tree
+from streamfuse.runtime.methods.parallelspec import engine_pass, widths_tree
 from streamfuse.runtime.tree import TreeSpec
 
 
 def draft_pass(loaded):
     """The drafter pass for the loaded target, made once per Loaded."""
-    entry, folder = loaded.artifact.drafters["falcon"], loaded.artifact.drafter_path("falcon")
-    if loaded.engine == "torch":
-        def make():
-            from streamfuse.adapters.falcon import load_drafter
-            from streamfuse.runtime.backends.falcon_torch import TorchFalconPass
+    def torch_pass(folder, model):
+        from streamfuse.adapters.falcon import load_drafter
+        from streamfuse.runtime.backends.falcon_torch import TorchFalconPass
 
-            model = loaded.backend.model
-            return TorchFalconPass(load_drafter(folder, model.model), model.parts.embed, model.parts.vocab_size,
-                                   loaded.backend.device, loaded.backend.dtype)
-        return loaded.cached("falcon:torch", make)
-    if loaded.engine not in entry.get("graphs", {}):
-        raise ValueError(f"method falcon: {loaded.artifact.path} has no {loaded.engine} graph of its drafter (it has "
-                         f"{', '.join(entry.get('graphs', {})) or 'none'}); rebuild it with export/build.py --set "
-                         f"falcon.enabled=true, or pass --backend torch")
+        return TorchFalconPass(load_drafter(folder, model.model), model.parts.embed, model.parts.vocab_size,
+                               loaded.backend.device, loaded.backend.dtype)
 
-    def make_graph():
+    def graph_pass(folder, entry):
         from streamfuse.runtime.backends.falcon_graph import GraphFalconPass
 
         return GraphFalconPass.open(folder, entry, loaded.engine, loaded.backend.vocab_size, loaded.threads)
-    return loaded.cached(f"falcon:{loaded.engine}", make_graph)
+    return engine_pass(loaded, "falcon", torch_pass, graph_pass)
 
 
 def drafter(loaded, settings) -> FalconDrafter:

@@ -8,26 +8,32 @@ from streamfuse.runtime.tree import TreeSpec
 
 def draft_pass(loaded):
     """The drafter pass for the loaded target, made once per Loaded."""
-    entry, folder = loaded.artifact.drafters["parallelspec"], loaded.artifact.drafter_path("parallelspec")
-    if loaded.engine == "torch":
-        def make():
-            from streamfuse.adapters.parallelspec import load_drafter
-            from streamfuse.runtime.backends.parallel_torch import TorchParallelPass
+    def torch_pass(folder, model):
+        from streamfuse.adapters.parallelspec import load_drafter
+        from streamfuse.runtime.backends.parallel_torch import TorchParallelPass
 
-            model = loaded.backend.model
-            return TorchParallelPass(load_drafter(folder, model.model), model.parts.embed, model.parts.vocab_size,
-                                     loaded.backend.device, loaded.backend.dtype)
-        return loaded.cached("parallelspec:torch", make)
-    if loaded.engine not in entry.get("graphs", {}):
-        raise ValueError(f"method parallelspec: {loaded.artifact.path} has no {loaded.engine} graph of its drafter "
-                         f"(it has {', '.join(entry.get('graphs', {})) or 'none'}); rebuild it with export/build.py "
-                         f"--set parallelspec.enabled=true, or pass --backend torch")
+        return TorchParallelPass(load_drafter(folder, model.model), model.parts.embed, model.parts.vocab_size,
+                                 loaded.backend.device, loaded.backend.dtype)
 
-    def make_graph():
+    def graph_pass(folder, entry):
         from streamfuse.runtime.backends.parallel_graph import GraphParallelPass
 
         return GraphParallelPass.open(folder, entry, loaded.engine, loaded.backend.vocab_size, loaded.threads)
-    return loaded.cached(f"parallelspec:{loaded.engine}", make_graph)
+    return engine_pass(loaded, "parallelspec", torch_pass, graph_pass)
+
+
+def engine_pass(loaded, method: str, torch_pass, graph_pass):
+    """A fused drafter's pass (ParallelSpec's, Falcon's) for the loaded target, made once per Loaded: on torch,
+    torch_pass(drafter folder, target model); else graph_pass(drafter folder, manifest entry), the artifact's
+    graph of the drafter for the target's engine."""
+    entry, folder = loaded.artifact.drafters[method], loaded.artifact.drafter_path(method)
+    if loaded.engine == "torch":
+        return loaded.cached(f"{method}:torch", lambda: torch_pass(folder, loaded.backend.model))
+    if loaded.engine not in entry.get("graphs", {}):
+        raise ValueError(f"method {method}: {loaded.artifact.path} has no {loaded.engine} graph of its drafter (it "
+                         f"has {', '.join(entry.get('graphs', {})) or 'none'}); rebuild it with export/build.py "
+                         f"--set {method}.enabled=true, or pass --backend torch")
+    return loaded.cached(f"{method}:{loaded.engine}", lambda: graph_pass(folder, entry))
 
 
 def widths_tree(value: str) -> dict:
