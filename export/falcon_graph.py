@@ -19,8 +19,8 @@ from torch import nn
 
 from streamfuse.adapters.falcon import FalconModel
 from streamfuse.adapters.msa import StepKeyValues
-from streamfuse.export.parallel_graph import (EMBEDDING_FILE, ONNX_FILE, PARITY_TOLERANCE, PTE_FILE, QUANTIZE,
-                                              VOCAB_FILE, EagerSession, export_onnx, quantized, write_embedding)
+from streamfuse.export.parallel_graph import (EMBEDDING_FILE, PARITY_TOLERANCE, VOCAB_FILE, EagerSession, quantized,
+                                              write_embedding, write_passes)
 
 OUTPUT_NAMES = ["features", "logits", "new_keys", "new_values"]
 
@@ -50,20 +50,8 @@ def export_graphs(drafter: FalconModel, rows: int, slots: int, engines: list[str
                   quantize: str = "none") -> dict[str, str]:
     """Write the pass for each engine into `folder`; returns engine -> file. quantize "int8": ExecuTorch's pass
     gets torchao's int8 weights (export/parallel_graph.py says why ONNX Runtime's stays fp32)."""
-    if quantize not in QUANTIZE:
-        raise ValueError(f"falcon.quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    module = FalconPassModule(drafter.eval(), rows)
-    inputs = example_inputs(drafter, rows, slots)
-    files = {}
-    if "onnxruntime" in engines:
-        export_onnx(module, inputs, folder, OUTPUT_NAMES)
-        files["onnxruntime"] = ONNX_FILE
-    if "executorch" in engines:
-        from streamfuse.export.to_executorch import export_pte
-
-        export_pte({"draft": quantized(module, quantize)}, {"draft": inputs}, folder / PTE_FILE)
-        files["executorch"] = PTE_FILE
-    return files
+    return write_passes(FalconPassModule(drafter.eval(), rows), example_inputs(drafter, rows, slots), OUTPUT_NAMES,
+                        engines, folder, quantize, "falcon")
 
 
 def export_drafter(drafter: FalconModel, embed: nn.Module, rows: int, capacity: int, max_passes: int,

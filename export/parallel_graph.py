@@ -56,13 +56,19 @@ def export_graphs(drafter: ParallelSpecModel, rows: int, capacity: int, engines:
     gets torchao's int8 weights per output channel with int8 dynamic activations (XNNPACK kernels; a quarter
     of the bytes a pass reads). ONNX Runtime's stays fp32: its dynamic int8 (MatMulInteger) was 0.62 of the
     largest logit off fp32 on SmolLM2's drafter, against torchao's twin-exact module."""
+    return write_passes(DraftPass(drafter.eval(), rows), example_inputs(drafter, rows, capacity), OUTPUT_NAMES, engines,
+                        folder, quantize, "parallelspec")
+
+
+def write_passes(module: nn.Module, inputs: tuple, output_names: list[str], engines: list[str], folder: Path,
+                 quantize: str, method: str) -> dict[str, str]:
+    """A drafter pass module (inputs INPUT_NAMES) for each engine into `folder` -> engine -> file; ExecuTorch's
+    with `quantize` weights (`method`.quantize names the setting in an error)."""
     if quantize not in QUANTIZE:
-        raise ValueError(f"parallelspec.quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    module = DraftPass(drafter.eval(), rows)
-    inputs = example_inputs(drafter, rows, capacity)
+        raise ValueError(f"{method}.quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     files = {}
     if "onnxruntime" in engines:
-        export_onnx(module, inputs, folder, OUTPUT_NAMES)
+        export_onnx(module, inputs, folder, output_names)
         files["onnxruntime"] = ONNX_FILE
     if "executorch" in engines:
         from streamfuse.export.to_executorch import export_pte

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from streamfuse.adapters.falcon import FalconModel
 from streamfuse.adapters.msa import StepKeyValues
 from streamfuse.training.data import Encoded, shuffled_rows
-from streamfuse.training.parallelspec import IGNORE, AnswerStates, vocab_columns
+from streamfuse.training.parallelspec import IGNORE, AnswerStates, answer_pieces, vocab_columns
 
 
 @dataclass(frozen=True)
@@ -178,10 +178,7 @@ def train_falcon(drafter: FalconModel, embed: torch.nn.Module, items: Sequence[E
     embed.requires_grad_(False)
     drafter.requires_grad_(True)
     drafter.head.requires_grad_(False)
-    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), states.lengths]), 0)
-    answers = [item.input_ids[item.prompt_len :] for item in items]
-    if [len(a) for a in answers] != states.lengths.tolist():
-        raise ValueError("the cached target states do not match these answers: delete the cache and rerun")
+    pieces = answer_pieces(items, states)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = math.ceil(len(items) / config.items)
@@ -192,8 +189,7 @@ def train_falcon(drafter: FalconModel, embed: torch.nn.Module, items: Sequence[E
     started = time.perf_counter()
     drafter.train()
     for step in tqdm(range(steps), desc="train falcon", unit="step", dynamic_ncols=True):
-        pieces = [(states.hidden[offsets[i] : offsets[i + 1]].float(), answers[i]) for i in next(batches)]
-        packed = pack(pieces, drafter.block, config.passes, config.noise, generator)
+        packed = pack([pieces[i] for i in next(batches)], drafter.block, config.passes, config.noise, generator)
         share = 0.4 * (1 - step / steps)  # λ = 0.4 (E - e) / E
         inputs = (glanced_inputs(drafter, embed, packed, config.passes, share, generator) if config.glance
                   else (packed.states, packed.tokens))

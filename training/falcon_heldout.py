@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from streamfuse.training import stages
     from streamfuse.training.build import build_config, parse_args
     from streamfuse.training.falcon import FalconTraining, train_falcon
-    from streamfuse.training.parallelspec import AnswerStates, answer_states, embed_scale
+    from streamfuse.training.parallelspec import AnswerStates, answer_pieces, answer_states, embed_scale
     from streamfuse.training.pipeline import Build
 
     own = argparse.ArgumentParser(add_help=False)
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = FalconTraining(falcon.epochs, falcon.learning_rate, falcon.items, falcon.passes, falcon.glance,
                             distill_weight=falcon.distill_weight, seed=config.train.seed)
     trained = train_falcon(drafter, eager.parts.embed, items[:cut], training_states, recipe)
-    pieces = [(states.hidden[ends[i] : ends[i + 1]].float(), items[i].input_ids[items[i].prompt_len :])
-              for i in range(cut, len(items))]
+    pieces = answer_pieces(items, states)[cut:]
     result = {"recipe": {"block": falcon.block, "passes": falcon.passes, "glance": falcon.glance,
                          "epochs": falcon.epochs}, "held_out": ours.held_out, "training": trained,
               **replay(drafter, eager.parts.embed, pieces)}

@@ -51,6 +51,14 @@ def answer_states(model: SpeculativeStreamingLM, items: Sequence[Encoded], cache
     return states
 
 
+def answer_pieces(items: Sequence[Encoded], states: AnswerStates) -> list[tuple[torch.Tensor, list[int]]]:
+    """Each item's (target states [A, H] as float, own answer [A]); a cache of other answers is refused."""
+    answers = [list(item.input_ids[item.prompt_len :]) for item in items]
+    if [len(a) for a in answers] != states.lengths.tolist():
+        raise ValueError("the cached target states do not match these answers: delete the cache and rerun")
+    return list(zip(torch.split(states.hidden.float(), states.lengths.tolist()), answers))
+
+
 def embed_scale(states: AnswerStates, embed: torch.nn.Module) -> float:
     """rms(target states) / rms(token embeddings): the fused input's starting weight on the embedding."""
     sample = states.hidden[:: max(1, len(states.hidden) // 4096)].float()
@@ -89,10 +97,7 @@ def train_drafter(drafter: ParallelSpecModel, embed: torch.nn.Module, items: Seq
     embed.requires_grad_(False)
     drafter.requires_grad_(True)
     drafter.head.requires_grad_(False)
-    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), states.lengths]), 0)
-    answers = [item.input_ids[item.prompt_len :] for item in items]
-    if [len(a) for a in answers] != states.lengths.tolist():
-        raise ValueError("the cached target states do not match these answers: delete the cache and rerun")
+    pieces = answer_pieces(items, states)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
     steps = math.ceil(config.epochs * math.ceil(len(items) / config.items))
@@ -102,8 +107,7 @@ def train_drafter(drafter: ParallelSpecModel, embed: torch.nn.Module, items: Seq
     started = time.perf_counter()
     drafter.train()
     for _ in tqdm(range(steps), desc="train parallelspec", unit="step", dynamic_ncols=True):
-        pieces = [(states.hidden[offsets[i] : offsets[i + 1]].float(), answers[i]) for i in next(batches)]
-        losses = drafter_losses(drafter, embed, pieces)
+        losses = drafter_losses(drafter, embed, [pieces[i] for i in next(batches)])
         (weights * losses).sum().backward()
         optimizer.step()
         scheduler.step()
