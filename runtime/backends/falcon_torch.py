@@ -10,21 +10,14 @@ import torch
 
 from streamfuse.adapters.falcon import FalconModel
 from streamfuse.adapters.msa import StepKeyValues
+from streamfuse.runtime.backends.parallel_torch import TorchDrafterPass
 from streamfuse.runtime.falcon_drafter import block_visibility
 
 
-class TorchFalconPass:
-    def __init__(self, drafter: FalconModel, embed: torch.nn.Module, vocab_size: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        self.drafter = drafter.to(device, dtype).eval().requires_grad_(False)
-        self.embed, self.device, self.dtype = embed, device, dtype
-        self.block, self.vocab_size = drafter.block, vocab_size
-        self.vocab_ids = drafter.vocab_ids.cpu().numpy()
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def reset(self) -> None:
-        self.keys = self.values = None
+class TorchFalconPass(TorchDrafterPass):
+    def __init__(self, drafter: FalconModel, *args, **kwargs):
+        super().__init__(drafter, *args, **kwargs)
+        self.block = drafter.block
 
     @torch.inference_mode()
     def run(self, states: np.ndarray, tokens: Sequence[int], position: int, slot: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,18 +13,25 @@ from streamfuse.adapters.parallelspec import ParallelSpecModel
 from streamfuse.runtime.parallel_drafter import pass_visibility
 
 
-class TorchParallelPass:
-    def __init__(self, drafter: ParallelSpecModel, embed: torch.nn.Module, vocab_size: int, device: str = "cpu",
+class TorchDrafterPass:
+    """A fused drafter (adapters/fused_drafter.py) in torch over the target's embedding, its K/V cache tensors."""
+
+    def __init__(self, drafter, embed: torch.nn.Module, vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32):
         self.drafter = drafter.to(device, dtype).eval().requires_grad_(False)
-        self.embed, self.device, self.dtype = embed, device, dtype
-        self.masks, self.vocab_size = drafter.num_masks, vocab_size
+        self.embed, self.device, self.dtype, self.vocab_size = embed, device, dtype, vocab_size
         self.vocab_ids = drafter.vocab_ids.cpu().numpy()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.keys = self.values = None
+
+
+class TorchParallelPass(TorchDrafterPass):
+    def __init__(self, drafter: ParallelSpecModel, *args, **kwargs):
+        super().__init__(drafter, *args, **kwargs)
+        self.masks = drafter.num_masks
 
     @torch.inference_mode()
     def run(self, states: np.ndarray, tokens: Sequence[int], position: int) -> np.ndarray:
