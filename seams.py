@@ -32,6 +32,8 @@ SEAMS = {
     "executorch-named-data": Seam("executorch", "1.4.1", "exir._serialize._named_data_store.NamedDataStore."
                                   "add_named_data and exir.backend.backend_api.copy, replaced while lowering"),
     "executorch-ir-check": Seam("executorch", "1.4.1", "EdgeCompileConfig(_check_ir_validity=False)"),
+    "executorch-linear-config": Seam("executorch", "1.4.1", "xnnpack partition.config ALL_PARTITIONER_CONFIGS, "
+                                     "LinearConfig._get_weight_deps and utils.is_param_node, subclassed"),
     "executorch-runtime-library": Seam("executorch", "1.4.1", "extension/pybindings/_portable_lib, linked by our "
                                        "kernel library (its exported runtime and parallel_for)"),
     "executorch-load-program": Seam("executorch", "1.4.1", "portable_lib._load_for_executorch (a .pte with "
@@ -159,6 +161,27 @@ def edge_config_without_ir_check():
     from executorch.exir import EdgeCompileConfig
 
     return EdgeCompileConfig(_check_ir_validity=False)
+
+
+def xnnpack_configs_with_input_weights() -> list:
+    """XNNPACK's partitioner configs with a linear config that takes an fp32 linear whose weight is a graph input
+    (a task's LoRA) as a dynamic-weight fully connected layer, and every other linear as the stock config does
+    (constant weights packed once): the stock force_non_static_weights_for_f32_linear makes every fp32 weight
+    dynamic, repacking the base's constant ones on every call too."""
+    check("executorch-linear-config")
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
+    from executorch.backends.xnnpack.partition.config.xnnpack_config import ConfigPrecisionType
+    from executorch.backends.xnnpack.utils.utils import get_input_node, is_param_node
+
+    class InputWeightLinearConfig(LinearConfig):
+        def _get_weight_deps(self, node, ep, precision):
+            weight = get_input_node(node, self.weight_idx)
+            if precision == ConfigPrecisionType.FP32 and weight.op == "placeholder" and not is_param_node(ep, weight):
+                return True, []  # a dynamic weight: not part of the partition's constants
+            return super()._get_weight_deps(node, ep, precision)
+
+    return [InputWeightLinearConfig if config is LinearConfig else config for config in ALL_PARTITIONER_CONFIGS]
 
 
 @contextmanager

@@ -5,6 +5,7 @@ The worker thread calls these; tests call them directly.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class LoadRequest:
     backend: str = "torch"
     stream_schedule: str = "fused"  # a load-time choice of the backend
     device: str = "cpu"
+    task: str | None = None  # one of the artifact's tasks (None: its own); switched without loading again
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,22 @@ class Session:
         self.request: LoadRequest | None = None
 
     def load(self, request: LoadRequest) -> Loaded:
-        if request != self.request:
+        """Load the request's model; another task of the loaded artifact is switched to, nothing loaded again."""
+        if self.request is not None and request == dataclasses.replace(self.request, task=request.task):
+            artifact = self.loaded.artifact
+            own = artifact.tasks[0] if artifact is not None else self.loaded.tasks[0]
+            self.loaded = self.loaded.with_task(request.task or own)
+            self.request = request
+        elif request != self.request:
             self.loaded, self.request = None, None  # free the old model before loading the next
-            self.loaded = load(request.artifact, request.backend, request.device, request.stream_schedule)
+            self.loaded = load(request.artifact, request.backend, request.device, request.stream_schedule,
+                               task=request.task)
             self.request = request
         return self.loaded
+
+    def tasks(self) -> tuple[str, ...]:
+        """The loaded model's tasks, the active one first."""
+        return self._loaded().tasks
 
     def warm_up(self) -> None:
         """A few tokens per method: a fresh model's first calls are slow (allocations, lazy

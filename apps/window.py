@@ -31,7 +31,7 @@ from streamfuse.apps.session import BUILD_HINT, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
 from streamfuse.apps.worker import Engine
 from streamfuse.runtime.generate import DEFAULT_TREE
-from streamfuse.runtime.loader import BACKENDS, fastest_backend
+from streamfuse.runtime.loader import BACKENDS, artifact_tasks, fastest_backend
 from streamfuse.runtime.options import STREAM_SCHEDULES
 
 SEQUENTIAL_NOTE = ("Both panes run one after the other on the same input: run at once, they would share "
@@ -118,12 +118,16 @@ class MainWindow(QMainWindow):
         self.schedule_box = self._combo(STREAM_SCHEDULES, options.stream_schedule)
         self.schedule_box.setToolTip("fused: streams ride along every tree node (memory-bound devices); "
                                      "deferred: streams of the last accepted node only (CPUs)")
-        for combo in (self.backend_box, self.schedule_box):  # both are load-time choices
+        self.task_box = QComboBox()
+        self.task_box.setToolTip("an artifact with several tasks on one base switches between them without loading "
+                                 "the base again")
+        for combo in (self.backend_box, self.schedule_box, self.task_box):  # load-time choices
             combo.currentIndexChanged.connect(self.reload)
         row = QHBoxLayout()
         row.addWidget(self.artifact_edit, 1)
         row.addWidget(self.open_button)
-        self._add_labelled(row, ("backend", self.backend_box), ("streams schedule", self.schedule_box))
+        self._add_labelled(row, ("task", self.task_box), ("backend", self.backend_box),
+                           ("streams schedule", self.schedule_box))
         return row
 
     def _decoding_row(self, options: WindowOptions) -> QHBoxLayout:
@@ -218,6 +222,10 @@ class MainWindow(QMainWindow):
         """backend None: the fastest the artifact has on this machine (its calibrations)."""
         self.artifact = Path(folder)
         self.artifact_edit.setText(str(self.artifact))
+        self.task_box.blockSignals(True)  # one load below, not one per item
+        self.task_box.clear()
+        self.task_box.addItems(artifact_tasks(self.artifact))
+        self.task_box.blockSignals(False)
         self.backend_box.setCurrentText(backend or fastest_backend(self.artifact))
         self.reload()
 
@@ -231,7 +239,8 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Loading {self.artifact} and warming it up …")
         self._update_busy()
         self.engine.load_requested.emit(LoadRequest(self.artifact, self.backend_box.currentText(),
-                                                    self.schedule_box.currentText()))
+                                                    self.schedule_box.currentText(),
+                                                    task=self.task_box.currentText() or None))
 
     @Slot(int)
     def show_example(self, row: int) -> None:
@@ -332,7 +341,7 @@ class MainWindow(QMainWindow):
     # --- state ----------------------------------------------------------------------------
     def _update_busy(self) -> None:
         busy = self.loading or bool(self.stops)
-        for widget in (self.open_button, self.backend_box, self.schedule_box, self.both_button):
+        for widget in (self.open_button, self.backend_box, self.schedule_box, self.task_box, self.both_button):
             widget.setEnabled(not busy)
         for pane in self.panes:
             pane.set_busy(busy)

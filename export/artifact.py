@@ -26,8 +26,20 @@ from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weigh
 from streamfuse.adapters.medusa import load_heads, read_heads_manifest
 from streamfuse.export import graph, worker
 from streamfuse.export.draft_vocab import DraftVocab
+from streamfuse.export.task_inputs import input_names as task_input_names
+from streamfuse.export.task_inputs import save_task_tensors, with_task_inputs
 from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
-from streamfuse.runtime.artifact import HEAD_VOCAB, MANIFEST, SCHEMA, Artifact, ArtifactError, file_digest, save_head_vocab
+from streamfuse.runtime.artifact import (
+    DRAFT_VOCAB,
+    HEAD_VOCAB,
+    MANIFEST,
+    SCHEMA,
+    TASKS,
+    Artifact,
+    ArtifactError,
+    file_digest,
+    save_vocab,
+)
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
@@ -55,6 +67,9 @@ LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized i
 # manifest's graphs.quantize says which got what). docs/export.md: what each format computes.
 FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnxruntime"), "8da4w": ("executorch",),
            "q4-native": ("executorch", "onnxruntime")}
+# Formats whose graphs take the task's tensors as inputs (export/task_inputs.py): the base's weights are the
+# same for every task, so one artifact's graphs serve several tasks. The others merge the LoRA into the weights.
+TASK_INPUT_FORMATS = ("q4-native",)
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -88,6 +103,10 @@ class ExportConfig:
     # Export processes. Lowering and conversion are mostly single-threaded Python, so a second
     # process keeps a second core busy (~5 min less on a 2-core build, one more model in memory).
     workers: int = 1
+    # The task's trained tensors as graph inputs (export/task_inputs.py): other tasks on the same base can join
+    # the artifact (--task a,b sets it). Off for one task: XNNPACK repacks an input weight on every call, which
+    # makes a decode call slower (docs/export.md, "Several tasks on one base").
+    task_inputs: bool = False
 
     def validate(self) -> None:
         if not self.trees:
@@ -99,6 +118,11 @@ class ExportConfig:
             raise ValueError(f"export.quantize (--quantize) must be one of {', '.join(FORMATS)}, got {self.quantize!r}")
         if self.workers < 1:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
+        other = [b for b in self.backends if b != "torch" and b not in FORMATS[self.quantize]]
+        if self.task_inputs and (self.quantize not in TASK_INPUT_FORMATS or other):
+            raise ValueError(f"export.task_inputs (several tasks on one base) needs graphs without the task's weights: "
+                             f"--quantize {' or '.join(TASK_INPUT_FORMATS)} and only backends that build it "
+                             f"({', '.join(FORMATS[TASK_INPUT_FORMATS[0]])}), not {self.quantize} / {other}")
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
         if "onnxruntime" in self.backends and self.capacity > EXACT_ONNX_SLOTS:
@@ -113,7 +137,7 @@ class ExportConfig:
                                  f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more")
 
     def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None,
-            head: DraftVocab | None = None, graphs_only: bool = False) -> str:
+            head: DraftVocab | None = None, graphs_only: bool = False, shape: dict | None = None) -> str:
         """What the artifact depends on: the checkpoint's settings and its weights (weights_digest), these
         settings, the draft vocabulary, the Medusa heads (their training key), the head's kept rows. The backend list is not
         part of it: an artifact with the same key lends its finished exports to a build that asks for
@@ -125,6 +149,8 @@ class ExportConfig:
                    "head_ids": hashlib.sha256(json.dumps(head.ids if head else None).encode()).hexdigest()}
         for name in ("backends", "workers", *(("trees", "parity_prompts") if graphs_only else ())):
             payload.pop(name)
+        if graphs_only and self.task_inputs:  # the trained tensors are inputs: the graphs hold the model's shape only
+            payload.update(training=shape, weights=None)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -159,11 +185,15 @@ class ArtifactBuilder:
         heads_manifest = None if heads is None else read_heads_manifest(self.heads)
         self.num_heads = 0 if heads_manifest is None else heads_manifest["num_heads"]
         self.heads_key = None if heads_manifest is None else heads_manifest["info"].get("training_key", "untracked")
-        identity = (read_manifest(checkpoint)["info"].get("training_key", "untracked"), weights_digest(checkpoint), draft,
-                    self.heads_key, head)
-        self.key, self.graph_key = config.key(*identity), config.key(*identity, graphs_only=True)
+        trained = read_manifest(checkpoint)
+        self.task = trained["info"].get("task")
+        identity = (trained["info"].get("training_key", "untracked"), weights_digest(checkpoint), draft, self.heads_key, head)
+        self.key = config.key(*identity)
+        self.graph_key = config.key(*identity, graphs_only=True, shape=model_shape(trained))
         # Keyed by the graphs: files lowered before calibration chose the trees are this build's files.
         self.staging = self.out.parent / f".{self.out.name}.partial-{self.graph_key}"
+        self.task_folder = self.staging / TASKS / str(self.task)  # where this task's files are staged
+        self.graphs_in: Path | None = None  # where the graph files are when not staged here (TaskAdder)
         self._model = None
         self._expected = None
 
@@ -180,6 +210,10 @@ class ArtifactBuilder:
 
     def build(self) -> dict:
         lending = self.existing_graphs()  # its files have these graphs; its parity counts if its trees are these
+        if lending is not None and self.task != lending["task"]:  # another task's graphs: this task joins them
+            return TaskAdder(self).add()
+        if lending is None:
+            self._keep_other_tasks()
         manifest = lending if lending is not None and lending["build_key"] == self.key else None
         wanted = {b for b in self.config.backends if b != "torch"}
         if manifest is not None and wanted <= set(manifest["files"]):
@@ -200,15 +234,34 @@ class ArtifactBuilder:
         files = {backend: done["files"] for backend, done in exported.items()}
         formats = {backend: done["format"] for backend, done in exported.items()}
         seconds = {backend: done["seconds"] for backend, done in exported.items()}
+        task_files = {backend: self._stage(tensors_stage(backend, self.key), lambda b=backend: self._task_file(b))["file"]
+                      for backend in backends if self.config.task_inputs}
         parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
         self._gate(parity)
-        manifest = self._manifest(files, parity, seconds, formats)
+        manifest = self._manifest(files, parity, seconds, formats, task_files, lending)
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if self.out.exists():
             shutil.rmtree(self.out)
         self.staging.rename(self.out)
         shutil.rmtree(self.out / "done")  # kept until the rename, so an interrupted swap still resumes
         return manifest
+
+    def _keep_other_tasks(self) -> None:
+        """Refuse to replace an artifact that serves another task with graphs this task cannot join."""
+        try:
+            manifest = Artifact.open(self.out).manifest
+        except ArtifactError:  # none there, or another schema: replaced
+            return
+        if manifest["task"] == self.task:
+            if manifest[TASKS]:
+                print(f"[export] {self.out}'s graphs change: its other tasks ({', '.join(manifest[TASKS])}) go with "
+                      f"them; build them again into it (export/build.py --task ... --out {self.out})", flush=True)
+            return
+        why = ("its graphs hold its task's weights (built without export.task_inputs)" if not manifest["task_files"]
+               else "its graphs were built with other settings, base or streams")
+        raise ArtifactError(f"{self.out} serves task {manifest['task']}, and task {self.task} cannot join it: {why}; "
+                            f"give --out another folder, or build the tasks together (--task {manifest['task']},"
+                            f"{self.task})")
 
     def _gate(self, parity: dict[str, dict]) -> None:
         """Refuse an artifact that is not lossless: the staging folder goes (a rerun exports afresh,
@@ -295,7 +348,9 @@ class ArtifactBuilder:
             shutil.rmtree(self.staging / name, ignore_errors=True)
         tokenizer.save_pretrained(self.staging / "tokenizer")
         if self.head is not None:
-            save_head_vocab(self.staging / HEAD_VOCAB, self.head.ids)
+            save_vocab(self.staging / HEAD_VOCAB, self.head.ids)
+        if self.draft is not None:  # a task added later drafts from the same rows of the head (the graphs hold them)
+            save_vocab(self.staging / DRAFT_VOCAB, self.draft.ids)
         shutil.copytree(self.checkpoint, self.staging / "adapter",
                         ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
         return {}
@@ -355,12 +410,17 @@ class ArtifactBuilder:
         modules = self.modules(model, in_place=backend in IN_PLACE, span=backend in SPAN)
         inputs = graph.example_inputs(model, self.shapes())
         input_names, output_names = graph.names_of(modules)
+        task_inputs = self.config.task_inputs
+        if task_inputs:  # the trained tensors become inputs: the graphs hold the base alone
+            modules, inputs = with_task_inputs(modules, inputs, model)
+            input_names = {method: [*names, *task_input_names(model)] for method, names in input_names.items()}
+            fmt = {**fmt, "task_inputs": len(task_input_names(model))}
         if backend in PTE_FILES:
             from streamfuse.export.to_executorch import export_pte
 
             name, delegate = PTE_FILES[backend]
             target = self.staging / name
-            export_pte(modules, inputs, target.with_suffix(".tmp"), delegate)
+            export_pte(modules, inputs, target.with_suffix(".tmp"), delegate, dynamic_linears=task_inputs)
             target.with_suffix(".tmp").replace(target)
             return {"files": {"program": self._entry(target)}, "format": fmt}
         if backend == "onnxruntime":
@@ -378,10 +438,28 @@ class ArtifactBuilder:
         export_mlpackage(modules, inputs, input_names, output_names, target, self.config.coreml_precision)
         return {"files": {"package": self._entry(target)}, "spec": spec_signature(target), "format": fmt}
 
+    def _task_file(self, backend: str) -> dict:
+        """The task's tensors for `backend`'s graphs (export/task_inputs.py), from the model it exports."""
+        model, _ = self.export_model(backend)
+        target = self.task_folder / f"{backend}.safetensors"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_task_tensors(model, target.with_suffix(".tmp"))
+        target.with_suffix(".tmp").replace(target)
+        return {"file": {"path": f"{TASKS}/{self.task}/{target.name}", **file_digest(target)}}
+
+    def graph_file(self, entry: dict) -> Path:
+        """A backend's file (a manifest entry) as this build reads it: staged, or the artifact's a task joins."""
+        return (self.graphs_in or self.staging) / entry["path"]
+
     def _parity(self, backend: str, files: dict) -> dict:
+        from safetensors.numpy import load_file
+
         from streamfuse.runtime.backends.sessions import open_session
 
-        session = open_session(backend, {name: self.staging / entry["path"] for name, entry in files.items()})
+        session = open_session(backend, {name: self.graph_file(entry) for name, entry in files.items()})
+        if self.config.task_inputs:  # the task's tensors, written first where parity runs right after the export
+            self._stage(tensors_stage(backend, self.key), lambda: self._task_file(backend))
+            session.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
         model, _, _ = self.model_and_tokenizer()
         if backend in SPAN:  # the span graphs need the kernel's attention
             from streamfuse.export.xnnpack_graph import span_model
@@ -456,7 +534,8 @@ class ArtifactBuilder:
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
 
-    def _manifest(self, files: dict, parity: dict, seconds: dict, formats: dict) -> dict:
+    def _manifest(self, files: dict, parity: dict, seconds: dict, formats: dict, task_files: dict,
+                  lending: dict | None) -> dict:
         model, tokenizer, checkpoint = self.model_and_tokenizer()
         parts, shapes = model.parts, self.shapes()
         modules = self.modules(model)
@@ -481,7 +560,7 @@ class ArtifactBuilder:
                        "formats": formats,
                        "coreml_precision": self.config.coreml_precision,
                        "greedy_step": {"schedules": self.greedy_schedules(), "width": shapes.width,
-                                       "draft_vocab": self.draft.to_dict() if self.draft else None},
+                                       "draft_vocab": {"path": DRAFT_VOCAB, **self.draft.to_dict()} if self.draft else None},
                        "heads": {"count": self.num_heads, "training_key": self.heads_key},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
@@ -491,13 +570,75 @@ class ArtifactBuilder:
                           "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
             "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key"),
                         "weights_sha256": weights_digest(self.checkpoint)},
+            "task_files": task_files,  # backend -> this task's tensors, where its graphs take them as inputs
+            # other tasks on these graphs (runtime/artifact.py TASK_FIELDS each), kept while the graphs are the same
+            TASKS: {} if lending is None else lending[TASKS],
             "drafters": {},  # other methods' drafters, added by install_drafter (their own build stages)
             "files": files,
             "export_seconds": seconds,
             "parity": parity,
             "info": self.info,
+            "profile": None,
             "versions": versions(),
         }
+
+
+class TaskAdder:
+    """A task joins an artifact whose graphs another task's build made (the same base, streams and LoRA shape, in a
+    format whose graphs take the task's tensors): only its tensor files, its adapter and its parity are new. They are
+    staged in <artifact>/tasks/.<task>.partial-<key> and renamed into tasks/<task> once parity passed; the manifest
+    then records the task (runtime/artifact.py TASK_FIELDS)."""
+
+    def __init__(self, builder: ArtifactBuilder):
+        self.builder = builder
+        self.artifact = Artifact.open(builder.out)
+        builder.staging = builder.task_folder = builder.out / TASKS / f".{builder.task}.partial-{builder.key}"
+        self.target = builder.out / TASKS / builder.task
+
+    def add(self) -> dict:
+        builder, stored = self.builder, self.artifact.manifest
+        if builder.task in stored[TASKS] and stored[TASKS][builder.task]["build_key"] == builder.key:
+            print(f"[export] reusing task {builder.task} in {builder.out} (same checkpoint and settings)", flush=True)
+            return self.artifact.for_task(builder.task).manifest
+        unbuilt = {b for b in builder.config.backends if b != "torch"} - set(stored["files"])
+        if unbuilt:
+            raise ArtifactError(f"{builder.out} has no {', '.join(sorted(unbuilt))} graphs to add task {builder.task} "
+                                f"to; build its own task with those backends first, or leave them out of --backends")
+        print(f"[export] adding task {builder.task} to {builder.out} (its graphs, task {stored['task']}'s build)",
+              flush=True)
+        (builder.staging / "done").mkdir(parents=True, exist_ok=True)
+        builder.graphs_in = builder.out
+        builder._stage("common", self._copy_adapter)
+        backends = list(stored["files"])
+        files = {b: builder._stage(tensors_stage(b, builder.key), lambda b=b: builder._task_file(b))["file"]
+                 for b in backends}
+        parity = {b: builder._parity_stage(b, stored["files"][b]) for b in backends if b in RUNS_HERE}
+        builder._gate(parity)
+        shutil.rmtree(builder.staging / "done")
+        shutil.rmtree(self.target, ignore_errors=True)
+        builder.staging.rename(self.target)
+        self.artifact.add_task(self._fields(files, parity))
+        return self.artifact.for_task(builder.task).manifest
+
+    def _copy_adapter(self) -> dict:
+        shutil.rmtree(self.builder.task_folder / "adapter", ignore_errors=True)
+        shutil.copytree(self.builder.checkpoint, self.builder.task_folder / "adapter",
+                        ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
+        return {}
+
+    def _fields(self, files: dict, parity: dict) -> dict:
+        builder = self.builder
+        checkpoint = read_manifest(builder.checkpoint)
+        if checkpoint["streams"] != self.artifact.manifest["streams"]:  # the graph key holds them: a broken artifact
+            raise ArtifactError(f"task {builder.task}'s streams differ from those of {builder.out}'s graphs")
+        return {"task": builder.task, "prompt": checkpoint["info"].get("prompt"),
+                "adapter": {"path": f"{TASKS}/{builder.task}/adapter", "lora": checkpoint["lora"],
+                            "training_key": checkpoint["info"].get("training_key"),
+                            "weights_sha256": weights_digest(builder.checkpoint)},
+                "task_files": files, "trees": [tree.to_dict() for tree in builder.trees],
+                "calibration": {"acceptance": None, "backends": {}}, "drafters": {}, "parity": parity,
+                "build_key": builder.key, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "info": builder.info, "profile": None}
 
 
 def medusa_line(medusa: dict | None) -> str:
@@ -516,6 +657,19 @@ def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) 
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     opened.record_drafter(method, {**entry, "path": f"drafters/{method}", **file_digest(target)})
+
+
+def model_shape(trained: dict) -> dict:
+    """What a checkpoint's graphs with task inputs depend on (adapters/checkpoint.py streamfuse.json): the base, the
+    streams, where the LoRA sits and its rank; not its values."""
+    lora = trained["lora"]
+    return {"base_model": trained["base_model"], "base_layers": trained["base_layers"], "streams": trained["streams"],
+            "lora": {name: lora[name] for name in ("rank", "target_modules", "top_layers")}}
+
+
+def tensors_stage(backend: str, key: str) -> str:
+    """A task's tensor file: it depends on the trained weights, which the staging folder's key may leave out."""
+    return f"tensors-{backend}-{key}"
 
 
 def parity_stage(backend: str, key: str) -> str:

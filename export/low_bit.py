@@ -90,6 +90,29 @@ def unpack_nibbles(packed: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 ZERO_POINT = 8
 
 
+# ONNX Runtime's fp32 GEMM sums K in blocks whose size depends on the columns each thread takes (MLAS
+# MlasSgemmOperation's StrideK, 128 and up): a weight it did not prepack gives a row other bits at another thread
+# split. Sums of at most this many terms are one block whatever the split.
+ONE_BLOCK = 128
+
+
+def low_rank(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor, inputs: bool = False) -> torch.Tensor:
+    """(x · left) · right. inputs: left and right are graph inputs (a task's LoRA, export/task_inputs.py), which ONNX
+    Runtime packs on every call: x · left is then summed in slices of K of at most ONE_BLOCK terms (one batched
+    MatMul, the slices added in order by one ReduceSum), and a lone row runs as two (its copy dropped after), since
+    one row takes MLAS's separate M = 1 kernel. Either way a row's bits do not depend on the call's size or threads,
+    so decode's rows are a tree step's and SS stays plain decoding. (right's K, groups + rank, is one block.)"""
+    if not inputs:
+        return (x @ left) @ right
+    lone = x.shape[-2] == 1
+    rows = torch.cat([x, x], dim=-2) if lone else x
+    depth, width = left.shape
+    size = max(d for d in range(1, ONE_BLOCK + 1) if depth % d == 0)
+    slices = rows.reshape(-1, depth // size, size).transpose(0, 1)  # [K / size, M, size]
+    product = (slices @ left.reshape(depth // size, size, width)).sum(0).reshape(*rows.shape[:-1], width) @ right
+    return product[..., :1, :] if lone else product
+
+
 class Q4Linear(nn.Module):
     """A Q4_1 linear layer (no bias) on its GGUF codes, with its LoRA update (A [r, K], B [N, r],
     scaling s) if it has one: y = x · (d·(q - 8))^T + (x · left) · right (the module docstring)."""
@@ -117,9 +140,12 @@ class Q4Linear(nn.Module):
             right = torch.cat([offsets, up.detach().float().T * scaling], dim=0)
         self.register_buffer("left", left.contiguous())
         self.register_buffer("right", right.contiguous())
+        self.adapted = lora is not None  # left / right hold the task's LoRA: graph inputs (export/task_inputs.py)
+        self.task_input = False  # set where left / right are graph inputs: low_rank's exact form for them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return q4_matmul(x, self.packed, self.scales, self.zero_points, self.out_features) + (x @ self.left) @ self.right
+        return q4_matmul(x, self.packed, self.scales, self.zero_points, self.out_features) + low_rank(
+            x, self.left, self.right, self.task_input)
 
     @property
     def offsets_t(self) -> torch.Tensor:

@@ -55,11 +55,13 @@ def torchao_config(scheme: str):
 DELEGATES = ("xnnpack", "coreml")
 
 
-def partitioner(delegate: str):
+def partitioner(delegate: str, dynamic_linears: bool = False):
+    """dynamic_linears: fp32 linear layers whose weights are graph inputs (a task's LoRA, export/task_inputs.py) run
+    on XNNPACK too, their weights packed on every call; every layer whose weight is a constant keeps it packed once."""
     if delegate == "xnnpack":
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        return XnnpackPartitioner()
+        return XnnpackPartitioner(configs=seams.xnnpack_configs_with_input_weights() if dynamic_linears else None)
     if delegate == "coreml":
         import coremltools as ct
         from executorch.backends.apple.coreml.compiler import CoreMLBackend
@@ -71,7 +73,8 @@ def partitioner(delegate: str):
     raise ValueError(f"ExecuTorch delegate {delegate!r} is not one of {DELEGATES}")
 
 
-def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path, delegate: str = "xnnpack") -> None:
+def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path, delegate: str = "xnnpack",
+               dynamic_linears: bool = False) -> None:
     """Lower all methods into one .pte at `path` (the caller writes into a staging folder).
     Programs are exported afresh per call: the Core ML partitioner mutates what it is given."""
     from executorch.exir import to_edge_transform_and_lower
@@ -83,7 +86,8 @@ def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Pa
         programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
     config = seams.edge_config_without_ir_check()  # the build checks each program against eager itself
     with seams.lowering_shares_weights(), seams.shallow_provenance():
-        lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate)], compile_config=config)
+        lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate, dynamic_linears)],
+                                              compile_config=config)
         Path(path).write_bytes(lowered.to_executorch(host_inputs()).buffer)
 
 

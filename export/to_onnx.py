@@ -8,6 +8,7 @@ into `weights.bin` (page-aligned, so ONNX Runtime maps it rather than reads it).
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
     with tempfile.TemporaryDirectory(prefix="onnx-", dir=folder) as scratch:
         for name, module in modules.items():
             args, names = per_layer_cache(inputs[name], input_names[name])
-            program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(args))
+            program = torch.export.export(module, args, strict=False, dynamic_shapes=cache_span(args, module))
             exported = torch.onnx.export(program, (), dynamo=True, input_names=names,
                                          output_names=output_names[name], optimize=True, verbose=False,
                                          custom_translation_table=custom_translations())
@@ -62,14 +63,17 @@ def per_layer_cache(args: tuple, names: list[str]) -> tuple[tuple, list[str]]:
     return tuple(flat_args), flat_names
 
 
-def cache_span(args: tuple) -> tuple | None:
+def cache_span(args: tuple, module: nn.Module | None = None) -> tuple | None:
     """torch.export dynamic_shapes for `args` (per_layer_cache's): the cache rows dim, SPAN_QUANTUM up to C rows
-    (the host passes static_graph.span_rows); None (static) for a cache of at most SPAN_QUANTUM rows."""
+    (the host passes static_graph.span_rows); None (static) for a cache of at most SPAN_QUANTUM rows. A module
+    taking `*args` (export/task_inputs.py TaskInputs) gets them as its one argument."""
     cache = next(arg for arg in args if isinstance(arg, list))
     if cache[0].shape[2] <= SPAN_QUANTUM:
         return None
     span = torch.export.Dim.DYNAMIC(min=SPAN_QUANTUM, max=cache[0].shape[2])
-    return tuple([{2: span}] * len(arg) if isinstance(arg, list) else None for arg in args)
+    shapes = tuple([{2: span}] * len(arg) if isinstance(arg, list) else None for arg in args)
+    parameters = list(inspect.signature(module.forward).parameters.values()) if module is not None else []
+    return (shapes,) if [p.kind for p in parameters] == [inspect.Parameter.VAR_POSITIONAL] else shapes
 
 
 def share_weights(model, weights_path: Path) -> None:

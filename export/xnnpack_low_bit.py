@@ -62,6 +62,7 @@ class XnnpackQ4Linear(nn.Module):
         self.groups = groups
         # linear layers with parameters, not matmuls with buffers: XNNPACK lowers only those
         self.left, self.right = _linear(layer.left), _linear(right)
+        self.adapted = layer.adapted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.right(self.left(x))

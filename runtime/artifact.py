@@ -14,6 +14,12 @@
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
+    <artifact>/tasks/<t>/      a task's tensors per engine (<engine>.safetensors: LoRA, streams, pruning head by
+                               graph input name) where the graphs take them as inputs (q4-native); a task added
+                               to the artifact also keeps its adapter/ here
+The manifest's top level describes the artifact's own task (the one whose build made the graphs); `tasks`
+holds every other task's own fields (TASK_FIELDS), and Artifact.open(path, task) reads the artifact as that
+task sees it: the top level with the task's fields over it.
 The runtime owns this format; export/ writes it.
 """
 
@@ -31,19 +37,34 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/15"  # /15: model.head_vocab (a draft model's pruned LM head)
+SCHEMA = "streamfuse.artifact/16"  # /16: tasks (several tasks on one base), task_files, draft_vocab.safetensors
 MANIFEST = "manifest.json"
 HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
+DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary, ascending (int64)
+TASKS = "tasks"  # <artifact>/tasks/<task>/: a task's tensor files (and an added task's adapter/)
+# What each task has of its own; the rest (graphs, files, model, tokenizer, streams' shape) is the base's.
+TASK_FIELDS = ("task", "prompt", "adapter", "task_files", "trees", "calibration", "drafters", "parity", "build_key",
+               "created", "info", "profile")
 
 
 class ArtifactError(ValueError):
     pass
 
 
-def save_head_vocab(path: Path, ids) -> None:
+def save_vocab(path: Path, ids) -> None:
     from safetensors.numpy import save_file
 
     save_file({"ids": np.asarray(ids, dtype=np.int64)}, str(path))
+
+
+def task_names(manifest: dict) -> tuple[str, ...]:
+    return (manifest["task"], *manifest[TASKS])
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    file, tmp = Path(folder) / MANIFEST, Path(folder) / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, file)
 
 
 def file_digest(path: Path) -> dict:
@@ -63,11 +84,15 @@ def file_digest(path: Path) -> dict:
 
 @dataclass
 class Artifact:
+    """An artifact as one of its tasks sees it: `manifest` is the top level with that task's fields over it."""
+
     path: Path
     manifest: dict
+    stored: dict | None = None  # the manifest as written (None: `manifest` is the artifact's own task's)
 
     @classmethod
-    def open(cls, path: Path) -> "Artifact":
+    def open(cls, path: Path, task: str | None = None) -> "Artifact":
+        """task: one of `tasks` (default: the artifact's own)."""
         path = Path(path)
         file = path / MANIFEST
         if not file.is_file():
@@ -80,7 +105,48 @@ class Artifact:
         if manifest.get("schema") != SCHEMA:
             raise ArtifactError(f"{file} has schema {manifest.get('schema')!r}; this streamfuse reads {SCHEMA!r}: "
                                 f"rebuild the artifact with this version (export/build.py)")
-        return cls(path, manifest)
+        if task is None or task == manifest["task"]:
+            return cls(path, manifest)
+        if task not in manifest[TASKS]:
+            raise ArtifactError(f"{path} has no task {task!r} (its tasks: {', '.join(task_names(manifest))}); add it with "
+                                f"export/build.py --task {task} --out {path}")
+        return cls(path, {**manifest, **manifest[TASKS][task]}, manifest)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The artifact's tasks, its own first."""
+        return task_names(self.stored or self.manifest)
+
+    @property
+    def task(self) -> str:
+        return self.manifest["task"]
+
+    def for_task(self, task: str) -> "Artifact":
+        return Artifact.open(self.path, task)
+
+    def task_tensors(self, backend: str) -> dict[str, np.ndarray] | None:
+        """The task's tensors for `backend`'s graphs by input name (None: its graphs hold them), checked
+        against the manifest."""
+        entry = self.manifest["task_files"].get(backend)
+        if entry is None:
+            return None
+        file = self.path / entry["path"]
+        if not file.is_file() or file_digest(file)["sha256"] != entry["sha256"]:
+            raise ArtifactError(f"{file}: task {self.task}'s tensors for {backend} are missing or differ from the "
+                                f"manifest; copy the artifact again or rebuild the task with export/build.py --task "
+                                f"{self.task} --out {self.path}")
+        from safetensors.numpy import load_file
+
+        return load_file(file)
+
+    def draft_ids(self) -> np.ndarray | None:
+        """greedy_step's draft vocabulary (None: the streams rank every token)."""
+        file = self.path / DRAFT_VOCAB
+        if self.manifest["graphs"]["greedy_step"]["draft_vocab"] is None:
+            return None
+        from safetensors.numpy import load_file
+
+        return load_file(file)["ids"]
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
@@ -146,10 +212,21 @@ class Artifact:
         self._write()
 
     def _write(self) -> None:
-        """An atomic rewrite of the manifest: readers never see half of one."""
-        file, tmp = self.path / MANIFEST, self.path / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(self.manifest, indent=2))
-        os.replace(tmp, file)
+        """An atomic rewrite of the manifest: readers never see half of one. Another task's view writes its
+        own fields back under tasks."""
+        stored = self.manifest
+        if self.stored is not None:
+            stored = self.stored
+            stored[TASKS][self.task] = {name: self.manifest[name] for name in TASK_FIELDS}
+        write_manifest(self.path, stored)
+
+    def add_task(self, fields: dict) -> None:
+        """Record another task (its TASK_FIELDS) on this artifact's graphs, replacing one of the same name."""
+        stored = self.stored or self.manifest
+        if fields["task"] == stored["task"]:
+            raise ArtifactError(f"task {fields['task']} is the artifact's own: rebuild it instead of adding it")
+        stored[TASKS][fields["task"]] = {name: fields[name] for name in TASK_FIELDS}
+        write_manifest(self.path, stored)
 
     def graph_spec(self) -> GraphSpec:
         model, graphs = self.manifest["model"], self.manifest["graphs"]

@@ -17,7 +17,7 @@ from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import Loaded, fastest_backend, load
+from streamfuse.runtime.loader import Loaded, artifact_tasks, fastest_backend, load
 from streamfuse.runtime.options import add_model_options, check_model_options
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -126,7 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one input: a user message, or the task's source text with --task")
     source.add_argument("--input-file", type=Path, help="JSON lines, one input per line")
-    parser.add_argument("--task", help="format inputs with the task prompt the model was fine-tuned with (e.g. dialogsum)")
+    parser.add_argument("--task", help="format inputs with the task prompt the model was fine-tuned with (e.g. dialogsum); "
+                                       "on an artifact with several tasks, the task to run")
     parser.add_argument("--limit", type=int, default=None, help="read at most N inputs from --input-file")
     parser.add_argument("--cut-source", action="store_true", help="with --task: cut a source longer than the model "
                         "was fine-tuned on to that length, as training did (default: keep it whole, up to the context)")
@@ -198,14 +199,16 @@ def settings_from(args: argparse.Namespace, loaded: Loaded) -> DecodeSettings:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_flags(args)
-    backend = args.backend or fastest_backend(args.artifact)
-    loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads)
+    served = artifact_tasks(args.artifact)
+    task = args.task if args.task in served else None  # an artifact with several tasks: the one asked for
+    backend = args.backend or fastest_backend(args.artifact, task)
+    loaded = load(args.artifact, backend, args.device, args.stream_schedule, args.threads, task=task)
     threads = use_threads(args.threads)
     settings = settings_from(args, loaded)
     as_task = args.task is not None
     if as_task and loaded.info.get("task") != args.task:
-        raise cli.UsageError(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r}; "
-                         f"use that task name or drop --task")
+        serves = f"serves {', '.join(served)}" if len(served) > 1 else f"was fine-tuned for {loaded.info.get('task')!r}"
+        raise cli.UsageError(f"--task {args.task}: {args.artifact} {serves}; use that task name or drop --task")
     if as_task and loaded.prompt is None:
         raise cli.UsageError(f"--task {args.task}: {args.artifact} records no prompt format; rerun export/build.py "
                          f"(it adds it without retraining) or pass plain prompts without --task")

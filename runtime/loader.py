@@ -43,6 +43,34 @@ class Loaded:
     threads: int | None = None  # the engine's threads, as loaded
     resources: dict = field(default_factory=dict, compare=False, repr=False)  # what methods load once (cached)
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this model serves (an artifact's; a bare checkpoint's one), the loaded one first."""
+        if self.artifact is None:
+            return (self.info.get("task"),)
+        return (self.artifact.task, *(t for t in self.artifact.tasks if t != self.artifact.task))
+
+    def with_task(self, task: str) -> "Loaded":
+        """The same engine serving another of the artifact's tasks: on graphs that take the task's tensors, its
+        tensors are bound in place of the loaded task's (nothing else is loaded again); the torch backend loads
+        the task's checkpoint. Use the returned model: the engine now runs `task`, this one's task no longer."""
+        if self.artifact is None or task == self.artifact.task:
+            if task != self.tasks[0]:
+                raise ValueError(f"task {task!r}: this model serves {self.tasks[0]} only")
+            return self
+        view = self.artifact.for_task(task)
+        if self.engine == "torch":
+            return _load_artifact(view, "torch", self.backend.device, self.backend.spec.greedy_schedules[0],
+                                  self.threads, self.calibration is not None)
+        tensors = view.task_tensors(self.engine)
+        if tensors is None:
+            raise ValueError(f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so they "
+                             f"cannot run {task}; rebuild both tasks with --quantize q4-native")
+        self.backend.session.bind_task(tensors)
+        return Loaded(self.backend, self.tokenizer, {"task": task, **view.manifest.get("info", {})},
+                      _prompt(view.manifest.get("prompt")), self.engine, view,
+                      view.calibration(self.engine) if self.calibration is not None else None, self.threads)
+
     def cached(self, key: str, make: Callable[[], object]):
         """A method's resource (a draft engine, a head), made on first use and kept with this model."""
         if key not in self.resources:
@@ -140,15 +168,25 @@ def runnable_backends(artifact: Path) -> list[str]:
                                                     (b != "coreml" or platform.system() == "Darwin"))]
 
 
-def fastest_backend(artifact: Path) -> str:
+def artifact_tasks(folder: Path) -> tuple[str, ...]:
+    """The tasks an artifact serves, its own first; none for a checkpoint or a folder that does not load (loading
+    it says why)."""
+    try:
+        return Artifact.open(folder).tasks if (Path(folder) / MANIFEST).is_file() else ()
+    except ArtifactError:
+        return ()
+
+
+def fastest_backend(artifact: Path, task: str | None = None) -> str:
     """The runnable backend that the artifact's calibrations say answers a typical request soonest (the
     validation answers' mean length, after a prompt of the timed inputs' length), else the first of
-    PREFERENCE it has. A folder that is not a loadable artifact gives torch: loading it says what is wrong."""
+    PREFERENCE it has (calibrations of `task`, default the artifact's own). A folder that is not a loadable artifact
+    gives torch: loading it says what is wrong."""
     try:
         runnable = runnable_backends(artifact)
         if runnable == ["torch"]:
             return "torch"
-        opened = Artifact.open(artifact)
+        opened = Artifact.open(artifact, task)
         acceptance = opened.acceptance
         answer = 1 + acceptance.positions / len(acceptance.answers) if acceptance else TYPICAL_ANSWER_TOKENS
         seconds = {b: c.request_seconds(answer) for b in runnable if (c := opened.calibration(b))}
@@ -160,8 +198,9 @@ def fastest_backend(artifact: Path) -> str:
 
 
 def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused",
-         threads: int | None = None, calibrated: bool = True) -> Loaded:
-    """calibrated False: leave the artifact's calibration out (tools/calibrate.py measures afresh)."""
+         threads: int | None = None, calibrated: bool = True, task: str | None = None) -> Loaded:
+    """calibrated False: leave the artifact's calibration out (tools/calibrate.py measures afresh). task: one of the
+    artifact's tasks (default: its own; Loaded.with_task switches later)."""
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available; choose one of {', '.join(BACKENDS)}")
@@ -169,14 +208,17 @@ def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_sch
         raise FileNotFoundError(f"{artifact} is not a folder: pass an artifact or checkpoint made by export/build.py "
                                 f"(e.g. artifacts/dialogsum or checkpoints/dialogsum-cpu/ss)")
     if (artifact / MANIFEST).is_file():
-        return _load_artifact(Artifact.open(artifact), backend, device, stream_schedule, threads, calibrated)
+        return _load_artifact(Artifact.open(artifact, task), backend, device, stream_schedule, threads, calibrated)
     if not (artifact / "streamfuse.json").is_file():
         raise FileNotFoundError(f"{artifact} has neither manifest.json (an exported artifact) nor streamfuse.json (a "
                                 f"checkpoint): build one with `python export/build.py --task dialogsum`")
     if backend != "torch":
         raise ValueError(f"{artifact} is a checkpoint, which only the torch backend runs; export it for {backend} "
                          f"with `python export/build.py --backends {backend}` and pass the artifact")
-    return _load_checkpoint(artifact, device, stream_schedule)
+    loaded = _load_checkpoint(artifact, device, stream_schedule)
+    if task is not None and task != loaded.info.get("task"):
+        raise ValueError(f"{artifact} is a checkpoint of task {loaded.info.get('task')}, not {task}")
+    return loaded
 
 
 def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None,
@@ -209,6 +251,9 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
     session = open_session(backend, artifact.backend_files(backend), threads)
+    tensors = artifact.task_tensors(backend)
+    if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
+        session.bind_task(tensors)
     manifest = artifact.manifest
     return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,

@@ -105,12 +105,13 @@ def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequ
 
 
 def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], threads: int | None, max_new_tokens: int,
-                      acceptance: dict | None = None) -> dict:
-    """The build's call (in a fresh process): calibrate `backend` of an artifact (or, with `acceptance`
-    given, of a checkpoint: torch) on task source texts; returns the calibration as the manifest keeps it."""
+                      acceptance: dict | None = None, task: str | None = None) -> dict:
+    """The build's call (in a fresh process): calibrate `backend` of an artifact for `task` (default: its own; or,
+    with `acceptance` given, of a checkpoint: torch) on task source texts; returns the calibration as the manifest
+    keeps it."""
     use_threads(threads)  # torch, where this process has it before the model loads
-    model = AcceptanceModel.from_dict(acceptance) if acceptance else Artifact.open(folder).acceptance
-    loaded = load(folder, backend, threads=threads, calibrated=False)
+    model = AcceptanceModel.from_dict(acceptance) if acceptance else Artifact.open(folder, task).acceptance
+    loaded = load(folder, backend, threads=threads, calibrated=False, task=task)
     prompts = [prompt_ids(loaded, text, True) for text in sources]
     # again: the torch backend brings torch with its model
     calibration = calibrate_backend(loaded, model, prompts, StopRules(max_new_tokens, loaded.stop_token_ids), "cpu",

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,6 +388,25 @@ def test_presets_are_consistent_and_flags_set_only_their_field(capsys):
     assert printed["train"]["epochs"] == 3.0 and printed["preset"] == "smoke" and printed["export"]["trees"] == []
 
 
+def test_each_task_brings_its_lengths_to_the_cpu_presets_and_several_tasks_share_one_artifact(capsys):
+    e2e = config_of("--task", "e2e_nlg")
+    assert (e2e.data.max_target_tokens, e2e.eval.max_new_tokens, e2e.train.epochs) == (64, 64, 0.3)
+    assert config_of("--task", "e2e_nlg", "--set", "train.epochs=1").train.epochs == 1.0  # the user's --set wins
+    assert config_of("--task", "e2e_nlg", "--preset", "smoke").train.epochs == 1.0  # smoke keeps its own
+    assert config_of().data.max_target_tokens == 80 and not config_of().export.task_inputs
+    args = build.parse_args(["--task", "dialogsum,e2e_nlg"])
+    assert args.out == Path("artifacts/dialogsum+e2e_nlg")
+    runs = build.task_runs(args)
+    assert [(run.task, config.export.task_inputs, config.train.epochs) for run, config in runs] == \
+        [("dialogsum", True, 1.2), ("e2e_nlg", True, 0.3)]
+    with pytest.raises(ValueError, match="the drafters of sd, medusa are per task: build them into a one-task artifact"):
+        build.task_runs(build.parse_args(["--task", "dialogsum,e2e_nlg", "--set", "sd.enabled=true",
+                                          "--set", "medusa.enabled=true"]))
+    with pytest.raises(SystemExit):
+        build.parse_args(["--task", "dialogsum,samsum"])
+    assert "--task: unknown task 'samsum'; known tasks: dialogsum, e2e_nlg, sqlcontext" in capsys.readouterr().err
+
+
 def test_distilled_model_is_keyed_on_its_first_stage_and_its_recipe():
     cpu = config_of("--preset", "cpu-distill")
     own = config_of("--preset", "cpu-distill", "--set", "distill.with_references=false")
@@ -500,7 +520,6 @@ def test_the_export_build_script_hands_the_process_to_the_training_build(tmp_pat
     script execs python -m streamfuse.training.build with the same arguments (and its exit status)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "export" / "build.py"
     done = subprocess.run([sys.executable, str(script), "--print-config", "--preset", "smoke", "--task", "e2e_nlg"],

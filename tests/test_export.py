@@ -310,7 +310,8 @@ def test_manifest_describes_the_graphs(artifact):
     assert greedy["targets"]["shape"] == [15] and greedy["accepted"]["shape"] == [1]
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 14], "dtype": "int64"}  # any tree of 15 nodes
     assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"], "width": 14,
-                                             "draft_vocab": {"size": 60, "coverage": 0.5}}
+                                             "draft_vocab": {"path": "draft_vocab.safetensors", "size": 60,
+                                                             "coverage": 0.5}}
     assert data["graphs"]["heads"] == {"count": 2, "training_key": "test-heads"}
     assert data["graphs"]["methods"]["heads"]["outputs"][0]["shape"] == [2, data["model"]["vocab_size"]]
     assert {"torch", "executorch", "onnx"} <= set(data["versions"])

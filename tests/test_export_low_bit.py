@@ -128,6 +128,8 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
             continue
         add = consumers[node.output[0]]
         (term,) = [producers[name] for name in add.input if name != node.output[0]]  # (x · left) · right
+        while term.op_type != "MatMul":  # decode's one row runs as two, the copy sliced off (low_bit.low_rank)
+            term = producers[term.input[0]]
         packed = values[node.input[1]]
         mins = values[term.input[1]][: packed.shape[1]].T  # [N, K/32]: the offsets m + zero point · d
         scales = values[node.input[2]].reshape(mins.shape)

@@ -1,13 +1,23 @@
 """export/low_bit.py: low-bit layers compute what their codes mean, and every row of an exported
 call is bit-identical to that row computed alone (what keeps SS == plain decoding exact)."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from streamfuse.adapters.gguf_codes import BlockCodes
 from streamfuse.export.graph_attention import grouped_attention
-from streamfuse.export.low_bit import Q4Linear, Q8Embedding, Q8Linear, int8_codes, pack_nibbles, unpack_nibbles
+from streamfuse.export.low_bit import (
+    Q4Linear,
+    Q8Embedding,
+    Q8Linear,
+    int8_codes,
+    low_rank,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 
 def random_codes(kind: str, rows: int, columns: int, seed: int = 0) -> BlockCodes:
@@ -154,6 +164,37 @@ def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, he
     alone = outputs[1, 1]
     assert all(np.array_equal(out, alone) for out in outputs.values()), [k for k, o in outputs.items()
                                                                           if not np.array_equal(o, alone)]
+
+
+class LowRank(torch.nn.Module):
+    def forward(self, x, left, right):
+        return low_rank(x, left, right, inputs=True)
+
+
+def test_onnx_runtime_low_rank_rows_with_input_weights_do_not_depend_on_the_call_size(tmp_path):
+    """A task's LoRA as graph inputs (export/task_inputs.py): ONNX Runtime packs those weights per call, blocks K by
+    the thread split and runs a lone row through its one-row kernel; low_rank's input form sums slices of one block
+    and runs a lone row as two, so a row's bits are the same in a call of any size, on 1 or 2 threads (the cpu
+    preset's shapes: K = 576 and 1536, 18 / 48 block sums + rank 32)."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
+    torch.manual_seed(0)
+    outputs, weights = {}, {depth: (torch.randn(1, 1, depth), torch.randn(depth, depth // 32 + 32),
+                                    torch.randn(depth // 32 + 32, 576)) for depth in (576, 1536)}
+    for (depth, (row, left, right)), count in itertools.product(weights.items(), (1, 2, 4, 5, 8)):
+        batch = torch.randn(1, count, depth)
+        batch[:, -1] = row[:, 0]
+        path = tmp_path / f"low-rank-{depth}-{count}.onnx"
+        torch.onnx.export(torch.export.export(LowRank(), (batch, left, right), strict=False), (), dynamo=True,
+                          verbose=False).save(str(path))
+        for threads in (1, 2):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = ort.InferenceSession(str(path), options)
+            names = [i.name for i in session.get_inputs()]
+            (out,) = session.run(None, dict(zip(names, (batch.numpy(), left.numpy(), right.numpy()))))
+            outputs[depth, count, threads] = out[0, -1]
+    differ = [key for key, out in outputs.items() if not np.array_equal(out, outputs[key[0], 1, 1])]
+    assert not differ, differ
 
 
 class IndexCopy(torch.nn.Module):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from streamfuse.metrics.bleu import bleu
 from streamfuse.metrics.rouge import rouge, split_sentences
 from streamfuse.metrics.sql import exact_match, normalize_sql
 from streamfuse.training.tasks import TASKS, DataError, Example, Task, base, get_task
@@ -168,6 +169,30 @@ def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:
 
 
 # --- metrics ------------------------------------------------------------------
+
+
+# predictions, references per prediction -> corpus BLEU (sacrebleu, 13a, case-sensitive)
+BLEU_TABLE = [
+    (["the cat sat on the red mat today"], [("the cat sat on the red mat today",)], 100.0),
+    (["the cat sat on the red mat today"], [("a dog ran far away from home now",)], 0.0),
+    # a second reference that matches exactly lifts the segment to 100; the shorter MR leaves its slot empty
+    (["the cat sat on the mat", "a dog ran in the park"],
+     [("the cat sat on the mat",), ("a dog ran in the big park", "a dog ran in the park")], 100.0),
+    (["the cat sat on the mat", "a dog ran in the park"],
+     [("the cat sat on the mat",), ("a dog ran in the big park",)], 82.81),
+]
+
+
+@pytest.mark.parametrize(("predictions", "references", "expected"), BLEU_TABLE)
+def test_bleu_scores_each_prediction_against_all_its_references(predictions, references, expected) -> None:
+    assert bleu(predictions, references)["bleu"] == pytest.approx(expected, abs=0.01)
+
+
+def test_e2e_scores_rouge_and_bleu() -> None:
+    scores = E2E.score(["The Eagle is a cheap pub."], [("The Eagle is a cheap pub.",)])
+    assert set(E2E.headline_metrics) == {"rouge1", "rougeLsum", "bleu"} and scores["bleu"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="2 predictions for 1 reference sets"):
+        bleu(["a", "b"], [("a",)])
 
 
 def test_rouge_multi_reference_takes_the_best() -> None:

@@ -30,7 +30,7 @@ from streamfuse.runtime import cli, methods
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import DEFAULT_TREE
-from streamfuse.runtime.loader import BACKENDS, load
+from streamfuse.runtime.loader import BACKENDS, artifact_tasks, load
 from streamfuse.runtime.measure import summarise
 from streamfuse.runtime.options import add_model_options
 from streamfuse.tools import bench_report
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {}
     if args.peers:
         torch_engine = matrix.engines.get("torch")
-        matrix.peer_loaded = torch_engine.loaded if torch_engine else load(args.artifact, "torch", "cpu", threads=args.threads)
+        matrix.peer_loaded = torch_engine.loaded if torch_engine else load(
+            args.artifact, "torch", "cpu", threads=args.threads,
+            task=args.task if args.task in artifact_tasks(args.artifact) else None)
         matrix.peers, skipped = load_peers(args, matrix.peer_loaded, inputs, info)
     try:
         rows, peer_rows = run_matrix(matrix, inputs, args.warmup)

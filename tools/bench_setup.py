@@ -16,7 +16,7 @@ from streamfuse.runtime.backends.base import prune_config
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.generate import choose_tree, prompt_ids, run
-from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.loader import Loaded, artifact_tasks, load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
@@ -51,7 +51,8 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         backend, _, folder = entry.partition("@")  # BACKEND@FOLDER: another artifact's backend
         artifact = Path(folder) if folder else args.artifact
         before = current_rss()
-        loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads)
+        task = args.task if args.task in artifact_tasks(artifact) else None  # an artifact with several: the task's
+        loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads, task=task)
         tree = choose_tree(args.tree, loaded)  # SS's (plain decoding carries it along, unused, for the report)
         rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
         prune = prune_config(args.prune_threshold, args.prune_budget)

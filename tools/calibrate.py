@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-nodes", type=int, default=MAX_TREE_NODES,
                         help="largest tree to try where any tree runs (torch)")
     parser.add_argument("--dry-run", action="store_true", help="print the calibration, leave the manifest as it is")
+    parser.add_argument("--task", default=None, help="on an artifact with several tasks: the one to calibrate "
+                                                     "(default: its own)")
     add_model_options(parser, backend_required=True)
     cli.add_debug_flag(parser)
     return parser.parse_args(argv)
@@ -63,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.check(args.max_nodes >= 2, f"--max-nodes must be >= 2 (a root and one draft), got {args.max_nodes}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    artifact = Artifact.open(args.artifact)
+    artifact = Artifact.open(args.artifact, args.task)
     acceptance = artifact.acceptance
     if acceptance is None:
         raise ArtifactError(f"{args.artifact} has no acceptance model; rebuild it with this streamfuse "
                             f"(export/build.py measures one on validation dialogues)")
-    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, calibrated=False)
+    loaded = load(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, calibrated=False,
+                  task=args.task)
     prompts = inputs_for(args, loaded)
     calibration = calibrate_backend(loaded, acceptance, prompts, StopRules(args.max_new_tokens, loaded.stop_token_ids),
                                     args.device, torch.get_num_threads(), args.max_nodes, args.rounds)

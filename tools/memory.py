@@ -5,12 +5,13 @@ other engine's libraries counted).
     python -m streamfuse.tools.memory --artifact artifacts/dialogsum --backends executorch,onnxruntime \\
         --task dialogsum --split test --limit 3 --threads 2
 
-Per backend: the bytes of its files in the artifact (weights and graphs); the RSS `load()` adds,
-split into anonymous memory (what a phone cannot page out) and file-backed pages (mapped weights,
-which the OS may drop); of it, the tokenizer (measured on its own) and the host's KV cache (its
+Per backend: the bytes of its files in the artifact (weights and graphs, and the loaded task's
+tensors where the graphs take them as inputs); the RSS `load()` adds, split into anonymous memory
+(what a phone cannot page out) and file-backed pages (mapped weights, which the OS may drop); of it, the tokenizer (measured on its own) and the host's KV cache (its
 tensors' bytes), and the rest, the engine, against the file bytes; and the peak RSS above the
-level before `load()` while the inputs decode plainly and with SS (greedy). Linux only: it reads
-/proc.
+level before `load()` while the inputs decode plainly and with SS (greedy). On an artifact with several
+tasks, the time to switch the loaded engine to each other task and back, and the RSS each switch leaves
+above the one-task level. Linux only: it reads /proc.
 """
 
 from __future__ import annotations
@@ -65,14 +66,33 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
         for method in ("ar", "ss"):
             run(loaded, ids, DecodeSettings(method, rules, tree=loaded.tree, sampling=sampling))
     end = status()
+    switches = switch_tasks(loaded, opened, backend) if len(opened.tasks) > 1 else []
     files = opened.backend_files(backend)
+    task_file = opened.manifest["task_files"].get(backend)  # graphs without the task: its tensors are bound beside
     cache = loaded.backend.keys.nbytes + loaded.backend.values.nbytes  # the host's KV cache, all rows written
-    return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()), "kv_cache_bytes": cache,
+    return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()) + (
+                task_file["bytes"] if task_file else 0), "kv_cache_bytes": cache,
             "load_bytes": after["VmRSS"] - before["VmRSS"], "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
             "load_file_bytes": after["RssFile"] - before["RssFile"],
             "tokenizer_bytes": before["VmRSS"] - before_tokenizer["VmRSS"],
             "decode_peak_bytes": end["VmHWM"] - before["VmRSS"] if inputs else None,
-            "inputs": len(inputs), "threads": threads}
+            "inputs": len(inputs), "threads": threads, "switches": switches}
+
+
+def switch_tasks(loaded, opened, backend: str) -> list[dict]:
+    """Switch the loaded engine to each other task of the artifact and back to its own: seconds per switch (reading
+    and checking the task's file, binding its tensors) and the RSS it leaves against the one-task level after load."""
+    import time
+
+    level, rows = status()["VmRSS"], []
+    for task in [*opened.tasks[1:], opened.tasks[0]]:
+        start = time.perf_counter()
+        loaded = loaded.with_task(task)
+        seconds = time.perf_counter() - start
+        entry = opened.for_task(task).manifest["task_files"].get(backend)
+        rows.append({"task": task, "seconds": seconds, "rss_added_bytes": status()["VmRSS"] - level,
+                     "task_file_bytes": entry["bytes"] if entry else None})
+    return rows
 
 
 def engine_bytes(row: dict) -> int:
@@ -90,6 +110,12 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['backend']} | {mib(r['file_bytes'])} | {mib(r['load_bytes'])} | {mib(r['load_anon_bytes'])} "
                      f"| {mib(r['load_file_bytes'])} | {mib(r['tokenizer_bytes'])} | {mib(r['kv_cache_bytes'])} "
                      f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x | {mib(r['decode_peak_bytes'])} |")
+    switches = [(r["backend"], s) for r in rows for s in r.get("switches", [])]
+    if switches:
+        lines += ["", "| backend | switch to task | ms | RSS above one task loaded (MiB) | task's file (MiB) |",
+                  "|---|---|---:|---:|---:|"]
+        lines += [f"| {backend} | {s['task']} | {1e3 * s['seconds']:.1f} | {mib(s['rss_added_bytes'])} "
+                  f"| {mib(s['task_file_bytes'])} |" for backend, s in switches]
     return "\n".join(lines)
 
 

@@ -27,7 +27,9 @@ from streamfuse.training.tasks import TASKS
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=SET_HELP)
-    parser.add_argument("--task", default="dialogsum", choices=sorted(TASKS), help="task to fine-tune on")
+    parser.add_argument("--task", default="dialogsum", metavar="TASK[,TASK..]",
+                        help=f"task to fine-tune on ({', '.join(sorted(TASKS))}); several, comma-separated, give one "
+                             f"artifact: one base, each task's tensors beside it, switched at run time")
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
                         help="smoke: minutes, tests the pipeline; cpu (default): about an hour on 2 cores; "
                              "cpu-distill: the benchmarked model, hours on 2 cores; paper: the paper's recipe, GPU")
@@ -49,7 +51,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     cli.add_debug_flag(parser)
     args = parser.parse_args(argv)
-    args.out = args.out or Path("artifacts") / args.task
+    args.tasks = list(dict.fromkeys(t.strip() for t in args.task.split(",") if t.strip()))
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown or not args.tasks:
+        parser.error(f"--task: unknown task {', '.join(map(repr, unknown)) or 'none given'}; known tasks: "
+                     f"{', '.join(sorted(TASKS))}")
+    args.task = args.tasks[0]
+    args.out = args.out or Path("artifacts") / "+".join(args.tasks)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     return args
@@ -65,9 +73,17 @@ Values take the field's type (true/false, numbers, none where allowed, ';' betwe
 Settings that contradict each other are refused, naming the field to set."""
 
 
+DRAFTERS = ("sd", "medusa", "parallelspec", "falcon", "specdec", "adaptive")  # config sections with their own drafter
+
+
 def build_config(args: argparse.Namespace) -> BuildConfig:
-    """The preset, then --backends / --quantize, then each --set in order; validated."""
+    """The preset with args.task's cpu settings, then --backends / --quantize (several tasks: graphs that take the
+    task's tensors as inputs), then each --set in order; validated."""
     config = preset(args.preset)
+    if args.preset.startswith("cpu"):
+        config = with_overrides(config, list(TASKS[args.task].cpu_settings))
+    if len(args.tasks) > 1:
+        config = dataclasses.replace(config, export=dataclasses.replace(config.export, task_inputs=True))
     export = {}
     if args.backends is not None:
         export["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
@@ -77,7 +93,16 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
         config = dataclasses.replace(config, export=dataclasses.replace(config.export, **export))
     config = with_overrides(config, args.set)
     config.validate()
+    drafters = [name for name in DRAFTERS if getattr(config, name).enabled]
+    if len(args.tasks) > 1 and drafters:
+        raise ValueError(f"several tasks in one artifact carry SS and plain decoding; the drafters of "
+                         f"{', '.join(drafters)} are per task: build them into a one-task artifact")
     return config
+
+
+def task_runs(args: argparse.Namespace) -> list[tuple[argparse.Namespace, BuildConfig]]:
+    """One build per task, in --task order, into the same artifact: the first makes the graphs, the others join."""
+    return [(run, build_config(run)) for run in (argparse.Namespace(**{**vars(args), "task": t}) for t in args.tasks)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = cli.usage(lambda: build_config(args))  # bad settings fail before hours of training
-    if config.export.quantize == "q4-native" and set(config.export.backends) & set(FORMATS["q4-native"]):
-        base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
+    runs = cli.usage(lambda: task_runs(args))  # bad settings fail before hours of training
+    for _, config in runs[:1]:
+        if config.export.quantize == "q4-native" and set(config.export.backends) & set(FORMATS["q4-native"]):
+            base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
     if args.print_config:
-        print(json.dumps({"task": args.task, **dataclasses.asdict(config)}, indent=2))
+        configs = [{"task": run.task, **dataclasses.asdict(config)} for run, config in runs]
+        print(json.dumps(configs[0] if len(configs) == 1 else configs, indent=2))
         return 0
-    build = Build(args, config)
-    with exclusive(build.run_dir), exclusive(args.out):  # one build per checkpoint run and artifact folder
-        return run_build(args, config, build)
+    for run, config in runs:
+        if len(runs) > 1:
+            print(f"[tasks] {run.task} ({args.tasks.index(run.task) + 1} of {len(runs)}) into {args.out}", flush=True)
+        build = Build(run, config)
+        with exclusive(build.run_dir), exclusive(args.out):  # one build per checkpoint run and artifact folder
+            if code := run_build(run, config, build):
+                return code
+    return 0
 
 
 def console() -> int:

@@ -31,11 +31,11 @@ from streamfuse.export.artifact import (
     start_lowering,
     write_json,
 )
-from streamfuse.export.draft_vocab import DraftVocab, draft_vocab
+from streamfuse.export.draft_vocab import DraftVocab, coverage, draft_vocab
 from streamfuse.export import falcon_graph
 from streamfuse.export.parallel_graph import export_drafter
 from streamfuse.export.verify import ParityError
-from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
@@ -195,7 +195,7 @@ class Build:
                            torch_calibration: BackendCalibration) -> None:
         """The acceptance model into the manifest, then each backend that runs here times the artifact's
         trees; its choice goes into the manifest (kept while the acceptance model is the same)."""
-        opened = Artifact.open(artifact)
+        opened = Artifact.open(artifact, self.task.name)
         opened.save_acceptance(acceptance)
         opened.save_calibration("torch", torch_calibration)
         for backend in RUNS_HERE:
@@ -203,7 +203,7 @@ class Build:
                 continue
             if opened.calibration(backend) is None:
                 data = worker.run(calibrate_sources, artifact, backend, self.calibration_sources(),
-                                  self.args.threads, CALIBRATION_TOKENS)
+                                  self.args.threads, CALIBRATION_TOKENS, None, self.task.name)
                 opened.save_calibration(backend, BackendCalibration.from_dict(data))
             else:
                 print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
@@ -300,8 +300,28 @@ class Build:
         return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in self.test_prompts]
 
     def draft_vocab(self, size: int) -> DraftVocab | None:
-        """greedy_step's: from the training prompts and answers."""
-        return self.vocab("draft", [item.input_ids for item in self.train_items], size)
+        """greedy_step's: from the training prompts and answers; a task joining another's graphs takes theirs."""
+        joined = self.joined_artifact()
+        if joined is None:
+            return self.vocab("draft", [item.input_ids for item in self.train_items], size)
+        ids = joined.draft_ids()
+        if ids is None:
+            return None
+        answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
+        draft = DraftVocab(tuple(int(i) for i in ids), coverage(ids, answers))
+        print(f"[export] draft vocabulary: task {joined.task}'s {len(ids)} tokens (the graphs hold them), "
+              f"{100 * draft.coverage:.1f}% of validation answer tokens", flush=True)
+        return draft
+
+    def joined_artifact(self) -> Artifact | None:
+        """The artifact at --out when this build adds its task to another task's graphs (export.task_inputs)."""
+        if not self.config.export.task_inputs:
+            return None
+        try:
+            opened = Artifact.open(self.args.out)
+        except (ArtifactError, OSError):
+            return None
+        return opened if opened.task != self.task.name and opened.manifest["task_files"] else None
 
     def vocab(self, label: str, texts: list[list[int]], size: int) -> DraftVocab | None:
         """The `size` tokens most frequent in `texts`; coverage measured on the validation answers."""
@@ -315,8 +335,8 @@ class Build:
     def profile(self, artifact: Path) -> dict | None:
         """SS vs plain on the first --profile-limit test inputs, with the fastest backend here (calibrated)."""
         limit = self.config.stages.profile_limit
-        backend = fastest_backend(artifact)
-        manifest = Artifact.open(artifact).manifest
+        backend = fastest_backend(artifact, self.task.name)
+        manifest = Artifact.open(artifact, self.task.name).manifest
         stored = manifest.get("profile")
         if stored and stored.get("limit") == limit and stored.get("backend_choice") == backend:
             print(f"[profile] reusing the profile in {artifact / 'manifest.json'}", flush=True)
@@ -324,10 +344,12 @@ class Build:
         else:
             sources = [(ex.id, ex.source) for ex in self.test[: limit + 1]]  # +1: the untimed warm-up input
             # A fresh process: its peak memory is the runtime's own, not this one's from training.
+            own = Artifact.open(artifact).task == self.task.name  # another task's profile goes beside it
+            folder = artifact.parent / (f"{artifact.name}-profile" + ("" if own else f"-{self.task.name}"))
             result = worker.run(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
-                                self.args.threads, artifact.parent / f"{artifact.name}-profile")
+                                self.args.threads, folder, self.task.name)
             result.update(limit=limit, backend_choice=backend)
-            Artifact.open(artifact).update(profile=result)
+            Artifact.open(artifact, self.task.name).update(profile=result)
         if result["bench"]["mismatched_inputs"]:
             raise ParityError(f"profile: SS differs from plain decoding on {backend} for test inputs "
                               f"{', '.join(result['bench']['mismatched_inputs'])} (recorded in {artifact}/manifest.json "
@@ -395,11 +417,12 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         export = dataclasses.replace(export, buckets=with_method_buckets(export.buckets, config))
         artifact = build.export(ss_dir, export, summary, medusa_dir)
         build.calibrate_artifact(artifact, acceptance, torch_calibration)
-        print(report.artifact_markdown(Artifact.open(artifact).manifest), flush=True)
-        print(report.calibration_markdown(Artifact.open(artifact).manifest), flush=True)
+        opened = lambda: Artifact.open(artifact, build.task.name)  # noqa: E731  (this task's view, as written now)
+        print(report.artifact_markdown(opened().manifest), flush=True)
+        print(report.calibration_markdown(opened().manifest), flush=True)
         if config.stages.profile_limit > 0:
             build.profile(artifact)
-            print(report.profile_markdown(Artifact.open(artifact).manifest), flush=True)
+            print(report.profile_markdown(opened().manifest), flush=True)
         if sd_dir is not None:
             longest = max(config.sd.gamma, config.specdec.max_drafts if config.specdec.enabled else 0)
             draft = build.export_draft(sd_dir, ss_dir, export, longest)

@@ -20,12 +20,12 @@ from streamfuse.runtime.trace_profile import profile_files, write_report
 
 
 def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,
-                     threads: int | None, out: Path) -> dict:
+                     threads: int | None, out: Path, task: str | None = None) -> dict:
     """sources: (id, task source text). Writes traces + profile report under `out`; returns the
     bench summary and the profile metrics (without per-run rows)."""
     if threads:
         torch.set_num_threads(threads)  # the torch backend's; the exported engines take it from load()
-    loaded = load(artifact, backend, threads=threads)
+    loaded = load(artifact, backend, threads=threads, task=task)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
     ss = DecodeSettings("ss", rules, tree=loaded.tree, fallback=loaded.fallback(loaded.tree))
     ar = replace(ss, method="ar")

@@ -17,6 +17,7 @@ from streamfuse.runtime.backends.static_graph import (
     METHOD_INPUT,
     METHODS_METADATA,
     OUTPUT_NAMES,
+    TASK_PREFIX,
     Session,
     base_method,
     layer_input,
@@ -68,10 +69,15 @@ class ExecuTorchSession:
         self.tensor = torch.from_numpy  # ExecuTorch's Python runtime takes torch tensors: zero-copy views
         program = runtime.Runtime.get().load_program(Path(pte))
         self.methods = {name: program.load_method(name) for name in program.method_names}
+        self.task: list = []  # the bound task's tensors, in name order (bind_task)
         self.name = "executorch:xnnpack"
 
+    def bind_task(self, tensors: dict[str, np.ndarray]) -> None:
+        """The task whose tensors every call appends (graphs with task inputs): kept, never copied per call."""
+        self.task = [self.tensor(np.ascontiguousarray(tensors[name])) for name in sorted(tensors)]
+
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        outputs = self.methods[method].execute([self.tensor(np.ascontiguousarray(a)) for a in inputs])
+        outputs = self.methods[method].execute([*(self.tensor(np.ascontiguousarray(a)) for a in inputs), *self.task])
         return [out.numpy() for out in outputs]  # views: valid until this method runs again
 
 
@@ -112,13 +118,26 @@ class OnnxRuntimeSession:
                         for method in methods}
         # Inputs a method does not read still need a value: the smallest of the declared shape.
         self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
-                             for i in self.session.get_inputs()}
+                             for i in self.session.get_inputs() if not i.name.startswith(TASK_PREFIX)}
+        self.task_inputs = {i.name for i in self.session.get_inputs() if i.name.startswith(TASK_PREFIX)}
+        self.task: dict = {}  # the bound task's tensors as ONNX Runtime values (bind_task)
+        self.ort = ort
         self.name = f"onnxruntime:{provider}"
+
+    def bind_task(self, tensors: dict[str, np.ndarray]) -> None:
+        """The task whose tensors every call feeds (graphs with task inputs), made ONNX Runtime values once."""
+        if set(tensors) != self.task_inputs:
+            missing, extra = sorted(self.task_inputs - set(tensors)), sorted(set(tensors) - self.task_inputs)
+            raise ValueError(f"the task's tensors do not fit this ONNX model (missing {missing[:3]}, unknown {extra[:3]}): "
+                             f"the task was built for other graphs; rebuild it with export/build.py")
+        self.task = {name: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()}
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if method not in self.outputs:
             raise ValueError(f"the ONNX model has no {method} method (it has {', '.join(self.outputs)}); rebuild the "
                              f"artifact with this version")
+        if self.task_inputs and not self.task:
+            raise ValueError("this ONNX model takes a task's tensors: bind one first (Artifact.task_tensors, bind_task)")
         return self.session.run(self.outputs[method], self._feed(method, inputs))
 
     def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
@@ -134,6 +153,7 @@ class OnnxRuntimeSession:
                              for layer in range(tensor.shape[0])})
             else:
                 feed[name] = tensor
+        feed.update(self.task)
         return feed
 
 

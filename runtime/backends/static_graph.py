@@ -106,6 +106,9 @@ def layer_input(name: str, layer: int) -> str:
 # the int64 scalar input METHOD_INPUT picks one by its index in method_names(trees), the model's inputs are the
 # union of the methods' (each call feeds all; those its method does not read may be any placeholder),
 # and the method's outputs are named method_output(method, name).
+# A task's tensors (LoRA, streams, pruning head) as trailing inputs of every method, in name order, where the
+# graphs hold only the base (export/task_inputs.py): the session binds a task's once and adds them to each call.
+TASK_PREFIX = "task."
 METHOD_INPUT = "method"
 METHODS_METADATA = "streamfuse.methods"  # the ONNX model's metadata key: its methods in METHOD_INPUT's order
 

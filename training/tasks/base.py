@@ -52,6 +52,9 @@ class Task(ABC):
     hub_revision: str | None = None  # hub branch to load, when main is not loadable
     has_unlabelled: bool = False  # the task's data has an UNLABELLED split (local files only)
     data_help: str  # expected local file names and fields, shown in errors
+    # "--set" assignments the cpu presets apply for this task before the user's own (its lengths, and
+    # the epochs that keep the presets' step budget): the presets are written for DialogSum.
+    cpu_settings: tuple[str, ...] = ()
 
     # --- what each task provides -------------------------------------------
 

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from streamfuse.metrics.bleu import bleu
 from streamfuse.metrics.rouge import rouge
 
 from .base import Example, Task
@@ -60,7 +61,10 @@ class E2ENLG(Task):
     # hub's automatic parquet conversion lives on this branch (not verifiable
     # offline; if it is gone, load() raises DataError naming the local files).
     hub_revision = "refs/convert/parquet"
-    headline_metrics = ("rouge1", "rougeLsum")
+    headline_metrics = ("rouge1", "rougeLsum", "bleu")  # the paper's two, and the challenge's own
+    # Prompts here are <= 100 tokens and references <= 92 (p99 52), against DialogSum's 320 and 80; the
+    # 4,179 training rows are 4x DialogSum's, so 0.3 epochs keep the cpu recipe's 300 steps of 4 rows.
+    cpu_settings = ("data.max_target_tokens=64", "eval.max_new_tokens=64", "train.epochs=0.3")
     instruction_template = (
         "Write a short restaurant description in natural English that mentions every "
         "attribute of this meaning representation.\n\n{source}"
@@ -89,6 +93,5 @@ class E2ENLG(Task):
         prefix = f"e2e-{split}"
         return _per_row(pairs, prefix) if split == "train" else _per_mr(pairs, prefix)
 
-
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
-        return rouge(predictions, references)
+        return {**rouge(predictions, references), **bleu(predictions, references)}
