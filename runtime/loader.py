@@ -65,7 +65,8 @@ class Loaded:
         tensors = view.task_tensors(self.engine)
         if tensors is None:
             raise ValueError(f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so they "
-                             f"cannot run {task}; rebuild both tasks with --quantize q4-native")
+                             f"cannot run {task}; build the tasks together (export/build.py --task "
+                             f"{self.artifact.task},{task})")
         self.backend.session.bind_task(tensors)
         return Loaded(self.backend, self.tokenizer, {"task": task, **view.manifest.get("info", {})},
                       _prompt(view.manifest.get("prompt")), self.engine, view,

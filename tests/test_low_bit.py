@@ -137,12 +137,27 @@ def test_onnx_runtime_linear_rows_do_not_depend_on_the_call_size(tmp_path):
                 assert np.array_equal(out[0, at], one[0, 0]), (label, count)
 
 
+def last_rows(module, inputs: tuple, path) -> dict[int, np.ndarray]:
+    """threads -> the last row of `module`'s output, exported with these static shapes and run by ONNX Runtime."""
+    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
+    torch.onnx.export(torch.export.export(module, inputs, strict=False), (), dynamo=True, verbose=False).save(str(path))
+    rows = {}
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(path), options)
+        names = [i.name for i in session.get_inputs()]
+        (out,) = session.run(None, dict(zip(names, (t.numpy() for t in inputs))))
+        rows[threads] = out[0, -1]
+    return rows
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)])
 def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, heads, kv_heads):
     """The graphs' attention gives each query the same output in a call of any size. Graphs have
     static shapes, so each size is its own export, as prefill / decode / step are: a lone query row
     is computed as two (ONNX Runtime's one-row MatMul differs from the same row in a bigger call)."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
+    pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     torch.manual_seed(0)
     module = Attention(heads, kv_heads).eval()
     query, visible = torch.randn(1, heads, 1, 16), torch.zeros(1, 1, 1, 40)
@@ -151,16 +166,8 @@ def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, he
     for count in (1, 2, 3, 4, 5, 8, 16):
         batch, mask = torch.randn(1, heads, count, 16), torch.zeros(1, 1, count, 40)
         batch[:, :, -1], mask[:, :, -1] = query[:, :, 0], visible[:, :, 0]
-        path = tmp_path / f"attention-{count}.onnx"
-        torch.onnx.export(torch.export.export(module, (batch, mask), strict=False), (), dynamo=True,
-                          verbose=False).save(str(path))
-        for threads in (1, 2):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            session = ort.InferenceSession(str(path), options)
-            names = [i.name for i in session.get_inputs()]
-            (out,) = session.run(None, dict(zip(names, (batch.numpy(), mask.numpy()))))
-            outputs[count, threads] = out[0, -1]
+        for threads, out in last_rows(module, (batch, mask), tmp_path / f"attention-{count}.onnx").items():
+            outputs[count, threads] = out
     alone = outputs[1, 1]
     assert all(np.array_equal(out, alone) for out in outputs.values()), [k for k, o in outputs.items()
                                                                           if not np.array_equal(o, alone)]
@@ -176,7 +183,7 @@ def test_onnx_runtime_low_rank_rows_with_input_weights_do_not_depend_on_the_call
     the thread split and runs a lone row through its one-row kernel; low_rank's input form sums slices of one block
     and runs a lone row as two, so a row's bits are the same in a call of any size, on 1 or 2 threads (the cpu
     preset's shapes: K = 576 and 1536, 18 / 48 block sums + rank 32)."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
+    pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     torch.manual_seed(0)
     outputs, weights = {}, {depth: (torch.randn(1, 1, depth), torch.randn(depth, depth // 32 + 32),
                                     torch.randn(depth // 32 + 32, 576)) for depth in (576, 1536)}
@@ -184,15 +191,8 @@ def test_onnx_runtime_low_rank_rows_with_input_weights_do_not_depend_on_the_call
         batch = torch.randn(1, count, depth)
         batch[:, -1] = row[:, 0]
         path = tmp_path / f"low-rank-{depth}-{count}.onnx"
-        torch.onnx.export(torch.export.export(LowRank(), (batch, left, right), strict=False), (), dynamo=True,
-                          verbose=False).save(str(path))
-        for threads in (1, 2):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            session = ort.InferenceSession(str(path), options)
-            names = [i.name for i in session.get_inputs()]
-            (out,) = session.run(None, dict(zip(names, (batch.numpy(), left.numpy(), right.numpy()))))
-            outputs[depth, count, threads] = out[0, -1]
+        for threads, out in last_rows(LowRank(), (batch, left, right), path).items():
+            outputs[depth, count, threads] = out
     differ = [key for key, out in outputs.items() if not np.array_equal(out, outputs[key[0], 1, 1])]
     assert not differ, differ
 

@@ -44,7 +44,8 @@ def second_task(checkpoint, folder, task: str = "e2e_nlg"):
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
-    root = write_checkpoint(tmp_path_factory.mktemp("tasks"), layers=2, msa_layers=1, gguf=True)  # lowering grows with depth
+    # two layers: lowering time grows with depth
+    root = write_checkpoint(tmp_path_factory.mktemp("tasks"), layers=2, msa_layers=1, gguf=True)
     return {"dialogsum": root / "ckpt", "e2e_nlg": second_task(root / "ckpt", root / "ckpt-e2e")}
 
 
@@ -142,8 +143,9 @@ def test_graphs_holding_a_task_refuse_another(built, tasks, tmp_path):
     backend, root, _, _ = built
     out = tmp_path / "alone"
     shutil.copytree(root / "alone", out)
-    with pytest.raises(ArtifactError, match=r"serves task e2e_nlg, and task dialogsum cannot join it: its graphs hold "
-                                            r"its task's weights .* build the tasks together \(--task e2e_nlg,dialogsum\)"):
+    with pytest.raises(ArtifactError, match=r"serves task e2e_nlg, and task dialogsum cannot join it: its graphs "
+                                            r"hold its task's weights .* build the tasks together "
+                                            r"\(--task e2e_nlg,dialogsum\)"):
         build(tasks["dialogsum"], out, (backend,), task_inputs=False)
     with pytest.raises(ValueError, match="export.task_inputs .* needs graphs without the task's weights"):
         ExportConfig(task_inputs=True, quantize="none").validate()

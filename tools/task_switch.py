@@ -5,9 +5,9 @@
 
 Per backend, in a fresh process: load the artifact (its own task), then switch to each other task and back to
 the own one (Loaded.with_task: the task's tensors bound, nothing loaded again), and after each switch decode the
-task's first --limit test inputs with plain decoding and SS (greedy, the task's calibrated tree, interleaved). Reports the
-switch time, the RSS above the level after load, SS == plain per task, tokens, and SS's speed-up over plain
-decoding in that run. Exit status 1 if SS differs from plain decoding on any input.
+task's first --limit test inputs with plain decoding and SS (greedy, the task's calibrated tree, interleaved).
+Reports the switch time, the RSS above the level after load, SS == plain per task, tokens, and SS's speed-up
+over plain decoding in that run. Exit status 1 if SS differs from plain decoding on any input.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     rss = status()["VmRSS"] - level
     tree = choose_tree(None, loaded)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
-    seconds, tokens, same, inputs = {"ar": 0.0, "ss": 0.0}, 0, 0, read_inputs(task_file(task, "test"), loaded.prompt, limit)
+    inputs = read_inputs(task_file(task, "test"), loaded.prompt, limit)
+    seconds, tokens, same = {"ar": 0.0, "ss": 0.0}, 0, 0
     for item in inputs:
         ids = prompt_ids(loaded, item.text, True)
         results = {m: run(loaded, ids, DecodeSettings(m, rules, tree=tree if m == "ss" else None)) for m in seconds}
@@ -78,7 +79,8 @@ def markdown(results: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=100, help="test inputs per task (default %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=80, help="(default %(default)s: the cpu preset's longest)")
+    parser.add_argument("--max-new-tokens", type=int, default=80,
+                        help="(default %(default)s: the cpu preset's longest)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one backend, in a fresh process
     add_model_options(parser, backends="executorch,onnxruntime", threads=2, device=False, schedule=False)

@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     runs = cli.usage(lambda: task_runs(args))  # bad settings fail before hours of training
-    for _, config in runs[:1]:
-        if config.export.quantize == "q4-native" and set(config.export.backends) & set(FORMATS["q4-native"]):
-            base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
+    export = runs[0][1].export  # every task's graphs are the first's
+    if export.quantize == "q4-native" and set(export.backends) & set(FORMATS["q4-native"]):
+        base_gguf(args.base_model)  # the format's weights are the base GGUF's codes: refused now if there are none
     if args.print_config:
         configs = [{"task": run.task, **dataclasses.asdict(config)} for run, config in runs]
         print(json.dumps(configs[0] if len(configs) == 1 else configs, indent=2))
