@@ -531,6 +531,12 @@ class ArtifactBuilder:
         eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
         return {"tokens": eager_tokens(eager, self.trees[0], self.prompts, self.rules())}
 
+    def adapter_entry(self, path: str) -> dict:
+        """The manifest's record of the checkpoint copied to `path` (relative to the artifact)."""
+        trained = read_manifest(self.checkpoint)
+        return {"path": path, "lora": trained["lora"], "training_key": trained["info"].get("training_key"),
+                "weights_sha256": weights_digest(self.checkpoint)}
+
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
 
@@ -568,8 +574,7 @@ class ArtifactBuilder:
                           "capacity": shapes.capacity, "dtype": "float32", "owner": "host"},
             "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                           "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
-            "adapter": {"path": "adapter", "lora": checkpoint["lora"], "training_key": checkpoint["info"].get("training_key"),
-                        "weights_sha256": weights_digest(self.checkpoint)},
+            "adapter": self.adapter_entry("adapter"),
             "task_files": task_files,  # backend -> this task's tensors, where its graphs take them as inputs
             # other tasks on these graphs (runtime/artifact.py TASK_FIELDS each), kept while the graphs are the same
             TASKS: {} if lending is None else lending[TASKS],
@@ -632,9 +637,7 @@ class TaskAdder:
         if checkpoint["streams"] != self.artifact.manifest["streams"]:  # the graph key holds them: a broken artifact
             raise ArtifactError(f"task {builder.task}'s streams differ from those of {builder.out}'s graphs")
         return {"task": builder.task, "prompt": checkpoint["info"].get("prompt"),
-                "adapter": {"path": f"{TASKS}/{builder.task}/adapter", "lora": checkpoint["lora"],
-                            "training_key": checkpoint["info"].get("training_key"),
-                            "weights_sha256": weights_digest(builder.checkpoint)},
+                "adapter": builder.adapter_entry(f"{TASKS}/{builder.task}/adapter"),
                 "task_files": files, "trees": [tree.to_dict() for tree in builder.trees],
                 "calibration": {"acceptance": None, "backends": {}}, "drafters": {}, "parity": parity,
                 "build_key": builder.key, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

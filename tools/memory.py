@@ -82,17 +82,23 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
 def switch_tasks(loaded, opened, backend: str) -> list[dict]:
     """Switch the loaded engine to each other task of the artifact and back to its own: seconds per switch (reading
     and checking the task's file, binding its tensors) and the RSS it leaves against the one-task level after load."""
-    import time
-
     level, rows = status()["VmRSS"], []
     for task in [*opened.tasks[1:], opened.tasks[0]]:
-        start = time.perf_counter()
-        loaded = loaded.with_task(task)
-        seconds = time.perf_counter() - start
+        loaded, seconds, rss = timed_switch(loaded, task, level)
         entry = opened.for_task(task).manifest["task_files"].get(backend)
-        rows.append({"task": task, "seconds": seconds, "rss_added_bytes": status()["VmRSS"] - level,
+        rows.append({"task": task, "seconds": seconds, "rss_added_bytes": rss,
                      "task_file_bytes": entry["bytes"] if entry else None})
     return rows
+
+
+def timed_switch(loaded, task: str, level: int):
+    """loaded.with_task(task) -> (the switched model, its seconds, the RSS then above `level`)."""
+    import time
+
+    start = time.perf_counter()
+    loaded = loaded.with_task(task)
+    seconds = time.perf_counter() - start
+    return loaded, seconds, status()["VmRSS"] - level
 
 
 def engine_bytes(row: dict) -> int:

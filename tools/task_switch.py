@@ -16,7 +16,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from streamfuse.runtime import cli
@@ -29,13 +28,9 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     from streamfuse.runtime.generate import choose_tree, prompt_ids, run
     from streamfuse.runtime.settings import DecodeSettings
     from streamfuse.tools.bench_data import read_inputs, task_file
-    from streamfuse.tools.memory import status
+    from streamfuse.tools.memory import status, timed_switch
 
-    level = status()["VmRSS"]
-    start = time.perf_counter()
-    loaded = loaded.with_task(task)
-    switch = time.perf_counter() - start
-    rss = status()["VmRSS"] - level
+    loaded, switch, rss = timed_switch(loaded, task, status()["VmRSS"])
     tree = choose_tree(None, loaded)
     rules = StopRules(max_new_tokens, loaded.stop_token_ids)
     inputs = read_inputs(task_file(task, "test"), loaded.prompt, limit)
