@@ -104,12 +104,13 @@ def update_info(directory: Path, **fields) -> None:
     tmp.replace(path)
 
 
-def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False, trainable: bool = False):
+def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False, trainable: bool = False,
+                    adapter_name: str = "default"):
     """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode.
 
     merge_lora folds the adapter into the base weights: same function, no per-projection LoRA
     matmuls at inference (the runtime's choice); trainable leaves the adapter's weights trainable,
-    to train on from this checkpoint."""
+    to train on from this checkpoint. adapter_name: peft's name for the adapter (TaskSet names it by task)."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
@@ -120,14 +121,20 @@ def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: 
         keep_first_layers(base, manifest["base_layers"])
     if merge_lora and trainable:
         raise ValueError("a merged adapter cannot be trained: pass merge_lora or trainable, not both")
-    peft_model = PeftModel.from_pretrained(base, directory / "lora", is_trainable=trainable)
+    peft_model = PeftModel.from_pretrained(base, directory / "lora", adapter_name=adapter_name, is_trainable=trainable)
     inner = peft_model.merge_and_unload() if merge_lora else peft_model
     model = SpeculativeStreamingLM(inner, StreamConfig.from_dict(manifest["streams"]))
-    state = load_file(str(directory / "streams.safetensors"))
-    missing = set(extra_state(model)) ^ set(state)
-    if missing:
-        raise ValueError(f"{directory / 'streams.safetensors'} does not match the config: tensors {sorted(missing)}")
-    model.stream_init.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("stream_init.")})
-    model.pruning_head.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("pruning_head.")})
+    load_extra_state(model, directory)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
     return model.eval(), tokenizer, manifest
+
+
+def load_extra_state(model: SpeculativeStreamingLM, directory: Path) -> None:
+    """Fill the model's streams and pruning head from a checkpoint's streams.safetensors."""
+    path = Path(directory) / "streams.safetensors"
+    state = load_file(str(path))
+    missing = set(extra_state(model)) ^ set(state)
+    if missing:
+        raise ValueError(f"{path} does not match the config: tensors {sorted(missing)}")
+    model.stream_init.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("stream_init.")})
+    model.pruning_head.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("pruning_head.")})

@@ -51,23 +51,23 @@ class Loaded:
         return (self.artifact.task, *(t for t in self.artifact.tasks if t != self.artifact.task))
 
     def with_task(self, task: str) -> "Loaded":
-        """The same engine serving another of the artifact's tasks: on graphs that take the task's tensors, its
-        tensors are bound in place of the loaded task's (nothing else is loaded again); the torch backend loads
-        the task's checkpoint. Use the returned model: the engine now runs `task`, this one's task no longer."""
+        """The same engine serving another of the artifact's tasks, nothing loaded again: on graphs that take the
+        task's tensors, its tensors are bound in place of the loaded task's; on torch, its peft adapter and streams
+        are made active (TaskSet). Use the returned model: the engine now runs `task`, this one's task no longer."""
         if self.artifact is None or task == self.artifact.task:
             if task != self.tasks[0]:
                 raise ValueError(f"task {task!r}: this model serves {self.tasks[0]} only")
             return self
         view = self.artifact.for_task(task)
         if self.engine == "torch":
-            return _load_artifact(view, "torch", self.backend.device, self.backend.spec.greedy_schedules[0],
-                                  self.threads, self.calibration is not None)
-        tensors = view.task_tensors(self.engine)
-        if tensors is None:
-            raise ValueError(f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so they "
-                             f"cannot run {task}; build the tasks together (export/build.py --task "
-                             f"{self.artifact.task},{task})")
-        self.backend.session.bind_task(tensors)
+            self.backend.use_task(task)
+        else:
+            tensors = view.task_tensors(self.engine)
+            if tensors is None:
+                raise ValueError(f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so "
+                                 f"they cannot run {task}; build the tasks together (export/build.py --task "
+                                 f"{self.artifact.task},{task})")
+            self.backend.session.bind_task(tensors)
         return Loaded(self.backend, self.tokenizer, {"task": task, **view.manifest.get("info", {})},
                       _prompt(view.manifest.get("prompt")), self.engine, view,
                       view.calibration(self.engine) if self.calibration is not None else None, self.threads)
@@ -229,14 +229,31 @@ def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: 
     from streamfuse.adapters.checkpoint import load_checkpoint
     from streamfuse.runtime.backends.pytorch import TorchBackend
 
-    model, tokenizer, manifest = load_checkpoint(folder, merge_lora=True)
+    several = artifact is not None and len(artifact.tasks) > 1
+    # One task: the LoRA merged (fastest). Several: each task's adapter beside the others on the unmerged base.
+    model, tokenizer, manifest = load_checkpoint(folder, merge_lora=not several,
+                                                 adapter_name=artifact.task if several else "default")
     kept = artifact.head_ids() if artifact is not None else None
     if kept is not None:  # a draft model exported with a pruned head runs with the same head on torch
         model.keep_vocab(torch.from_numpy(kept))
+    tasks = _task_set(model, manifest, artifact) if several else None
     backend = TorchBackend(model, device, stream_schedule)
+    backend.tasks = tasks
     calibration = artifact.calibration("torch") if artifact is not None and calibrated else None
     return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact,
                   calibration)
+
+
+def _task_set(model, manifest: dict, artifact: Artifact):
+    """Every task of the artifact on `model` (loaded with the artifact's task), that task active."""
+    from streamfuse.adapters.task_set import TaskSet
+
+    tasks = TaskSet(model, manifest, artifact.task)
+    for task in artifact.tasks:
+        if task != artifact.task:
+            view = artifact.for_task(task)
+            tasks.add(task, view.path / view.manifest["adapter"]["path"])
+    return tasks
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:

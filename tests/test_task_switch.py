@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from streamfuse.adapters.masks import causal_mask
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.runtime.artifact import Artifact, ArtifactError, file_digest
 from streamfuse.runtime.decode import generate
@@ -109,11 +110,29 @@ def test_two_tasks_share_the_base_graphs_and_switch_bit_for_bit(built):
     assert decoded(switched) == single
     assert decoded(switched.with_task("dialogsum")) == other
     assert decoded(loaded.with_task("e2e_nlg")) == single
-    # torch loads the task's own checkpoint (tasks/e2e_nlg/adapter): the one-task artifact's tokens on torch
-    assert decoded(load(both, "torch").with_task("e2e_nlg")) == decoded(load(alone, "torch"))
+    # torch: both tasks' adapters on one unmerged base, switched in place (TaskSet), gives a fresh load's tokens
+    # (the same arithmetic) and the one-task artifact's (its LoRA merged); each step's logits bit for bit
+    on_torch = load(both, "torch")
+    assert on_torch.backend.tasks.tasks == ("dialogsum", "e2e_nlg")
+    switched = on_torch.with_task("e2e_nlg")
+    assert switched.backend is on_torch.backend
+    fresh = load(both, "torch", task="e2e_nlg")
+    assert decoded(switched) == decoded(fresh) == decoded(load(alone, "torch"))
+    assert torch.equal(logits(switched), logits(fresh))
+    assert torch.equal(logits(switched.with_task("dialogsum")), logits(load(both, "torch")))
     # the artifact with two tasks: one task's files plus the second's own (the manifest, a few KB, grows by its record)
     files = lambda digests: sum(size for name, (size, _) in digests.items() if name != "manifest.json")  # noqa: E731
     assert files(now) <= files(before) + 1.05 * size(both / "tasks" / "e2e_nlg")
+
+
+def logits(loaded) -> torch.Tensor:
+    """A prompt's main-stream, stream and pruning-head states through the torch model, streams at every token."""
+    ids = torch.tensor([prompts(1, seed=7)[0]])
+    mask = causal_mask(torch.ones_like(ids))
+    with torch.no_grad():
+        out = loaded.backend.model(ids, torch.arange(ids.shape[1])[None], mask,
+                                   anchors=torch.arange(ids.shape[1])[None], with_pruning=True)
+    return torch.cat([out.hidden.flatten(), out.stream_hidden.flatten(), out.pruning_hidden.flatten()])
 
 
 def size(folder) -> int:
@@ -200,3 +219,22 @@ def test_generate_takes_the_task_from_the_artifact(built, capsys):
     assert cli.run(generate.main, [*argv, "--task", "sqlcontext"], prog="generate") == 2
     err = capsys.readouterr().err
     assert "generate: error: --task sqlcontext: " in err and "serves dialogsum, e2e_nlg; use that task name" in err
+
+
+def test_torch_task_set_refuses_tasks_on_another_base_or_unknown(tasks, tmp_path):
+    from streamfuse.adapters.checkpoint import load_checkpoint
+    from streamfuse.adapters.task_set import TaskSet
+
+    model, _, manifest = load_checkpoint(tasks["dialogsum"], adapter_name="dialogsum")
+    task_set = TaskSet(model, manifest, "dialogsum")
+    other = shutil.copytree(tasks["e2e_nlg"], tmp_path / "other")
+    record = json.loads((other / "streamfuse.json").read_text())
+    record["streams"]["num_streams"] += 1
+    (other / "streamfuse.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="task e2e_nlg's streams differs from task dialogsum's, so the two cannot "
+                                         "share one base model"):
+        task_set.add("e2e_nlg", other)
+    task_set.add("e2e_nlg", tasks["e2e_nlg"])
+    assert task_set.tasks == ("dialogsum", "e2e_nlg") and task_set.active == "dialogsum"
+    with pytest.raises(ValueError, match=r"task 'sql' is not loaded \(loaded: dialogsum, e2e_nlg\)"):
+        task_set.use("sql")

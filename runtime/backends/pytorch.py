@@ -14,6 +14,7 @@ from streamfuse import seams
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.medusa import MedusaHeads
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.adapters.task_set import TaskSet
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.backends.graph_passes import (
     SCRATCH,
@@ -115,6 +116,16 @@ class TorchBackend(StaticGraphBackend):
         super().__init__(TorchSession(self.model, device, self.dtype, stream_schedule), spec, device,
                          zeros=lambda shape: torch.zeros(shape, dtype=self.dtype, device=device))
         self.heads: MedusaHeads | None = None
+        self.tasks: TaskSet | None = None  # several tasks' adapters on the model (a multi-task artifact)
+
+    def use_task(self, task: str) -> None:
+        """Run another of the loaded tasks (TaskSet: peft's set_adapter, its streams), then pack what it swapped in
+        as the rest was packed (swap_modules passes over layers already packed)."""
+        if self.tasks is None:
+            raise ValueError("this model was loaded with one task; load a multi-task artifact to switch tasks")
+        self.tasks.use(task)
+        if self.kernels == "packed":
+            self.model.replace_linears(PackedLinear)
 
     def attach_heads(self, heads: MedusaHeads) -> None:
         """Medusa heads on the target's last hidden state: every step's output then ranks their drafts
