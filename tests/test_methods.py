@@ -45,6 +45,7 @@ VARIANTS = [
     ("parallelspec", "2-0", "children per depth >= 1"),
     ("parallelspec", "2,1", "children per depth >= 1"),
     ("falcon", "2-1", {"tree": TreeSpec(((0,), (1,), (0, 0)))}),
+    ("medusa", "2-1", {"tree": TreeSpec(((0,), (1,), (0, 0)))}),
     ("specdec++", "0.25", {"threshold": 0.25}),
     ("specdec++", "1.5", "0 <= H <= 1"),
 ]

@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", default="ar,ss", help=f"streamfuse methods among {', '.join(methods.names())}, "
                         "'ar' among them (AR is every speed-up's baseline); the methods other than ar and ss need an "
                         "artifact with their drafters (export/build.py --set sd.enabled=true ...). Variants in the same "
-                        "run: sd:G / pearl:G (a chain of G drafts), specdec++:H (stop threshold H), parallelspec:W1-W2-.. "
-                        "and falcon:W1-W2-.. (children per depth), e.g. ar,sd:2,sd:4,specdec++:0.5")
+                        "run: sd:G / pearl:G (a chain of G drafts), specdec++:H (stop threshold H), parallelspec:W1-W2-.., "
+                        "falcon:W1-W2-.. and medusa:W1-W2-.. (children per depth), e.g. ar,sd:2,sd:4,specdec++:0.5")
     parser.add_argument("--peers", default="", help=f"comma-separated peers, run once per input: {', '.join(PEERS)}")
     parser.add_argument("--repeats", type=int, default=1, help="runs per input and row, interleaved; times are their median")
     parser.add_argument("--fallback", choices=("auto", "off"), default="auto",
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "ar" not in args.methods or any(not method_label_ok(m) for m in args.methods):
         parser.error(f"--methods {','.join(args.methods)}: choose among {', '.join(methods.names())}, 'ar' included (AR is the "
                      f"baseline of every speed-up); variants are sd:G and pearl:G with an integer G >= 1, specdec++:H "
-                     f"with 0 <= H <= 1 and parallelspec:W1-W2-.. / falcon:W1-W2-.. with whole numbers >= 1")
+                     f"with 0 <= H <= 1 and parallelspec:W1-W2-.. / falcon:W1-W2-.. / medusa:W1-W2-.. with whole numbers >= 1")
     if args.input_file is None and args.split is None:
         parser.error("pass --split (with --task) or --input-file")
     if args.repeats < 1 or args.limit < 1 or args.threads < 1 or args.warmup < 0:

@@ -2,6 +2,7 @@
 On torch the heads are attached to the backend; the exported graphs have a heads method."""
 
 from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.methods.parallelspec import widths_tree
 from streamfuse.runtime.stream_drafter import HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
 
@@ -23,4 +24,5 @@ def drafter(loaded, settings) -> HeadDrafter:
 
 METHOD = Method("medusa", "Medusa: heads on the target's last state draft SS's tree", drafter=drafter,
                 default_tree=lambda loaded: TreeSpec.from_dict(loaded.artifact.drafters["medusa"]["tree"]),
-                build_flags="--set medusa.enabled=true", artifact_entries=("medusa",))
+                build_flags="--set medusa.enabled=true", artifact_entries=("medusa",),
+                variant=widths_tree)  # medusa:W1-W2-..: a tree of those widths, as parallelspec's (same-tree comparisons)
