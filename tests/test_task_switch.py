@@ -111,21 +111,21 @@ def test_two_tasks_share_the_base_graphs_and_switch_bit_for_bit(built):
     assert decoded(switched.with_task("dialogsum")) == other
     assert decoded(loaded.with_task("e2e_nlg")) == single
     # torch: both tasks' adapters on one unmerged base, switched in place (TaskSet), gives a fresh load's tokens
-    # (the same arithmetic) and the one-task artifact's (its LoRA merged); each step's logits bit for bit
+    # (the same arithmetic) and the one-task artifact's (its LoRA merged); the model's states bit for bit
     on_torch = load(both, "torch")
     assert on_torch.backend.tasks.tasks == ("dialogsum", "e2e_nlg")
     switched = on_torch.with_task("e2e_nlg")
     assert switched.backend is on_torch.backend
     fresh = load(both, "torch", task="e2e_nlg")
     assert decoded(switched) == decoded(fresh) == decoded(load(alone, "torch"))
-    assert torch.equal(logits(switched), logits(fresh))
-    assert torch.equal(logits(switched.with_task("dialogsum")), logits(load(both, "torch")))
+    assert torch.equal(states(switched), states(fresh))
+    assert torch.equal(states(switched.with_task("dialogsum")), states(load(both, "torch")))
     # the artifact with two tasks: one task's files plus the second's own (the manifest, a few KB, grows by its record)
     files = lambda digests: sum(size for name, (size, _) in digests.items() if name != "manifest.json")  # noqa: E731
     assert files(now) <= files(before) + 1.05 * size(both / "tasks" / "e2e_nlg")
 
 
-def logits(loaded) -> torch.Tensor:
+def states(loaded) -> torch.Tensor:
     """A prompt's main-stream, stream and pruning-head states through the torch model, streams at every token."""
     ids = torch.tensor([prompts(1, seed=7)[0]])
     mask = causal_mask(torch.ones_like(ids))
