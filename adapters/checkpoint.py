@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from .base_model import load_base_model
 from .config import LoraSettings, StreamConfig
@@ -124,17 +125,18 @@ def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: 
     peft_model = PeftModel.from_pretrained(base, directory / "lora", adapter_name=adapter_name, is_trainable=trainable)
     inner = peft_model.merge_and_unload() if merge_lora else peft_model
     model = SpeculativeStreamingLM(inner, StreamConfig.from_dict(manifest["streams"]))
-    load_extra_state(model, directory)
+    load_extra_state(model.stream_init, model.pruning_head, directory)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
     return model.eval(), tokenizer, manifest
 
 
-def load_extra_state(model: SpeculativeStreamingLM, directory: Path) -> None:
-    """Fill the model's streams and pruning head from a checkpoint's streams.safetensors."""
+def load_extra_state(stream_init: nn.Module, pruning_head: nn.Module, directory: Path) -> None:
+    """Fill streams and a pruning head from a checkpoint's streams.safetensors (extra_state's names)."""
     path = Path(directory) / "streams.safetensors"
     state = load_file(str(path))
-    missing = set(extra_state(model)) ^ set(state)
+    parts = {"stream_init": stream_init, "pruning_head": pruning_head}
+    missing = {f"{name}.{key}" for name, part in parts.items() for key in part.state_dict()} ^ set(state)
     if missing:
         raise ValueError(f"{path} does not match the config: tensors {sorted(missing)}")
-    model.stream_init.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("stream_init.")})
-    model.pruning_head.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("pruning_head.")})
+    for name, part in parts.items():
+        part.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{name}.")})

@@ -37,13 +37,11 @@ class TaskSet:
                                  f"cannot share one base model; build them as separate artifacts")
         model = self.model
         model.model.load_adapter(Path(directory) / "lora", adapter_name=task)
-        active = model.stream_init, model.pruning_head
-        model.stream_init = StreamInit(model.config, model.parts.hidden_size)
-        model.pruning_head = PruningHead(model.parts.hidden_size, model.config.pruning_rank)
-        load_extra_state(model, directory)
-        self.parts[task] = (model.stream_init, model.pruning_head)
-        model.stream_init, model.pruning_head = active
-        self.use(self.active)
+        parts = StreamInit(model.config, model.parts.hidden_size), PruningHead(model.parts.hidden_size,
+                                                                               model.config.pruning_rank)
+        load_extra_state(*parts, directory)
+        self.parts[task] = parts
+        self.use(self.active)  # the loaded adapter's weights stay inactive and frozen
 
     def use(self, task: str) -> None:
         """Make `task` the one the model runs (its adapter active, its streams and pruning head in place)."""
