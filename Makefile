@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The exact attention kernel (runtime/kernels/), for torch and ExecuTorch: compiled once per source change.
+# The exact attention kernel (runtime/kernels/), for torch, ExecuTorch and ONNX Runtime: compiled once per source change.
 kernels: $(STAMP)
 	$(BIN)/python -m streamfuse.runtime.tree_attention
 

@@ -74,22 +74,13 @@ class KeyValues:
 class StepKeyValues(KeyValues):
     """Functional K/V: past comes in as tensors (read only), this call's main K/V go to `new`.
 
-    past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache.
-    write_at: None: attention sees past + this call's rows appended after it ([P + T] keys);
-    a [1] cache length n: this call's rows take slots n.. of a copy of the past ([P] keys), so a
-    token at position p sits at slot p whether it came from this call or an earlier one (the
-    graphs' mask for this layout: in_place_slots).
-    order: for that layout, (source, place) [T, P] (export/graph.py decode_order): where each main row's
-    keys sit in plain decoding's order, for an attention that sums in that order (announced).
+    past: per layer (keys, values) [B, kv_heads, P, d], or None for no cache; attention sees past + this
+    call's rows appended after it ([P + T] keys).
     """
 
-    def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 write_at: torch.Tensor | None = None, order: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, num_layers: int, main_len: int, past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
         super().__init__(main_len)
         self.past = past
-        self.write_at = write_at
-        self.order = order
-        self.announced = order is not None
         self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
     def _store(self, layer, keys, values):
@@ -97,11 +88,7 @@ class StepKeyValues(KeyValues):
         if self.past is None:
             return keys, values
         past_keys, past_values = self.past[layer]
-        if self.write_at is None:
-            return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
-        # index_copy (ONNX ScatterND): only the T new rows are written, into a copy of the past
-        slots = self.write_at + torch.arange(keys.shape[2], device=keys.device)
-        return past_keys.index_copy(2, slots, keys), past_values.index_copy(2, slots, values)
+        return torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2)
 
 
 class ScratchKeyValues(KeyValues):
@@ -123,14 +110,6 @@ class ScratchKeyValues(KeyValues):
         for cache, rows in zip(self.cache, (keys, values)):
             cache[layer : layer + 1, :, self.start : end] = rows
         return self.cache[0][layer : layer + 1, :, :end], self.cache[1][layer : layer + 1, :, :end]
-
-
-def in_place_slots(start: torch.Tensor, capacity: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [start, start + count) of a capacity-row cache: (inside [C] bool, index [C] of the new
-    row each slot takes, clamped where outside)."""
-    offset = torch.arange(capacity, device=start.device) - start
-    inside = torch.logical_and(offset >= 0, offset < count)
-    return inside, offset.clamp(0, count - 1)
 
 
 class SpanKeyValues(KeyValues):

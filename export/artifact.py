@@ -51,15 +51,9 @@ BACKENDS = ("torch", "executorch", "onnxruntime", "coreml", "executorch_coreml")
 DEFAULT_BACKENDS = ("torch", "executorch", "onnxruntime")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
-# Backends whose graphs write a call's rows into the cache's slots for attention (graph.GraphShapes.in_place):
-# ONNX Runtime, where it makes a chain step's arithmetic that of plain decoding, slot for slot.
-IN_PLACE = ("onnxruntime",)
-# ONNX Runtime's fp32 GEMM with 16 columns (graph_attention.SLOT_COLUMNS) sums up to 1,024 slots in one pass;
-# past that it adds blocks, and a term's block would depend on its slot (measured, docs/export.md).
-EXACT_ONNX_SLOTS = 1024
-# Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span):
-# ExecuTorch on XNNPACK, which runs the kernel as a registered custom op (runtime/tree_attention.py).
-SPAN = ("executorch",)
+# Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span),
+# registered into the engine as a custom op (runtime/tree_attention.py): ExecuTorch on XNNPACK, ONNX Runtime.
+SPAN = ("executorch", "onnxruntime")
 RUNS_HERE = ("executorch", "onnxruntime")  # the exported backends whose parity is checked here
 # What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).
 LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
@@ -93,7 +87,9 @@ class ExportConfig:
     # Row counts with step graphs (export/graph.py): any tree of up to T nodes runs in bucket T, padded.
     # Each bucket adds two methods to lower; 4 and 8 hold the trees CPUs calibrate to (docs/benchmarks.md).
     buckets: tuple[int, ...] = (4, 8)
-    capacity: int = 768  # KV rows: DialogSum prompts (<= ~420 tokens) + 80-96 new tokens + one tree
+    # KV rows: a prompt, its answer and one tree. A call pays for the rows in use, not for this (the attention kernel
+    # reads the used span; the host's cache pages are touched as rows fill), so it leaves room for long sources.
+    capacity: int = 2048
     prefill_chunk: int = 64
     quantize: str = "none"  # weights: none | int8 | 8da4w | q4-native, where a backend offers it (FORMATS)
     coreml_precision: str = "float16"
@@ -125,10 +121,6 @@ class ExportConfig:
                              f"({', '.join(FORMATS[TASK_INPUT_FORMATS[0]])}), not {self.quantize} / {other}")
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
-        if "onnxruntime" in self.backends and self.capacity > EXACT_ONNX_SLOTS:
-            raise ValueError(f"export.capacity={self.capacity}: the ONNX graphs are exact (SS == plain decoding) over at "
-                             f"most {EXACT_ONNX_SLOTS} cache slots (docs/export.md); lower export.capacity or leave "
-                             f"onnxruntime out of --backends")
         shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
         graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
         for tree in (TreeSpec.parse(tree) for tree in self.trees):
@@ -361,7 +353,7 @@ class ArtifactBuilder:
 
     def export_model(self, backend: str) -> tuple[torch.nn.Module, dict]:
         """The model `backend` exports, in its weight format, and the format's manifest record."""
-        from streamfuse.export.graph_attention import with_graph_attention
+        from streamfuse.export.span_attention import span_model
         from streamfuse.export.xnnpack_graph import xnnpack_model
 
         fmt = self.format(backend)
@@ -379,11 +371,11 @@ class ArtifactBuilder:
             return model, {"name": fmt, **({} if fmt == "none" else {"activations": "int8 per token (dynamic)"})}
         if backend != "onnxruntime":
             return self.model_and_tokenizer()[0], {"name": fmt}
-        # ONNX: attention whose rows do not depend on the call's size (SS == plain decoding exactly)
+        # ONNX: the exact kernel's attention, as on ExecuTorch (SS == plain decoding exactly)
         if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
             model, details = self._q4_native_model()
-            return with_graph_attention(model), {**details, **LOW_BIT_ACTIVATIONS}
-        model = with_graph_attention(self.model_and_tokenizer()[0])
+            return span_model(model), {**details, **LOW_BIT_ACTIVATIONS}
+        model = span_model(self.model_and_tokenizer()[0])
         if fmt == "int8":
             from streamfuse.export.low_bit import quantize_int8
 
@@ -407,7 +399,7 @@ class ArtifactBuilder:
         if fmt["name"] != self.config.quantize:
             print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
                   f"unquantized", flush=True)
-        modules = self.modules(model, in_place=backend in IN_PLACE, span=backend in SPAN)
+        modules = self.modules(model, span=backend in SPAN)
         inputs = graph.example_inputs(model, self.shapes())
         input_names, output_names = graph.names_of(modules)
         task_inputs = self.config.task_inputs
@@ -462,11 +454,11 @@ class ArtifactBuilder:
             session.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
         model, _, _ = self.model_and_tokenizer()
         if backend in SPAN:  # the span graphs need the kernel's attention
-            from streamfuse.export.xnnpack_graph import span_model
+            from streamfuse.export.span_attention import span_model
 
             model = span_model(model)
         # the fp32 model, same layout: a low-bit format's error is measured against it
-        reference = EagerSession(self.modules(model, in_place=backend in IN_PLACE, span=backend in SPAN))
+        reference = EagerSession(self.modules(model, span=backend in SPAN))
         fmt = self.format(backend)
         if fmt == "none":
             result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
@@ -495,8 +487,8 @@ class ArtifactBuilder:
         if self.head is not None:
             model.keep_vocab(torch.tensor(self.head.ids))
 
-    def shapes(self, in_place: bool = False, span: bool = False) -> graph.GraphShapes:
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, in_place, span)
+    def shapes(self, span: bool = False) -> graph.GraphShapes:
+        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, span)
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
@@ -505,8 +497,8 @@ class ArtifactBuilder:
     def greedy_schedules(self) -> list[str]:
         return [graph.greedy_schedule(rows, self.config.greedy_schedule) for rows in self.config.buckets]
 
-    def modules(self, model, in_place: bool = False, span: bool = False) -> dict:
-        return graph.graph_modules(model, self.shapes(in_place, span), self.draft.ids if self.draft else None,
+    def modules(self, model, span: bool = False) -> dict:
+        return graph.graph_modules(model, self.shapes(span), self.draft.ids if self.draft else None,
                                    self.greedy_schedules(), self.medusa_heads())
 
     def medusa_heads(self) -> torch.nn.Module | None:

@@ -24,9 +24,8 @@ Calibration may pick any tree up to the largest bucket with no re-export, and a 
 tree every step.
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
-the rest are masked out. A graph reads the cache's row count from its inputs, so an engine may pass
-fewer than C rows (ONNX Runtime: the rows up to the call's own, runtime/backends/static_graph.py span_rows).
-new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
+the rest are masked out (on ExecuTorch and ONNX Runtime the attention kernel reads only rows < cache_len,
+in place: GraphShapes.span). new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
 ones into its cache. prefill is a causal chunk of P tokens (a constant chain), decode a chain of 1.
 anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
@@ -61,7 +60,6 @@ from torch import nn
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.runtime.backends.graph_passes import (
     APPEND,
-    IN_PLACE,
     SPAN,
     GreedyStepPass,
     HeadsPass,
@@ -88,14 +86,10 @@ class GraphShapes:
     capacity: int  # C: KV rows the graphs attend over (prompt + generated + one step)
     prefill_chunk: int  # P: prompt tokens per prefill call
     buckets: tuple[int, ...]  # row counts T with step graphs, ascending: any tree of up to T nodes runs in T
-    # Where a call's new rows sit for attention: False, after the C cache rows; True, at slots
-    # cache_len.. of the cache (MainPass): a chain node then sees exactly what plain decoding of its
-    # token sees, slot for slot, so reductions add the same terms in the same order (ONNX Runtime's
-    # sums depend on where the terms sit, and int8 activations would turn 1-ulp differences into flips).
-    in_place: bool = False
     # Attention reads the cache in place over [0, cache_len) through the exact kernel (export/span_attention.py;
     # the model's attention must be span_attention): rows see the cache, then the call's rows, in key order,
-    # so a row's bits do not depend on the call; its cost grows with the used span (ExecuTorch).
+    # so a row's bits do not depend on the call; its cost grows with the used span (ExecuTorch, ONNX Runtime).
+    # Else the call's rows are appended after the C cache rows and attention is the model's own (Core ML).
     span: bool = False
     # Ranks per stream greedy_step drafts, at least max_nodes - 1 (the widest level such a tree has): ranks
     # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
@@ -103,8 +97,6 @@ class GraphShapes:
     draft_width: int = 9
 
     def __post_init__(self):
-        if self.in_place and self.span:
-            raise ValueError("in_place and span are two layouts of the new rows: choose one")
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 2:
             raise ValueError(f"step graph buckets must be distinct row counts >= 2 (a root and one draft), "
                              f"ascending; got {list(self.buckets)}")
@@ -124,7 +116,7 @@ class GraphShapes:
     @property
     def layout(self) -> str:
         """Where a call's new rows sit for attention (runtime/backends/graph_passes.py)."""
-        return SPAN if self.span else IN_PLACE if self.in_place else APPEND
+        return SPAN if self.span else APPEND
 
 
 # Largest bucket whose greedy_step runs streams beside every row under "auto". On the 2-core CPU

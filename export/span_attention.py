@@ -1,4 +1,4 @@
-"""Attention over the used span of the cache, for the exported graphs (ExecuTorch): HF's attention interface
+"""Attention over the used span of the cache, for the exported graphs (ExecuTorch, ONNX Runtime): HF's attention interface
 backed by the exact kernel (runtime/tree_attention.py). The layer's cache and `start` come from the
 SpanKeyValues provider (adapters/msa.py); the keys HF hands over are the call's own rows, and the mask
 [1, 1, rows, those rows] says which each row sees. A row's result is bit-identical whatever the call's size
@@ -8,8 +8,11 @@ the cache's capacity, and the cache is never concatenated with the new rows.
 
 from __future__ import annotations
 
+import copy
+
 from streamfuse.adapters import hf
 from streamfuse.adapters.masks import GRAPH_MASKED
+from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import KeyValues, SpanKeyValues
 from streamfuse.runtime.tree_attention import torch_op
 
@@ -28,6 +31,9 @@ def span_attention(module, query, key, value, attention_mask, scaling, dropout=0
     return torch_op()(query, k_cache, v_cache, module.layer_idx, provider.start, key, value, visible, float(scaling)), None
 
 
-def register() -> str:
+def span_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
+    """A copy of `model` whose attention is span_attention (its graphs need GraphShapes.span)."""
     hf.register_attention(SPAN_ATTENTION, span_attention)
-    return SPAN_ATTENTION
+    ready = copy.deepcopy(model)
+    hf.set_attention(ready.model, SPAN_ATTENTION)
+    return ready

@@ -28,7 +28,7 @@ from torch import nn
 
 from streamfuse.adapters import hf
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.export.graph_attention import with_graph_attention
+from streamfuse.export.span_attention import span_model
 
 
 class PooledRMSNorm(nn.Module):
@@ -52,13 +52,6 @@ def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
     ready = span_model(model)
     ready.replace_modules(hf.is_rms_norm, PooledRMSNorm)
     return ready
-
-
-def span_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
-    """A copy of `model` whose attention is the exact span kernel (export/span_attention.py)."""
-    from streamfuse.export import span_attention
-
-    return with_graph_attention(model, span_attention.register(), span_attention.span_attention)
 
 
 def views_for_xnnpack(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -1,6 +1,7 @@
 """Exact attention over the used span of the KV cache: one C++ kernel (runtime/kernels/tree_attention.h)
-for torch (an op, streamfuse::tree_attention) and ExecuTorch (the same op's out variant, registered into
-ExecuTorch's runtime by a library of ours), and a NumPy reference of the same arithmetic, the tests' oracle.
+for torch (an op, streamfuse::tree_attention), ExecuTorch (the same op's out variant, registered into
+ExecuTorch's runtime by a library of ours) and ONNX Runtime (a custom-op library, streamfuse.TreeAttention),
+and a NumPy reference of the same arithmetic, the tests' oracle.
 
     tree_attention(query [1, heads, rows, d], k_cache / v_cache [L, kv, C, d], layer, start [1],
                    k_extra / v_extra [1, kv, X, d], visible [rows, X], scale) -> [1, rows, heads, d]
@@ -45,6 +46,10 @@ SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int laye
 OUT_SCHEMA = ("tree_attention.out(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, "
               "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, *, Tensor(a!) out) -> Tensor(a!)")
 
+
+# The ONNX Runtime custom op (runtime/kernels/tree_attention_ort.cpp): inputs in the torch op's order, `start`
+# before the extra keys with `layer` and `scale` as attributes (export/to_onnx.py translates the op to it).
+ONNX_DOMAIN, ONNX_OP = "streamfuse", "TreeAttention"
 
 # The torch op starts its threads per call (~40 us each): one per WORK_PER_THREAD query-key pairs (~0.2 ms).
 WORK_PER_THREAD = 32768
@@ -112,6 +117,12 @@ def executorch_library_path() -> Path:
     return _library_path("libstreamfuse_attention_et", ["tree_attention_et.cpp"], extra)
 
 
+def onnxruntime_library_path() -> Path:
+    """The ONNX Runtime custom-op library (ONNX_DOMAIN.ONNX_OP). It needs nothing but a C++ compiler: the few
+    entries of ONNX Runtime's C API it calls are declared in its source, and the library links nothing."""
+    return _library_path("libstreamfuse_attention_ort", ["tree_attention_ort.cpp"], [])
+
+
 @functools.cache
 def load_executorch_kernels() -> None:
     """Register streamfuse::tree_attention.out with ExecuTorch's runtime in this process (before a program
@@ -123,7 +134,7 @@ def load_executorch_kernels() -> None:
 
 def build_all() -> list[Path]:
     """Compile every library this machine can use (make build / make test); returns their paths."""
-    built = [Path(c_library()._name)]
+    built = [Path(c_library()._name), onnxruntime_library_path()]
     try:
         built.append(executorch_library_path())
     except KernelUnavailable as error:

@@ -477,7 +477,7 @@ def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tin
     (["--set", "export.trees=gamma=x"], "gamma=x"),
     (["--backends", "tflite"], "tflite"),
     (["--set", "stages.calibration_inputs=0"], "stages.calibration_inputs must be >= 1"),
-    (["--backends", "onnxruntime", "--set", "export.capacity=2048"], "exact (SS == plain decoding) over at most 1024"),
+    (["--set", "export.capacity=8"], "capacity 8 must hold at least one prefill chunk"),
 ])
 def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, capsys, argv, message):
     from streamfuse.runtime import cli

@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -271,8 +272,7 @@ def test_every_tree_row_is_plain_decoding_of_its_path_bit_for_bit(artifact, back
     """Each node of a tree with siblings (its ancestors in the call at other slots than plain decoding
     puts them, and pad rows beside them) has plain decoding's logits and final state, bit for bit: the
     exactness that keeps a quantized artifact's SS equal to its plain decoding, where rounding amplifies
-    any difference. 56 prompt tokens: on ONNX Runtime the 15-node call takes 128 cache rows, plain decoding of
-    a node up to depth 7 takes 64 (static_graph.span_rows)."""
+    any difference."""
     engine = load(artifact, backend).backend
     prompt = (prompts(1, seed=3)[0] * 56)[:56]
     for tree in (TreeSpec(((0,), (1,))), TREES[0]):  # 3 nodes and a pad row in the 4-row bucket; 15 nodes
@@ -350,12 +350,26 @@ def test_memory_tool_measures_each_engine_in_a_fresh_process(artifact, capsys, t
     for backend in ("executorch", "onnxruntime"):
         row = rows[backend]
         assert row["file_bytes"] == sum(f["bytes"] for f in data["files"][backend].values())
-        assert row["kv_cache_bytes"] == cache and row["inputs"] == 1
+        assert row["kv_cache_allocated_bytes"] == cache and row["inputs"] == 1
+        assert 0 < row["kv_cache_decoded_bytes"] <= cache and row["kv_cache_bytes"] <= row["kv_cache_decoded_bytes"]
         assert row["load_bytes"] > 0 and row["decode_peak_bytes"] >= row["load_bytes"]  # the peak holds the load
     assert "| executorch |" in capsys.readouterr().out
     for bad, message in ((["--backends", "bogus"], "not an exported backend"), (["--limit", "0"], "must be >= 1")):
         assert memory.main(["--artifact", str(artifact), *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and /proc: Linux")
+def test_resident_bytes_counts_the_pages_written_not_those_allocated():
+    from streamfuse.tools.memory import resident_bytes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    cache = np.zeros(4 << 20, np.float32)  # 16 MiB: its own mapping, untouched but for the allocator's header
+    assert resident_bytes(cache) <= page
+    cache[: 3 * page // 4] = 1.0  # three pages' worth of floats
+    assert 3 * page <= resident_bytes(cache) <= 5 * page
+    cache[:: page // 4] = 1.0  # one float in every page
+    assert resident_bytes(cache) >= cache.nbytes
 
 
 @needs("executorch", "onnxruntime")

@@ -69,26 +69,24 @@ def assert_lossless(loaded, prompt_list, rules: StopRules) -> None:
             assert generate(loaded.backend, ids, settings).token_ids == plain
 
 
-def test_onnx_graphs_take_the_cache_per_layer_and_write_it_in_place(artifacts):
-    """Each graph reads layer l's cache from its own inputs keys_l / values_l (no Split of an [L, ..]
-    input) and writes a call's rows with one ScatterND per layer, no Transpose of a cache. Prefill
-    takes the rows up to its own (a named dim), the others all C."""
+def test_onnx_graphs_read_the_whole_cache_in_place_through_the_attention_kernel(artifacts):
+    """Each graph takes the host's [L, kv, C, d] cache as one input each for keys and values and reads it only
+    through streamfuse's TreeAttention (one per layer and pass, the layer an attribute): no op copies,
+    slices or writes the cache."""
     import onnx
+
+    from streamfuse.runtime.tree_attention import ONNX_DOMAIN, ONNX_OP
 
     model = onnx.load(str(artifacts["int8"] / "onnx" / "model.onnx"), load_external_data=False)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    layers = sorted(name for name in inputs if name.startswith("keys_"))
-    assert layers and "keys" not in inputs and "values" not in inputs, sorted(inputs)
-    assert {inputs[name][0] for name in layers} == {1}
-    assert all(isinstance(inputs[name][2], str) for name in layers)  # prefill's rows are its own, the others' C
+    assert inputs["keys"] == inputs["values"] and inputs["keys"][2] == 128, inputs["keys"]  # all C rows
+    layers = inputs["keys"][0]
     for method in ("prefill", "decode", "step_4", "greedy_step_4"):
         graph = method_graph(model, method)
-        ops = [node.op_type for node in graph.node]
-        assert ops.count("ScatterND") == 2 * len(layers), (method, ops.count("ScatterND"))
-        assert "Split" not in ops
-        cache_inputs = set(layers) | {name.replace("keys_", "values_") for name in layers}
-        transposed = [n for n in graph.node if n.op_type in ("Transpose", "Slice") and n.input[0] in cache_inputs]
-        assert not transposed, method
+        readers = [n for n in graph.node if {"keys", "values"} & set(n.input)]
+        assert readers and all((n.domain, n.op_type) == (ONNX_DOMAIN, ONNX_OP) for n in readers), method
+        attended = sorted(a.i for n in readers for a in n.attribute if a.name == "layer")
+        assert set(attended) == set(range(layers)), (method, attended)
 
 
 LAYOUT_OPS = ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice", "Concat", "Identity")

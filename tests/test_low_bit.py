@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from streamfuse.adapters.gguf_codes import BlockCodes
-from streamfuse.export.graph_attention import grouped_attention
 from streamfuse.export.low_bit import (
     Q4Linear,
     Q8Embedding,
@@ -88,19 +87,6 @@ class Linears(torch.nn.Module):
         return self.q4(x), self.q8(x), self.fp32(x)
 
 
-class Attention(torch.nn.Module):
-    """grouped_attention over a fixed cache: query rows vary, keys / values / mask per row fixed."""
-
-    def __init__(self, heads: int, kv_heads: int):
-        super().__init__()
-        self.register_buffer("keys", torch.randn(1, kv_heads, 40, 16))
-        self.register_buffer("values", torch.randn(1, kv_heads, 40, 16))
-        self.heads = heads
-
-    def forward(self, query, mask):
-        return grouped_attention(None, query, self.keys, self.values, mask, 0.25)[0]
-
-
 def exported_rows(module, example, dims, tmp_path):
     """An ONNX Runtime session per thread count over `module` exported with dynamic rows."""
     ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
@@ -152,27 +138,6 @@ def last_rows(module, inputs: tuple, path) -> dict[int, np.ndarray]:
     return rows
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)])
-def test_onnx_runtime_attention_rows_do_not_depend_on_the_call_size(tmp_path, heads, kv_heads):
-    """The graphs' attention gives each query the same output in a call of any size. Graphs have
-    static shapes, so each size is its own export, as prefill / decode / step are: a lone query row
-    is computed as two (ONNX Runtime's one-row MatMul differs from the same row in a bigger call)."""
-    pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
-    torch.manual_seed(0)
-    module = Attention(heads, kv_heads).eval()
-    query, visible = torch.randn(1, heads, 1, 16), torch.zeros(1, 1, 1, 40)
-    visible[..., 25:] = -30000.0  # this query sees 25 cache rows
-    outputs = {}
-    for count in (1, 2, 3, 4, 5, 8, 16):
-        batch, mask = torch.randn(1, heads, count, 16), torch.zeros(1, 1, count, 40)
-        batch[:, :, -1], mask[:, :, -1] = query[:, :, 0], visible[:, :, 0]
-        for threads, out in last_rows(module, (batch, mask), tmp_path / f"attention-{count}.onnx").items():
-            outputs[count, threads] = out
-    alone = outputs[1, 1]
-    assert all(np.array_equal(out, alone) for out in outputs.values()), [k for k, o in outputs.items()
-                                                                          if not np.array_equal(o, alone)]
-
-
 class LowRank(torch.nn.Module):
     def forward(self, x, left, right):
         return low_rank(x, left, right, inputs=True)
@@ -195,42 +160,6 @@ def test_onnx_runtime_low_rank_rows_with_input_weights_do_not_depend_on_the_call
             outputs[depth, count, threads] = out
     differ = [key for key, out in outputs.items() if not np.array_equal(out, outputs[key[0], 1, 1])]
     assert not differ, differ
-
-
-class IndexCopy(torch.nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = dim
-
-    def forward(self, data, rows, start):
-        return data.index_copy(self.dim, start + torch.arange(rows.shape[self.dim]), rows)
-
-
-@pytest.mark.parametrize("dim", [0, 1, 2, 3])
-def test_onnx_index_copy_is_one_scatter_on_the_data_layout(tmp_path, dim):
-    """The in-place graphs write a call's rows with index_copy: in ONNX one ScatterND on the cache as
-    it is (the exporter's own translation transposes the whole cache there and back), same values."""
-    ort = pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
-    import onnx
-
-    from streamfuse.export.to_onnx import custom_translations
-
-    torch.manual_seed(0)
-    data = torch.randn(3, 4, 5, 3)
-    rows = torch.randn(*data.shape[:dim], 2, *data.shape[dim + 1:])
-    start = torch.tensor([1])
-    program = torch.export.export(IndexCopy(dim), (data, rows, start), strict=False)
-    path = tmp_path / "index_copy.onnx"
-    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
-                      verbose=False).save(str(path))
-    ops = [node.op_type for node in onnx.load(str(path)).graph.node]
-    assert ops.count("ScatterND") == 1 and "Transpose" not in ops, ops
-    session = ort.InferenceSession(str(path))
-    names = [i.name for i in session.get_inputs()]
-    for offset in (0, 1, data.shape[dim] - 2):
-        feed = dict(zip(names, (data.numpy(), rows.numpy(), np.array([offset]))))
-        expected = IndexCopy(dim)(data, rows, torch.tensor([offset])).numpy()
-        assert np.array_equal(session.run(None, feed)[0], expected), offset
 
 
 def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_error(tmp_path):

@@ -1,6 +1,6 @@
 """The exact attention kernel (runtime/kernels/tree_attention.h): equal to its NumPy reference bit for bit, a
 row's bits independent of the call's other rows, size, tree and threads, a tree row equal to plain decoding
-of its token, the same bits through ExecuTorch, and a one-line error where it cannot be built."""
+of its token, the same bits through ExecuTorch and ONNX Runtime, and a one-line error where it cannot be built."""
 
 import numpy as np
 import pytest
@@ -167,11 +167,46 @@ def test_executorch_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads
     for threads in (2, 1):  # ExecuTorch's threadpool splits the rows and heads, or does not
         set_executorch_threads(threads)
         method = Runtime.get().load_program(tmp_path / "attend.pte").load_method("forward")
-        for seed in range(6):
-            nodes = int(torch.randint(1, rows + 1, (1,), generator=g))
-            parents = [int(torch.randint(0, node, (1,), generator=g)) for node in range(1, nodes)]
-            visible = torch.eye(rows)
-            visible[:nodes, :nodes] = ancestors(parents)
-            start = int(torch.randint(0, CAPACITY - rows + 1, (1,), generator=g))
-            inputs = two_layers(seed, rows, start, visible)
+        for nodes, start, inputs in random_tree_calls(rows, 6, g):
             assert torch.equal(method.execute(list(inputs))[0], Attend()(*inputs)), (threads, nodes, start)
+
+
+def random_tree_calls(rows: int, count: int, generator: torch.Generator):
+    """(nodes, start, inputs) of `count` calls of `rows` rows: random trees of 1..rows nodes (pad rows see
+    themselves), random starts, the two-layer cache of two_layers."""
+    for seed in range(count):
+        nodes = int(torch.randint(1, rows + 1, (1,), generator=generator))
+        parents = [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, nodes)]
+        visible = torch.eye(rows)
+        visible[:nodes, :nodes] = ancestors(parents)
+        start = int(torch.randint(0, CAPACITY - rows + 1, (1,), generator=generator))
+        yield nodes, start, two_layers(seed, rows, start, visible)
+
+
+@pytest.mark.skipif(tree_attention.importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
+def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads(tmp_path):
+    """The exported op (export/to_onnx.py's translation) in an ONNX Runtime session with the custom-op library,
+    against the torch op: random trees of 1-16 nodes and starts, ONNX Runtime's intra-op pool at 2 threads
+    and at 1; a bad start is the op's one-line error, not a crash."""
+    import onnxruntime as ort
+
+    from streamfuse.export.to_onnx import custom_translations
+
+    rows = 16
+    path = tmp_path / "attend.onnx"
+    program = torch.export.export(Attend(), two_layers(0, rows, 13, torch.eye(rows)), strict=False)
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False
+                      ).save(str(path))
+    for threads in (2, 1):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        for nodes, start, inputs in random_tree_calls(rows, 6, torch.Generator().manual_seed(7)):
+            (out,) = session.run(None, dict(zip(names, (t.numpy() for t in inputs))))
+            assert np.array_equal(out, Attend()(*inputs).numpy()), (threads, nodes, start)
+    bad = dict(zip(names, (t.numpy() for t in two_layers(0, rows, 13, torch.eye(rows)))))
+    bad[names[3]] = np.array([CAPACITY + 1], dtype=np.int64)
+    with pytest.raises(Exception, match="TreeAttention: start outside the cache"):
+        session.run(None, bad)

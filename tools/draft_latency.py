@@ -81,16 +81,15 @@ def draft_model(base_model: str, layers: int, size: int) -> SpeculativeStreaming
 
 def exported(model, engine: str, capacity: int, folder: Path, threads: int) -> StaticGraphBackend:
     """prefill and decode of `model` on `engine`, laid out as the build lays them out there."""
-    from streamfuse.export.graph_attention import with_graph_attention
+    from streamfuse.export.span_attention import span_model
     from streamfuse.export.xnnpack_graph import xnnpack_model
 
-    span, in_place = engine == "executorch", engine == "onnxruntime"
-    ready = xnnpack_model(model) if span else with_graph_attention(model)  # copies, with the engine's attention
-    shapes = graph.GraphShapes(capacity, PREFILL_CHUNK, (2,), in_place, span)
+    ready = xnnpack_model(model) if engine == "executorch" else span_model(model)  # copies, with the engine's attention
+    shapes = graph.GraphShapes(capacity, PREFILL_CHUNK, (2,), span=True)
     modules = {name: module for name, module in graph.graph_modules(ready, shapes).items() if name in METHODS}
     inputs = {name: value for name, value in graph.example_inputs(ready, shapes).items() if name in METHODS}
     folder.mkdir(parents=True)
-    if span:
+    if engine == "executorch":
         from streamfuse.export.to_executorch import export_pte
 
         export_pte(modules, inputs, folder / "model.pte")

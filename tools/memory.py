@@ -7,9 +7,11 @@ other engine's libraries counted).
 
 Per backend: the bytes of its files in the artifact (weights and graphs, and the loaded task's
 tensors where the graphs take them as inputs); the RSS `load()` adds, split into anonymous memory
-(what a phone cannot page out) and file-backed pages (mapped weights, which the OS may drop); of it, the tokenizer (measured on its own) and the host's KV cache (its
-tensors' bytes), and the rest, the engine, against the file bytes; and the peak RSS above the
-level before `load()` while the inputs decode plainly and with SS (greedy). On an artifact with several
+(what a phone cannot page out) and file-backed pages (mapped weights, which the OS may drop); of it, the tokenizer
+(measured on its own) and the host's KV cache (its resident pages: the host allocates all C slots, and a page
+becomes resident when a row is first written into it), and the rest, the engine, against the file bytes; the
+KV cache's resident pages after decoding, and the peak RSS above the level before `load()` while the inputs
+decode plainly and with SS (greedy). On an artifact with several
 tasks, the time to switch the loaded engine to each other task and back, and the RSS each switch leaves
 above the one-task level. Linux only: it reads /proc.
 """
@@ -26,6 +28,26 @@ from streamfuse.runtime.options import add_model_options  # argparse only: the m
 
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 MIB = 2**20
+
+
+def resident_bytes(array) -> int:
+    """The bytes of a NumPy array's pages that are in memory now (mincore(2)): a page of an allocation is not
+    until something writes into it."""
+    import ctypes
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = array.ctypes.data // page * page
+    length = array.ctypes.data + array.nbytes - first
+    flags = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV cache")
+    return sum(flag & 1 for flag in flags) * page
+
+
+def cache_resident_bytes(backend) -> int:
+    return resident_bytes(backend.keys) + resident_bytes(backend.values)
 
 
 def status() -> dict[str, int]:
@@ -58,7 +80,7 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     tokenizers.append(opened.load_tokenizer())  # kept alive: its pages are not free for load() to reuse
     before = status()
     loaded = load(artifact, backend, threads=threads)
-    after = status()
+    after, cache_at_load = status(), cache_resident_bytes(loaded.backend)
     inputs = read_inputs(data, loaded.prompt, limit) if data is not None else []
     rules, sampling = StopRules(max_new_tokens, loaded.stop_token_ids), SamplingConfig(temperature=0.0)
     for item in inputs:
@@ -69,9 +91,10 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     switches = switch_tasks(loaded, opened, backend) if len(opened.tasks) > 1 else []
     files = opened.backend_files(backend)
     task_file = opened.manifest["task_files"].get(backend)  # graphs without the task: its tensors are bound beside
-    cache = loaded.backend.keys.nbytes + loaded.backend.values.nbytes  # the host's KV cache, all rows written
     return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()) + (
-                task_file["bytes"] if task_file else 0), "kv_cache_bytes": cache,
+                task_file["bytes"] if task_file else 0), "kv_cache_bytes": cache_at_load,
+            "kv_cache_decoded_bytes": cache_resident_bytes(loaded.backend),
+            "kv_cache_allocated_bytes": loaded.backend.keys.nbytes + loaded.backend.values.nbytes,
             "load_bytes": after["VmRSS"] - before["VmRSS"], "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
             "load_file_bytes": after["RssFile"] - before["RssFile"],
             "tokenizer_bytes": before["VmRSS"] - before_tokenizer["VmRSS"],
@@ -109,13 +132,16 @@ def engine_bytes(row: dict) -> int:
 def markdown(rows: list[dict]) -> str:
     mib = lambda value: "-" if value is None else f"{value / MIB:.0f}"  # noqa: E731
     lines = ["| backend | artifact files (MiB) | RSS added by load() | anonymous | file-backed | of which tokenizer "
-             "| of which KV cache | the engine: the rest | engine / files | peak while decoding, above pre-load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| of which KV cache | the engine: the rest | engine / files | KV cache after decoding (of allocated) "
+             "| peak while decoding, above pre-load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         engine = engine_bytes(r)
         lines.append(f"| {r['backend']} | {mib(r['file_bytes'])} | {mib(r['load_bytes'])} | {mib(r['load_anon_bytes'])} "
                      f"| {mib(r['load_file_bytes'])} | {mib(r['tokenizer_bytes'])} | {mib(r['kv_cache_bytes'])} "
-                     f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x | {mib(r['decode_peak_bytes'])} |")
+                     f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x "
+                     f"| {mib(r['kv_cache_decoded_bytes'])} ({mib(r['kv_cache_allocated_bytes'])}) "
+                     f"| {mib(r['decode_peak_bytes'])} |")
     switches = [(r["backend"], s) for r in rows for s in r.get("switches", [])]
     if switches:
         lines += ["", "| backend | switch to task | ms | RSS above one task loaded (MiB) | task's file (MiB) |",

@@ -3,9 +3,8 @@
 Call latency depends on shapes, not weights, so this builds the base model's architecture with random
 weights, exports `decode` and a step graph per --rows bucket to one program per --engine and --capacity
 (the cache the graphs are built for), and times every (engine, capacity, rows, span) interleaved. On
-ExecuTorch, attention is the exact kernel over the used span (export/span_attention.py): a call's time
-grows with the span, not with the capacity. The ONNX graphs (GraphShapes.in_place) take the cache rows up
-to the call's own while that is at most half of the capacity, else all of it (static_graph.span_rows).
+both engines attention is the exact kernel over the used span (export/span_attention.py), reading the
+host's cache in place: a call's time grows with the span, not with the capacity.
 
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.span_sweep --threads 2 --engine executorch,onnxruntime \
         --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json
@@ -26,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of
-from streamfuse.export.graph_attention import with_graph_attention
+from streamfuse.export.span_attention import span_model
 from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
 from streamfuse.export.xnnpack_graph import xnnpack_model
@@ -57,13 +56,13 @@ def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-ENGINES = {"executorch": (xnnpack_model, dict(span=True)), "onnxruntime": (with_graph_attention, dict(in_place=True))}
+ENGINES = {"executorch": xnnpack_model, "onnxruntime": span_model}  # the model as the build exports it there
 
 
 def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:
     """decode and the step graphs of `rows` (> 1) in one program of `engine` for a cache of `capacity` slots."""
     buckets = tuple(r for r in rows if r > 1) or (2,)
-    shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, **ENGINES[engine][1])
+    shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
     modules = {name: module for name, module in graph_modules(model, shapes).items()
                if name == "decode" or name.startswith("step_")}
     examples = example_inputs(model, shapes)
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
     calls = {}
     with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
         for engine, capacity in tqdm([(e, c) for e in engines for c in capacities], desc="lower", unit="program"):
-            model = ENGINES[engine][0](base)
+            model = ENGINES[engine](base)
             session = program(engine, model, capacity, rows, Path(scratch), args.threads)
             for count in rows:
                 for span in spans:

@@ -67,7 +67,7 @@ SET_HELP = """--set SECTION.FIELD=VALUE changes one field of the preset; --print
   streams.num_streams=3  streams.msa_layers=8  streams.init_rank=128   (gamma, N_s, f_eta rank)
   train.epochs=1.2  train.stream_weight=0.5  data.train_limit=100  data.test_limit=100
   distill.enabled=true  distill.main_targets=frozen  distill.unlabelled=true  (self-distillation)
-  export.trees='gamma=3,k=1;gamma=3,k=2'  export.capacity=768  export.draft_vocab=16384
+  export.trees='gamma=3,k=1;gamma=3,k=2'  export.capacity=2048  export.draft_vocab=16384
   stages.baseline=false  stages.zero_shot=false  stages.profile_limit=20  stages.calibration_inputs=4
 Values take the field's type (true/false, numbers, none where allowed, ';' between tuple items).
 Settings that contradict each other are refused, naming the field to set."""

@@ -4,7 +4,6 @@ runtime/backends/static_graph.py (INPUT_NAMES, OUTPUT_NAMES); export/graph.py sa
 
 A layout says where a call's new rows sit for attention:
 - "append": after the cache rows given (all C, or fewer: the graph reads the count from its inputs);
-- "in_place": at slots cache_len.. of a copy of the cache, each in plain decoding's summation order;
 - "span": read by the exact kernel over the cache's used span (export/span_attention.py);
 - "scratch" (eager only): written into the given cache's free slots cache_len.. in place, attention reading
   a view of slots [0, cache_len + T): no copy of the cache, and the host's commit moves the accepted rows
@@ -20,36 +19,12 @@ from torch import nn
 
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
-from streamfuse.adapters.msa import KeyValues, ScratchKeyValues, SpanKeyValues, StepKeyValues, in_place_slots
+from streamfuse.adapters.msa import KeyValues, ScratchKeyValues, SpanKeyValues, StepKeyValues
 from streamfuse.runtime.options import STREAM_SCHEDULES
 
-# The K or V cache as a graph input: one [L, kv, C, d] tensor, or L tensors [1, kv, C, d].
-Cache = torch.Tensor | list[torch.Tensor]
-APPEND, IN_PLACE, SPAN, SCRATCH = "append", "in_place", "span", "scratch"
-LAYOUTS = (APPEND, IN_PLACE, SPAN, SCRATCH)
-
-def decode_order(cache_len: torch.Tensor, visible: torch.Tensor, depths: torch.Tensor, span: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each row's keys sit in plain decoding, for the in-place layout (`span` slots: the cache rows the
-    call takes, the call's row j at slot cache_len + j). Plain decoding of row t's path puts its ancestor at depth k in slot cache_len
-    + k, not cache_len + its index: the same keys in other places, which ONNX Runtime's Softmax and
-    MatMul sum in another order (a sibling's row differed from plain decoding by 1e-8, then flipped
-    4-bit activations' rounding; tests/test_export.py). Returns [T, span] int64:
-    source[t, p]: the slot whose score plain decoding has at place p (-1: none, a masked score);
-    place[t, s]: the place of slot s's probability in plain decoding (-1: none, a zero)."""
-    rows, slots = visible.shape[0], torch.arange(span, device=visible.device)
-    depths = depths.clamp(min=0)  # a pad row (depth -1, seeing only itself) is ordered as a root
-    offset = slots - cache_len  # [span]: a new row's index for the slots at or past cache_len
-    nodes = torch.arange(rows, device=visible.device)
-    at_depth = (depths[None, :] == nodes[:, None]).to(visible.dtype)  # [k, j]: node j sits at depth k
-    ancestor = (visible[:, None, :] * at_depth[None] * nodes.to(visible.dtype)).sum(-1).to(torch.long)  # [t, k]
-    step = offset.clamp(0, rows - 1)  # as a place: a depth; as a slot: a node
-    own = torch.logical_and(offset[None, :] >= 0, offset[None, :] <= depths[:, None])  # places of the row's path
-    source = torch.where(own, cache_len + ancestor.index_select(1, step), -1)
-    sees = torch.logical_and(torch.logical_and(offset >= 0, offset < rows)[None, :], visible.index_select(1, step) > 0)
-    place = torch.where(sees, cache_len + depths.index_select(0, step)[None, :], -1)
-    cached = (offset < 0)[None, :]
-    return torch.where(cached, slots[None, :], source), torch.where(cached, slots[None, :], place)
+Cache = torch.Tensor  # the K or V cache as a graph input: [L, kv, C, d]
+APPEND, SPAN, SCRATCH = "append", "span", "scratch"
+LAYOUTS = (APPEND, SPAN, SCRATCH)
 
 
 def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:
@@ -60,17 +35,14 @@ def cache_mask(cache_len: torch.Tensor, capacity: int, rows: int) -> torch.Tenso
 
 
 def split_cache(keys: Cache, values: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The cache per layer ([1, kv, C, d] keys and values) as the model's K/V provider reads it, from
-    [L, kv, C, d] tensors or from per-layer lists (the ONNX graphs' inputs: export/to_onnx.py)."""
-    if isinstance(keys, (list, tuple)):
-        return list(zip(keys, values))
+    """The cache per layer ([1, kv, C, d] keys and values) as the model's K/V provider reads it."""
     # Slices, not index + unsqueeze: XNNPACK takes slices, so they do not split its partitions.
     return [(keys[layer : layer + 1], values[layer : layer + 1]) for layer in range(keys.shape[0])]
 
 
 def keys_rows(keys: Cache) -> int:
-    """The cache rows a call was given (C, or fewer on ONNX Runtime), from [L, kv, C, d] or per-layer keys."""
-    return (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[2]
+    """The cache rows a call was given (C; the scratch layout's views: fewer)."""
+    return keys.shape[2]
 
 
 def tree_mask(visible: torch.Tensor) -> torch.Tensor:
@@ -86,21 +58,15 @@ def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, k
     count = ids.shape[1]
     positions = (cache_len + depths)[None]
     past = split_cache(keys, values)
-    span = keys_rows(keys)  # C, or fewer on ONNX Runtime (static_graph.span_rows)
     among = tree_mask(visible)
     if layout == SPAN:  # [T, T]: the kernel reads the cache below cache_len itself
         mask, provider = among[None, None], SpanKeyValues(len(past), count, (keys, values), cache_len)
-    elif layout == IN_PLACE:  # [T, C]: the cache below cache_len, then the new rows at their slots
-        inside, index = in_place_slots(cache_len, span, count)
-        mask = torch.where(inside[None, :], among.index_select(1, index), cache_mask(cache_len, span, count))[None, None]
-        provider = StepKeyValues(len(past), count, past, write_at=cache_len,
-                                 order=decode_order(cache_len, visible, depths, span))
     elif layout == SCRATCH:  # [T, cache_len + T]: the used cache, then the new rows in the slots after it
         start = int(cache_len[0])
         mask = as_scores(torch.cat([among.new_zeros(count, start), among], dim=1), keys, layout)[None, None]
         provider = ScratchKeyValues(len(past), count, (keys, values), start)
     else:  # [T, C + T]
-        mask = torch.cat([cache_mask(cache_len, span, count), among], dim=1)[None, None]
+        mask = torch.cat([cache_mask(cache_len, keys_rows(keys), count), among], dim=1)[None, None]
         provider = StepKeyValues(len(past), count, past)
     return model.forward_lower(ids, positions, mask, provider, with_pruning), provider
 

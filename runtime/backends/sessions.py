@@ -20,11 +20,9 @@ from streamfuse.runtime.backends.static_graph import (
     TASK_PREFIX,
     Session,
     base_method,
-    layer_input,
     method_output,
-    span_rows,
 )
-from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels
+from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
 
 
 class MissingBackend(RuntimeError):
@@ -98,8 +96,9 @@ def ort_options(ort, threads: int | None):
 
 class OnnxRuntimeSession:
     """The artifact's one ONNX model (every method, export/onnx_methods.py) in one InferenceSession:
-    one prepacked copy of the weights for all methods. The provider is the best available one,
-    named in the trace."""
+    one prepacked copy of the weights for all methods, streamfuse's attention kernel registered as a custom
+    op, and the host's cache read in place (whole, contiguous arrays go in without a copy). The provider is
+    the best available one, named in the trace."""
 
     def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
         ort = _require("onnxruntime", "onnxruntime")
@@ -109,6 +108,10 @@ class OnnxRuntimeSession:
                                  f"{', '.join(available)}); GPU providers need the onnxruntime-gpu package")
         provider = provider or next(p for p in PROVIDER_PREFERENCE if p in available)
         options = ort_options(ort, threads)
+        try:  # the graphs' attention kernel, registered before the model that calls it loads
+            options.register_custom_ops_library(str(onnxruntime_library_path()))
+        except KernelUnavailable as error:
+            raise MissingBackend(str(error)) from None
         if not Path(model).is_file():
             raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
         self.session = ort.InferenceSession(str(model), options, providers=[provider])
@@ -116,9 +119,10 @@ class OnnxRuntimeSession:
         self.index = {method: position for position, method in enumerate(methods)}
         self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[base_method(method)]]
                         for method in methods}
-        # Inputs a method does not read still need a value: the smallest of the declared shape.
+        # Inputs a method does not read still need a value: zeros of the declared shape (every method reads the cache).
         self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
-                             for i in self.session.get_inputs() if not i.name.startswith(TASK_PREFIX)}
+                             for i in self.session.get_inputs()
+                             if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS}
         self.task_inputs = {i.name for i in self.session.get_inputs() if i.name.startswith(TASK_PREFIX)}
         self.task: dict = {}  # the bound task's tensors as ONNX Runtime values (bind_task)
         self.ort = ort
@@ -141,18 +145,9 @@ class OnnxRuntimeSession:
         return self.session.run(self.outputs[method], self._feed(method, inputs))
 
     def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
-        """Inputs by graph name. The cache goes in per layer, cut to the rows up to the call's own (span_rows)."""
-        named = dict(zip(INPUT_NAMES[base_method(method)], inputs))
-        new_rows = named["ids"].shape[1] if "ids" in named else 0
-        rows = span_rows(int(named["cache_len"][0]), new_rows, named["keys"].shape[2])
         feed = dict(self.placeholders)
+        feed.update(zip(INPUT_NAMES[base_method(method)], inputs))
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
-        for name, tensor in named.items():
-            if name in CACHE_INPUTS:
-                feed.update({layer_input(name, layer): tensor[layer : layer + 1, :, :rows]
-                             for layer in range(tensor.shape[0])})
-            else:
-                feed[name] = tensor
         feed.update(self.task)
         return feed
 

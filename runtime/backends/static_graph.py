@@ -11,6 +11,7 @@ arrays (numpy; the torch session keeps the cache as tensors on its device).
 from __future__ import annotations
 
 import functools
+import mmap
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -92,14 +93,7 @@ def tree_inputs(tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.n
     return visible, depths, parents
 
 
-# The host's cache tensors [L, kv_heads, C, d]. ONNX graphs take them as L inputs each, <name>_<layer>
-# [1, kv_heads, C, d] (zero-copy views of the host's tensors): one [L, ...] input would be split
-# into per-layer copies inside every call, 35 MB for SmolLM2 at C = 768 (docs/export.md).
-CACHE_INPUTS = ("keys", "values")
-
-
-def layer_input(name: str, layer: int) -> str:
-    return f"{name}_{layer}"
+CACHE_INPUTS = ("keys", "values")  # the host's cache tensors [L, kv_heads, C, d], every method's inputs
 
 
 # ONNX has one entry point per model, so one ONNX model holds every method (export/onnx_methods.py):
@@ -115,21 +109,6 @@ METHODS_METADATA = "streamfuse.methods"  # the ONNX model's metadata key: its me
 
 def method_output(method: str, name: str) -> str:
     return f"{method}.{name}"
-
-
-SPAN_QUANTUM = 64  # an ONNX call's cache rows are a multiple of this, or all C: see span_rows
-
-
-def span_rows(cache_len: int, new_rows: int, capacity: int) -> int:
-    """The cache rows an ONNX Runtime call takes: those up to the call's own (cache_len + its new main rows)
-    rounded up to SPAN_QUANTUM while that is at most half of C, else all C. Fewer rows are a copy (a layer's
-    first rows of the host's [L, kv, C, d] cache are not contiguous), which costs more than the empty slots
-    past about half of C (a same-run A/B at C = 768 in issue 38's closing note). The graphs read the row
-    count from their inputs, and a column's Softmax and MatMul bits do not depend on masked columns or zero
-    terms after it (tests/test_onnx_span.py; a one-column MatMul differs, which the quantum keeps away), so
-    a tree row stays plain decoding bit for bit whatever each call takes."""
-    rows = -(-(cache_len + new_rows) // SPAN_QUANTUM) * SPAN_QUANTUM
-    return rows if 2 * rows <= capacity else capacity
 
 
 class Session(Protocol):
@@ -209,6 +188,19 @@ class GraphSpec:
         return self.greedy_schedules[0 if self.dynamic else self.buckets.index(rows)]
 
 
+def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros in an anonymous mapping of their own, whose pages become resident only when written, 4 KiB at a
+    time: a cache of C slots then costs the rows in use. (NumPy asks the kernel for transparent huge pages on large
+    arrays, so one row written into each layer's slots made a whole 2,048-slot cache resident: 90 MiB.)"""
+    size = int(np.prod(shape)) * 4
+    if size == 0:
+        return np.zeros(shape, np.float32)
+    mapping = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere small pages are the default
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mapping, dtype=np.float32).reshape(shape)  # the array keeps the mapping alive
+
+
 class StaticGraphBackend:
     """Backend protocol over a Session. Greedy steps run the tree's greedy_step, one call (unless
     use_greedy_step is False); otherwise, and for sampling, its `step` and then, after the commit,
@@ -217,7 +209,7 @@ class StaticGraphBackend:
     the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the session's device tensors)."""
 
     def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True,
-                 zeros: Callable[[tuple[int, ...]], object] = functools.partial(np.zeros, dtype=np.float32)):
+                 zeros: Callable[[tuple[int, ...]], object] = lazy_zeros):
         self.session = session
         self.spec = spec
         self.use_greedy_step = use_greedy_step

@@ -1,0 +1,274 @@
+// tree_attention.h as an ONNX Runtime custom op, streamfuse.TreeAttention, for the ONNX graphs that
+// export/to_onnx.py translates torch.ops.streamfuse.tree_attention into:
+//
+//   TreeAttention(query [1, heads, rows, dim], k_cache, v_cache [layers, kv_heads, capacity, dim], start [1] int64,
+//                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float)
+//     -> out [1, rows, heads, dim]
+//
+// The whole cache comes in (the host's buffer, read in place) and only slots [0, start) of `layer` are read.
+// The work goes over ONNX Runtime's intra-op threads by rows and heads, never by keys (the header says why).
+//
+// The onnxruntime wheel ships no C headers, so the few pieces of ONNX Runtime's C API used here are declared
+// below: OrtApi is a table of function pointers that only ever grows at its end (ONNX Runtime's ABI promise), so
+// each entry is read at its fixed index; the indices are those of the API's public header (1.17 onwards, which
+// added KernelContext_ParallelFor), and OrtCustomOp is that header's struct as of API version 18.
+// RegisterCustomOps asks for API version kApiVersion and fails with a message on an older runtime.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "tree_attention.h"
+
+extern "C" {
+struct OrtStatus;
+struct OrtApi;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtCustomOpDomain;
+struct OrtSessionOptions;
+struct OrtShapeInferContext;
+
+struct OrtApiBase {
+  const OrtApi* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+enum ElementType : int { kUndefined = 0, kFloat = 1, kInt64 = 7 };  // ONNXTensorElementDataType
+enum Characteristic : int { kRequired = 0 };                        // OrtCustomOpInputOutputCharacteristic
+enum MemType : int { kMemDefault = 0 };                             // OrtMemType
+enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };           // OrtErrorCode
+
+struct OrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+  const char* (*GetName)(const OrtCustomOp*);
+  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
+  ElementType (*GetInputType)(const OrtCustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const OrtCustomOp*);
+  ElementType (*GetOutputType)(const OrtCustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  Characteristic (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
+  Characteristic (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
+  MemType (*GetInputMemoryType)(const OrtCustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
+  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
+  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const OrtCustomOp*, OrtShapeInferContext*);
+  int (*GetStartVersion)(const OrtCustomOp*);
+  int (*GetEndVersion)(const OrtCustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+static_assert(sizeof(OrtCustomOp) == 26 * sizeof(void*), "OrtCustomOp: 26 members, the version padded to a pointer");
+}
+
+namespace {
+
+constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor, CreateKernelV2 / KernelComputeV2
+
+// OrtApi entries by index (the public header's order) and type.
+template <typename F>
+F entry(const OrtApi* api, size_t index) {
+  return reinterpret_cast<F>(reinterpret_cast<void* const*>(api)[index]);
+}
+using CreateStatusFn = OrtStatus* (*)(ErrorCode, const char*);
+using CreateCustomOpDomainFn = OrtStatus* (*)(const char*, OrtCustomOpDomain**);
+using CustomOpDomainAddFn = OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*);
+using AddCustomOpDomainFn = OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*);
+using GetTensorMutableDataFn = OrtStatus* (*)(OrtValue*, void**);
+using GetTensorElementTypeFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, ElementType*);
+using GetDimensionsCountFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*);
+using GetDimensionsFn = OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t);
+using GetTensorTypeAndShapeFn = OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**);
+using AttributeFloatFn = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
+using AttributeInt64Fn = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
+using GetInputFn = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
+using GetOutputFn = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
+using ReleaseShapeFn = void (*)(OrtTensorTypeAndShapeInfo*);
+using ParallelForFn = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+
+struct Api {
+  CreateStatusFn create_status;
+  CreateCustomOpDomainFn create_domain;
+  CustomOpDomainAddFn domain_add;
+  AddCustomOpDomainFn add_domain;
+  GetTensorMutableDataFn data;
+  GetTensorElementTypeFn element_type;
+  GetDimensionsCountFn dims_count;
+  GetDimensionsFn dims;
+  GetTensorTypeAndShapeFn type_and_shape;
+  AttributeFloatFn attribute_float;
+  AttributeInt64Fn attribute_int64;
+  GetInputFn input;
+  GetOutputFn output;
+  ReleaseShapeFn release_shape;
+  ParallelForFn parallel_for;
+
+  explicit Api(const OrtApi* api)
+      : create_status(entry<CreateStatusFn>(api, 0)),
+        create_domain(entry<CreateCustomOpDomainFn>(api, 26)),
+        domain_add(entry<CustomOpDomainAddFn>(api, 27)),
+        add_domain(entry<AddCustomOpDomainFn>(api, 28)),
+        data(entry<GetTensorMutableDataFn>(api, 51)),
+        element_type(entry<GetTensorElementTypeFn>(api, 60)),
+        dims_count(entry<GetDimensionsCountFn>(api, 61)),
+        dims(entry<GetDimensionsFn>(api, 62)),
+        type_and_shape(entry<GetTensorTypeAndShapeFn>(api, 65)),
+        attribute_float(entry<AttributeFloatFn>(api, 85)),
+        attribute_int64(entry<AttributeInt64Fn>(api, 86)),
+        input(entry<GetInputFn>(api, 90)),
+        output(entry<GetOutputFn>(api, 91)),
+        release_shape(entry<ReleaseShapeFn>(api, 99)),
+        parallel_for(entry<ParallelForFn>(api, 274)) {}
+};
+
+const Api* ort = nullptr;  // set once by RegisterCustomOps
+
+constexpr size_t kInputs = 7;  // query, k_cache, v_cache, start, k_extra, v_extra, visible
+constexpr int64_t kRanks[kInputs] = {4, 4, 4, 1, 4, 4, 2};
+constexpr const char* kNames[kInputs] = {"query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"};
+
+struct Kernel {
+  int64_t layer;
+  float scale;
+};
+
+// A tensor input's data and shape, or a status naming what is wrong with it.
+struct Input {
+  const float* data = nullptr;
+  int64_t shape[4] = {};
+};
+
+#define RETURN_IF_ERROR(expr)         \
+  do {                                \
+    if (OrtStatus* status = (expr)) { \
+      return status;                  \
+    }                                 \
+  } while (0)
+
+OrtStatus* fail(const std::string& message) { return ort->create_status(kInvalidArgument, message.c_str()); }
+
+OrtStatus* read_input(OrtKernelContext* context, size_t index, Input& in) {
+  const OrtValue* value = nullptr;
+  RETURN_IF_ERROR(ort->input(context, index, &value));
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF_ERROR(ort->type_and_shape(value, &info));
+  ElementType type = kUndefined;
+  size_t rank = 0;
+  OrtStatus* status = ort->element_type(info, &type);
+  if (status == nullptr) status = ort->dims_count(info, &rank);
+  if (status == nullptr && rank == static_cast<size_t>(kRanks[index])) status = ort->dims(info, in.shape, rank);
+  ort->release_shape(info);
+  if (status != nullptr) return status;
+  const ElementType expected = index == 3 ? kInt64 : kFloat;
+  if (type != expected || rank != static_cast<size_t>(kRanks[index])) {
+    return fail(std::string("TreeAttention: input ") + kNames[index] + " must be a rank-" +
+                std::to_string(kRanks[index]) + (index == 3 ? " int64" : " float") + " tensor");
+  }
+  void* data = nullptr;  // ONNX Runtime's const accessor is newer than kApiVersion; nothing here writes
+  RETURN_IF_ERROR(ort->data(const_cast<OrtValue*>(value), &data));
+  in.data = static_cast<const float*>(data);
+  return nullptr;
+}
+
+struct Work {
+  const streamfuse::TreeAttentionArgs* args;
+  int64_t tasks, share;
+};
+
+void run_part(void* user, size_t part) {
+  const Work& work = *static_cast<const Work*>(user);
+  const int64_t begin = static_cast<int64_t>(part) * work.share;
+  streamfuse::attend_tasks(*work.args, begin, std::min(begin + work.share, work.tasks));
+}
+
+OrtStatus* compute(void* state, OrtKernelContext* context) {
+  const Kernel& kernel = *static_cast<const Kernel*>(state);
+  Input in[kInputs];
+  for (size_t i = 0; i < kInputs; ++i) RETURN_IF_ERROR(read_input(context, i, in[i]));
+  const int64_t* query = in[0].shape;
+  const int64_t* cache = in[1].shape;
+  const int64_t* extra = in[4].shape;
+  const int64_t heads = query[1], rows = query[2], dim = query[3], kv_heads = cache[1], capacity = cache[2];
+  const int64_t first = reinterpret_cast<const int64_t*>(in[3].data)[0];
+  bool shapes_agree = cache[3] == dim && extra[1] == kv_heads && extra[3] == dim && kv_heads > 0 &&
+                      heads % kv_heads == 0 && in[6].shape[0] == rows && in[6].shape[1] == extra[2];
+  for (int i = 0; i < 4; ++i) shapes_agree = shapes_agree && in[2].shape[i] == cache[i] && in[5].shape[i] == extra[i];
+  if (!shapes_agree) return fail("TreeAttention: the inputs' shapes disagree (see runtime/tree_attention.py)");
+  if (kernel.layer < 0 || kernel.layer >= cache[0]) return fail("TreeAttention: layer outside the cache");
+  if (first < 0 || first > capacity) return fail("TreeAttention: start outside the cache");
+  const int64_t out_shape[4] = {1, rows, heads, dim};
+  OrtValue* out = nullptr;
+  RETURN_IF_ERROR(ort->output(context, 0, out_shape, 4, &out));
+  void* out_data = nullptr;
+  RETURN_IF_ERROR(ort->data(out, &out_data));
+  const int64_t offset = kernel.layer * kv_heads * capacity * dim;
+  const streamfuse::TreeAttentionArgs args{in[0].data, in[1].data + offset, in[2].data + offset, in[4].data,
+                                           in[5].data, in[6].data, static_cast<float*>(out_data), heads, kv_heads,
+                                           rows, dim, capacity, first, extra[2], kernel.scale};
+  // Parts of whole KV groups where a group fills a batch, else halves of a group: a part reads its KV head's
+  // keys once for all its queries, and there are parts enough for the threads to share.
+  const int64_t tasks = rows * heads, per_head = tasks / kv_heads;
+  const int64_t per_part = per_head > streamfuse::BATCH ? streamfuse::BATCH : (per_head + 1) / 2;
+  const Work work{&args, tasks, per_part};
+  const int64_t parts = (tasks + per_part - 1) / per_part;
+  if (tasks == 0) return nullptr;
+  return ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, const_cast<Work*>(&work));
+}
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** state) {
+  Kernel kernel{};
+  RETURN_IF_ERROR(ort->attribute_int64(info, "layer", &kernel.layer));
+  RETURN_IF_ERROR(ort->attribute_float(info, "scale", &kernel.scale));
+  *state = new Kernel(kernel);
+  return nullptr;
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = [](const OrtCustomOp*) { return "TreeAttention"; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
+  op.GetInputType = [](const OrtCustomOp*, size_t index) { return index == 3 ? kInt64 : kFloat; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) { return kInputs; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
+  op.KernelDestroy = [](void* state) { delete static_cast<Kernel*>(state); };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return kMemDefault; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+const OrtCustomOp kOp = make_op();
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                               const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(kApiVersion);
+  if (api == nullptr) {  // every runtime has version 1's CreateStatus
+    const std::string message = std::string("streamfuse's TreeAttention needs ONNX Runtime 1.17 or later, this is ") +
+                                base->GetVersionString() + ": pip install 'streamfuse[onnxruntime]'";
+    return entry<CreateStatusFn>(base->GetApi(1), 0)(kFail, message.c_str());
+  }
+  static const Api table(api);
+  ort = &table;
+  static OrtCustomOpDomain* domain = nullptr;  // kept for the process: sessions may outlive any one caller
+  if (domain == nullptr) {
+    RETURN_IF_ERROR(ort->create_domain("streamfuse", &domain));
+    RETURN_IF_ERROR(ort->domain_add(domain, &kOp));
+  }
+  return ort->add_domain(options, domain);
+}
