@@ -218,10 +218,10 @@ OrtStatus* compute(void* state, OrtKernelContext* context) {
   // Parts of whole KV groups where a group fills a batch, else halves of a group: a part reads its KV head's
   // keys once for all its queries, and there are parts enough for the threads to share.
   const int64_t tasks = rows * heads, per_head = tasks / kv_heads;
+  if (tasks == 0) return nullptr;
   const int64_t per_part = per_head > streamfuse::BATCH ? streamfuse::BATCH : (per_head + 1) / 2;
   const Work work{&args, tasks, per_part};
   const int64_t parts = (tasks + per_part - 1) / per_part;
-  if (tasks == 0) return nullptr;
   return ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, const_cast<Work*>(&work));
 }
 
