@@ -54,6 +54,12 @@ def xnnpack_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:
     return ready
 
 
+def engine_model(model: SpeculativeStreamingLM, engine: str) -> SpeculativeStreamingLM:
+    """A copy of `model` as the build exports it, fp32, for `engine`: XNNPACK's modules on ExecuTorch, the span
+    kernel's attention on both (the tools that time graphs without a build: span_sweep, draft_latency)."""
+    return xnnpack_model(model) if engine == "executorch" else span_model(model)
+
+
 def views_for_xnnpack(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """In place on the ATen graph: unsqueeze -> view of the same shape, alias -> its input."""
     graph = program.graph_module.graph

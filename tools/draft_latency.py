@@ -81,10 +81,9 @@ def draft_model(base_model: str, layers: int, size: int) -> SpeculativeStreaming
 
 def exported(model, engine: str, capacity: int, folder: Path, threads: int) -> StaticGraphBackend:
     """prefill and decode of `model` on `engine`, laid out as the build lays them out there."""
-    from streamfuse.export.span_attention import span_model
-    from streamfuse.export.xnnpack_graph import xnnpack_model
+    from streamfuse.export.xnnpack_graph import engine_model
 
-    ready = xnnpack_model(model) if engine == "executorch" else span_model(model)  # copies, with the engine's attention
+    ready = engine_model(model, engine)
     shapes = graph.GraphShapes(capacity, PREFILL_CHUNK, (2,), span=True)
     modules = {name: module for name, module in graph.graph_modules(ready, shapes).items() if name in METHODS}
     inputs = {name: value for name, value in graph.example_inputs(ready, shapes).items() if name in METHODS}

@@ -25,10 +25,9 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of
-from streamfuse.export.span_attention import span_model
 from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
-from streamfuse.export.xnnpack_graph import xnnpack_model
+from streamfuse.export.xnnpack_graph import engine_model
 from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import Session, bucket_method, interleaved_call_times, tree_inputs
@@ -56,7 +55,7 @@ def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-ENGINES = {"executorch": xnnpack_model, "onnxruntime": span_model}  # the model as the build exports it there
+ENGINES = ("executorch", "onnxruntime")
 
 
 def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
     calls = {}
     with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
         for engine, capacity in tqdm([(e, c) for e in engines for c in capacities], desc="lower", unit="program"):
-            model = ENGINES[engine](base)
+            model = engine_model(base, engine)
             session = program(engine, model, capacity, rows, Path(scratch), args.threads)
             for count in rows:
                 for span in spans:

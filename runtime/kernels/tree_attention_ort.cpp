@@ -135,6 +135,7 @@ const Api* ort = nullptr;  // set once by RegisterCustomOps
 
 constexpr size_t kInputs = 7;  // query, k_cache, v_cache, start, k_extra, v_extra, visible
 constexpr int64_t kRanks[kInputs] = {4, 4, 4, 1, 4, 4, 2};
+constexpr ElementType kTypes[kInputs] = {kFloat, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
 constexpr const char* kNames[kInputs] = {"query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"};
 
 struct Kernel {
@@ -169,10 +170,10 @@ OrtStatus* read_input(OrtKernelContext* context, size_t index, Input& in) {
   if (status == nullptr && rank == static_cast<size_t>(kRanks[index])) status = ort->dims(info, in.shape, rank);
   ort->release_shape(info);
   if (status != nullptr) return status;
-  const ElementType expected = index == 3 ? kInt64 : kFloat;
+  const ElementType expected = kTypes[index];
   if (type != expected || rank != static_cast<size_t>(kRanks[index])) {
     return fail(std::string("TreeAttention: input ") + kNames[index] + " must be a rank-" +
-                std::to_string(kRanks[index]) + (index == 3 ? " int64" : " float") + " tensor");
+                std::to_string(kRanks[index]) + (expected == kInt64 ? " int64" : " float") + " tensor");
   }
   void* data = nullptr;  // ONNX Runtime's const accessor is newer than kApiVersion; nothing here writes
   RETURN_IF_ERROR(ort->data(const_cast<OrtValue*>(value), &data));
@@ -238,7 +239,7 @@ OrtCustomOp make_op() {
   op.version = kApiVersion;
   op.GetName = [](const OrtCustomOp*) { return "TreeAttention"; };
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
-  op.GetInputType = [](const OrtCustomOp*, size_t index) { return index == 3 ? kInt64 : kFloat; };
+  op.GetInputType = [](const OrtCustomOp*, size_t index) { return kTypes[index]; };
   op.GetInputTypeCount = [](const OrtCustomOp*) { return kInputs; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
   op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
