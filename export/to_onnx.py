@@ -4,8 +4,10 @@ Attention is streamfuse's exact kernel over the cache's used span (export/span_a
 custom op (domain streamfuse, runtime/kernels/tree_attention_ort.cpp): the graphs take the host's whole
 [L, kv, C, d] cache as one input, which ONNX Runtime reads in place, and return only the call's new rows.
 Each method is exported through torch.export (the dynamo exporter) into a scratch folder; the graphs then
-become the branches of one model whose initializers are each distinct tensor once, and every large
-initializer moves into `weights.bin` (page-aligned, so ONNX Runtime maps it rather than reads it).
+become the branches of one model whose initializers are each distinct tensor once, RMSNorm and rotary
+embedding become one node each (export/onnx_passes.py), every large initializer moves into `weights.bin`
+(page-aligned, so ONNX Runtime maps it rather than reads it), and the embedding's tables become inputs the
+host maps from that file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from streamfuse.export.onnx_methods import combine_methods, strip_debug_info
+from streamfuse.export.onnx_passes import drop_unused_initializers, fuse_rms_norm, fuse_rotary, lift_embedding
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -41,7 +44,11 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
             models[name] = onnx.load(str(Path(scratch) / f"{name}.onnx"), load_external_data=True)
             strip_debug_info(models[name])
     model = combine_methods(models)
+    fuse_rms_norm(model)
+    fuse_rotary(model)
+    drop_unused_initializers(model)
     share_weights(model, folder / WEIGHTS_FILE)
+    lift_embedding(model)
     onnx.save_model(model, str(folder / MODEL_FILE))
     return MODEL_FILE, WEIGHTS_FILE
 

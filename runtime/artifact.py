@@ -37,7 +37,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/17"  # /17: the ONNX graphs take the whole cache and attend through streamfuse.TreeAttention
+SCHEMA = "streamfuse.artifact/18"  # /18: the ONNX graphs fuse RMSNorm and rotary, and gather the embedding from inputs the host maps
 MANIFEST = "manifest.json"
 HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
 DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary, ascending (int64)

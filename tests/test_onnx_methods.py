@@ -119,3 +119,24 @@ def test_one_session_holds_the_weights_once_for_all_methods(models):
     separate = load_rss([folder / m / "model.onnx" for m in METHODS])
     assert separate - one >= 3 * weight_bytes, (separate, one, weight_bytes)  # the test sees copies
     assert combined - one <= 0.3 * (separate - one), (combined, one, separate, weight_bytes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads mappings from /proc")
+def test_the_weights_pages_onnx_runtime_keeps_mapped_go_back_to_the_kernel(models):
+    """MatMulNBits packs its scales but keeps the mapped originals, resident since packing read them; the host
+    releases those clean pages (OnnxRuntimeSession does after loading) and the session computes the same bits."""
+    from streamfuse.runtime.backends.sessions import mappings, release_file_pages
+
+    def resident_in(folder) -> int:
+        return sum(mapping.resident_kb for mapping in mappings(folder)) * 1024
+
+    folder, _ = models
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    feed = {METHOD_INPUT: np.array(1, np.int64), "x": np.random.default_rng(2).standard_normal((3, K), dtype=np.float32)}
+    (before,) = session.run([method_output("decode", "out")], feed)
+    scales = LAYERS * N * K // 32 * 4
+    assert resident_in(folder) >= scales  # the test sees the kept scales
+    assert release_file_pages(folder) >= scales
+    assert resident_in(folder) < scales // 4
+    (after,) = session.run([method_output("decode", "out")], feed)
+    assert np.array_equal(after, before)

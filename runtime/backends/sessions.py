@@ -4,15 +4,21 @@ only ExecuTorch (whose Python runtime takes torch tensors) brings torch in."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import platform
+import re
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from streamfuse import seams
 from streamfuse.runtime.backends.static_graph import (
     CACHE_INPUTS,
+    EMBEDDING_METADATA,
     INPUT_NAMES,
     METHOD_INPUT,
     METHODS_METADATA,
@@ -115,17 +121,22 @@ class OnnxRuntimeSession:
         if not Path(model).is_file():
             raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
         self.session = ort.InferenceSession(str(model), options, providers=[provider])
-        methods = json.loads(self.session.get_modelmeta().custom_metadata_map.get(METHODS_METADATA, "[]"))
+        release_file_pages(Path(model).parent)
+        self.ort = ort
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        methods = json.loads(metadata.get(METHODS_METADATA, "[]"))
         self.index = {method: position for position, method in enumerate(methods)}
         self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[base_method(method)]]
                         for method in methods}
+        self.gathered = {name: ort.OrtValue.ortvalue_from_numpy(table)
+                         for name, table in mapped_tables(Path(model), metadata).items()}
         # Inputs a method does not read still need a value: zeros of the declared shape (every method reads the cache).
         self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
                              for i in self.session.get_inputs()
-                             if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS}
+                             if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS
+                             and i.name not in self.gathered}
         self.task_inputs = {i.name for i in self.session.get_inputs() if i.name.startswith(TASK_PREFIX)}
         self.task: dict = {}  # the bound task's tensors as ONNX Runtime values (bind_task)
-        self.ort = ort
         self.name = f"onnxruntime:{provider}"
 
     def bind_task(self, tensors: dict[str, np.ndarray]) -> None:
@@ -149,7 +160,63 @@ class OnnxRuntimeSession:
         feed.update(zip(INPUT_NAMES[base_method(method)], inputs))
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         feed.update(self.task)
+        feed.update(self.gathered)
         return feed
+
+
+MADV_DONTNEED = 4  # Linux: drop the pages; a clean file page is read from the file again when next touched
+
+
+def release_file_pages(folder: Path) -> int:
+    """Let the kernel drop this process's resident pages of the files in `folder` from mappings where no page was
+    written (Linux; elsewhere a no-op); returns the bytes of the mappings released. ONNX Runtime maps the weights
+    file and keeps some initializers its kernels packed (MatMulNBits keeps its scales, 17 MiB of SmolLM2, though
+    its packed copy holds them): clean file pages, read from the file again if a kernel ever touches them."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for mapping in mappings(folder):
+        if mapping.written_kb == 0 and libc.madvise(mapping.start, mapping.end - mapping.start, MADV_DONTNEED) == 0:
+            released += mapping.end - mapping.start
+    return released
+
+
+class Mapping(NamedTuple):
+    start: int
+    end: int
+    resident_kb: int
+    written_kb: int  # private pages written since mapping: no longer the file's
+
+
+def mappings(folder: Path) -> list[Mapping]:
+    """This process's mappings of the files in `folder` (Linux: /proc/self/smaps)."""
+    found, inside, target = [], False, os.path.realpath(folder)
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$", line)
+            if head:
+                inside = os.path.dirname(head[3].strip()) == target
+                if inside:
+                    found.append([int(head[1], 16), int(head[2], 16), 0, 0])
+            elif inside and line.startswith(("Rss:", "Anonymous:")):
+                found[-1][2 if line.startswith("Rss:") else 3] = int(line.split()[1])
+    return [Mapping(*fields) for fields in found]
+
+
+def mapped_tables(model: Path, metadata: dict) -> dict[str, np.ndarray]:
+    """The tables an ONNX model's gathers read as inputs (EMBEDDING_METADATA), each a read-only map of its bytes in
+    the weights file beside the model: a page is resident once a token reads it, and ONNX Runtime reads the
+    array in place."""
+    tables = {}
+    for name, place in json.loads(metadata.get(EMBEDDING_METADATA, "{}")).items():
+        path = model.parent / place["location"]
+        dtype, shape = np.dtype(place["dtype"]), tuple(place["shape"])
+        if not path.is_file() or path.stat().st_size < place["offset"] + dtype.itemsize * int(np.prod(shape)):
+            raise FileNotFoundError(f"ONNX weights missing or cut short: {path}; copy the artifact again or rebuild it")
+        tables[name] = np.memmap(path, dtype=dtype, mode="r", offset=place["offset"], shape=shape)
+    return tables
 
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}

@@ -105,6 +105,9 @@ CACHE_INPUTS = ("keys", "values")  # the host's cache tensors [L, kv_heads, C, d
 TASK_PREFIX = "task."
 METHOD_INPUT = "method"
 METHODS_METADATA = "streamfuse.methods"  # the ONNX model's metadata key: its methods in METHOD_INPUT's order
+# The ONNX model's metadata key for the tables its gathers read as inputs (the embedding, export/onnx_passes.py):
+# {input: {"location": file beside the model, "offset", "shape", "dtype"}}; the host maps them read-only.
+EMBEDDING_METADATA = "streamfuse.gathered"
 
 
 def method_output(method: str, name: str) -> str:

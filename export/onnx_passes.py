@@ -1,0 +1,281 @@
+"""Rewrites of the combined ONNX model (export/onnx_methods.py) that cut what ONNX Runtime holds in memory.
+
+ONNX Runtime keeps ~6.6 KiB per node of a loaded graph (measured on SmolLM2's methods: 16 MiB for decode's
+2,100 nodes, 6 MiB for streams' 590), and the model has four such graphs. So:
+
+- `fuse_rms_norm`: the exporter's RMSNorm, Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) ->
+  Mul(weight), becomes one SimplifiedLayerNormalization (ONNX Runtime's op, onnx domain): 7 nodes -> 1.
+- `fuse_rotary`: rotary embedding, x·cos + cat(-x2, x1)·sin (Mul, Slice, Slice, Neg, Concat, Mul, Add) on
+  q and k, becomes ONNX's RotaryEmbedding (opset 23) on the first half of cos / sin: 7 nodes -> 1.
+- `drop_unused_initializers`: the constants only the fused nodes read.
+- `lift_embedding`: the embedding gathers the tied LM head's Q8 codes; an initializer a Gather reads stays
+  mapped and its pages resident (the head's prepacking touches them all: 30 MiB of SmolLM2), so the gathered
+  tables become graph inputs the host feeds from its own read-only map of weights.bin (the same bytes, each
+  page resident only once a token reads it), and the head's MatMulNBits alone holds the initializer, which
+  ONNX Runtime releases once packed.
+
+Both fused ops are row-wise: a row's bits do not depend on the call's other rows, so SS stays plain decoding
+(tests/test_onnx_passes.py, 1 to 16 rows on 1 and 2 threads; the export tests check every tree row end to end).
+The rewrites keep what the graphs compute (the same test file, on a Hugging Face Llama's exported graphs). The
+opset rises to 23 for RotaryEmbedding; no op the graphs use changed meaning since 18.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from streamfuse.runtime.backends.static_graph import EMBEDDING_METADATA
+
+ROTARY_OPSET = 23  # ONNX's RotaryEmbedding
+GATHERS = ("Gather", "GatherND")
+LIFT_BYTES = 1 << 20  # gathered tables this large are fed by the host; smaller ones (id maps) stay
+
+
+class _Graph:
+    """One graph's producers and consumer counts; constants are the top graph's initializers."""
+
+    def __init__(self, graph, constants: dict):
+        self.graph, self.constants = graph, constants
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.uses: dict[str, int] = {}
+        for node in graph.node:
+            for name in node.input:
+                self.uses[name] = self.uses.get(name, 0) + 1
+        for out in graph.output:
+            self.uses[out.name] = self.uses.get(out.name, 0) + 1
+
+    def only(self, name: str, op: str):
+        """The node of type `op` producing `name`, if `name` is read once (so the node can go)."""
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op and self.uses.get(name) == 1 else None
+
+    def value(self, name: str):
+        from onnx import numpy_helper
+
+        tensor = self.constants.get(name)
+        return None if tensor is None or tensor.data_location == tensor.EXTERNAL else numpy_helper.to_array(tensor)
+
+    def live(self, node) -> bool:
+        return self.producer.get(node.output[0]) is not None
+
+    def replace(self, dead: list, new: list) -> None:
+        """Remove `dead` nodes and put `new` where the last of them was (graphs stay topologically sorted)."""
+        outputs = {n.output[0] for n in dead}
+        kept = []
+        for node in self.graph.node:
+            if node.output[0] == dead[-1].output[0]:
+                kept += new
+            elif node.output[0] not in outputs:
+                kept.append(node)
+        del self.graph.node[:]
+        self.graph.node.extend(kept)
+        self.__init__(self.graph, self.constants)
+
+
+def _branches(model):
+    """The methods' graphs: the branches of the top graph's Ifs."""
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield attribute.g
+
+
+def _graphs(graph):
+    """`graph` and every graph nested in its nodes."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _graphs(sub)
+
+
+def _scalar(graph: _Graph, name: str) -> float | None:
+    value = graph.value(name)
+    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+
+def fuse_rms_norm(model) -> int:
+    """Every RMSNorm of every method -> SimplifiedLayerNormalization; returns how many."""
+    from onnx import helper
+
+    constants = {t.name: t for t in model.graph.initializer}
+    fused = 0
+    for branch in _branches(model):
+        graph = _Graph(branch, constants)
+        for scale in [n for n in branch.node if n.op_type == "Mul"]:
+            match = _rms_norm(graph, scale) if graph.live(scale) else None
+            if match is None:
+                continue
+            x, weight, eps, dead = match
+            node = helper.make_node("SimplifiedLayerNormalization", [x, weight], [scale.output[0]],
+                                    name=f"{scale.name}/rms_norm", axis=-1, epsilon=eps, stash_type=1)
+            graph.replace(dead, [node])
+            fused += 1
+    return fused
+
+
+def _rms_norm(graph: _Graph, scale):
+    """(x, weight, eps, nodes) if `scale` is weight · (x · 1/sqrt(mean(x^2) + eps)) with weight a 1-D constant."""
+    for weight, normed in (scale.input, reversed(scale.input)):
+        tensor = graph.constants.get(weight)
+        times = graph.only(normed, "Mul")
+        if tensor is None or len(tensor.dims) != 1 or times is None:
+            continue
+        for x, inverse in (times.input, reversed(times.input)):
+            reciprocal = graph.only(inverse, "Reciprocal")
+            root = reciprocal and graph.only(reciprocal.input[0], "Sqrt")
+            add = root and graph.only(root.input[0], "Add")
+            if not add:
+                continue
+            mean, eps = add.input if add.input[1] in graph.constants else reversed(add.input)
+            mean = graph.only(mean, "ReduceMean")
+            power = mean and graph.only(mean.input[0], "Pow")
+            axes = mean and len(mean.input) > 1 and graph.value(mean.input[1])
+            if (power is None or power.input[0] != x or _scalar(graph, power.input[1]) != 2.0
+                    or _scalar(graph, eps) is None or axes is None or list(axes.reshape(-1)) != [-1]
+                    or not any(a.name == "keepdims" and a.i == 1 for a in mean.attribute)):
+                continue
+            return x, weight, _scalar(graph, eps), [power, mean, add, root, reciprocal, times, scale]
+    return None
+
+
+def fuse_rotary(model) -> int:
+    """Every rotary embedding of every method -> RotaryEmbedding (opset 23); returns how many."""
+    from onnx import helper
+
+    constants = {t.name: t for t in model.graph.initializer}
+    fused = 0
+    for branch in _branches(model):
+        graph = _Graph(branch, constants)
+        halves: dict[str, str] = {}  # a [.., S, d] cos / sin -> its first half, sliced once per graph
+        for add in [n for n in branch.node if n.op_type == "Add"]:
+            match = _rotary(graph, add) if graph.live(add) else None
+            if match is None:
+                continue
+            x, cos, sin, half, dead = match
+            new = []
+            for table in (cos, sin):
+                if table not in halves:
+                    halves[table] = f"{table}/half"
+                    new.append(_first_half(helper, table, half, model))
+            new.append(helper.make_node("RotaryEmbedding", [x, halves[cos], halves[sin]], [add.output[0]],
+                                        name=f"{add.name}/rotary"))
+            graph.replace(dead, new)
+            fused += 1
+    if fused:
+        _require_opset(model, ROTARY_OPSET)
+    return fused
+
+
+def _rotary(graph: _Graph, add):
+    """(x, cos, sin, d/2, nodes) if `add` is x·unsqueeze(cos, 1) + cat(-x[.., d/2:], x[.., :d/2])·unsqueeze(sin, 1)."""
+    for first, second in (add.input, reversed(add.input)):
+        straight, turned = graph.only(first, "Mul"), graph.only(second, "Mul")
+        if straight is None or turned is None:
+            continue
+        for x, cos_4d in (straight.input, reversed(straight.input)):
+            for rotated, sin_4d in (turned.input, reversed(turned.input)):
+                cat = graph.only(rotated, "Concat")
+                if cat is None or len(cat.input) != 2 or not any(a.name == "axis" and a.i == -1 for a in cat.attribute):
+                    continue
+                neg = graph.only(cat.input[0], "Neg")
+                upper = neg and graph.only(neg.input[0], "Slice")
+                lower = graph.only(cat.input[1], "Slice")
+                cos, sin = _unsqueezed(graph, cos_4d), _unsqueezed(graph, sin_4d)
+                if not (upper and lower and cos and sin) or upper.input[0] != x or lower.input[0] != x:
+                    continue
+                half = _bounds(graph, lower)
+                if half is None or half[0] != 0 or _bounds(graph, upper) != (half[1], None):
+                    continue
+                return x, cos, sin, half[1], [straight, lower, upper, neg, cat, turned, add]
+    return None
+
+
+def _unsqueezed(graph: _Graph, name: str) -> str | None:
+    """The [1, S, d] table `name` unsqueezes at axis 1 into [1, 1, S, d]."""
+    node = graph.producer.get(name)
+    if node is None or node.op_type != "Unsqueeze" or len(node.input) < 2:
+        return None
+    axes = graph.value(node.input[1])
+    return node.input[0] if axes is not None and list(axes.reshape(-1)) == [1] else None
+
+
+def _bounds(graph: _Graph, node) -> tuple[int, int | None] | None:
+    """(start, end or None for 'to the end') of a Slice with step 1 on the last axis of a 4-D tensor."""
+    values = [graph.value(name) for name in node.input[1:]]
+    if len(values) != 4 or any(v is None for v in values):
+        return None
+    starts, ends, axes, steps = (int(v.reshape(-1)[0]) for v in values)
+    if axes not in (-1, 3) or steps != 1:
+        return None
+    return starts, None if ends >= 2**31 - 1 else ends
+
+
+def _first_half(helper, table: str, half: int, model):
+    """A Slice of `table`'s last axis to [0, half), its bounds as constants of the top graph."""
+    names = []
+    for suffix, values in (("starts", [0]), ("ends", [half]), ("axes", [-1])):
+        name = f"rotary/{suffix}/{half}"
+        if not any(t.name == name for t in model.graph.initializer):
+            model.graph.initializer.append(helper.make_tensor(name, 7, [1], values))
+        names.append(name)
+    return helper.make_node("Slice", [table, *names], [f"{table}/half"], name=f"{table}/half")
+
+
+def _require_opset(model, version: int) -> None:
+    from onnx import helper
+
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, version)
+            return
+    model.opset_import.append(helper.make_opsetid("", version))
+
+
+def drop_unused_initializers(model) -> int:
+    """Remove the top graph's initializers no node reads any more (the fused ops' constants: ONNX Runtime would
+    warn of each at every load); returns how many."""
+    read = {name for graph in _graphs(model.graph) for node in graph.node for name in node.input}
+    unused = [t for t in model.graph.initializer if t.name not in read]
+    for tensor in unused:
+        model.graph.initializer.remove(tensor)
+    return len(unused)
+
+
+def lift_embedding(model, min_bytes: int = LIFT_BYTES) -> dict:
+    """The large initializers a Gather reads (the embedding's codes and scales) become graph inputs `gathered.<name>`
+    for the gathers (other readers keep the initializer); returns {input: where its bytes lie in the weights file},
+    which the model's metadata keeps (EMBEDDING_METADATA) for the host to map. Call after share_weights."""
+    from onnx import helper
+
+    tensors = {t.name: t for t in model.graph.initializer}
+    lifted: dict[str, dict] = {}
+    for branch in _branches(model):
+        for node in branch.node:
+            tensor = tensors.get(node.input[0]) if node.op_type in GATHERS else None
+            if tensor is None:
+                continue
+            where = {e.key: e.value for e in tensor.external_data}
+            if int(where.get("length", 0)) < min_bytes:
+                continue
+            lifted[tensor.name] = {"location": where["location"], "offset": int(where["offset"]),
+                                   "shape": list(tensor.dims), "dtype": np.dtype(_NUMPY[tensor.data_type]).name}
+            node.input[0] = _input_name(tensor.name)
+    for name in lifted:
+        model.graph.input.append(helper.make_tensor_value_info(_input_name(name), tensors[name].data_type,
+                                                               list(tensors[name].dims)))
+    drop_unused_initializers(model)
+    places = {_input_name(name): place for name, place in lifted.items()}
+    if places:
+        props = {p.key: p.value for p in model.metadata_props}
+        helper.set_model_props(model, {**props, EMBEDDING_METADATA: json.dumps(places)})
+    return places
+
+
+def _input_name(initializer: str) -> str:
+    return f"gathered.{initializer}"
+
+
+_NUMPY = {1: np.float32, 2: np.uint8, 3: np.int8, 7: np.int64}

@@ -1,0 +1,180 @@
+"""export/onnx_passes.py on the graphs the exporter writes for a Hugging Face Llama (RMSNorm and rotary from its
+own modeling code): the fused model computes what the exporter's did, and the embedding read through a mapped
+input gives the same bits."""
+
+import numpy as np
+import pytest
+import torch
+
+from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
+from streamfuse.export.onnx_passes import drop_unused_initializers, fuse_rms_norm, fuse_rotary, lift_embedding
+from streamfuse.export.to_onnx import share_weights
+from streamfuse.runtime.backends.sessions import mapped_tables
+from streamfuse.runtime.backends.static_graph import EMBEDDING_METADATA, METHOD_INPUT
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+
+LAYERS, ROWS = 2, 5
+
+
+class Logits(torch.nn.Module):
+    """A tiny random Llama: ids and positions -> logits (no cache), what the exporter sees of RMSNorm and rotary."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          tie_word_embeddings=True, attn_implementation="eager")
+        self.model = transformers.LlamaForCausalLM(config).eval()
+
+    def forward(self, ids, positions):
+        return self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The exporter's model of Logits as the one method of a combined model."""
+    module = Logits()
+    ids, positions = torch.tensor([[5, 900, 17, 4000, 3]]), torch.tensor([[7, 8, 9, 10, 11]])
+    program = torch.export.export(module, (ids, positions), strict=False)
+    folder = tmp_path_factory.mktemp("passes")
+    onnx_program = torch.onnx.export(program, (), dynamo=True, input_names=["ids", "positions"],
+                                     output_names=["logits"], optimize=True, verbose=False)
+    onnx_program.save(str(folder / "raw.onnx"))
+    model = onnx.load(str(folder / "raw.onnx"))
+    strip_debug_info(model)
+    return combine_methods({"decode": model}), (ids.numpy(), positions.numpy()), folder
+
+
+def run(model, inputs, extra=None) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString() if not isinstance(model, str) else model,
+                                   providers=["CPUExecutionProvider"])
+    feed = {"ids": inputs[0], "positions": inputs[1], METHOD_INPUT: np.array(0, np.int64), **(extra or {})}
+    return session.run(["decode.logits"], feed)[0]
+
+
+def copy(model):
+    twin = onnx.ModelProto()
+    twin.CopyFrom(model)
+    return twin
+
+
+def ops(model) -> dict:
+    counts = {}
+    for node in method_graph(model, "decode").node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def test_rms_norm_and_rotary_become_one_node_each_and_compute_the_same(exported):
+    model, inputs, _ = exported
+    fused = copy(model)
+    assert fuse_rms_norm(fused) == 2 * LAYERS + 1  # two per layer and the final norm
+    assert fuse_rotary(fused) == 2 * LAYERS  # q and k of each layer
+    initializers = len(fused.graph.initializer)
+    assert drop_unused_initializers(fused) > 0  # the norms' exponent, epsilon and axes, rotary's slice bounds
+    read = {name for node in method_graph(fused, "decode").node for name in node.input}
+    assert {t.name for t in fused.graph.initializer} <= read and len(fused.graph.initializer) < initializers
+    before, after = ops(model), ops(fused)
+    assert after["SimplifiedLayerNormalization"] == 2 * LAYERS + 1 and after["RotaryEmbedding"] == 2 * LAYERS
+    for gone in ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Neg"):
+        assert before.get(gone, 0) > 0 and gone not in after
+    assert sum(after.values()) < sum(before.values()) - 10 * LAYERS
+    reference, result = run(model, inputs), run(fused, inputs)
+    assert result.shape == (1, ROWS, 4096)
+    np.testing.assert_allclose(result, reference, rtol=1e-5, atol=1e-5)
+    # uneven gaps between positions (rotary sees relative positions only): still the exporter's result
+    spread = (inputs[0], np.array([[3, 9, 40, 41, 200]]))
+    assert not np.allclose(run(model, spread), reference, atol=1e-3)
+    np.testing.assert_allclose(run(fused, spread), run(model, spread), rtol=1e-5, atol=1e-5)
+
+
+def test_a_norm_without_its_constant_weight_is_left_as_it_is(exported):
+    model, _, _ = exported
+    broken = copy(model)
+    graph = method_graph(broken, "decode")
+    weights = {t.name for t in broken.graph.initializer if len(t.dims) == 1}
+    scale = next(n for n in graph.node if n.op_type == "Mul" and n.input[0] in weights)
+    scale.input[0] = scale.input[1]  # x * x: no longer RMSNorm's weight
+    assert fuse_rms_norm(broken) == 2 * LAYERS
+
+
+def test_the_embedding_is_gathered_from_the_hosts_map_of_the_weights_file(exported, tmp_path):
+    model, inputs, _ = exported
+    plain = copy(model)
+    share_weights(plain, tmp_path / "weights.bin")
+    onnx.save_model(plain, str(tmp_path / "plain.onnx"))
+    lifted = copy(plain)
+    places = lift_embedding(lifted, min_bytes=1 << 10)  # the tiny model's table: 4096 x 64 floats
+    assert len(places) == 1
+    (name, place), = places.items()
+    assert place["shape"] == [4096, 64] and place["dtype"] == "float32" and place["location"] == "weights.bin"
+    tables = {t.name for t in lifted.graph.initializer} | {name}
+    gathers = [n.input[0] for n in method_graph(lifted, "decode").node if n.op_type in ("Gather", "GatherND")]
+    assert [table for table in gathers if table in tables] == [name]
+    assert name in [i.name for i in lifted.graph.input]
+    onnx.save_model(lifted, str(tmp_path / "lifted.onnx"))
+    metadata = {p.key: p.value for p in lifted.metadata_props}
+    tables = mapped_tables(tmp_path / "lifted.onnx", metadata)  # the table is the tied head: still an initializer
+    assert EMBEDDING_METADATA in metadata and isinstance(tables[name], np.memmap) and not tables[name].flags.writeable
+    np.testing.assert_array_equal(run(str(tmp_path / "lifted.onnx"), inputs, tables),
+                                  run(str(tmp_path / "plain.onnx"), inputs))
+
+
+def test_a_cut_weights_file_is_a_one_line_error(exported, tmp_path):
+    model, _, _ = exported
+    lifted = copy(model)
+    share_weights(lifted, tmp_path / "weights.bin")
+    lift_embedding(lifted, min_bytes=1 << 10)
+    metadata = {p.key: p.value for p in lifted.metadata_props}
+    with open(tmp_path / "weights.bin", "r+b") as blob:
+        blob.truncate(1000)
+    with pytest.raises(FileNotFoundError, match="cut short"):
+        mapped_tables(tmp_path / "model.onnx", metadata)
+
+
+def fused_ops_model() -> bytes:
+    """The two fused ops at SmolLM2's shapes, rows dynamic: x [1, M, 576] -> norm; q [1, 9, M, 64] -> rotary."""
+    T, helper = onnx.TensorProto, onnx.helper
+    weight = onnx.numpy_helper.from_array(np.random.default_rng(1).random(576, dtype=np.float32) + 0.5, "w")
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["normed"], axis=-1, epsilon=1e-5, stash_type=1),
+             helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"])]
+    inputs = [helper.make_tensor_value_info("x", T.FLOAT, [1, "M", 576]),
+              helper.make_tensor_value_info("q", T.FLOAT, [1, 9, "M", 64]),
+              helper.make_tensor_value_info("cos", T.FLOAT, [1, "M", 32]),
+              helper.make_tensor_value_info("sin", T.FLOAT, [1, "M", 32])]
+    outputs = [helper.make_tensor_value_info(name, T.FLOAT, None) for name in ("normed", "turned")]
+    graph = helper.make_graph(nodes, "fused", inputs, outputs, initializer=[weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10).SerializeToString()
+
+
+def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
+    """Row i of an M-row call equals that row alone, bit for bit (M = 1..16, the row anywhere, other rows random,
+    1 and 2 threads): SS's tree rows stay plain decoding's through the fused RMSNorm and rotary."""
+    rng = np.random.default_rng(0)
+    row = {"x": rng.standard_normal((1, 1, 576)), "q": rng.standard_normal((1, 9, 1, 64)),
+           "cos": rng.uniform(-1, 1, (1, 1, 32)), "sin": rng.uniform(-1, 1, (1, 1, 32))}
+    row = {name: value.astype(np.float32) for name, value in row.items()}
+    axis = {"x": 1, "q": 2, "cos": 1, "sin": 1}
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(fused_ops_model(), options, providers=["CPUExecutionProvider"])
+        alone = session.run(None, row)
+        for count in range(1, 17):
+            at = int(rng.integers(count))
+            feed = {}
+            for name, value in row.items():
+                shape = list(value.shape)
+                shape[axis[name]] = count
+                batch = rng.standard_normal(shape).astype(np.float32)
+                index = [slice(None)] * batch.ndim
+                index[axis[name]] = at
+                batch[tuple(index)] = np.take(value, 0, axis=axis[name])
+                feed[name] = batch
+            normed, turned = session.run(None, feed)
+            assert np.array_equal(normed[:, at], alone[0][:, 0]), (threads, count)
+            assert np.array_equal(turned[:, :, at], alone[1][:, :, 0]), (threads, count)
