@@ -170,7 +170,8 @@ def fuse_rotary(model) -> int:
 
 
 def _rotary(graph: _Graph, add):
-    """(x, cos, sin, d/2, nodes) if `add` is x·unsqueeze(cos, 1) + cat(-x[.., d/2:], x[.., :d/2])·unsqueeze(sin, 1)."""
+    """(x, cos, sin, d/2, nodes) if `add` is
+    x·unsqueeze(cos, 1) + cat(-x[.., d/2:], x[.., :d/2])·unsqueeze(sin, 1)."""
     for first, second in (add.input, reversed(add.input)):
         straight, turned = graph.only(first, "Mul"), graph.only(second, "Mul")
         if straight is None or turned is None:
@@ -194,12 +195,25 @@ def _rotary(graph: _Graph, add):
 
 
 def _unsqueezed(graph: _Graph, name: str) -> str | None:
-    """The [1, S, d] table `name` unsqueezes at axis 1 into [1, 1, S, d]."""
+    """The [1, S, d] table `name` unsqueezes at axis 1 into [1, 1, S, d], if its two halves are equal (RotaryEmbedding
+    reads the first half only)."""
     node = graph.producer.get(name)
     if node is None or node.op_type != "Unsqueeze" or len(node.input) < 2:
         return None
     axes = graph.value(node.input[1])
-    return node.input[0] if axes is not None and list(axes.reshape(-1)) == [1] else None
+    table = node.input[0] if axes is not None and list(axes.reshape(-1)) == [1] else None
+    return table if table is not None and _doubled(graph, table) else None
+
+
+def _doubled(graph: _Graph, table: str) -> bool:
+    """`table` is an elementwise function (cos, sin, a constant scale) of concat(f, f) on the last axis."""
+    node = graph.producer.get(table)
+    while node is not None and (node.op_type in ("Cos", "Sin", "Cast") or node.op_type == "Mul" and any(
+            _scalar(graph, name) is not None for name in node.input)):
+        varying = [name for name in node.input if name not in graph.constants]
+        node = graph.producer.get(varying[0]) if len(varying) == 1 else None
+    return (node is not None and node.op_type == "Concat" and len(node.input) == 2
+            and node.input[0] == node.input[1] and any(a.name == "axis" and a.i == -1 for a in node.attribute))
 
 
 def _bounds(graph: _Graph, node) -> tuple[int, int | None] | None:

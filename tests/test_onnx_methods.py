@@ -132,7 +132,8 @@ def test_the_weights_pages_onnx_runtime_keeps_mapped_go_back_to_the_kernel(model
 
     folder, _ = models
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
-    feed = {METHOD_INPUT: np.array(1, np.int64), "x": np.random.default_rng(2).standard_normal((3, K), dtype=np.float32)}
+    x = np.random.default_rng(2).standard_normal((3, K), dtype=np.float32)
+    feed = {METHOD_INPUT: np.array(1, np.int64), "x": x}
     (before,) = session.run([method_output("decode", "out")], feed)
     scales = LAYERS * N * K // 32 * 4
     assert resident_in(folder) >= scales  # the test sees the kept scales

@@ -25,9 +25,10 @@ class Logits(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                          tie_word_embeddings=True, attn_implementation="eager")
+        config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, tie_word_embeddings=True,
+                                          attn_implementation="eager")
         self.model = transformers.LlamaForCausalLM(config).eval()
 
     def forward(self, ids, positions):
@@ -102,6 +103,17 @@ def test_a_norm_without_its_constant_weight_is_left_as_it_is(exported):
     assert fuse_rms_norm(broken) == 2 * LAYERS
 
 
+def test_rotary_tables_whose_halves_may_differ_are_left_as_they_are(exported):
+    """RotaryEmbedding reads the first half of cos / sin: the pass fuses only tables made from concat(f, f)."""
+    model, _, _ = exported
+    broken = copy(model)
+    graph = method_graph(broken, "decode")
+    (doubled,) = [n for n in graph.node if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == n.input[1]]
+    doubled.input[1] = graph.node[0].output[0]  # concat(f, g): halves that may differ
+    assert fuse_rotary(broken) == 0
+    assert fuse_rotary(copy(model)) == 2 * LAYERS
+
+
 def test_the_embedding_is_gathered_from_the_hosts_map_of_the_weights_file(exported, tmp_path):
     model, inputs, _ = exported
     plain = copy(model)
@@ -140,7 +152,8 @@ def fused_ops_model() -> bytes:
     """The two fused ops at SmolLM2's shapes, rows dynamic: x [1, M, 576] -> norm; q [1, 9, M, 64] -> rotary."""
     T, helper = onnx.TensorProto, onnx.helper
     weight = onnx.numpy_helper.from_array(np.random.default_rng(1).random(576, dtype=np.float32) + 0.5, "w")
-    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["normed"], axis=-1, epsilon=1e-5, stash_type=1),
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["normed"], axis=-1, epsilon=1e-5,
+                              stash_type=1),
              helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"])]
     inputs = [helper.make_tensor_value_info("x", T.FLOAT, [1, "M", 576]),
               helper.make_tensor_value_info("q", T.FLOAT, [1, 9, "M", 64]),
