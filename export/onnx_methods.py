@@ -25,13 +25,17 @@ from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS_METAD
 
 
 def strip_debug_info(model) -> None:
-    """Drop what only a reader needs (value_info, doc strings, the exporter's per-node stack traces): it
-    is most of a graph's bytes, and ONNX Runtime keeps it in memory (31 -> 19 MiB per SmolLM2 graph)."""
-    graph = model.graph
-    del graph.value_info[:]
-    for node in graph.node:
-        node.doc_string = ""
-        del node.metadata_props[:]
+    """Drop what only a reader needs (value_info, doc strings, the exporter's per-node stack traces), in every
+    graph of the model: it is most of a graph's bytes, and ONNX Runtime keeps it in memory (31 -> 19 MiB per
+    SmolLM2 graph). The passes (export/onnx_passes.py) read value_info's ranks, so this runs after them."""
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        del graph.value_info[:]
+        for node in graph.node:
+            node.doc_string = ""
+            del node.metadata_props[:]
+            graphs += [a.g for a in node.attribute if a.HasField("g")] + [g for a in node.attribute for g in a.graphs]
 
 
 def combine_methods(models: dict):
@@ -110,7 +114,11 @@ def _branch(method: str, graph, shared: dict):
             value = f"{method}/{out.name}/out"
         outputs.append(helper.make_tensor_value_info(value, out.type.tensor_type.elem_type, None))
     names = [(out.name, out.type.tensor_type.elem_type) for out in graph.output]
-    return helper.make_graph(nodes, method, [], outputs), names
+    shapes = []  # the exporter's value_info, renamed, for the passes
+    for info in graph.value_info:
+        shapes.append(copy.deepcopy(info))
+        shapes[-1].name = name(info.name)
+    return helper.make_graph(nodes, method, [], outputs, value_info=shapes), names
 
 
 def _content_key(tensor) -> str:

@@ -1,20 +1,23 @@
-"""Rewrites of the combined ONNX model (export/onnx_methods.py) that cut what ONNX Runtime holds in memory.
+"""Rewrites of the combined ONNX model (export/onnx_methods.py) that cut what ONNX Runtime holds and runs.
 
 ONNX Runtime keeps ~6.6 KiB per node of a loaded graph (measured on SmolLM2's methods: 16 MiB for decode's
-2,100 nodes, 6 MiB for streams' 590), and the model has four such graphs. So:
+2,100 nodes, 6 MiB for streams' 590), the model has four such graphs, and each node costs a few microseconds a
+call. So:
 
 - `fuse_rms_norm`: the exporter's RMSNorm, Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) ->
   Mul(weight), becomes one SimplifiedLayerNormalization (ONNX Runtime's op, onnx domain): 7 nodes -> 1.
+- `fuse_skip_norm`: every such norm -> SkipSimplifiedLayerNormalization, with the residual Add it reads.
 - `fuse_rotary`: rotary embedding, x·cos + cat(-x2, x1)·sin (Mul, Slice, Slice, Neg, Concat, Mul, Add) on
   q and k, becomes ONNX's RotaryEmbedding (opset 23) on the first half of cos / sin: 7 nodes -> 1.
-- `drop_unused_initializers`: the constants only the fused nodes read.
+- `pack_linears`: q / k / v and gate / up, each with its low-rank term, -> one product, one term and a Split.
+- `drop_unused_initializers`: the constants only the replaced nodes read.
 - `lift_embedding`: the embedding gathers the tied LM head's Q8 codes; an initializer a Gather reads stays
   mapped and its pages resident (the head's prepacking touches them all: 30 MiB of SmolLM2), so the gathered
   tables become graph inputs the host feeds from its own read-only map of weights.bin (the same bytes, each
   page resident only once a token reads it), and the head's MatMulNBits alone holds the initializer, which
   ONNX Runtime releases once packed.
 
-Both fused ops are row-wise: a row's bits do not depend on the call's other rows, so SS stays plain decoding
+Every fused op is row-wise: a row's bits do not depend on the call's other rows, so SS stays plain decoding
 (tests/test_onnx_passes.py, 1 to 16 rows on 1 and 2 threads; the export tests check every tree row end to end).
 The rewrites keep what the graphs compute (the same test file, on a Hugging Face Llama's exported graphs). The
 opset rises to 23 for RotaryEmbedding; no op the graphs use changed meaning since 18.
@@ -23,6 +26,7 @@ opset rises to 23 for RotaryEmbedding; no op the graphs use changed meaning sinc
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +34,7 @@ from streamfuse.runtime.backends.static_graph import EMBEDDING_METADATA
 
 ROTARY_OPSET = 23  # ONNX's RotaryEmbedding
 GATHERS = ("Gather", "GatherND")
+MICROSOFT = "com.microsoft"  # ONNX Runtime's own ops
 LIFT_BYTES = 1 << 20  # gathered tables this large are fed by the host; smaller ones (id maps) stay
 
 
@@ -60,14 +65,17 @@ class _Graph:
     def live(self, node) -> bool:
         return self.producer.get(node.output[0]) is not None
 
-    def replace(self, dead: list, new: list) -> None:
-        """Remove `dead` nodes and put `new` where the last of them was (graphs stay topologically sorted)."""
+    def replace(self, dead: list, new: list, first: bool = False) -> None:
+        """Remove `dead` nodes and put `new` where the last of them stood, or the first (`first`: for `new` nodes that
+        read only what came before any dead node), so graphs stay topologically sorted."""
         outputs = {n.output[0] for n in dead}
+        order = [node.output[0] for node in self.graph.node if node.output[0] in outputs]
+        place = order[0 if first else -1]
         kept = []
         for node in self.graph.node:
-            if node.output[0] == dead[-1].output[0]:
+            if node.output[0] == place:
                 kept += new
-            elif node.output[0] not in outputs:
+            if node.output[0] not in outputs:
                 kept.append(node)
         del self.graph.node[:]
         self.graph.node.extend(kept)
@@ -114,6 +122,68 @@ def fuse_rms_norm(model) -> int:
             graph.replace(dead, [node])
             fused += 1
     return fused
+
+
+def fuse_skip_norm(model) -> int:
+    """Every SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization (ONNX Runtime's op, on 2-D or 3-D
+    tensors): the residual Add a norm reads joins it where both terms have one known shape (2 nodes -> 1; the op
+    returns the sum for the next residual too), and every other norm gets a skip of zeros (x - x; x + 0 is x, -0
+    aside), its input flattened to rows where its rank is not 2 or 3. The two kernels round differently, and a row's
+    norm must be the same arithmetic in every method (a tree step concatenates stream rows before a norm that
+    decode feeds straight from the Add), so every norm takes the skip kernel. Reads the branches' value_info (run
+    before strip_debug_info, after fuse_rms_norm); returns how many Adds joined their norm."""
+    from onnx import helper
+
+    constants = {t.name: t for t in model.graph.initializer}
+    joined = 0
+    for branch in _branches(model):
+        graph, shapes = _Graph(branch, constants), _shapes(branch)
+        for norm in [n for n in branch.node if n.op_type == "SimplifiedLayerNormalization"]:
+            add = graph.producer.get(norm.input[0])
+            if add is not None and add.op_type == "Add" and _same_rows(shapes, add.input):
+                skip = _skip_norm(helper, norm, list(add.input), [norm.output[0], "", "", add.output[0]])
+                graph.replace([add, norm], [skip], first=True)
+                joined += 1
+            else:
+                graph.replace([norm], _zero_skip_norm(helper, norm, len(shapes.get(norm.input[0], ())), model))
+    return joined
+
+
+def _shapes(graph) -> dict[str, tuple]:
+    """{value: its dims (an int or a symbol each)} from the graph's value_info."""
+    return {info.name: tuple(d.dim_value if d.HasField("dim_value") else d.dim_param
+                             for d in info.type.tensor_type.shape.dim)
+            for info in graph.value_info if info.type.tensor_type.HasField("shape")}
+
+
+def _same_rows(shapes: dict, names) -> bool:
+    """Both terms have the same known 2-D or 3-D shape (the skip op takes no other)."""
+    first, second = (shapes.get(name) for name in names)
+    return first is not None and first == second and len(first) in (2, 3) and all(d not in (0, "") for d in first)
+
+
+def _skip_norm(helper, norm, inputs: list[str], outputs: list[str]):
+    eps = next(a.f for a in norm.attribute if a.name == "epsilon")
+    return helper.make_node("SkipSimplifiedLayerNormalization", [*inputs, norm.input[1]], outputs,
+                            name=f"{norm.name}/skip", domain=MICROSOFT, epsilon=eps)
+
+
+def _zero_skip_norm(helper, norm, rank: int, model) -> list:
+    """The skip op on `norm`'s input and zeros; a rank other than 2 or 3 (or unknown) as rows [-1, hidden], shaped
+    back after."""
+    x, out = norm.input[0], norm.output[0]
+    if rank in (2, 3):
+        return [helper.make_node("Sub", [x, x], [f"{out}/zeros"]),
+                _skip_norm(helper, norm, [x, f"{out}/zeros"], [out])]
+    hidden = next(t.dims[0] for t in model.graph.initializer if t.name == norm.input[1])
+    rows_shape = f"rows/{hidden}"
+    if not any(t.name == rows_shape for t in model.graph.initializer):
+        model.graph.initializer.append(helper.make_tensor(rows_shape, 7, [2], [-1, hidden]))
+    return [helper.make_node("Reshape", [x, rows_shape], [f"{out}/rows"]),
+            helper.make_node("Sub", [f"{out}/rows"] * 2, [f"{out}/zeros"]),
+            _skip_norm(helper, norm, [f"{out}/rows", f"{out}/zeros"], [f"{out}/normed"]),
+            helper.make_node("Shape", [x], [f"{out}/shape"]),
+            helper.make_node("Reshape", [f"{out}/normed", f"{out}/shape"], [out])]
 
 
 def _rms_norm(graph: _Graph, scale):
@@ -246,6 +316,147 @@ def _require_opset(model, version: int) -> None:
             opset.version = max(opset.version, version)
             return
     model.opset_import.append(helper.make_opsetid("", version))
+
+
+class _Linear(NamedTuple):
+    """A linear layer in a graph: `product` (MatMulNBits on constants, or MatMul by a constant [K, N]) of x,
+    plus (x · left) · right (two MatMuls by constants: Q4_1's block offsets and LoRA, export/low_bit.py) when
+    `add` sums them."""
+
+    product: object
+    left: object = None
+    right: object = None
+    add: object = None
+
+    @property
+    def nodes(self) -> list:
+        return [n for n in (self.product, self.left, self.right, self.add) if n is not None]
+
+    @property
+    def output(self) -> str:
+        return (self.add or self.product).output[0]
+
+    def key(self) -> tuple:
+        """What siblings must share to be packed: the input, the op and its attributes but N, the term's form."""
+        attributes = tuple(sorted((a.name, a.i) for a in self.product.attribute if a.name != "N"))
+        return (self.product.input[0], self.product.op_type, len(self.product.input), attributes, self.add is None)
+
+
+def pack_linears(model) -> int:
+    """Linear layers of a method that read the same activations (q / k / v; gate / up) -> one layer on their
+    weights side by side, its output split: per SmolLM2 layer 12 nodes -> 5 and 8 -> 5. A column's terms are
+    summed as before (the low-rank term's added columns are exact zeros), and both products stay row-wise, so
+    rows keep their bits whatever the call. Returns how many linear layers went into packs."""
+    constants = {t.name: t for t in model.graph.initializer}
+    made: dict[tuple, str] = {}  # tensors built once for every method that packs the same layers
+    packed = 0
+    for branch in _branches(model):
+        graph = _Graph(branch, constants)
+        groups: dict[tuple, list[_Linear]] = {}
+        for linear in _linears(graph):
+            groups.setdefault(linear.key(), []).append(linear)
+        for siblings in (s for s in groups.values() if len(s) > 1):
+            new = _packed(model, siblings, graph, made)
+            graph.replace([n for linear in siblings for n in linear.nodes], new, first=True)
+            packed += len(siblings)
+    return packed
+
+
+def _linears(graph: _Graph) -> list[_Linear]:
+    """The graph's linear layers: products with their low-rank terms first, then bare products."""
+    found, taken = [], set()
+    for add in (n for n in graph.graph.node if n.op_type == "Add"):
+        for first, second in (add.input, reversed(add.input)):
+            product, right = graph.only(first, "MatMulNBits"), graph.only(second, "MatMul")
+            left = right and graph.only(right.input[0], "MatMul")
+            if (product and left and _constant_product(graph, product) and left.input[0] == product.input[0]
+                    and _matrix(graph, left.input[1]) is not None and _matrix(graph, right.input[1]) is not None):
+                found.append(_Linear(product, left, right, add))
+                taken.update(n.output[0] for n in (product, left, right, add))
+                break
+    for node in graph.graph.node:
+        if node.output[0] not in taken and _constant_product(graph, node):
+            found.append(_Linear(node))
+    return found
+
+
+def _constant_product(graph: _Graph, node) -> bool:
+    if node.op_type == "MatMulNBits":
+        return len(node.input) <= 4 and all(graph.value(name) is not None for name in node.input[1:])
+    return (node.op_type == "MatMul" and graph.value(node.input[0]) is None
+            and _matrix(graph, node.input[1]) is not None)
+
+
+def _matrix(graph: _Graph, name: str):
+    value = graph.value(name)
+    return value if value is not None and value.ndim == 2 else None
+
+
+def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
+    """The nodes computing `siblings` as one layer, then one Split into their outputs."""
+    from onnx import helper, numpy_helper
+
+    first = siblings[0]
+    sizes = [_columns(graph, linear.product) for linear in siblings]
+    name = f"{first.output}/packed"
+
+    def tensor(parts: list[str], build) -> str:
+        key = tuple(parts)
+        if key not in made:
+            made[key] = f"{parts[0]}+{len(made)}"
+            model.graph.initializer.append(numpy_helper.from_array(build(), made[key]))
+            graph.constants[made[key]] = model.graph.initializer[-1]
+        return made[key]
+
+    inputs = [first.product.input[0]]
+    for slot in range(1, len(first.product.input)):
+        parts = [linear.product.input[slot] for linear in siblings]
+        axis = 0 if first.product.op_type == "MatMulNBits" else 1  # NBits: [N, ..]; MatMul: [K, N]
+        inputs.append(tensor(parts, lambda: np.concatenate([graph.value(p) for p in parts], axis=axis)))
+    attributes = {a.name: helper.get_attribute_value(a) for a in first.product.attribute}
+    if "N" in attributes:
+        attributes["N"] = sum(sizes)
+    nodes = [helper.make_node(first.product.op_type, inputs, [f"{name}/product"], name=f"{name}/product",
+                              domain=first.product.domain, **attributes)]
+    total = f"{name}/product"
+    if first.add is not None:
+        lefts = [linear.left.input[1] for linear in siblings]
+        rights = [linear.right.input[1] for linear in siblings]
+        left, right = _low_rank([graph.value(p) for p in lefts], [graph.value(p) for p in rights])
+        left_name = lefts[0] if len(set(lefts)) == 1 else tensor(lefts, lambda: left)
+        right_name = tensor(rights, lambda: right)
+        x = first.product.input[0]
+        nodes += [helper.make_node("MatMul", [x, left_name], [f"{name}/left"], name=f"{name}/left"),
+                  helper.make_node("MatMul", [f"{name}/left", right_name], [f"{name}/right"], name=f"{name}/right"),
+                  helper.make_node("Add", [total, f"{name}/right"], [f"{name}/sum"], name=f"{name}/sum")]
+        total = f"{name}/sum"
+    split = tensor([f"split/{'-'.join(map(str, sizes))}"], lambda: np.array(sizes, np.int64))
+    nodes.append(helper.make_node("Split", [total, split], [linear.output for linear in siblings],
+                                  name=f"{name}/split", axis=-1))
+    return nodes
+
+
+def _columns(graph: _Graph, product) -> int:
+    if product.op_type == "MatMulNBits":
+        return next(a.i for a in product.attribute if a.name == "N")
+    return graph.value(product.input[1]).shape[1]
+
+
+def _low_rank(lefts: list[np.ndarray], rights: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One (x · left) · right for several: the columns every left starts with (Q4_1's block sums) once, then each
+    left's own (its LoRA's A); right holds each layer's rows in its own columns and zeros elsewhere, so every output
+    column sums the same terms in the same order as its own layer did, plus exact zeros."""
+    shared = min(left.shape[1] for left in lefts)
+    while shared and not all(np.array_equal(left[:, :shared], lefts[0][:, :shared]) for left in lefts):
+        shared -= 1
+    left = np.concatenate([lefts[0][:, :shared]] + [left[:, shared:] for left in lefts], axis=1)
+    right = np.zeros((left.shape[1], sum(r.shape[1] for r in rights)), np.float32)
+    row, column = shared, 0
+    for own in rights:
+        right[:shared, column:column + own.shape[1]] = own[:shared]
+        right[row:row + own.shape[0] - shared, column:column + own.shape[1]] = own[shared:]
+        row, column = row + own.shape[0] - shared, column + own.shape[1]
+    return left, right
 
 
 def drop_unused_initializers(model) -> int:

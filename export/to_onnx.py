@@ -4,10 +4,11 @@ Attention is streamfuse's exact kernel over the cache's used span (export/span_a
 custom op (domain streamfuse, runtime/kernels/tree_attention_ort.cpp): the graphs take the host's whole
 [L, kv, C, d] cache as one input, which ONNX Runtime reads in place, and return only the call's new rows.
 Each method is exported through torch.export (the dynamo exporter) into a scratch folder; the graphs then
-become the branches of one model whose initializers are each distinct tensor once, RMSNorm and rotary
-embedding become one node each (export/onnx_passes.py), every large initializer moves into `weights.bin`
-(page-aligned, so ONNX Runtime maps it rather than reads it), and the embedding's tables become inputs the
-host maps from that file.
+become the branches of one model whose initializers are each distinct tensor once, RMSNorm (with its residual
+Add) and rotary embedding become one node each and the projections that share an input one product
+(export/onnx_passes.py, which read the exporter's value_info, dropped after them), every large initializer
+moves into `weights.bin` (page-aligned, so ONNX Runtime maps it rather than reads it), and the embedding's
+tables become inputs the host maps from that file.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from streamfuse.export.onnx_methods import combine_methods, strip_debug_info
-from streamfuse.export.onnx_passes import drop_unused_initializers, fuse_rms_norm, fuse_rotary, lift_embedding
+from streamfuse.export.onnx_passes import (drop_unused_initializers, fuse_rms_norm, fuse_rotary, fuse_skip_norm,
+                                           lift_embedding, pack_linears)
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -42,11 +44,13 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
                                          custom_translation_table=custom_translations())
             exported.save(str(Path(scratch) / f"{name}.onnx"), external_data=True)
             models[name] = onnx.load(str(Path(scratch) / f"{name}.onnx"), load_external_data=True)
-            strip_debug_info(models[name])
     model = combine_methods(models)
     fuse_rms_norm(model)
+    fuse_skip_norm(model)
     fuse_rotary(model)
+    pack_linears(model)
     drop_unused_initializers(model)
+    strip_debug_info(model)
     share_weights(model, folder / WEIGHTS_FILE)
     lift_embedding(model)
     onnx.save_model(model, str(folder / MODEL_FILE))

@@ -89,6 +89,23 @@ def test_onnx_graphs_read_the_whole_cache_in_place_through_the_attention_kernel(
         assert set(attended) == set(range(layers)), (method, attended)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_norm_of_every_method_runs_one_kernel_and_projections_are_packed(artifacts, fmt):
+    """A row's norm is the same arithmetic in every method (ONNX Runtime's two norm kernels round differently,
+    and a tree step's stream layers concatenate rows before the norms that decode feeds from the residual Add):
+    no SimplifiedLayerNormalization is left, and each layer's q / k / v and gate / up are one product each."""
+    import onnx
+
+    from streamfuse.runtime.backends.static_graph import method_names
+
+    model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
+    for method in method_names((4,)):
+        ops = [n.op_type for n in method_graph(model, method).node]
+        assert "SimplifiedLayerNormalization" not in ops and "SkipSimplifiedLayerNormalization" in ops, method
+        if method in ("prefill", "decode", "step_4"):
+            assert ops.count("Split") == 2 * 4 and ops.count("MatMulNBits") == 4 * 4 + 1, (method, fmt)
+
+
 LAYOUT_OPS = ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice", "Concat", "Identity")
 
 
@@ -110,7 +127,8 @@ def test_no_method_folds_a_copy_of_a_weight(artifacts):
 
 def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkpoint):
     """Every 4-bit MatMulNBits of the exported decode graph, with its min term, dequantizes to exactly
-    what gguf's own dequantization gives for one of the GGUF's linear layers, and every layer is there."""
+    what gguf's own dequantization gives for the GGUF's linear layers (q / k / v and gate / up packed: their
+    rows one after another), and every layer is there once."""
     import onnx
     from onnx import numpy_helper
 
@@ -119,7 +137,7 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
     graph = method_graph(model, "decode")
     consumers = {name: node for node in graph.node for name in node.input}
     producers = {out: node for node in graph.node for out in node.output}
-    exported = set()
+    exported = []
     for node in graph.node:
         bits = {a.name: a.i for a in node.attribute}.get("bits")
         if node.op_type != "MatMulNBits" or bits != 4:
@@ -135,16 +153,19 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
         zeros = np.stack([zeros & 0x0F, zeros >> 4], axis=-1).reshape(mins.shape[0], -1)[:, : mins.shape[1]]
         codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*mins.shape, 32).astype(np.float32)
         codes -= zeros[..., None].astype(np.float32)
-        exported.add((codes * scales[..., None] + mins[..., None]).reshape(mins.shape[0], -1).tobytes())
+        exported.append((codes * scales[..., None] + mins[..., None]).reshape(mins.shape[0], -1))
     reader = GGUFReader(gguf_checkpoint / "base" / "model.gguf")
     layers = [t for t in reader.tensors if t.name.startswith("blk.")]
-    assert len(layers) == 4 * 7 and len(exported) == len(layers)
+    assert len(layers) == 4 * 7 and len(exported) == 4 * 4  # per layer: q / k / v, o, gate / up, down
+    assert sum(len(matrix) for matrix in exported) == sum(int(t.shape[1]) for t in layers)
     for tensor in layers:
         weight = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q4_1)
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:  # the GGUF keeps llama.cpp's row order
             heads = 4 if ".attn_q." in tensor.name else 2
             weight = weight.reshape(heads, -1, 2, weight.shape[1]).swapaxes(2, 1).reshape(weight.shape)
-        assert weight.astype(np.float32).tobytes() in exported, tensor.name
+        rows = len(weight)
+        assert any(np.array_equal(matrix[start:start + rows], weight.astype(np.float32)) for matrix in exported
+                   for start in range(0, len(matrix) - rows + 1, rows)), tensor.name
 
 
 def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
-from streamfuse.export.onnx_passes import drop_unused_initializers, fuse_rms_norm, fuse_rotary, lift_embedding
+from streamfuse.export.onnx_passes import (_low_rank, drop_unused_initializers, fuse_rms_norm, fuse_rotary,
+                                           fuse_skip_norm, lift_embedding, pack_linears)
 from streamfuse.export.to_onnx import share_weights
 from streamfuse.runtime.backends.sessions import mapped_tables
 from streamfuse.runtime.backends.static_graph import EMBEDDING_METADATA, METHOD_INPUT
@@ -45,9 +46,8 @@ def exported(tmp_path_factory):
     onnx_program = torch.onnx.export(program, (), dynamo=True, input_names=["ids", "positions"],
                                      output_names=["logits"], optimize=True, verbose=False)
     onnx_program.save(str(folder / "raw.onnx"))
-    model = onnx.load(str(folder / "raw.onnx"))
-    strip_debug_info(model)
-    return combine_methods({"decode": model}), (ids.numpy(), positions.numpy()), folder
+    model = combine_methods({"decode": onnx.load(str(folder / "raw.onnx"))})  # value_info kept for the passes
+    return model, (ids.numpy(), positions.numpy()), folder
 
 
 def run(model, inputs, extra=None) -> np.ndarray:
@@ -91,6 +91,83 @@ def test_rms_norm_and_rotary_become_one_node_each_and_compute_the_same(exported)
     spread = (inputs[0], np.array([[3, 9, 40, 41, 200]]))
     assert not np.allclose(run(model, spread), reference, atol=1e-3)
     np.testing.assert_allclose(run(fused, spread), run(model, spread), rtol=1e-5, atol=1e-5)
+
+
+def test_residual_adds_join_their_norms_and_linears_on_one_input_are_packed(exported):
+    """Add + norm -> SkipSimplifiedLayerNormalization, and the first norm (it reads the embedding) the same op with
+    a skip of zeros; q / k / v and gate / up -> one MatMul each, split after. Packing leaves every column's sums as
+    they were: the same bits."""
+    model, inputs, _ = exported
+    fused = copy(model)
+    fuse_rms_norm(fused)
+    assert fuse_skip_norm(fused) == 2 * LAYERS
+    assert fuse_rotary(fused) == 2 * LAYERS
+    reference = copy(fused)
+    assert pack_linears(fused) == 5 * LAYERS
+    drop_unused_initializers(fused)
+    after = ops(fused)
+    assert after["SkipSimplifiedLayerNormalization"] == 2 * LAYERS + 1 and "SimplifiedLayerNormalization" not in after
+    assert after["Sub"] == ops(model).get("Sub", 0) + 1
+    assert after["Split"] == 2 * LAYERS and after["MatMul"] == ops(reference)["MatMul"] - 3 * LAYERS
+    np.testing.assert_array_equal(run(fused, inputs), run(reference, inputs))
+    np.testing.assert_allclose(run(fused, inputs), run(model, inputs), rtol=1e-5, atol=1e-5)
+    assert any(method_graph(fused, "decode").value_info)
+    strip_debug_info(fused)  # what the exporter keeps of the passes' shapes: nothing
+    assert not method_graph(fused, "decode").value_info
+    np.testing.assert_array_equal(run(fused, inputs), run(reference, inputs))
+
+
+def test_a_norm_of_any_rank_runs_the_skip_kernel_with_the_bits_of_a_lone_row():
+    """A norm over a 4-D tensor (the skip op takes 2-D and 3-D) is flattened to rows: each row gets the bits the
+    skip kernel gives it alone, as every other norm of every method."""
+    T, helper = onnx.TensorProto, onnx.helper
+    weight = onnx.numpy_helper.from_array(np.random.default_rng(2).random(64, dtype=np.float32) + 0.5, "w")
+    norm = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, epsilon=1e-5, stash_type=1)
+    graph = helper.make_graph([norm], "norm", [helper.make_tensor_value_info("x", T.FLOAT, [2, 3, "M", 64])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, None)], initializer=[weight])
+    model = combine_methods({"decode": helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)],
+                                                         ir_version=10)})
+    assert fuse_skip_norm(model) == 0
+    assert [n.op_type for n in method_graph(model, "decode").node] == [
+        "Reshape", "Sub", "SkipSimplifiedLayerNormalization", "Shape", "Reshape"]
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    x = np.random.default_rng(3).standard_normal((2, 3, 5, 64)).astype(np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": x, METHOD_INPUT: np.array(0, np.int64)})
+    skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "zeros", "w"], ["y"], domain="com.microsoft",
+                            epsilon=1e-5)
+    graph = helper.make_graph([skip], "lone", [helper.make_tensor_value_info(n, T.FLOAT, [1, 1, 64]) for n in
+                                               ("x", "zeros")], [helper.make_tensor_value_info("y", T.FLOAT, None)],
+                              initializer=[weight])
+    lone = helper.make_model(graph, opset_imports=[helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+    lone = ort.InferenceSession(lone.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert y.shape == x.shape
+    for row in x.reshape(-1, 64)[[0, 7, 29]]:
+        (alone,) = lone.run(None, {"x": row.reshape(1, 1, 64), "zeros": np.zeros((1, 1, 64), np.float32)})
+        (where,) = np.nonzero((x.reshape(-1, 64) == row).all(1))
+        assert np.array_equal(y.reshape(-1, 64)[where[0]], alone.reshape(64))
+
+
+# One packed low-rank term for layers whose lefts start with the same columns (Q4_1's block sums S) and go on
+# with their own (LoRA's A): S once, then each A; right puts each layer's rows in its own columns, zeros elsewhere.
+#  lefts (K = 1)        rights ([width, N] each)             left            right
+LOW_RANK = [
+    ([[1, 0], [1, 0]],  [[[5], [1]], [[6, 7], [2, 3]]],      [[1, 0]],       [[5, 6, 7], [1, 2, 3]]),  # one left
+    ([[1, 2], [1, 3]],  [[[5], [8]], [[6], [9]]],            [[1, 2, 3]],    [[5, 6], [8, 0], [0, 9]]),
+    ([[2, 1], [3, 1]],  [[[5], [8]], [[6], [9]]],            [[2, 1, 3, 1]], [[5, 0], [8, 0], [0, 6], [0, 9]]),
+]
+
+
+@pytest.mark.parametrize("lefts, rights, left, right", LOW_RANK)
+def test_packed_low_rank_terms_keep_each_layers_terms_in_its_own_columns(lefts, rights, left, right):
+    lefts = [np.array([row], np.float32) for row in lefts]
+    rights = [np.array(r, np.float32) for r in rights]
+    packed_left, packed_right = _low_rank(lefts, rights)
+    np.testing.assert_array_equal(packed_left, np.array(left, np.float32))
+    np.testing.assert_array_equal(packed_right, np.array(right, np.float32))
+    x = np.array([[3.0]], np.float32)
+    np.testing.assert_array_equal(x @ packed_left @ packed_right,
+                                  np.concatenate([x @ lft @ r for lft, r in zip(lefts, rights)], axis=1))
 
 
 def test_a_norm_without_its_constant_weight_is_left_as_it_is(exported):
@@ -149,29 +226,49 @@ def test_a_cut_weights_file_is_a_one_line_error(exported, tmp_path):
 
 
 def fused_ops_model() -> bytes:
-    """The two fused ops at SmolLM2's shapes, rows dynamic: x [1, M, 576] -> norm; q [1, 9, M, 64] -> rotary."""
-    T, helper = onnx.TensorProto, onnx.helper
-    weight = onnx.numpy_helper.from_array(np.random.default_rng(1).random(576, dtype=np.float32) + 0.5, "w")
-    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["normed"], axis=-1, epsilon=1e-5,
-                              stash_type=1),
-             helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"])]
+    """The ops the passes write, at SmolLM2's shapes, rows dynamic: q [1, 9, M, 64] -> rotary; x + skip [1, M, 576]
+    -> norm and sum; x -> q / k / v packed (4-bit MatMulNBits, low-rank term of block sums and LoRA)."""
+    T, helper, rng = onnx.TensorProto, onnx.helper, np.random.default_rng(1)
+    constants = {"w": rng.random(576, dtype=np.float32) + 0.5,
+                 "codes": rng.integers(0, 256, (960, 18, 16), dtype=np.uint8),
+                 "scales": rng.random(960 * 18, dtype=np.float32) / 50,
+                 "zeros": np.full(960 * 9, 0x88, np.uint8),
+                 "left": np.concatenate([np.eye(18, dtype=np.float32).repeat(32, axis=0),
+                                         rng.standard_normal((576, 96), dtype=np.float32) / 10], axis=1),
+                 "right": rng.standard_normal((114, 960), dtype=np.float32) / 10}
+    nodes = [helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"]),
+             helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "w"], ["skipped", "", "", "summed"],
+                              domain="com.microsoft", epsilon=1e-5),
+             helper.make_node("MatMulNBits", ["x", "codes", "scales", "zeros"], ["product"], domain="com.microsoft",
+                              K=576, N=960, bits=4, block_size=32, accuracy_level=4),
+             helper.make_node("MatMul", ["x", "left"], ["sums"]),
+             helper.make_node("MatMul", ["sums", "right"], ["term"]),
+             helper.make_node("Add", ["product", "term"], ["qkv"])]
     inputs = [helper.make_tensor_value_info("x", T.FLOAT, [1, "M", 576]),
               helper.make_tensor_value_info("q", T.FLOAT, [1, 9, "M", 64]),
               helper.make_tensor_value_info("cos", T.FLOAT, [1, "M", 32]),
-              helper.make_tensor_value_info("sin", T.FLOAT, [1, "M", 32])]
-    outputs = [helper.make_tensor_value_info(name, T.FLOAT, None) for name in ("normed", "turned")]
-    graph = helper.make_graph(nodes, "fused", inputs, outputs, initializer=[weight])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10).SerializeToString()
+              helper.make_tensor_value_info("sin", T.FLOAT, [1, "M", 32]),
+              helper.make_tensor_value_info("skip", T.FLOAT, [1, "M", 576])]
+    outputs = [helper.make_tensor_value_info(name, T.FLOAT, None) for name in FUSED_OUTPUTS]
+    graph = helper.make_graph(nodes, "fused", inputs, outputs,
+                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in constants.items()])
+    opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+FUSED_OUTPUTS = ("turned", "skipped", "summed", "qkv")
 
 
 def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
     """Row i of an M-row call equals that row alone, bit for bit (M = 1..16, the row anywhere, other rows random,
-    1 and 2 threads): SS's tree rows stay plain decoding's through the fused RMSNorm and rotary."""
+    1 and 2 threads): SS's tree rows stay plain decoding's through the fused and packed ops."""
     rng = np.random.default_rng(0)
     row = {"x": rng.standard_normal((1, 1, 576)), "q": rng.standard_normal((1, 9, 1, 64)),
-           "cos": rng.uniform(-1, 1, (1, 1, 32)), "sin": rng.uniform(-1, 1, (1, 1, 32))}
+           "cos": rng.uniform(-1, 1, (1, 1, 32)), "sin": rng.uniform(-1, 1, (1, 1, 32)),
+           "skip": rng.standard_normal((1, 1, 576))}
     row = {name: value.astype(np.float32) for name, value in row.items()}
-    axis = {"x": 1, "q": 2, "cos": 1, "sin": 1}
+    axis = {"x": 1, "q": 2, "cos": 1, "sin": 1, "skip": 1}
+    out_axis = {"turned": 2, "skipped": 1, "summed": 1, "qkv": 1}
     for threads in (1, 2):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -188,6 +285,6 @@ def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
                 index[axis[name]] = at
                 batch[tuple(index)] = np.take(value, 0, axis=axis[name])
                 feed[name] = batch
-            normed, turned = session.run(None, feed)
-            assert np.array_equal(normed[:, at], alone[0][:, 0]), (threads, count)
-            assert np.array_equal(turned[:, :, at], alone[1][:, :, 0]), (threads, count)
+            for name, out, one in zip(FUSED_OUTPUTS, session.run(None, feed), alone):
+                assert np.array_equal(np.take(out, at, out_axis[name]), np.take(one, 0, out_axis[name])), (
+                    name, threads, count)
