@@ -24,14 +24,16 @@ import json
 from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS_METADATA, method_output
 
 
-def strip_debug_info(model) -> None:
+def strip_debug_info(model, keep_shapes: bool = False) -> None:
     """Drop what only a reader needs (value_info, doc strings, the exporter's per-node stack traces), in every
     graph of the model: it is most of a graph's bytes, and ONNX Runtime keeps it in memory (31 -> 19 MiB per
-    SmolLM2 graph). The passes (export/onnx_passes.py) read value_info's ranks, so this runs after them."""
+    SmolLM2 graph). keep_shapes: keep value_info, which the passes (export/onnx_passes.py) read; the stack traces
+    go first all the same, since the passes rebuild each graph's node list and protobuf keeps every copy."""
     graphs = [model.graph]
     while graphs:
         graph = graphs.pop()
-        del graph.value_info[:]
+        if not keep_shapes:
+            del graph.value_info[:]
         for node in graph.node:
             node.doc_string = ""
             del node.metadata_props[:]

@@ -44,6 +44,7 @@ class _Graph:
     def __init__(self, graph, constants: dict):
         self.graph, self.constants = graph, constants
         self.producer = {o: n for n in graph.node for o in n.output}
+        self.claimed: set[str] = set()
         self.uses: dict[str, int] = {}
         for node in graph.node:
             for name in node.input:
@@ -62,20 +63,29 @@ class _Graph:
         tensor = self.constants.get(name)
         return None if tensor is None or tensor.data_location == tensor.EXTERNAL else numpy_helper.to_array(tensor)
 
-    def live(self, node) -> bool:
-        return self.producer.get(node.output[0]) is not None
+    def claim(self, nodes: list) -> bool:
+        """Mark `nodes` for one rewrite; False if a rewrite already took one of them (rewrites must be disjoint)."""
+        outputs = {n.output[0] for n in nodes}
+        if outputs & self.claimed:
+            return False
+        self.claimed |= outputs
+        return True
 
-    def replace(self, dead: list, new: list, first: bool = False) -> None:
-        """Remove `dead` nodes and put `new` where the last of them stood, or the first (`first`: for `new` nodes that
-        read only what came before any dead node), so graphs stay topologically sorted."""
-        outputs = {n.output[0] for n in dead}
-        order = [node.output[0] for node in self.graph.node if node.output[0] in outputs]
-        place = order[0 if first else -1]
+    def replace_all(self, edits: list[tuple[list, list, bool]]) -> None:
+        """Each (dead, new, first): remove the dead nodes and put `new` where the last of them stood, or the first
+        (`first`: for new nodes that read only what came before any dead node), so graphs stay topologically sorted.
+        The graph's nodes are rebuilt once: protobuf keeps every copy of a rebuilt list until the model goes (one
+        rebuild per match cost GBs in the build)."""
+        dead_outputs = {n.output[0] for dead, _, _ in edits for n in dead}
+        position = {node.output[0]: index for index, node in enumerate(self.graph.node)}
+        inserts: dict[str, list] = {}
+        for dead, new, first in edits:
+            places = sorted(position[n.output[0]] for n in dead)
+            inserts.setdefault(self.graph.node[places[0 if first else -1]].output[0], []).extend(new)
         kept = []
         for node in self.graph.node:
-            if node.output[0] == place:
-                kept += new
-            if node.output[0] not in outputs:
+            kept += inserts.get(node.output[0], [])
+            if node.output[0] not in dead_outputs:
                 kept.append(node)
         del self.graph.node[:]
         self.graph.node.extend(kept)
@@ -111,16 +121,17 @@ def fuse_rms_norm(model) -> int:
     constants = {t.name: t for t in model.graph.initializer}
     fused = 0
     for branch in _branches(model):
-        graph = _Graph(branch, constants)
+        graph, edits = _Graph(branch, constants), []
         for scale in [n for n in branch.node if n.op_type == "Mul"]:
-            match = _rms_norm(graph, scale) if graph.live(scale) else None
-            if match is None:
+            match = _rms_norm(graph, scale)
+            if match is None or not graph.claim(match[-1]):
                 continue
             x, weight, eps, dead = match
             node = helper.make_node("SimplifiedLayerNormalization", [x, weight], [scale.output[0]],
                                     name=f"{scale.name}/rms_norm", axis=-1, epsilon=eps, stash_type=1)
-            graph.replace(dead, [node])
+            edits.append((dead, [node], False))
             fused += 1
+        graph.replace_all(edits)
     return fused
 
 
@@ -137,15 +148,16 @@ def fuse_skip_norm(model) -> int:
     constants = {t.name: t for t in model.graph.initializer}
     joined = 0
     for branch in _branches(model):
-        graph, shapes = _Graph(branch, constants), _shapes(branch)
+        graph, shapes, edits = _Graph(branch, constants), _shapes(branch), []
         for norm in [n for n in branch.node if n.op_type == "SimplifiedLayerNormalization"]:
             add = graph.producer.get(norm.input[0])
-            if add is not None and add.op_type == "Add" and _same_rows(shapes, add.input):
+            if add is not None and add.op_type == "Add" and _same_rows(shapes, add.input) and graph.claim([add]):
                 skip = _skip_norm(helper, norm, list(add.input), [norm.output[0], "", "", add.output[0]])
-                graph.replace([add, norm], [skip], first=True)
+                edits.append(([add, norm], [skip], True))
                 joined += 1
             else:
-                graph.replace([norm], _zero_skip_norm(helper, norm, len(shapes.get(norm.input[0], ())), model))
+                edits.append(([norm], _zero_skip_norm(helper, norm, len(shapes.get(norm.input[0], ())), model), False))
+        graph.replace_all(edits)
     return joined
 
 
@@ -218,11 +230,11 @@ def fuse_rotary(model) -> int:
     constants = {t.name: t for t in model.graph.initializer}
     fused = 0
     for branch in _branches(model):
-        graph = _Graph(branch, constants)
+        graph, edits = _Graph(branch, constants), []
         halves: dict[str, str] = {}  # a [.., S, d] cos / sin -> its first half, sliced once per graph
         for add in [n for n in branch.node if n.op_type == "Add"]:
-            match = _rotary(graph, add) if graph.live(add) else None
-            if match is None:
+            match = _rotary(graph, add)
+            if match is None or not graph.claim(match[-1]):
                 continue
             x, cos, sin, half, dead = match
             new = []
@@ -232,8 +244,9 @@ def fuse_rotary(model) -> int:
                     new.append(_first_half(helper, table, half, model))
             new.append(helper.make_node("RotaryEmbedding", [x, halves[cos], halves[sin]], [add.output[0]],
                                         name=f"{add.name}/rotary"))
-            graph.replace(dead, new)
+            edits.append((dead, new, False))
             fused += 1
+        graph.replace_all(edits)
     if fused:
         _require_opset(model, ROTARY_OPSET)
     return fused
@@ -355,10 +368,10 @@ def pack_linears(model) -> int:
         groups: dict[tuple, list[_Linear]] = {}
         for linear in _linears(graph):
             groups.setdefault(linear.key(), []).append(linear)
-        for siblings in (s for s in groups.values() if len(s) > 1):
-            new = _packed(model, siblings, graph, made)
-            graph.replace([n for linear in siblings for n in linear.nodes], new, first=True)
-            packed += len(siblings)
+        packs = [s for s in groups.values() if len(s) > 1]
+        graph.replace_all([([n for linear in siblings for n in linear.nodes], _packed(model, siblings, graph, made), True)
+                           for siblings in packs])
+        packed += sum(len(siblings) for siblings in packs)
     return packed
 
 

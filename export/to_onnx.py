@@ -44,6 +44,7 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
                                          custom_translation_table=custom_translations())
             exported.save(str(Path(scratch) / f"{name}.onnx"), external_data=True)
             models[name] = onnx.load(str(Path(scratch) / f"{name}.onnx"), load_external_data=True)
+            strip_debug_info(models[name], keep_shapes=True)
     model = combine_methods(models)
     fuse_rms_norm(model)
     fuse_skip_norm(model)
