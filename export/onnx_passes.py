@@ -25,6 +25,7 @@ opset rises to 23 for RotaryEmbedding; no op the graphs use changed meaning sinc
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import NamedTuple
 
@@ -62,6 +63,11 @@ class _Graph:
 
         tensor = self.constants.get(name)
         return None if tensor is None or tensor.data_location == tensor.EXTERNAL else numpy_helper.to_array(tensor)
+
+    def dims(self, name: str) -> tuple | None:
+        """A constant's shape, without reading its bytes; None if `name` is no constant in memory."""
+        tensor = self.constants.get(name)
+        return None if tensor is None or tensor.data_location == tensor.EXTERNAL else tuple(tensor.dims)
 
     def claim(self, nodes: list) -> bool:
         """Mark `nodes` for one rewrite; False if a rewrite already took one of them (rewrites must be disjoint)."""
@@ -383,7 +389,7 @@ def _linears(graph: _Graph) -> list[_Linear]:
             product, right = graph.only(first, "MatMulNBits"), graph.only(second, "MatMul")
             left = right and graph.only(right.input[0], "MatMul")
             if (product and left and _constant_product(graph, product) and left.input[0] == product.input[0]
-                    and _matrix(graph, left.input[1]) is not None and _matrix(graph, right.input[1]) is not None):
+                    and _matrix(graph, left.input[1]) and _matrix(graph, right.input[1])):
                 found.append(_Linear(product, left, right, add))
                 taken.update(n.output[0] for n in (product, left, right, add))
                 break
@@ -395,14 +401,13 @@ def _linears(graph: _Graph) -> list[_Linear]:
 
 def _constant_product(graph: _Graph, node) -> bool:
     if node.op_type == "MatMulNBits":
-        return len(node.input) <= 4 and all(graph.value(name) is not None for name in node.input[1:])
-    return (node.op_type == "MatMul" and graph.value(node.input[0]) is None
-            and _matrix(graph, node.input[1]) is not None)
+        return len(node.input) <= 4 and all(graph.dims(name) is not None for name in node.input[1:])
+    return node.op_type == "MatMul" and graph.dims(node.input[0]) is None and _matrix(graph, node.input[1])
 
 
-def _matrix(graph: _Graph, name: str):
-    value = graph.value(name)
-    return value if value is not None and value.ndim == 2 else None
+def _matrix(graph: _Graph, name: str) -> bool:
+    dims = graph.dims(name)
+    return dims is not None and len(dims) == 2
 
 
 def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
@@ -435,9 +440,13 @@ def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
     if first.add is not None:
         lefts = [linear.left.input[1] for linear in siblings]
         rights = [linear.right.input[1] for linear in siblings]
-        left, right = _low_rank([graph.value(p) for p in lefts], [graph.value(p) for p in rights])
-        left_name = lefts[0] if len(set(lefts)) == 1 else tensor(lefts, lambda: left)
-        right_name = tensor(rights, lambda: right)
+
+        @functools.cache  # built once, for the first method that packs these layers
+        def term() -> tuple[np.ndarray, np.ndarray]:
+            return _low_rank([graph.value(p) for p in lefts], [graph.value(p) for p in rights])
+
+        left_name = lefts[0] if len(set(lefts)) == 1 else tensor(lefts, lambda: term()[0])
+        right_name = tensor(rights, lambda: term()[1])
         x = first.product.input[0]
         nodes += [helper.make_node("MatMul", [x, left_name], [f"{name}/left"], name=f"{name}/left"),
                   helper.make_node("MatMul", [f"{name}/left", right_name], [f"{name}/right"], name=f"{name}/right"),
@@ -452,7 +461,7 @@ def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
 def _columns(graph: _Graph, product) -> int:
     if product.op_type == "MatMulNBits":
         return next(a.i for a in product.attribute if a.name == "N")
-    return graph.value(product.input[1]).shape[1]
+    return graph.dims(product.input[1])[1]
 
 
 def _low_rank(lefts: list[np.ndarray], rights: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
