@@ -162,7 +162,8 @@ def fuse_skip_norm(model) -> int:
                 edits.append(([add, norm], [skip], True))
                 joined += 1
             else:
-                edits.append(([norm], _zero_skip_norm(helper, norm, len(shapes.get(norm.input[0], ())), model), False))
+                rank = len(shapes.get(norm.input[0], ()))
+                edits.append(([norm], _zero_skip_norm(helper, norm, rank, graph, model), False))
         graph.replace_all(edits)
     return joined
 
@@ -186,17 +187,18 @@ def _skip_norm(helper, norm, inputs: list[str], outputs: list[str]):
                             name=f"{norm.name}/skip", domain=MICROSOFT, epsilon=eps)
 
 
-def _zero_skip_norm(helper, norm, rank: int, model) -> list:
+def _zero_skip_norm(helper, norm, rank: int, graph: _Graph, model) -> list:
     """The skip op on `norm`'s input and zeros; a rank other than 2 or 3 (or unknown) as rows [-1, hidden], shaped
     back after."""
     x, out = norm.input[0], norm.output[0]
     if rank in (2, 3):
         return [helper.make_node("Sub", [x, x], [f"{out}/zeros"]),
                 _skip_norm(helper, norm, [x, f"{out}/zeros"], [out])]
-    hidden = next(t.dims[0] for t in model.graph.initializer if t.name == norm.input[1])
+    hidden = graph.dims(norm.input[1])[0]
     rows_shape = f"rows/{hidden}"
-    if not any(t.name == rows_shape for t in model.graph.initializer):
+    if rows_shape not in graph.constants:
         model.graph.initializer.append(helper.make_tensor(rows_shape, 7, [2], [-1, hidden]))
+        graph.constants[rows_shape] = model.graph.initializer[-1]
     return [helper.make_node("Reshape", [x, rows_shape], [f"{out}/rows"]),
             helper.make_node("Sub", [f"{out}/rows"] * 2, [f"{out}/zeros"]),
             _skip_norm(helper, norm, [f"{out}/rows", f"{out}/zeros"], [f"{out}/normed"]),
