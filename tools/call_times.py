@@ -7,7 +7,8 @@ by the cache slots in use: the figures behind a tree step's cost in plain calls.
 Inputs come from the manifest's method signatures: random token ids and caches (a call's time depends on
 shapes, not values), in each step bucket the first of the artifact's trees that fits it (else a tree
 filling it), `cache_len` set to each span. Calls are interleaved across methods; medians are printed
-(and written as JSON with --out).
+(and written as JSON with --out). The row `commit_T (host)` is what the host adds to a step: copying the
+accepted rows of a T-node step (all T, a chain accepted whole) from its outputs into the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,12 @@ import torch
 from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
-from streamfuse.runtime.backends.static_graph import base_method, interleaved_call_times, tree_inputs
+from streamfuse.runtime.backends.static_graph import (
+    StaticGraphBackend,
+    base_method,
+    interleaved_call_times,
+    tree_inputs,
+)
 from streamfuse.runtime.tree import TreeSpec
 
 ENGINES = ("executorch", "onnxruntime")
@@ -72,6 +79,18 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
     return made
 
 
+def commit_times(backend: StaticGraphBackend, tree: TreeSpec, span: int, rounds: int) -> list[float]:
+    """Seconds of the host's commit of every node of a `tree` step at `span` committed rows (the step untimed)."""
+    samples = []
+    for _ in range(rounds + 1):
+        backend.length = span  # as if a run had committed `span` rows (their values do not matter)
+        backend.step([0] * tree.num_nodes, tree, with_streams=False)
+        start = time.perf_counter()
+        backend.commit(range(tree.num_nodes))
+        samples.append(time.perf_counter() - start)
+    return samples[1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     words = [s.strip() for s in args.spans.split(",") if s.strip()]
@@ -90,17 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     session = open_session(args.backend, artifact.backend_files(args.backend),
                            args.threads)
     methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
+    commit_tree = bucket_tree(artifact.trees, max(graphs["buckets"]), gamma)
+    commit = f"commit_{commit_tree.num_nodes} (host)"
+    host = StaticGraphBackend(session, artifact.graph_spec())
     table = {}
     for span in spans:
         calls = {name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
                  for name, sig in methods.items()}
         samples = interleaved_call_times(calls, args.rounds, 1)
+        samples[commit] = commit_times(host, commit_tree, span, args.rounds)
         table[span] = {name: 1000 * statistics.median(times) for name, times in samples.items()}
     print(f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
           f"carry the artifact's first tree that fits")
     print(f"{'method':<20}" + "".join(f"{span:>10}" for span in spans))
-    for name in methods:
-        print(f"{name:<20}" + "".join(f"{table[span][name]:>10.2f}" for span in spans))
+    for name in [*methods, commit]:
+        print(f"{name:<20}" + "".join(f"{table[span][name]:>10.3f}" for span in spans))
     if args.out:
         args.out.write_text(json.dumps({"backend": args.backend, "threads": args.threads, "rounds": args.rounds,
                                         "ms": {str(span): row for span, row in table.items()}}, indent=1))
