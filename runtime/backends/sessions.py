@@ -92,8 +92,9 @@ PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "Co
 def ort_options(ort, threads: int | None):
     """ONNX Runtime's session options for every session here: `threads` intra-op threads that spin-wait between
     the ops of a call and stop when the call ends. A call is ~1,000 small ops: woken from sleep for each, the
-    workers made a call 1.35x slower (decode 10.8 -> 7.9 ms on 2 cores); left spinning after it, they steal the
-    cores from whatever runs next (as OMP_WAIT_POLICY=PASSIVE keeps torch's from doing): 1.55x slower there."""
+    workers made decode 1.36x slower (`tools.call_times`, 300 slots, 2 cores: 9.75 against 7.16 ms); left spinning
+    after the call, they steal the cores from whatever runs next, as OMP_WAIT_POLICY=PASSIVE keeps torch's from
+    doing (docs/benchmarks.md: 1.55x slower there)."""
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
