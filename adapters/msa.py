@@ -117,14 +117,18 @@ class SpanKeyValues(KeyValues):
     export/span_attention.py): attention gets only this call's rows as keys (after `prefix` rows per layer,
     e.g. the step rows that deferred streams see), and reads the whole cache (keys, values [L, kv, C, d]: a
     layer's slice would be a copy in the exported graph) and `start` (it attends slots [0, start)) from
-    here. Nothing is concatenated with the cache. The attention reads it as KeyValues.active (announced)."""
+    here. Nothing is concatenated with the cache. The attention reads it as KeyValues.active (announced).
+    store: the kernel also writes this call's main rows into slots start.. of the cache (`stored` rows a layer)."""
 
     announced = True
 
     def __init__(self, num_layers: int, main_len: int, cache: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
-                 prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, store: bool = False):
         super().__init__(main_len)
+        if store and prefix is not None:
+            raise ValueError("a call that stores its rows has none before them: the stored rows come first")
         self.cache, self.start, self.prefix = cache, start, prefix
+        self.stored = main_len if store else 0
         self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self._visible: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

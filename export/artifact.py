@@ -399,9 +399,10 @@ class ArtifactBuilder:
         if fmt["name"] != self.config.quantize:
             print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
                   f"unquantized", flush=True)
-        modules = self.modules(model, span=backend in SPAN)
-        inputs = graph.example_inputs(model, self.shapes())
-        input_names, output_names = graph.names_of(modules)
+        shapes = self.shapes(span=backend in SPAN)
+        modules = self.modules(model, span=shapes.span)
+        inputs = graph.example_inputs(model, shapes)
+        input_names, output_names = graph.names_of(modules, shapes)
         task_inputs = self.config.task_inputs
         if task_inputs:  # the trained tensors become inputs: the graphs hold the base alone
             modules, inputs = with_task_inputs(modules, inputs, model)
@@ -461,11 +462,12 @@ class ArtifactBuilder:
         reference = EagerSession(self.modules(model, span=backend in SPAN))
         fmt = self.format(backend)
         if fmt == "none":
-            result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
-                                    self.rules())
+            result = backend_parity(session, reference, self.graph_spec(backend), self.trees, self.prompts,
+                                    self.expected_tokens(), self.rules())
         else:  # lossless against its own plain decoding on every prompt; tokens may differ from fp32 eager
-            result = backend_parity(session, reference, self.graph_spec(), self.trees, self.prompts, self.expected_tokens(),
-                                    self.rules(), plain_prompts=len(self.prompts), relative_tolerance=None)
+            result = backend_parity(session, reference, self.graph_spec(backend), self.trees, self.prompts,
+                                    self.expected_tokens(), self.rules(), plain_prompts=len(self.prompts),
+                                    relative_tolerance=None)
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
         others = result["other_trees"]
         print(f"[verify] {backend} ({fmt}): SS == torch eager fp32 on {result['ss_equals_torch_eager']}/"
@@ -505,8 +507,9 @@ class ArtifactBuilder:
         """The Medusa heads the graphs rank (fp32 whatever the format: about 1M weights), or None."""
         return None if self.heads is None else load_heads(self.heads).eval().requires_grad_(False)
 
-    def graph_spec(self) -> GraphSpec:
-        return graph.graph_spec(self.model_and_tokenizer()[0], self.shapes(), self.greedy_schedules(), self.num_heads)
+    def graph_spec(self, backend: str) -> GraphSpec:
+        return graph.graph_spec(self.model_and_tokenizer()[0], self.shapes(span=backend in SPAN), self.greedy_schedules(),
+                                self.num_heads)
 
     def rules(self) -> StopRules:
         return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
@@ -535,8 +538,10 @@ class ArtifactBuilder:
     def _manifest(self, files: dict, parity: dict, seconds: dict, formats: dict, task_files: dict,
                   lending: dict | None) -> dict:
         model, tokenizer, checkpoint = self.model_and_tokenizer()
-        parts, shapes = model.parts, self.shapes()
-        modules = self.modules(model)
+        # "methods" describes the graphs this runtime runs: the span graphs where any were built (Core ML's
+        # package records its own signature, "spec").
+        parts, shapes = model.parts, self.shapes(span=any(backend in SPAN for backend in files))
+        modules = self.modules(model, span=shapes.span)
         return {
             "schema": SCHEMA,
             "build_key": self.key,
@@ -560,10 +565,13 @@ class ArtifactBuilder:
                        "greedy_step": {"schedules": self.greedy_schedules(), "width": shapes.width,
                                        "draft_vocab": {"path": DRAFT_VOCAB, **self.draft.to_dict()} if self.draft else None},
                        "heads": {"count": self.num_heads, "training_key": self.heads_key},
-                       "methods": graph.signature(modules, graph.example_inputs(model, shapes))},
+                       "methods": graph.signature(modules, graph.example_inputs(model, shapes), shapes)},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
                           "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],
-                          "capacity": shapes.capacity, "dtype": "float32", "owner": "host"},
+                          "capacity": shapes.capacity, "dtype": "float32",
+                          # who writes the cache (runtime/backends/static_graph.py): the engine (the span graphs)
+                          # or the host, per backend
+                          "owner": {backend: "engine" if backend in SPAN else "host" for backend in files}},
             "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                           "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
             "adapter": self.adapter_entry("adapter"),

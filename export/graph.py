@@ -1,6 +1,6 @@
 """Static-shape graphs of a Speculative Streaming model: what ExecuTorch, ONNX and Core ML compile.
 
-Every method is a pure function of explicit tensors; the host owns the KV cache:
+Every method is a function of explicit tensors; the host allocates the KV cache and hands it to every call:
 
     prefill(ids [1,P], cache_len [1], last [1], keys, values) -> logits [1,V], anchor [1,H], hidden [1,H],
                                                                   new_keys, new_values
@@ -24,9 +24,13 @@ Calibration may pick any tree up to the largest bucket with no re-export, and a 
 tree every step.
 
 keys/values [L, kv_heads, C, d] hold the committed cache: rows < cache_len are attended to,
-the rest are masked out (on ExecuTorch and ONNX Runtime the attention kernel reads only rows < cache_len,
-in place: GraphShapes.span). new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
-ones into its cache. prefill is a causal chunk of P tokens (a constant chain), decode a chain of 1.
+the rest are masked out. new_keys/new_values [L, kv_heads, T, d] are this call's rows; the host copies the accepted
+ones into its cache. On ExecuTorch and ONNX Runtime (GraphShapes.span) the engine keeps the cache instead: the
+attention kernel reads only rows < cache_len, in place, and writes the call's rows into slots cache_len.. of the
+given buffers; every method takes one more input, commit [max_nodes] (the nodes of the previous call the host
+accepted, ascending, then -1), and first moves those rows into place; no method returns new_keys/new_values
+(runtime/backends/static_graph.py COMMIT_INPUT). prefill is a causal chunk of P tokens (a constant chain), decode a
+chain of 1.
 anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
 outputs equal the fused pass's; on CPUs it is the cheaper one). hidden is each row's final-normed
@@ -64,15 +68,15 @@ from streamfuse.runtime.backends.graph_passes import (
     GreedyStepPass,
     HeadsPass,
     MainPass,
+    PrefillPass,
     StepPass,
     StreamsPass,
 )
 from streamfuse.runtime.backends.static_graph import (
-    INPUT_NAMES,
-    OUTPUT_NAMES,
     GraphSpec,
-    base_method,
     bucket_method,
+    input_names,
+    output_names,
     tree_inputs,
 )
 from streamfuse.runtime.options import STREAM_SCHEDULES
@@ -145,8 +149,8 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     layout = shapes.layout
     schedules = schedules or ["deferred"] * len(shapes.buckets)
     modules = {
-        "prefill": MainPass(model, shapes.prefill_chunk, True, layout),
-        "decode": MainPass(model, 1, False, layout),
+        "prefill": PrefillPass(model, shapes.prefill_chunk, layout),
+        "decode": MainPass(model, 1, layout),
         "streams": StreamsPass(model, layout),
     }
     for rows, schedule in zip(shapes.buckets, schedules, strict=True):
@@ -164,7 +168,7 @@ def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Se
     parts = model.parts
     return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
                      shapes.capacity, shapes.prefill_chunk, shapes.buckets, tuple(schedules), shapes.width, heads,
-                     head_ids=model.kept_vocab())
+                     head_ids=model.kept_vocab(), engine_cache=shapes.span)
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -189,24 +193,28 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
         tree, depths, parents = map(torch.from_numpy, tree_inputs(TreeSpec.chain(max(rows - 2, 1)), rows))
         inputs[bucket_method("step", rows)] = (ids(rows), length, tree, depths, keys, values)
         inputs[bucket_method("greedy_step", rows)] = (ids(rows), length, tree, depths, parents, keys, values)
+    if shapes.span:  # a commit moving nothing: the example's values must be valid, the moves' cost is not traced
+        commit = torch.full((shapes.max_nodes,), -1, dtype=torch.long)
+        inputs = {name: (*tensors, commit) for name, tensors in inputs.items()}
     return inputs
 
 
-def names_of(methods) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def names_of(methods, shapes: GraphShapes) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Input and output tensor names of each exported method (a bucket's: those of step / greedy_step)."""
-    return ({m: INPUT_NAMES[base_method(m)] for m in methods}, {m: OUTPUT_NAMES[base_method(m)] for m in methods})
+    return ({m: input_names(m, shapes.span) for m in methods}, {m: output_names(m, shapes.span) for m in methods})
 
 
-def signature(modules: dict[str, nn.Module], inputs: dict[str, tuple[torch.Tensor, ...]]) -> dict:
-    """Per method: input and output names, shapes and dtypes (for the manifest and for checks)."""
+def signature(modules: dict[str, nn.Module], inputs: dict[str, tuple[torch.Tensor, ...]], shapes: GraphShapes) -> dict:
+    """Per method: input and output names, shapes and dtypes (for the manifest and for checks). The span graphs
+    write their example cache: it runs on copies."""
     result = {}
     with torch.no_grad():
         for name, module in modules.items():
-            outputs = module(*inputs[name])
+            outputs = module(*(t.clone() for t in inputs[name]))
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             result[name] = {
-                "inputs": [_describe(n, t) for n, t in zip(INPUT_NAMES[base_method(name)], inputs[name])],
-                "outputs": [_describe(n, t) for n, t in zip(OUTPUT_NAMES[base_method(name)], outputs)],
+                "inputs": [_describe(n, t) for n, t in zip(input_names(name, shapes.span), inputs[name])],
+                "outputs": [_describe(n, t) for n, t in zip(output_names(name, shapes.span), outputs)],
             }
     return result
 

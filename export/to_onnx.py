@@ -2,7 +2,8 @@
 
 Attention is streamfuse's exact kernel over the cache's used span (export/span_attention.py), an ONNX Runtime
 custom op (domain streamfuse, runtime/kernels/tree_attention_ort.cpp): the graphs take the host's whole
-[L, kv, C, d] cache as one input, which ONNX Runtime reads in place, and return only the call's new rows.
+[L, kv, C, d] cache as one input, which ONNX Runtime hands to the ops in place; CommitRows moves the previous
+call's accepted rows into place, the attention writes the call's rows after the used span, and no rows come out.
 Each method is exported through torch.export (the dynamo exporter) into a scratch folder; the graphs then
 become the branches of one model whose initializers are each distinct tensor once, RMSNorm (with its residual
 Add) and rotary embedding become one node each and the projections that share an input one product
@@ -84,15 +85,17 @@ ACCURACY_LEVEL = 4
 
 def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops: the low-bit products (export/low_bit.py) as ONNX Runtime's MatMulNBits,
-    the attention kernel (runtime/tree_attention.py) as streamfuse's TreeAttention."""
+    the attention kernel and the cache's commit (runtime/tree_attention.py) as streamfuse's TreeAttention and
+    CommitRows."""
     from onnxscript.values import Opset
 
     from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)
-    from streamfuse.runtime.tree_attention import ONNX_DOMAIN, ONNX_OP, torch_op
+    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP, commit_op, torch_op
 
     _register_schemas()
     matmul_nbits = Opset("com.microsoft", 1).MatMulNBits
     attention = getattr(Opset(ONNX_DOMAIN, 1), ONNX_OP)
+    commit = getattr(Opset(ONNX_DOMAIN, 1), ONNX_COMMIT_OP)
 
     def q4_matmul(x, packed, scales, zero_points, out_features: int):
         return matmul_nbits(x, packed, scales, zero_points, K=packed.shape[1] * 32, N=out_features, bits=4,
@@ -102,31 +105,44 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
         return matmul_nbits(x, codes, scales, K=codes.shape[1] * 32, N=out_features, bits=8, block_size=32,
                             accuracy_level=accuracy_level)
 
-    def tree_attention(query, k_cache, v_cache, layer: int, start, k_extra, v_extra, visible, scale: float):
-        return attention(query, k_cache, v_cache, start, k_extra, v_extra, visible, layer=layer, scale=scale)
+    def tree_attention(query, k_cache, v_cache, layer: int, start, k_extra, v_extra, visible, scale: float,
+                       store: int):
+        return attention(query, k_cache, v_cache, start, k_extra, v_extra, visible, layer=layer, scale=scale,
+                         store=store)
+
+    def commit_rows(k_cache, v_cache, start, accepted):
+        return commit(k_cache, v_cache, start, accepted)
 
     return {torch.ops.streamfuse.q4_matmul.default: q4_matmul, torch.ops.streamfuse.q8_linear.default: q8_linear,
-            torch_op(): tree_attention}
+            torch_op(): tree_attention, commit_op(): commit_rows}
 
 
 def _register_schemas() -> None:
     """Teach onnx the schemas of ONNX Runtime's MatMulNBits (a contrib op onnx does not know) and of
-    streamfuse's TreeAttention, so the exporter can build their nodes; ONNX Runtime checks them against
-    its own definitions at load."""
+    streamfuse's TreeAttention and CommitRows, so the exporter can build their nodes; ONNX Runtime checks them
+    against its own definitions at load."""
     from onnx import defs
 
-    from streamfuse.runtime.tree_attention import ONNX_DOMAIN, ONNX_OP
+    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     schema = defs.OpSchema
+    types = [("T1", ["tensor(float)"], ""), ("T2", ["tensor(int64)"], "")]
     if not defs.has(ONNX_OP, ONNX_DOMAIN):
         defs.register_schema(schema(
             ONNX_OP, ONNX_DOMAIN, 1,
             inputs=[schema.FormalParameter(name, "T2" if name == "start" else "T1") for name in (
                 "query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible")],
-            outputs=[schema.FormalParameter("out", "T1")],
-            type_constraints=[("T1", ["tensor(float)"], ""), ("T2", ["tensor(int64)"], "")],
+            outputs=[schema.FormalParameter("out", "T1")], type_constraints=types,
             attributes=[schema.Attribute("layer", schema.AttrType.INT, "", required=True),
-                        schema.Attribute("scale", schema.AttrType.FLOAT, "", required=True)],
+                        schema.Attribute("scale", schema.AttrType.FLOAT, "", required=True),
+                        schema.Attribute("store", schema.AttrType.INT, "", required=True)],
+        ))
+    if not defs.has(ONNX_COMMIT_OP, ONNX_DOMAIN):
+        defs.register_schema(schema(
+            ONNX_COMMIT_OP, ONNX_DOMAIN, 1,
+            inputs=[schema.FormalParameter(name, "T1" if name.endswith("cache") else "T2") for name in (
+                "k_cache", "v_cache", "start", "accepted")],
+            outputs=[schema.FormalParameter("out", "T2")], type_constraints=types,
         ))
     if defs.has("MatMulNBits", "com.microsoft"):
         return

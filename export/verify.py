@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.backends.static_graph import OUTPUT_NAMES, GraphSpec, Session, StaticGraphBackend, base_method
+from streamfuse.runtime.backends.static_graph import (
+    CACHE_INPUTS,
+    GraphSpec,
+    Session,
+    StaticGraphBackend,
+    input_names,
+    output_names,
+)
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.emitter import StopRules
@@ -60,18 +67,26 @@ class EagerSession:
 
 
 class ReplaySession:
-    """Wraps a session; replays each call through the reference and keeps the largest differences."""
+    """Wraps a session; replays each call through the reference and keeps the largest differences. Where the engine
+    keeps the cache, the reference runs on a copy of it, and the two caches after the call are compared too (the
+    rows the call wrote and moved: "keys", "values")."""
 
-    def __init__(self, session: Session, reference: Session):
-        self.session, self.reference = session, reference
+    def __init__(self, session: Session, reference: Session, engine_cache: bool):
+        self.session, self.reference, self.engine_cache = session, reference, engine_cache
         self.name = session.name
         self.max_diff: dict[str, float] = {}
         self.max_ref: dict[str, float] = {}
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        inputs = [a.copy() for a in inputs]  # the host mutates its cache after the call
+        copies = [a.copy() for a in inputs]  # the reference's own: a call may write its cache
+        if not self.engine_cache:
+            inputs = [a.copy() for a in inputs]  # the host mutates its cache after the call
         outputs = [out.copy() for out in self.session.run(method, inputs)]  # an engine may reuse its buffers
-        for name, out, ref in zip(OUTPUT_NAMES[base_method(method)], outputs, self.reference.run(method, inputs)):
+        compared = list(zip(output_names(method, self.engine_cache), outputs, self.reference.run(method, copies)))
+        if self.engine_cache:
+            names = input_names(method, True)
+            compared += [(name, inputs[names.index(name)], copies[names.index(name)]) for name in CACHE_INPUTS]
+        for name, out, ref in compared:
             key = f"{method}.{name}"
             exact = not np.issubdtype(ref.dtype, np.floating)
             diff = float((out != ref).sum()) if exact else float(np.abs(out.astype(np.float32) - ref).max())
@@ -110,7 +125,7 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, t
     and step-output differences on the first
     `numeric_prompts` (each call replayed through the eager graphs). relative_tolerance None: the
     differences are recorded, not judged (a low-bit format against the fp32 model)."""
-    replay = ReplaySession(session, reference)
+    replay = ReplaySession(session, reference, spec.engine_cache)
     fast = StaticGraphBackend(session, spec)
     checked = [StaticGraphBackend(replay, spec, use_greedy_step=False), StaticGraphBackend(replay, spec)]
     mismatches: list[dict] = []

@@ -37,7 +37,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/18"  # /18: the ONNX graphs fuse RMSNorm and rotary, and gather the embedding from inputs the host maps
+SCHEMA = "streamfuse.artifact/19"  # /19: the ExecuTorch and ONNX Runtime graphs write the KV cache (kv_layout owner)
 MANIFEST = "manifest.json"
 HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
 DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary, ascending (int64)
@@ -228,12 +228,17 @@ class Artifact:
         stored[TASKS][fields["task"]] = {name: fields[name] for name in TASK_FIELDS}
         write_manifest(self.path, stored)
 
-    def graph_spec(self) -> GraphSpec:
+    def graph_spec(self, backend: str) -> GraphSpec:
+        """What the host must know to run `backend`'s graphs."""
         model, graphs = self.manifest["model"], self.manifest["graphs"]
+        owner = self.manifest["kv_layout"]["owner"]
+        if backend not in owner:
+            raise ArtifactError(f"{self.path} has no {backend} graphs (it has {', '.join(owner)}); rebuild it with "
+                                f"export/build.py --backends {backend}")
         return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
                          self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"],
                          tuple(graphs["buckets"]), tuple(graphs["greedy_step"]["schedules"]), graphs["greedy_step"]["width"],
-                         graphs["heads"]["count"], head_ids=self.head_ids())
+                         graphs["heads"]["count"], head_ids=self.head_ids(), engine_cache=owner[backend] == "engine")
 
     def head_ids(self) -> np.ndarray | None:
         """The token ids the LM head keeps (model.head_vocab: a draft model's pruned vocabulary), checked; None:

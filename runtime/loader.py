@@ -273,6 +273,6 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
         session.bind_task(tensors)
     manifest = artifact.manifest
-    return Loaded(StaticGraphBackend(session, artifact.graph_spec(), device), artifact.load_tokenizer(),
+    return Loaded(StaticGraphBackend(session, artifact.graph_spec(backend), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,
                   artifact, artifact.calibration(backend) if calibrated else None, threads)

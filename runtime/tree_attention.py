@@ -1,13 +1,21 @@
-"""Exact attention over the used span of the KV cache: one C++ kernel (runtime/kernels/tree_attention.h)
-for torch (an op, streamfuse::tree_attention), ExecuTorch (the same op's out variant, registered into
-ExecuTorch's runtime by a library of ours) and ONNX Runtime (a custom-op library, streamfuse.TreeAttention),
-and a NumPy reference of the same arithmetic, the tests' oracle.
+"""Exact attention over the used span of the KV cache, and the cache's upkeep in place: one C++ kernel
+(runtime/kernels/tree_attention.h) for torch (ops streamfuse::tree_attention and streamfuse::commit_rows),
+ExecuTorch (the same ops' out variants, registered into ExecuTorch's runtime by a library of ours) and ONNX
+Runtime (a custom-op library, streamfuse.TreeAttention and streamfuse.CommitRows), and NumPy references of the
+same arithmetic, the tests' oracles.
 
     tree_attention(query [1, heads, rows, d], k_cache / v_cache [L, kv, C, d], layer, start [1],
-                   k_extra / v_extra [1, kv, X, d], visible [rows, X], scale) -> [1, rows, heads, d]
+                   k_extra / v_extra [1, kv, X, d], visible [rows, X], scale, store) -> [1, rows, heads, d]
+    commit_rows(k_cache, v_cache, start [1], accepted [A]) -> start (a copy)
 
 Row t attends cache slots [0, start), then the extra keys (the call's own rows) it sees, in that order;
 a row's bits do not depend on the call's other rows, its size or the threads (the header says why).
+The cache lives in the engine, so no K/V row leaves a call: tree_attention then writes extra rows [0, store)
+into slots start.. of `layer` (rows past C dropped), and commit_rows moves the previous step's accepted nodes
+(ascending, then -1 padding; n of them) from slots base + accepted[j] to base + j, base = start - n, in every
+layer. Neither schema declares these writes: the graphs feed commit_rows' output as every attention's start,
+so a step's commit runs before its attention on every engine (they order nodes by data only), and a call's
+store touches only slots >= start, which no attention of the same call reads.
 The libraries are compiled on first use (or by `make build`) into build/kernels/, named by a hash of
 their sources; a machine without a C++ compiler gets a one-line error naming what is missing.
 """
@@ -41,15 +49,21 @@ def _arch_flags() -> list[str]:
     except OSError:
         avx2 = False
     return ["-mavx2"] if avx2 else []
+# The caches are written (store, commit) but not declared so (no `(a!)`): see the module docstring.
 SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "
-          "Tensor v_extra, Tensor visible, float scale) -> Tensor")
+          "Tensor v_extra, Tensor visible, float scale, int store) -> Tensor")
 OUT_SCHEMA = ("tree_attention.out(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, "
-              "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, *, Tensor(a!) out) -> Tensor(a!)")
+              "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, int store, *, Tensor(a!) out) "
+              "-> Tensor(a!)")
+COMMIT_SCHEMA = "commit_rows(Tensor k_cache, Tensor v_cache, Tensor start, Tensor accepted) -> Tensor"
+COMMIT_OUT_SCHEMA = ("commit_rows.out(Tensor k_cache, Tensor v_cache, Tensor start, Tensor accepted, *, "
+                     "Tensor(a!) out) -> Tensor(a!)")
 
 
-# The ONNX Runtime custom op (runtime/kernels/tree_attention_ort.cpp): inputs in the torch op's order, `start`
-# before the extra keys with `layer` and `scale` as attributes (export/to_onnx.py translates the op to it).
-ONNX_DOMAIN, ONNX_OP = "streamfuse", "TreeAttention"
+# The ONNX Runtime custom ops (runtime/kernels/tree_attention_ort.cpp): inputs in the torch ops' order, but
+# TreeAttention's `start` before the extra keys, with `layer`, `scale` and `store` as attributes
+# (export/to_onnx.py translates the ops to them).
+ONNX_DOMAIN, ONNX_OP, ONNX_COMMIT_OP = "streamfuse", "TreeAttention", "CommitRows"
 
 # The torch op starts its threads per call (~40 us each): one per WORK_PER_THREAD query-key pairs (~0.2 ms).
 WORK_PER_THREAD = 32768
@@ -91,11 +105,14 @@ def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
 
 @functools.cache
 def c_library() -> ctypes.CDLL:
-    """The kernel behind a C ABI (no dependencies), for the torch op."""
+    """The kernel behind a C ABI (no dependencies), for the torch ops."""
     library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", ["tree_attention_c.cpp"], ["-pthread"])))
-    function = library.streamfuse_tree_attention
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+    attention = library.streamfuse_tree_attention
+    attention.restype = None
+    attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    commit = library.streamfuse_commit_rows
+    commit.restype = ctypes.c_int
+    commit.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
     return library
 
 
@@ -125,8 +142,8 @@ def onnxruntime_library_path() -> Path:
 
 @functools.cache
 def load_executorch_kernels() -> None:
-    """Register streamfuse::tree_attention.out with ExecuTorch's runtime in this process (before a program
-    that calls it is loaded). The library links the runtime already loaded by executorch's pybindings."""
+    """Register streamfuse::tree_attention.out and commit_rows.out with ExecuTorch's runtime in this process
+    (before a program that calls them is loaded). The library links the runtime executorch's pybindings loaded."""
     from executorch.extension.pybindings import portable_lib  # noqa: F401  (loads the runtime first)
 
     ctypes.CDLL(str(executorch_library_path()), mode=ctypes.RTLD_GLOBAL)
@@ -145,18 +162,54 @@ def build_all() -> list[Path]:
 
 # --- torch ---------------------------------------------------------------------------------------
 @functools.cache
-def torch_op():
-    """torch.ops.streamfuse.tree_attention (defined once): the kernel through ctypes on CPU tensors, a fake
-    for export, and the out variant ExecuTorch's lowering turns it into."""
+def _torch_library():
+    """The ops' torch Library, defined once and kept alive (dropping it unregisters the ops)."""
     import torch
 
     library = torch.library.Library("streamfuse", "FRAGMENT")
+    _define_attention(library)
+    _define_commit(library)
+    return library
+
+
+def torch_op():
+    """torch.ops.streamfuse.tree_attention: the kernel through ctypes on CPU tensors, a fake for export, and
+    the out variant ExecuTorch's lowering turns it into."""
+    import torch
+
+    _torch_library()
+    return torch.ops.streamfuse.tree_attention.default
+
+
+def commit_op():
+    """torch.ops.streamfuse.commit_rows, defined like torch_op()."""
+    import torch
+
+    _torch_library()
+    return torch.ops.streamfuse.commit_rows.default
+
+
+def _in_place_caches(op: str, *caches) -> None:
+    """The kernel writes through the caches' pointers: a converted copy would swallow the write."""
+    import torch
+
+    if any(c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu" for c in caches):
+        raise ValueError(f"{op}: the caches must be contiguous float32 CPU tensors (it writes into them)")
+
+
+def _define_attention(library) -> None:
+    import torch
+
     library.define(SCHEMA)
     library.define(OUT_SCHEMA)
 
-    def run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, out):
+    def run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store, out):
         if not 0 <= layer < k_cache.shape[0]:
             raise ValueError(f"tree_attention: layer {layer} is outside the cache's {k_cache.shape[0]} layers")
+        if not 0 <= store <= k_extra.shape[2]:
+            raise ValueError(f"tree_attention: store {store} is outside [0, {k_extra.shape[2]}] (the extra rows)")
+        if store:
+            _in_place_caches("tree_attention", k_cache, v_cache)
         k_cache, v_cache = k_cache[layer : layer + 1], v_cache[layer : layer + 1]  # views: no copy
         inputs = [t.contiguous().float() for t in (query, k_cache, v_cache, k_extra, v_extra, visible)]
         query, k_cache, v_cache, k_extra, v_extra, visible = inputs
@@ -167,26 +220,69 @@ def torch_op():
         result = torch.empty(1, rows, heads, dim) if not out.is_contiguous() else out
         c_library().streamfuse_tree_attention(
             *(t.data_ptr() for t in (query, k_cache, v_cache, k_extra, v_extra, visible, result)),
-            heads, k_cache.shape[1], rows, dim, k_cache.shape[2], first, k_extra.shape[2], scale,
+            heads, k_cache.shape[1], rows, dim, k_cache.shape[2], first, k_extra.shape[2], scale, store,
             min(torch.get_num_threads(), 1 + rows * heads * (first + k_extra.shape[2]) // WORK_PER_THREAD))
         if result is not out:
             out.copy_(result)
         return out
 
-    def functional(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale):
+    def functional(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
         _, heads, rows, dim = query.shape
-        return run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale,
+        return run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store,
                    torch.empty(1, rows, heads, dim))
 
-    def fake(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale):
+    def fake(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
         _, heads, rows, dim = query.shape
         return query.new_empty(1, rows, heads, dim)
 
     library.impl("tree_attention", functional, "CPU")
     library.impl("tree_attention.out", run, "CPU")
     torch.library.register_fake("streamfuse::tree_attention", fake, lib=library)
-    torch_op.library = library  # kept alive: dropping the Library object unregisters the op
-    return torch.ops.streamfuse.tree_attention.default
+
+
+def _define_commit(library) -> None:
+    import torch
+
+    library.define(COMMIT_SCHEMA)
+    library.define(COMMIT_OUT_SCHEMA)
+
+    def run(k_cache, v_cache, start, accepted, out):
+        _in_place_caches("commit_rows", k_cache, v_cache)
+        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+            raise ValueError("commit_rows: the caches must be [L, kv, C, d], both of one shape")
+        if start.dtype != torch.int64 or start.shape != (1,) or accepted.dtype != torch.int64 or accepted.dim() != 1:
+            raise ValueError("commit_rows: start must be a [1] and accepted an [A] int64 tensor")
+        nodes, first = accepted.tolist(), int(start[0])
+        error = commit_error(k_cache.shape[2], first, nodes)
+        if error:
+            raise ValueError(error)
+        accepted = accepted.contiguous()
+        c_library().streamfuse_commit_rows(k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, first,
+                                           accepted.data_ptr(), len(nodes))
+        return out.copy_(start)
+
+    library.impl("commit_rows", lambda k, v, start, accepted: run(k, v, start, accepted, start.new_empty(1)), "CPU")
+    library.impl("commit_rows.out", run, "CPU")
+    torch.library.register_fake("streamfuse::commit_rows", lambda k, v, start, accepted: start.new_empty(1),
+                                lib=library)
+
+
+def commit_error(capacity: int, start: int, accepted: list[int]) -> str | None:
+    """What is wrong with a commit_rows call (the header's commit_error, with the numbers), or None."""
+    n = next((j for j, node in enumerate(accepted) if node < 0), len(accepted))
+    nodes = accepted[:n]
+    if any(node != -1 for node in accepted[n:]):
+        return f"commit_rows: accepted {accepted} must be its nodes >= 0 first, then only -1 padding"
+    if any(b <= a for a, b in zip(nodes, nodes[1:])):
+        return f"commit_rows: accepted {accepted}'s nodes must be strictly increasing"
+    if start < n:
+        return f"commit_rows: start {start} is less than the {n} accepted nodes (base = start - n < 0)"
+    if start > capacity:
+        return f"commit_rows: start {start} is outside the cache's {capacity} slots"
+    if n and start - n + nodes[-1] >= capacity:
+        row = start - n + nodes[-1]
+        return f"commit_rows: accepted node {nodes[-1]} is row {row}, past the cache's {capacity} slots"
+    return None
 
 
 # --- the oracle ----------------------------------------------------------------------------------
@@ -219,6 +315,22 @@ def reference(query, k_cache, v_cache, start: int, k_extra, v_extra, visible, sc
                 acc = (acc + p * value).astype(np.float32)
             out[0, t, h] = acc / total
     return out
+
+
+def reference_store(k_cache, v_cache, layer: int, start: int, k_extra, v_extra, store: int) -> None:
+    """tree_attention's store, in place: extra rows [0, store) at slots start.. of `layer`, none past C."""
+    rows = max(0, min(store, k_cache.shape[2] - start))
+    k_cache[layer, :, start : start + rows] = k_extra[0, :, :rows]
+    v_cache[layer, :, start : start + rows] = v_extra[0, :, :rows]
+
+
+def reference_commit(k_cache, v_cache, start: int, accepted) -> None:
+    """commit_rows, in place: slot base + j of every layer and KV head <- slot base + accepted[j]."""
+    nodes = [int(node) for node in accepted if node >= 0]
+    base = start - len(nodes)
+    for j, node in enumerate(nodes):
+        for cache in (k_cache, v_cache):
+            cache[:, :, base + j] = cache[:, :, base + node]
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:

@@ -105,8 +105,9 @@ def test_build_records_parity_for_backends_that_run_here(artifact):
         assert result["ss_equals_torch_eager"] == result["prompts"] == 4
         assert result["ss_equals_own_plain"] == result["plain_prompts"]
         assert result["within_tolerance"], result["max_abs_diff"]
-        assert set(result["max_abs_diff"]) >= {"step_15.logits", "streams.stream_logits", "prefill.new_keys",
-                                               "greedy_step_15.drafts", "greedy_step_15.new_keys"}
+        # the engine's cache after each call (the rows it wrote and moved) against the reference's
+        assert set(result["max_abs_diff"]) >= {"step_15.logits", "streams.stream_logits", "prefill.keys",
+                                               "greedy_step_15.drafts", "greedy_step_15.values"}
         assert result["tolerance"]["greedy_step_15.targets"] == 0.0  # token ids must be equal
         # the other tree, and the chain filling the largest bucket (deeper than the streams: the draft methods')
         assert result["other_trees"] == {"prompts": 4, "ss_equals_own_plain": {TREES[1].hash(): 4,
@@ -304,6 +305,10 @@ def test_manifest_describes_the_graphs(artifact):
                                   {"name": "cache_len", "shape": [1], "dtype": "int64"},
                                   {"name": "tree", "shape": [15, 15], "dtype": "float32"},
                                   {"name": "depths", "shape": [15], "dtype": "int64"}]
+    assert step["inputs"][-1] == {"name": "commit", "shape": [15], "dtype": "int64"}  # the engine keeps the cache
+    assert [o["name"] for o in step["outputs"]] == ["logits", "anchor", "hidden"]  # so no rows come out
+    assert data["kv_layout"]["owner"] == {"executorch": "engine", "onnxruntime": "engine", "coreml": "host",
+                                          "executorch_coreml": "host"}
     assert step["outputs"][0]["shape"] == [15, data["model"]["vocab_size"]]
     assert data["graphs"]["methods"]["streams"]["outputs"][0]["shape"] == [3, data["model"]["vocab_size"]]
     greedy = {o["name"]: o for o in data["graphs"]["methods"]["greedy_step_15"]["outputs"]}
@@ -380,23 +385,22 @@ def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp
 
     out = tmp_path / "calls.json"
     methods = set(manifest(artifact)["graphs"]["methods"]) - {"prefill"}
-    opened = Artifact.open(artifact)
-    tree = call_times.bucket_tree(opened.trees, max(opened.manifest["graphs"]["buckets"]),
-                                  opened.manifest["streams"]["num_streams"])
-    commit = f"commit_{tree.num_nodes} (host)"  # the host's copy of a step's accepted rows
+    largest = max(manifest(artifact)["graphs"]["buckets"])
+    commit = f"greedy_step_{largest}, commit {largest - 1}"  # the largest step, moving the rows it accepts
     for backend in ("executorch", "onnxruntime"):
-        argv = ["--artifact", str(artifact), "--backend", backend, "--spans", "3,9", "--rounds", "2", "--threads", "1"]
+        argv = ["--artifact", str(artifact), "--backend", backend, "--spans", f"{largest},20", "--rounds", "2",
+                "--threads", "1"]
         assert call_times.main([*argv, "--out", str(out)]) == 0
         data = json.loads(out.read_text())
-        assert data["backend"] == backend and set(data["ms"]) == {"3", "9"}
+        assert data["backend"] == backend and set(data["ms"]) == {str(largest), "20"}
         assert all(set(row) - methods == {commit} and methods <= set(row) and min(row.values()) > 0
                    for row in data["ms"].values())
     assert "greedy_step_" in capsys.readouterr().out
     graphs = manifest(artifact)["graphs"]
     most = graphs["capacity"] - max(graphs["buckets"])
     assert cli.run(call_times.main, ["--artifact", str(artifact), "--backend", "executorch", "--spans",
-                                     f"3,{most + 1}"], prog="call_times") == 2
-    assert f"--spans must lie in [1, {most}]" in capsys.readouterr().err
+                                     f"{largest},{most + 1}"], prog="call_times") == 2
+    assert f"--spans must lie in [{largest}, {most}]" in capsys.readouterr().err
     assert cli.run(call_times.main, ["--artifact", str(artifact), "--backend", "executorch", "--spans", "a,3"],
                    prog="call_times") == 2
     assert "--spans takes slot counts" in capsys.readouterr().err
@@ -405,14 +409,18 @@ def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp
 @needs("coreml")
 def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature
+    from streamfuse.runtime.backends.static_graph import input_names, output_names
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
     assert set(spec) == set(method_names((4, 15), heads=True))
-    for method, signature in data["graphs"]["methods"].items():
-        want = [(i["name"], i["shape"], "int32" if i["dtype"] == "int64" else "float32") for i in signature["inputs"]]
+    assert data["kv_layout"]["owner"]["coreml"] == "host"  # no commit input; a call's rows come out
+    for method, signature in data["graphs"]["methods"].items():  # the span graphs' signatures
+        inputs = {i["name"]: i for i in signature["inputs"]}
+        want = [(name, inputs[name]["shape"], "int32" if inputs[name]["dtype"] == "int64" else "float32")
+                for name in input_names(method, engine_cache=False)]
         assert spec[method]["inputs"] == want
-        assert spec[method]["outputs"] == [o["name"] for o in signature["outputs"]]
+        assert spec[method]["outputs"] == output_names(method, engine_cache=False)
 
 
 @needs("onnxruntime")
@@ -422,7 +430,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     import onnx
     from onnx import numpy_helper
 
-    from streamfuse.runtime.backends.static_graph import METHOD_INPUT, OUTPUT_NAMES, base_method, method_output
+    from streamfuse.runtime.backends.static_graph import METHOD_INPUT, method_output, output_names
 
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
@@ -431,7 +439,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     assert [n.name for n in model.graph.node if n.op_type == "If"] == methods
     assert METHOD_INPUT in [i.name for i in model.graph.input]
     assert [o.name for o in model.graph.output] == [method_output(m, n) for m in methods
-                                                    for n in OUTPUT_NAMES[base_method(m)]]
+                                                    for n in output_names(m, engine_cache=True)]
     for node in model.graph.node:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:

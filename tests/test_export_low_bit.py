@@ -69,13 +69,14 @@ def assert_lossless(loaded, prompt_list, rules: StopRules) -> None:
             assert generate(loaded.backend, ids, settings).token_ids == plain
 
 
-def test_onnx_graphs_read_the_whole_cache_in_place_through_the_attention_kernel(artifacts):
-    """Each graph takes the host's [L, kv, C, d] cache as one input each for keys and values and reads it only
-    through streamfuse's TreeAttention (one per layer and pass, the layer an attribute): no op copies,
-    slices or writes the cache."""
+def test_onnx_graphs_keep_the_whole_cache_in_place_through_streamfuses_ops(artifacts):
+    """Each graph takes the host's [L, kv, C, d] cache as one input each for keys and values and touches it only
+    through streamfuse's ops: one CommitRows (the previous call's accepted rows moved into place), then one
+    TreeAttention per layer and pass (the layer an attribute), each starting at CommitRows' output, so ONNX
+    Runtime, which orders ops by data only, runs the move first. No op copies or slices the cache."""
     import onnx
 
-    from streamfuse.runtime.tree_attention import ONNX_DOMAIN, ONNX_OP
+    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     model = onnx.load(str(artifacts["int8"] / "onnx" / "model.onnx"), load_external_data=False)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -84,8 +85,11 @@ def test_onnx_graphs_read_the_whole_cache_in_place_through_the_attention_kernel(
     for method in ("prefill", "decode", "step_4", "greedy_step_4"):
         graph = method_graph(model, method)
         readers = [n for n in graph.node if {"keys", "values"} & set(n.input)]
-        assert readers and all((n.domain, n.op_type) == (ONNX_DOMAIN, ONNX_OP) for n in readers), method
-        attended = sorted(a.i for n in readers for a in n.attribute if a.name == "layer")
+        assert all(n.domain == ONNX_DOMAIN for n in readers), method
+        (commit,) = [n for n in readers if n.op_type == ONNX_COMMIT_OP]
+        attentions = [n for n in readers if n.op_type == ONNX_OP]
+        assert len(attentions) == len(readers) - 1 and all(n.input[3] == commit.output[0] for n in attentions)
+        attended = sorted(a.i for n in attentions for a in n.attribute if a.name == "layer")
         assert set(attended) == set(range(layers)), (method, attended)
 
 

@@ -89,7 +89,7 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
         targets, accepted, drafts, new_keys, new_values, states = session.run(f"greedy_step_{tree.num_nodes}", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
-        torch.testing.assert_close(new_keys, backend._pending[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(new_keys, backend._pending["new_keys"], atol=1e-5, rtol=0)
         result = accept(tree, tokens, lambda n: int(reference.main_logits[n].argmax()))
         assert accepted.tolist() == [result.path[-1]]
         backend.commit(result.path)

@@ -1,6 +1,10 @@
 """The exact attention kernel (runtime/kernels/tree_attention.h): equal to its NumPy reference bit for bit, a
 row's bits independent of the call's other rows, size, tree and threads, a tree row equal to plain decoding
-of its token, the same bits through ExecuTorch and ONNX Runtime, and a one-line error where it cannot be built."""
+of its token, the same bits through ExecuTorch and ONNX Runtime, and a one-line error where it cannot be built.
+The cache's upkeep in place: the store and commit_rows equal their references byte for byte, in torch and in
+both engines, where they land in the host's own buffers."""
+
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ from hypothesis import strategies as st
 from streamfuse.runtime import tree_attention
 
 OP = tree_attention.torch_op()
+COMMIT = tree_attention.commit_op()
 HEADS, KV, DIM, CAPACITY = 6, 2, 20, 48  # dim 20: two full lanes of 8 and a tail of 4
 
 
@@ -22,8 +27,8 @@ def tensors(seed: int, rows: int, extra: int | None = None, dim: int = DIM):
             torch.randn(1, KV, extra, dim, generator=g))
 
 
-def attend(query, k_cache, v_cache, start, k_extra, v_extra, visible, scale=0.3, layer=0):
-    return OP(query, k_cache, v_cache, layer, torch.tensor([start]), k_extra, v_extra, visible.float(), scale)
+def attend(query, k_cache, v_cache, start, k_extra, v_extra, visible, scale=0.3, layer=0, store=0):
+    return OP(query, k_cache, v_cache, layer, torch.tensor([start]), k_extra, v_extra, visible.float(), scale, store)
 
 
 # (start, visibility over the call's rows): the cache alone, a chain, a tree, a row seeing only itself
@@ -136,11 +141,106 @@ def test_a_failed_compile_names_the_error_and_leaves_nothing_behind(monkeypatch,
     assert not list(tmp_path.iterdir())
 
 
+# (start, store): the first slots, mid-cache, rows past the capacity dropped (2 of 5, all of 2), nothing stored
+STORES = [(0, 1), (11, 3), (45, 5), (48, 2), (30, 0)]
+
+
+@pytest.mark.parametrize("start, store", STORES)
+def test_the_store_writes_its_rows_of_its_layer_and_leaves_the_attention_alone(start, store):
+    query, k_cache, v_cache, k_extra, v_extra = tensors(start, 5)
+    caches = [torch.cat([c.flip(2), c, 2 * c]) for c in (k_cache, v_cache)]  # three layers; layer 1 attended
+    want = [c.numpy().copy() for c in caches]
+    visible = torch.tril(torch.ones(5, 5))
+    plain = attend(query, *caches, start, k_extra, v_extra, visible, layer=1)
+    assert all(c.numpy().tobytes() == w.tobytes() for c, w in zip(caches, want))  # store 0 writes nothing
+    stored = attend(query, *caches, start, k_extra, v_extra, visible, layer=1, store=store)
+    tree_attention.reference_store(*want, 1, start, k_extra.numpy(), v_extra.numpy(), store)
+    assert torch.equal(stored, plain)
+    assert all(c.numpy().tobytes() == w.tobytes() for c, w in zip(caches, want))
+
+
+def test_a_bad_store_is_a_clear_error():
+    query, k_cache, v_cache, k_extra, v_extra = tensors(0, 2)
+    for store in (3, -1):
+        with pytest.raises(ValueError, match=re.escape(f"store {store} is outside [0, 2] (the extra rows)")):
+            attend(query, k_cache, v_cache, 4, k_extra, v_extra, torch.ones(2, 2), store=store)
+    with pytest.raises(ValueError, match="caches must be contiguous float32 CPU tensors"):  # a copy would take it
+        attend(query, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, 4, k_extra, v_extra,
+               torch.ones(2, 2), store=1)
+
+
+# (start after the commit, accepted): a chain's first node, a path skipping nodes, a path not through node 0,
+# nothing accepted, nothing moving (accepted[j] == j), the cache's last slot as a source
+COMMITS = [
+    (12, [0, -1, -1, -1]),
+    (20, [0, 2, 5, -1]),
+    (9, [1, 2, -1, -1]),
+    (30, [-1, -1, -1, -1]),
+    (3, [0, 1, 2, -1]),
+    (40, [2, 3, 5, 11]),
+]
+
+
+def two_layer_caches(seed: int):
+    _, k_cache, v_cache, _, _ = tensors(seed, 1)
+    return torch.cat([k_cache, k_cache.flip(2)]), torch.cat([v_cache, -v_cache])
+
+
+def commit(k_cache, v_cache, start: int, accepted: list[int]):
+    return COMMIT(k_cache, v_cache, torch.tensor([start]), torch.tensor(accepted))
+
+
+@pytest.mark.parametrize("start, accepted", COMMITS)
+def test_commit_rows_is_its_reference_byte_for_byte(start, accepted):
+    caches = two_layer_caches(start)
+    want = [c.numpy().copy() for c in caches]
+    out = commit(*caches, start, accepted)
+    tree_attention.reference_commit(*want, start, accepted)
+    assert out.dtype == torch.int64 and out.tolist() == [start]
+    assert all(c.numpy().tobytes() == w.tobytes() for c, w in zip(caches, want))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 15), max_size=6, unique=True).map(sorted), st.integers(0, 2**16))
+def test_commit_rows_moves_each_accepted_row_to_its_place(nodes, seed):
+    """Whatever the path: slot base + j ends up with what slot base + nodes[j] held before."""
+    start = len(nodes) + seed % (CAPACITY - 15 - len(nodes) + 1)
+    caches = two_layer_caches(seed)
+    before = [c.clone() for c in caches]
+    commit(*caches, start, nodes + [-1] * (6 - len(nodes)))
+    base = start - len(nodes)
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache[:, :, base : start], old[:, :, [base + node for node in nodes]])
+        assert torch.equal(cache[:, :, :base], old[:, :, :base]) and torch.equal(cache[:, :, start:], old[:, :, start:])
+
+
+BAD_COMMITS = [
+    (12, [0, -1, 2, -1], "accepted [0, -1, 2, -1] must be its nodes >= 0 first, then only -1 padding"),
+    (12, [0, -2, -1, -1], "accepted [0, -2, -1, -1] must be its nodes >= 0 first, then only -1 padding"),
+    (12, [0, 3, 3, -1], "accepted [0, 3, 3, -1]'s nodes must be strictly increasing"),
+    (12, [2, 1, -1, -1], "accepted [2, 1, -1, -1]'s nodes must be strictly increasing"),
+    (2, [0, 1, 2, -1], "start 2 is less than the 3 accepted nodes (base = start - n < 0)"),
+    (47, [0, 3, -1, -1], "accepted node 3 is row 48, past the cache's 48 slots"),
+    (49, [-1, -1, -1, -1], "start 49 is outside the cache's 48 slots"),
+]
+
+
+@pytest.mark.parametrize("start, accepted, message", BAD_COMMITS)
+def test_a_bad_commit_is_a_one_line_error_and_moves_nothing(start, accepted, message):
+    caches = two_layer_caches(0)
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        commit(*caches, start, accepted)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    with pytest.raises(ValueError, match=re.escape("start must be a [1] and accepted an [A] int64 tensor")):
+        COMMIT(*caches, torch.tensor([12]), torch.tensor([0, -1], dtype=torch.int32))
+
+
 class Attend(torch.nn.Module):
     """The op on the second layer of a two-layer cache, as a program's attention calls it."""
 
     def forward(self, query, k_cache, v_cache, start, k_extra, v_extra, visible):
-        return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3)
+        return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3, 0)
 
 
 def two_layers(seed: int, rows: int, start: int, visible: torch.Tensor) -> tuple:
@@ -210,3 +310,84 @@ def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_thread
     bad[names[3]] = np.array([CAPACITY + 1], dtype=np.int64)
     with pytest.raises(Exception, match="TreeAttention: start outside the cache"):
         session.run(None, bad)
+
+
+class Step(torch.nn.Module):
+    """A tree step as the graphs run it: commit the previous step's accepted rows, then attend on the second
+    layer with commit_rows' start (the data dependency that orders the two) and store the call's first rows."""
+
+    def forward(self, query, k_cache, v_cache, start, accepted, k_extra, v_extra, visible):
+        start = COMMIT(k_cache, v_cache, start, accepted)
+        return OP(query, k_cache, v_cache, 1, start, k_extra, v_extra, visible, 0.3, STEP_STORE)
+
+
+STEP_ROWS, STEP_STORE = 4, 3
+# (start after the commit, accepted); the last stores one row past the capacity
+STEPS = [(20, [0, 2, 3, -1]), (9, [1, 2, -1, -1]), (30, [-1, -1, -1, -1]), (46, [0, 1, -1, -1])]
+
+
+def step_inputs(seed: int, start: int, accepted: list[int]) -> tuple:
+    query, k_cache, v_cache, k_extra, v_extra = tensors(seed, STEP_ROWS)
+    k_cache, v_cache = torch.cat([k_cache, k_cache.flip(2)]), torch.cat([v_cache, v_cache.flip(2)])
+    return (query, k_cache, v_cache, torch.tensor([start]), torch.tensor(accepted), k_extra, v_extra,
+            torch.tril(torch.ones(STEP_ROWS, STEP_ROWS)))
+
+
+def step_expected(inputs: tuple) -> tuple:
+    """The eager step's output on copies of the caches, and the caches the references leave (the eager op's too)."""
+    query, k_cache, v_cache, start, accepted, k_extra, v_extra, visible = inputs
+    eager = [k_cache.clone(), v_cache.clone()]
+    out = Step()(query, *eager, start, accepted, k_extra, v_extra, visible)
+    want = [k_cache.numpy().copy(), v_cache.numpy().copy()]
+    tree_attention.reference_commit(*want, int(start[0]), accepted.tolist())
+    tree_attention.reference_store(*want, 1, int(start[0]), k_extra.numpy(), v_extra.numpy(), STEP_STORE)
+    assert all(np.array_equal(e.numpy(), w) for e, w in zip(eager, want))
+    return out, want
+
+
+@pytest.mark.skipif(tree_attention.importlib.util.find_spec("executorch") is None, reason="executorch not installed")
+def test_executorch_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path):
+    """A program lowered with host_inputs() (the builds' config) writes into the torch tensors passed as its
+    cache inputs: no copy of the cache is made, in or out."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from streamfuse.export.to_executorch import host_inputs
+
+    program = torch.export.export(Step(), step_inputs(0, *STEPS[0]), strict=False)
+    (tmp_path / "step.pte").write_bytes(to_edge_transform_and_lower(program).to_executorch(host_inputs()).buffer)
+    tree_attention.load_executorch_kernels()
+    method = Runtime.get().load_program(tmp_path / "step.pte").load_method("forward")
+    for seed, (start, accepted) in enumerate(STEPS):
+        inputs = step_inputs(seed, start, accepted)
+        out, want = step_expected(inputs)
+        assert torch.equal(method.execute(list(inputs))[0], out), (start, accepted)
+        assert all(np.array_equal(c.numpy(), w) for c, w in zip(inputs[1:3], want)), (start, accepted)
+
+
+@pytest.mark.skipif(tree_attention.importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
+def test_onnxruntime_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path):
+    """The exported step in an ONNX Runtime session writes into the numpy arrays passed as its cache inputs; a
+    bad commit is the op's one-line error."""
+    import onnxruntime as ort
+
+    from streamfuse.export.to_onnx import custom_translations
+
+    path = tmp_path / "step.onnx"
+    program = torch.export.export(Step(), step_inputs(0, *STEPS[0]), strict=False)
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False
+                      ).save(str(path))
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    for seed, (start, accepted) in enumerate(STEPS):
+        inputs = step_inputs(seed, start, accepted)
+        out, want = step_expected(inputs)
+        feeds = dict(zip(names, (t.numpy() for t in inputs)))
+        (got,) = session.run(None, feeds)
+        assert np.array_equal(got, out.numpy()), (start, accepted)
+        assert all(np.array_equal(feeds[n], w) for n, w in zip(names[1:3], want)), (start, accepted)
+    feeds[names[4]] = np.array([0, 3, 3, -1], dtype=np.int64)
+    with pytest.raises(Exception, match="commit_rows: accepted's nodes must be strictly increasing"):
+        session.run(None, feeds)

@@ -6,9 +6,10 @@ by the cache slots in use: the figures behind a tree step's cost in plain calls.
 
 Inputs come from the manifest's method signatures: random token ids and caches (a call's time depends on
 shapes, not values), in each step bucket the first of the artifact's trees that fits it (else a tree
-filling it), `cache_len` set to each span. Calls are interleaved across methods; medians are printed
-(and written as JSON with --out). The row `commit_T (host)` is what the host adds to a step: copying the
-accepted rows of a T-node step (all T, a chain accepted whole) from its outputs into the cache.
+filling it), `cache_len` set to each span, and a commit that moves nothing. Calls are interleaved across
+methods; medians are printed (and written as JSON with --out). The row `greedy_step_T, commit M` is the largest
+greedy step again, now also moving M accepted rows of the previous step into place in the engine's cache (every
+node but the second of a T-node step: M = T - 1, T - 2 of them moved): what committing adds to a step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +27,9 @@ from streamfuse.runtime import cli
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import (
-    StaticGraphBackend,
+    COMMIT_INPUT,
     base_method,
+    bucket_method,
     interleaved_call_times,
     tree_inputs,
 )
@@ -72,6 +73,8 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
             made.append(tree_data[name])
         elif name == "cache_len":
             made.append(np.array([span]))
+        elif name == COMMIT_INPUT:
+            made.append(np.full(shape, -1, dtype=np.int64))
         elif name == "ids":
             made.append(g.integers(0, vocab, shape))
         else:  # caches and stream anchors: values of a trained model's scale
@@ -79,16 +82,15 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
     return made
 
 
-def commit_times(backend: StaticGraphBackend, tree: TreeSpec, span: int, rounds: int) -> list[float]:
-    """Seconds of the host's commit of every node of a `tree` step at `span` committed rows (the step untimed)."""
-    samples = []
-    for _ in range(rounds + 1):
-        backend.length = span  # as if a run had committed `span` rows (their values do not matter)
-        backend.step([0] * tree.num_nodes, tree, with_streams=False)
-        start = time.perf_counter()
-        backend.commit(range(tree.num_nodes))
-        samples.append(time.perf_counter() - start)
-    return samples[1:]
+def with_commit(signature: dict, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
+    """`inputs` whose commit accepts every node of the previous step but its second -> (inputs, rows accepted)."""
+    names = [i["name"] for i in signature["inputs"]]
+    commit = inputs[names.index(COMMIT_INPUT)].copy()
+    accepted = [0, *range(2, len(commit))]
+    commit[: len(accepted)] = accepted
+    changed = list(inputs)
+    changed[names.index(COMMIT_INPUT)] = commit
+    return changed, len(accepted)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,21 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     graphs = artifact.manifest["graphs"]
     capacity, gamma = graphs["capacity"], artifact.manifest["streams"]["num_streams"]
     vocab = artifact.manifest["model"]["vocab_size"]
-    most = capacity - max(graphs["buckets"])  # a step's rows go after the span
-    cli.check(all(1 <= s <= most for s in spans), f"--spans must lie in [1, {most}] (the artifact's cache holds "
-              f"{capacity} slots, a step adds up to {max(graphs['buckets'])}), got {args.spans}")
+    largest = max(graphs["buckets"])
+    most = capacity - largest  # a step's rows go after the span
+    cli.check(all(largest <= s <= most for s in spans), f"--spans must lie in [{largest}, {most}] (the artifact's "
+              f"cache holds {capacity} slots, a step adds up to {largest} and commits up to {largest - 1}), "
+              f"got {args.spans}")
     session = open_session(args.backend, artifact.backend_files(args.backend),
                            args.threads)
     methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
-    commit_tree = bucket_tree(artifact.trees, max(graphs["buckets"]), gamma)
-    commit = f"commit_{commit_tree.num_nodes} (host)"
-    host = StaticGraphBackend(session, artifact.graph_spec())
-    table = {}
+    greedy = bucket_method("greedy_step", largest)
+    table, commit = {}, None
     for span in spans:
         calls = {name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
                  for name, sig in methods.items()}
+        inputs, moved = with_commit(methods[greedy], calls[greedy][2])
+        commit = f"{greedy}, commit {moved}"
+        calls[commit] = (session, greedy, inputs)
         samples = interleaved_call_times(calls, args.rounds, 1)
-        samples[commit] = commit_times(host, commit_tree, span, args.rounds)
         table[span] = {name: 1000 * statistics.median(times) for name, times in samples.items()}
     print(f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
           f"carry the artifact's first tree that fits")

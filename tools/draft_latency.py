@@ -96,7 +96,7 @@ def exported(model, engine: str, capacity: int, folder: Path, threads: int) -> S
     else:
         from streamfuse.export.to_onnx import export_onnx
 
-        names = graph.names_of(modules)
+        names = graph.names_of(modules, shapes)
         onnx_file, _ = export_onnx(modules, inputs, *names, folder)
         files = {"model": folder / onnx_file}
     return StaticGraphBackend(open_session(engine, files, threads), graph.graph_spec(model, shapes, ["deferred"]))

@@ -48,7 +48,7 @@ def parse_args(argv):
 def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
     """label -> (module, example inputs) for every graph to time: each tree in a bucket of its own size."""
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
-    variants = {"decode": (MainPass(model, 1, False),
+    variants = {"decode": (MainPass(model, 1),
                            example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (2,)))["decode"])}
     vocab = model.parts.vocab_size
     for tree in trees:

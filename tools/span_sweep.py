@@ -58,9 +58,13 @@ def numbers(text: str) -> list[int]:
 ENGINES = ("executorch", "onnxruntime")
 
 
+def step_buckets(rows: list[int]) -> tuple[int, ...]:
+    return tuple(r for r in rows if r > 1) or (2,)
+
+
 def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:
     """decode and the step graphs of `rows` (> 1) in one program of `engine` for a cache of `capacity` slots."""
-    buckets = tuple(r for r in rows if r > 1) or (2,)
+    buckets = step_buckets(rows)
     shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
     modules = {name: module for name, module in graph_modules(model, shapes).items()
                if name == "decode" or name.startswith("step_")}
@@ -72,21 +76,22 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
         return ExecuTorchSession(path, threads)
     target = folder / f"onnx-{capacity}"
     target.mkdir()
-    export_onnx(modules, inputs, *names_of(modules), target)
+    export_onnx(modules, inputs, *names_of(modules, shapes), target)
     return OnnxRuntimeSession(target / "model.onnx", threads=threads)
 
 
-def call_inputs(rows: int, span: int, capacity: int, model) -> tuple[str, list[np.ndarray]]:
-    """The method and inputs of a call of `rows` rows (a chain) after `span` cached slots."""
+def call_inputs(rows: int, span: int, capacity: int, model, buckets: list[int]) -> tuple[str, list[np.ndarray]]:
+    """The method and inputs of a call of `rows` rows (a chain) after `span` cached slots (and no commit)."""
     parts = model.parts
     shape = (parts.num_layers, parts.num_kv_heads, capacity, parts.head_dim)
     generator = np.random.default_rng(span)
     keys, values = (generator.standard_normal(shape, dtype=np.float32) * 0.1 for _ in range(2))
     ids, length = generator.integers(0, parts.vocab_size, (1, rows)), np.array([span])
+    commit = np.full(max(buckets), -1, dtype=np.int64)
     if rows == 1:
-        return "decode", [ids, length, keys, values]
+        return "decode", [ids, length, keys, values, commit]
     tree, depths, _ = tree_inputs(TreeSpec.chain(rows - 1), rows)
-    return bucket_method("step", rows), [ids, length, tree, depths, keys, values]
+    return bucket_method("step", rows), [ids, length, tree, depths, keys, values, commit]
 
 
 def main(argv=None) -> int:
@@ -107,7 +112,8 @@ def main(argv=None) -> int:
             for count in rows:
                 for span in spans:
                     if span + count <= capacity:
-                        calls[engine, capacity, count, span] = (session, *call_inputs(count, span, capacity, model))
+                        calls[engine, capacity, count, span] = (session, *call_inputs(count, span, capacity, model,
+                                                                                    step_buckets(rows)))
         samples = interleaved_call_times(calls, args.reps, 2, lambda rounds: tqdm(rounds, desc="time", unit="round"))
     table = [{"engine": e, "capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
              for (e, c, r, s), v in samples.items()]

@@ -4,7 +4,9 @@ runtime/backends/static_graph.py (INPUT_NAMES, OUTPUT_NAMES); export/graph.py sa
 
 A layout says where a call's new rows sit for attention:
 - "append": after the cache rows given (all C, or fewer: the graph reads the count from its inputs);
-- "span": read by the exact kernel over the cache's used span (export/span_attention.py);
+- "span": read by the exact kernel over the cache's used span (export/span_attention.py), which also writes
+  them into slots cache_len.. of the given cache in place; the call first moves the rows the host accepted from
+  the previous call into place (its commit input, runtime/tree_attention.py commit_rows), and returns no rows;
 - "scratch" (eager only): written into the given cache's free slots cache_len.. in place, attention reading
   a view of slots [0, cache_len + T): no copy of the cache, and the host's commit moves the accepted rows
   down. The passes then also read only the used span for the streams and heads.
@@ -21,6 +23,7 @@ from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import KeyValues, ScratchKeyValues, SpanKeyValues, StepKeyValues
 from streamfuse.runtime.options import STREAM_SCHEDULES
+from streamfuse.runtime.tree_attention import commit_op
 
 Cache = torch.Tensor  # the K or V cache as a graph input: [L, kv, C, d]
 APPEND, SPAN, SCRATCH = "append", "span", "scratch"
@@ -51,16 +54,28 @@ def tree_mask(visible: torch.Tensor) -> torch.Tensor:
     return (1.0 - visible) * GRAPH_MASKED
 
 
+def committed(keys: Cache, values: Cache, cache_len: torch.Tensor, commit: torch.Tensor | None,
+              layout: str) -> torch.Tensor:
+    """cache_len once the previous call's accepted rows are in place: the span graphs move them first (commit_rows)
+    and every attention takes its output as `start`, so on every engine it runs after the move."""
+    if layout != SPAN:
+        return cache_len
+    if commit is None:
+        raise ValueError("the span layout's graphs take the commit input (static_graph.COMMIT_INPUT)")
+    return commit_op()(keys, values, cache_len, commit)
+
+
 def main_lower(model: SpeculativeStreamingLM, ids, cache_len, visible, depths, keys, values, layout: str,
-               with_pruning: bool = False) -> tuple[LowerState, KeyValues]:
+               with_pruning: bool = False, commit: torch.Tensor | None = None) -> tuple[LowerState, KeyValues]:
     """The main stream through layers [0, N - N_s) for T new rows with `visible` [T, T] among them at
-    `depths` past cache_len, and the provider that collects their K/V."""
+    `depths` past cache_len, and the provider that collects their K/V (span: and writes them into the cache)."""
     count = ids.shape[1]
     positions = (cache_len + depths)[None]
     past = split_cache(keys, values)
     among = tree_mask(visible)
-    if layout == SPAN:  # [T, T]: the kernel reads the cache below cache_len itself
-        mask, provider = among[None, None], SpanKeyValues(len(past), count, (keys, values), cache_len)
+    if layout == SPAN:  # [T, T]: the kernel reads the cache below cache_len itself, and writes the rows after it
+        start = committed(keys, values, cache_len, commit, layout)
+        mask, provider = among[None, None], SpanKeyValues(len(past), count, (keys, values), start, store=True)
     elif layout == SCRATCH:  # [T, cache_len + T]: the used cache, then the new rows in the slots after it
         start = int(cache_len[0])
         mask = as_scores(torch.cat([among.new_zeros(count, start), among], dim=1), keys, layout)[None, None]
@@ -81,26 +96,36 @@ def used_cache(keys: Cache, values: Cache, cache_len: torch.Tensor, layout: str)
 
 
 class MainPass(nn.Module):
-    """prefill or decode: the main stream over a causal chunk of T new tokens (a constant chain)."""
+    """decode: the main stream over a causal chunk of T new tokens (a constant chain)."""
 
-    def __init__(self, model: SpeculativeStreamingLM, count: int, select_last: bool, layout: str = APPEND):
+    def __init__(self, model: SpeculativeStreamingLM, count: int, layout: str = APPEND):
         super().__init__()
         self.model = model
-        self.select_last = select_last
         self.layout = layout
         # Not named like the step graphs' inputs: ONNX keeps constants by name beside the methods' inputs.
         self.register_buffer("chain_visible", chain_visibility(count).to(torch.float32), persistent=False)
         self.register_buffer("chain_depths", torch.arange(count), persistent=False)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                last: torch.Tensor | None = None):
+                commit: torch.Tensor | None = None):
+        return self.chain(ids, cache_len, keys, values, None, commit)
+
+    def chain(self, ids, cache_len, keys, values, last, commit):
         lower, provider = main_lower(self.model, ids, cache_len, self.chain_visible, self.chain_depths, keys, values,
-                                     self.layout)
+                                     self.layout, commit=commit)
         hidden = self.model.forward_upper(lower).hidden[0]
         anchor = lower.hidden[0]
-        if self.select_last:  # prefill: only the last real prompt token matters to the host
+        if last is not None:  # prefill: only the last real prompt token matters to the host
             hidden, anchor = hidden.index_select(0, last), anchor.index_select(0, last)
-        return (self.model.logits(hidden), anchor, hidden, *new_rows(provider))
+        return (self.model.logits(hidden), anchor, hidden, *new_rows(provider, self.layout))
+
+
+class PrefillPass(MainPass):
+    """prefill: decode over a chunk of prompt tokens, the outputs of its last real row (`last`) only."""
+
+    def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                last: torch.Tensor, commit: torch.Tensor | None = None):
+        return self.chain(ids, cache_len, keys, values, last, commit)
 
 
 class StepPass(nn.Module):
@@ -112,15 +137,15 @@ class StepPass(nn.Module):
         self.layout = layout
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor):
-        return self.verify(ids, cache_len, tree, depths, keys, values)[0]
+                keys: torch.Tensor, values: torch.Tensor, commit: torch.Tensor | None = None):
+        return self.verify(ids, cache_len, tree, depths, keys, values, commit=commit)[0]
 
-    def verify(self, ids, cache_len, tree, depths, keys, values, with_pruning: bool = False):
+    def verify(self, ids, cache_len, tree, depths, keys, values, with_pruning: bool = False, commit=None):
         """(step's outputs, the lower state)."""
         lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout,
-                                     with_pruning)
+                                     with_pruning, commit)
         hidden = self.model.forward_upper(lower).hidden[0]
-        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider)), lower
+        return (self.model.logits(hidden), lower.hidden[0], hidden, *new_rows(provider, self.layout)), lower
 
 
 class PrunedStepPass(StepPass):
@@ -139,8 +164,11 @@ class PrunedStepPass(StepPass):
         return (*outputs, torch.cat([children.new_ones(1), children]))
 
 
-def new_rows(provider: StepKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
-    """This call's main-token K/V as [L, kv, T, d] keys and values."""
+def new_rows(provider: StepKeyValues, layout: str) -> tuple[torch.Tensor, ...]:
+    """This call's main-token K/V as [L, kv, T, d] keys and values, the outputs that carry them to the host (the
+    span layout's graphs have written them into the cache: none)."""
+    if layout == SPAN:
+        return ()
     return torch.cat([k for k, _ in provider.new]), torch.cat([v for _, v in provider.new])
 
 
@@ -151,12 +179,14 @@ class StreamsPass(nn.Module):
         super().__init__()
         self.model, self.layout = model, layout
 
-    def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                commit: torch.Tensor | None = None):
         keys, values = used_cache(keys, values, cache_len, self.layout)
         position = (cache_len - 1)[None]
         past = split_cache(keys, values)
         if self.layout == SPAN:  # the cache is the kernel's; the streams see no other rows of the call
-            past_mask, provider = torch.zeros(1, 1, 1, 0), SpanKeyValues(len(past), 0, (keys, values), cache_len)
+            start = committed(keys, values, cache_len, commit, self.layout)
+            past_mask, provider = torch.zeros(1, 1, 1, 0), SpanKeyValues(len(past), 0, (keys, values), start)
         else:
             past_mask = as_scores(cache_mask(cache_len, keys_rows(keys), 1), keys, self.layout)[None, None]
             provider = StepKeyValues(len(past), 0, past)
@@ -173,11 +203,13 @@ class HeadsPass(nn.Module):
         super().__init__()
         self.model, self.heads, self.layout = model, heads, layout
 
-    def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    def forward(self, anchor: torch.Tensor, cache_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                commit: torch.Tensor | None = None):
         keys, values = used_cache(keys, values, cache_len, self.layout)
         row = cache_len - 1
         past = split_cache(keys, values)
-        if self.layout == SPAN:  # the slots below the row, then its own K/V
+        if self.layout == SPAN:  # the slots below the row, then its own K/V (in the cache already: not stored)
+            row = committed(keys, values, cache_len, commit, self.layout) - 1
             mask, provider = torch.zeros(1, 1, 1, 1), SpanKeyValues(len(past), 1, (keys, values), row)
         else:
             below = cache_mask(row, keys_rows(keys), 1)
@@ -211,11 +243,12 @@ class GreedyStepPass(nn.Module):
         self.draft_head = None if ids is None else head_rows(model.parts.lm_head, ids)
 
     def forward(self, ids: torch.Tensor, cache_len: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor,
-                parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout)
+                parents: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, commit: torch.Tensor | None = None):
+        lower, provider = main_lower(self.model, ids, cache_len, tree, depths, keys, values, self.layout,
+                                     commit=commit)
         fused = self.schedule == "fused"
         out = self.model.forward_upper(lower, self.all_nodes if fused else None)
-        new_keys, new_values = new_rows(provider)
+        new_keys, new_values = new_rows(provider, APPEND)
         targets = self.model.token_ids(self.model.logits(out.hidden[0]).argmax(-1))
         accepted = accepted_node(ids[0], targets, tree, depths, parents)
         if fused:
@@ -223,8 +256,8 @@ class GreedyStepPass(nn.Module):
         else:
             anchor = lower.hidden[0].index_select(0, accepted)
             streams = self._deferred_streams(anchor, accepted, cache_len, tree, depths, keys, values, new_keys,
-                                             new_values)
-        return targets, accepted, self.ranked_drafts(streams), new_keys, new_values, streams
+                                             new_values, provider)
+        return targets, accepted, self.ranked_drafts(streams), *new_rows(provider, self.layout), streams
 
     def ranked_drafts(self, streams: torch.Tensor) -> torch.Tensor:
         """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""
@@ -233,14 +266,15 @@ class GreedyStepPass(nn.Module):
         ranks = self.draft_head(streams).topk(self.width, dim=-1).indices
         return self.draft_ids[ranks]
 
-    def _deferred_streams(self, anchor, node, cache_len, tree, depths, keys, values, new_keys, new_values):
-        """[gamma, H] streams of `node`: it sees the cache and its tree ancestors (itself included)."""
+    def _deferred_streams(self, anchor, node, cache_len, tree, depths, keys, values, new_keys, new_values, main):
+        """[gamma, H] streams of `node`: it sees the cache and its tree ancestors (itself included); `main` is the
+        verify pass's K/V provider."""
         model = self.model
         position = (cache_len + depths.index_select(0, node))[None]
         among = tree_mask(tree.index_select(0, node))
         if self.layout == SPAN:  # the kernel reads the cache; the step's rows come before the streams' own
             rows = [(new_keys[layer : layer + 1], new_values[layer : layer + 1]) for layer in range(len(new_keys))]
-            provider = SpanKeyValues(len(rows), 0, (keys, values), cache_len, prefix=rows)
+            provider = SpanKeyValues(len(rows), 0, (keys, values), main.start, prefix=rows)
             return model.forward_streams(anchor[None], position, among[None, None], provider)[0, 0]
         if self.layout == SCRATCH:  # the step's rows sit in the slots after the used cache already
             start = int(cache_len[0])

@@ -21,6 +21,7 @@ from streamfuse.runtime.backends.graph_passes import (
     GreedyStepPass,
     HeadsPass,
     MainPass,
+    PrefillPass,
     PrunedStepPass,
     StepPass,
     StreamsPass,
@@ -29,6 +30,7 @@ from streamfuse.runtime.backends.packed_linear import PackedLinear, resolve_kern
 from streamfuse.runtime.backends.static_graph import (
     CACHE_INPUTS,
     INPUT_NAMES,
+    NEW_ROWS,
     OUTPUT_NAMES,
     GraphSpec,
     StaticGraphBackend,
@@ -38,7 +40,6 @@ from streamfuse.runtime.options import STREAM_SCHEDULES
 
 # Ranks per stream a greedy step drafts: trees with a wider level run step + streams instead.
 DRAFT_WIDTH = 16
-CACHE_OUTPUTS = ("new_keys", "new_values")
 
 
 class TorchSession:
@@ -51,7 +52,7 @@ class TorchSession:
 
     def __init__(self, model: SpeculativeStreamingLM, device: str, dtype: torch.dtype, schedule: str):
         self.model, self.device, self.dtype, self.schedule = model, device, dtype, schedule
-        self.modules = {"decode": MainPass(model, 1, False, SCRATCH), "streams": StreamsPass(model, SCRATCH),
+        self.modules = {"decode": MainPass(model, 1, SCRATCH), "streams": StreamsPass(model, SCRATCH),
                         "step": StepPass(model, SCRATCH), "pruned_step": PrunedStepPass(model, SCRATCH)}
         self._greedy: dict[int, GreedyStepPass] = {}
         self._own_buffers(self.modules["decode"])
@@ -65,11 +66,11 @@ class TorchSession:
         tensors = [self._tensor(name, value) for name, value in zip(INPUT_NAMES[base], inputs)]
         outputs = self._module(base, tensors[0].shape[1] if base in ("prefill", "greedy_step") else 0)(*tensors)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        return [out if name in CACHE_OUTPUTS else host(out) for name, out in zip(OUTPUT_NAMES[base], outputs)]
+        return [out if name in NEW_ROWS else host(out) for name, out in zip(OUTPUT_NAMES[base], outputs)]
 
     def _module(self, method: str, rows: int) -> torch.nn.Module:
         if method == "prefill":  # a chain of the prompt's length
-            return self._own_buffers(MainPass(self.model, rows, True, SCRATCH))
+            return self._own_buffers(PrefillPass(self.model, rows, SCRATCH))
         if method == "greedy_step":
             if rows not in self._greedy:
                 self._greedy[rows] = self._own_buffers(GreedyStepPass(self.model, rows, DRAFT_WIDTH, None,

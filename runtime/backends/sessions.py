@@ -18,15 +18,15 @@ import numpy as np
 from streamfuse import seams
 from streamfuse.runtime.backends.static_graph import (
     CACHE_INPUTS,
+    COMMIT_INPUT,
     EMBEDDING_METADATA,
-    INPUT_NAMES,
     METHOD_INPUT,
     METHODS_METADATA,
-    OUTPUT_NAMES,
     TASK_PREFIX,
     Session,
-    base_method,
+    input_names,
     method_output,
+    output_names,
 )
 from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
 
@@ -129,7 +129,9 @@ class OnnxRuntimeSession:
         metadata = self.session.get_modelmeta().custom_metadata_map
         methods = json.loads(metadata.get(METHODS_METADATA, "[]"))
         self.index = {method: position for position, method in enumerate(methods)}
-        self.outputs = {method: [method_output(method, name) for name in OUTPUT_NAMES[base_method(method)]]
+        # Graphs that keep the cache in the engine take the commit (static_graph.COMMIT_INPUT) and return no rows.
+        self.engine_cache = any(i.name == COMMIT_INPUT for i in self.session.get_inputs())
+        self.outputs = {method: [method_output(method, name) for name in output_names(method, self.engine_cache)]
                         for method in methods}
         self.gathered = {name: ort.OrtValue.ortvalue_from_numpy(table)
                          for name, table in mapped_tables(Path(model), metadata).items()}
@@ -160,7 +162,7 @@ class OnnxRuntimeSession:
 
     def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
         feed = dict(self.placeholders)
-        feed.update(zip(INPUT_NAMES[base_method(method)], inputs))
+        feed.update(zip(input_names(method, self.engine_cache), inputs))
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         feed.update(self.task)
         feed.update(self.gathered)

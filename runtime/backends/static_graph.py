@@ -1,9 +1,14 @@
 """The backend over the graphs' functions: exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML)
 and the same functions run eagerly by torch (runtime/backends/pytorch.py).
 
-The graphs are pure functions (see the artifact's manifest, "methods"); this class owns what
-they leave to the host: the KV cache [L, kv_heads, C, d], chunked prefill, committing the
-accepted tree nodes' rows, running the streams of the last accepted node after the commit, and
+The KV cache [L, kv_heads, C, d] is one buffer per K and V, allocated here and handed to every call. Who
+writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layout owner):
+- "engine" (ExecuTorch, ONNX Runtime: the exact kernel's graphs): a call writes its own rows into slots
+  cache_len.. in place, and moves the rows the host accepted from the previous call down into place, by index
+  (its `commit` input): no K/V rows come out of a call and the host never copies one;
+- "host" (Core ML, the torch session): a call returns its rows (new_keys, new_values) and the host copies the
+  accepted ones in.
+This class also owns chunked prefill, running the streams of the last accepted node after the commit, and
 pruning a tree. A `Session` is the only engine-specific part: it runs one named method on a list of
 arrays (numpy; the torch session keeps the cache as tensors on its device).
 """
@@ -55,6 +60,23 @@ OUTPUT_NAMES = {
     "heads": ["head_logits"],
     "pruned_step": ["logits", "anchor", "hidden", "new_keys", "new_values", "transitions"],
 }
+# Graphs that keep the cache in the engine take COMMIT_INPUT last: the nodes of the previous call's rows the host
+# accepted, ascending, then -1 ([max_nodes] int64; all -1: nothing to move). With n of them, the call first moves
+# slot (cache_len - n) + nodes[j] to (cache_len - n) + j, then attends and writes its own rows at cache_len..
+# (runtime/tree_attention.py commit_rows, tree_attention's store). They return no NEW_ROWS.
+COMMIT_INPUT = "commit"
+NEW_ROWS = ("new_keys", "new_values")
+
+
+def input_names(method: str, engine_cache: bool) -> list[str]:
+    """The inputs of `method` (step_8: step's) in order."""
+    return INPUT_NAMES[base_method(method)] + ([COMMIT_INPUT] if engine_cache else [])
+
+
+def output_names(method: str, engine_cache: bool) -> list[str]:
+    """The outputs of `method` (step_8: step's) in order."""
+    return [name for name in OUTPUT_NAMES[base_method(method)] if not (engine_cache and name in NEW_ROWS)]
+
 # A pad row's depth: its position is the row before the tree's root (a real, finite one), and greedy_step
 # weighs reachable rows by depth + 1, so a pad row (weight 0) never wins over the root (weight 1).
 PAD_DEPTH = -1
@@ -158,6 +180,8 @@ class GraphSpec:
     # Ascending token ids of the logits' columns where the LM head keeps only those rows (a draft model's pruned
     # vocabulary, SpeculativeStreamingLM.keep_vocab); the host gives every other token -inf. None: all V.
     head_ids: np.ndarray | None = field(default=None, compare=False)
+    # The graphs write the cache themselves and take each commit as input (the module docstring); else the host does.
+    engine_cache: bool = False
 
     def full_logits(self, logits: np.ndarray) -> np.ndarray:
         """[..., V] float32 logits from a graph's [..., V] or, with head_ids, [..., D]."""
@@ -227,6 +251,8 @@ class StaticGraphBackend:
             self._allocate(spec.capacity)
         self.length = 0
         self._pending = None
+        self._no_commit = np.full(spec.max_nodes or 0, -1, dtype=np.int64)
+        self._commit = self._no_commit  # the engine's pending commit (COMMIT_INPUT), sent with the next call
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def step_rows(self, tree: TreeSpec | None) -> int:
@@ -242,6 +268,7 @@ class StaticGraphBackend:
                                 f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --set export.capacity=N")
         self.length = 0
         self._pending = None
+        self._commit = self._no_commit
 
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
         tokens = list(token_ids)
@@ -250,9 +277,10 @@ class StaticGraphBackend:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             ids = _ids(piece + [0] * (chunk - len(piece)))  # pad rows come last: causal, never seen
-            logits, anchor, hidden, new_keys, new_values = self.session.run(
-                "prefill", [ids, self._length(), self.keys, self.values, np.array([len(piece) - 1], dtype=np.int64)])
-            self._store(new_keys[:, :, : len(piece)], new_values[:, :, : len(piece)])
+            out = self._run("prefill", [ids, self._length(), self.keys, self.values,
+                                        np.array([len(piece) - 1], dtype=np.int64)])
+            self._keep(out, range(len(piece)))
+        logits, anchor, hidden = out["logits"], out["anchor"], out["hidden"]
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
         return StepOutput(self.spec.full_logits(logits), stream_logits,
                           extras=self._extras(hidden, stream_states, self._head_source(anchor, self.length - 1, [0])))
@@ -279,13 +307,13 @@ class StaticGraphBackend:
             else:
                 method = bucket_method("step", rows)
                 inputs = [ids, self._length(), visible, depths, self.keys, self.values]
-        logits, anchors, hidden, new_keys, new_values, *transitions = (
-            t[..., :count, :] if t.ndim > 1 else t for t in self.session.run(method, inputs))
-        self._pending = (new_keys, new_values)
+        out = {name: t[..., :count, :] if t.ndim > 1 else t for name, t in self._run(method, inputs).items()}
+        logits, anchors, hidden = out["logits"], out["anchor"], out["hidden"]
+        self._pending = out
         stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
                                         else (None, None))
         depths = tree.depths if tree is not None else [0]
-        kept = keep_nodes(tree, transitions[0].tolist(), prune) if prune is not None else None
+        kept = keep_nodes(tree, out["transitions"].tolist(), prune) if prune is not None else None
         return StepOutput(self.spec.full_logits(logits), stream_logits, kept,
                           extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)))
 
@@ -304,14 +332,18 @@ class StaticGraphBackend:
     def commit(self, nodes: Sequence[int]) -> None:
         if self._pending is None:
             raise RuntimeError("commit without a step")
-        new_keys, new_values = self._pending
-        index = np.asarray(nodes, dtype=np.int64)
-        self._store(new_keys[:, :, index], new_values[:, :, index])
+        self._keep(self._pending, nodes)
         self._pending = None
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"rollback to {length}: the cache holds {self.length} committed rows")
+        # A pending engine commit moves rows into slots base.. (base = length - its count): keep the moves below
+        # the new length.
+        moves = int((self._commit >= 0).sum())
+        kept = max(0, length - (self.length - moves))
+        self._commit = self._no_commit if kept == 0 else np.where(np.arange(len(self._commit)) < kept,
+                                                                 self._commit, -1)
         self.length = length  # the graphs attend to rows below cache_len only
         self._pending = None
 
@@ -331,15 +363,34 @@ class StaticGraphBackend:
     def _length(self) -> np.ndarray:
         return np.array([self.length], dtype=np.int64)
 
-    def _store(self, keys, values) -> None:
-        count = keys.shape[2]
-        self.keys[:, :, self.length : self.length + count] = keys
-        self.values[:, :, self.length : self.length + count] = values
-        self.length += count
+    def _run(self, method: str, inputs: list) -> dict[str, np.ndarray]:
+        """One call -> its outputs by name; where the engine keeps the cache, the pending commit goes with it."""
+        if not self.spec.engine_cache:
+            return dict(zip(output_names(method, False), self.session.run(method, inputs)))
+        outputs = self.session.run(method, [*inputs, self._commit])
+        self._commit = self._no_commit  # the call has moved the rows: never twice
+        return dict(zip(output_names(method, True), outputs))
+
+    def _keep(self, out: dict[str, np.ndarray], nodes: Iterable[int]) -> None:
+        """Commit rows `nodes` of the call that gave `out`: the host copies them into its cache, or (the engine's
+        cache) the next call moves them into place."""
+        index = np.asarray(list(nodes), dtype=np.int64)
+        if self.spec.engine_cache:
+            if len(index) and (index[0] < 0 or (np.diff(index) <= 0).any()):
+                raise RuntimeError(f"commit of nodes {index.tolist()}: a committed path is ascending")
+            if len(index) and not (len(index) == index[-1] + 1):  # rows already in place need no move
+                self._commit = np.full(len(self._no_commit), -1, dtype=np.int64)
+                self._commit[: len(index)] = index
+        else:
+            count = len(index)
+            self.keys[:, :, self.length : self.length + count] = out["new_keys"][:, :, index]
+            self.values[:, :, self.length : self.length + count] = out["new_values"][:, :, index]
+        self.length += len(index)
 
     def _greedy_step(self, method: str, count: int, inputs: list[np.ndarray]) -> StepOutput:
-        targets, accepted, drafts, new_keys, new_values, states = self.session.run(method, inputs)
-        self._pending = (new_keys[:, :, :count], new_values[:, :, :count])
+        out = self._run(method, inputs)
+        targets, accepted, drafts, states = out["targets"], out["accepted"], out["drafts"], out["stream_states"]
+        self._pending = {name: t[:, :, :count] for name, t in out.items() if name in NEW_ROWS}
         graph_node = int(accepted[0])
 
         def at_accepted(output: np.ndarray):
@@ -370,9 +421,12 @@ class StaticGraphBackend:
             row = start + depths[node]
             if row >= self.length:
                 raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) before its commit")
-            (out,) = self.session.run("heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64),
-                                                self.keys, self.values])
-            return self.spec.full_logits(out)
+            if (self._commit >= 0).any() and row + 1 != self.length:  # the moves land below self.length
+                raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) below the last committed row "
+                                   f"{self.length - 1} while the engine's commit is pending: ask at the last one")
+            out = self._run("heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64),
+                                      self.keys, self.values])
+            return self.spec.full_logits(out["head_logits"])
 
         return logits
 
@@ -385,8 +439,8 @@ class StaticGraphBackend:
     def _streams(self, anchor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Call after the commit: the anchor node's K/V must be in the cache (it is the last row).
         -> ([gamma, V] stream logits, [gamma, H] their final-normed states)."""
-        logits, states = self.session.run("streams", [anchor, self._length(), self.keys, self.values])
-        return self.spec.full_logits(logits), _float(states)
+        out = self._run("streams", [anchor, self._length(), self.keys, self.values])
+        return self.spec.full_logits(out["stream_logits"]), _float(out["stream_states"])
 
 
 def keep_nodes(tree: TreeSpec, transition: Sequence[float], prune: PruneConfig) -> list[bool]:

@@ -14,12 +14,18 @@
 // a dot product over head_dim in LANES partial sums (lane l takes elements l, l + LANES, ...), then the
 // partials added pairwise ((0+1)+(2+3))+((4+5)+(6+7)); exp as exp_poly below; no fused multiply-add
 // (built with -ffp-contract=off).
+//
+// The cache lives in the engine: a call also STORES its first `store` extra rows into the cache at slots
+// start.. of its layer (store_rows, after the attention, which never reads those slots), and commit_rows
+// COMPACTS the previous step's accepted rows in place before a step's attention (the graphs order it
+// first by feeding its output, a copy of start, to every attention call). So no K/V row leaves a call.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace streamfuse {
@@ -253,6 +259,58 @@ inline void attend_tasks(const TreeAttentionArgs& a, int64_t begin, int64_t end)
     attend_batch(a, g, i, i + stop, scratch);
     begin += stop;
   }
+}
+
+// Rows x in [0, store) of the extra keys and values into slots start + x of one layer's caches (pointers to
+// [kv_heads, capacity, dim]), every KV head; rows past the capacity are dropped (a padded prefill chunk may
+// run past the end). The callers check 0 <= start <= capacity and 0 <= store <= extra.
+inline void store_rows(float* k_cache, float* v_cache, const float* k_extra, const float* v_extra, int64_t kv_heads,
+                       int64_t capacity, int64_t dim, int64_t start, int64_t extra, int64_t store) {
+  const int64_t rows = std::min(store, capacity - start);
+  if (rows <= 0) return;
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    const size_t to = (g * capacity + start) * dim, from = g * extra * dim, bytes = rows * dim * sizeof(float);
+    std::memcpy(k_cache + to, k_extra + from, bytes);
+    std::memcpy(v_cache + to, v_extra + from, bytes);
+  }
+}
+
+// What is wrong with a commit_rows call, or nullptr: accepted [count] holds ascending nodes >= 0, then -1
+// padding; *kept is set to their number n, and base = start - n is where they go.
+inline const char* commit_error(int64_t capacity, int64_t start, const int64_t* accepted, int64_t count,
+                                int64_t* kept) {
+  int64_t n = 0;
+  while (n < count && accepted[n] >= 0) ++n;
+  *kept = n;
+  for (int64_t j = n; j < count; ++j) {
+    if (accepted[j] != -1) return "commit_rows: accepted must be its nodes >= 0 first, then only -1 padding";
+  }
+  for (int64_t j = 1; j < n; ++j) {
+    if (accepted[j] <= accepted[j - 1]) return "commit_rows: accepted's nodes must be strictly increasing";
+  }
+  if (start < n) return "commit_rows: start is less than the number of accepted nodes (base = start - n < 0)";
+  if (start > capacity) return "commit_rows: start is outside the cache";
+  if (n > 0 && start - n + accepted[n - 1] >= capacity) return "commit_rows: an accepted node's row is past the cache";
+  return nullptr;
+}
+
+// Slot base + j of every layer and KV head receives slot base + accepted[j], j = 0..n-1 ascending (caches
+// [layers, kv_heads, capacity, dim]). accepted[j] >= j (strictly increasing from >= 0), so the source is never
+// a slot already overwritten. Returns commit_error's message, copying nothing, when the call is wrong.
+inline const char* commit_rows(float* k_cache, float* v_cache, int64_t layers, int64_t kv_heads, int64_t capacity,
+                               int64_t dim, int64_t start, const int64_t* accepted, int64_t count) {
+  int64_t n = 0;
+  if (const char* error = commit_error(capacity, start, accepted, count, &n)) return error;
+  const int64_t base = start - n;
+  for (int64_t head = 0; head < layers * kv_heads; ++head) {
+    for (float* cache : {k_cache, v_cache}) {
+      float* slots = cache + (head * capacity + base) * dim;
+      for (int64_t j = 0; j < n; ++j) {
+        if (accepted[j] != j) std::memcpy(slots + j * dim, slots + accepted[j] * dim, dim * sizeof(float));
+      }
+    }
+  }
+  return nullptr;
 }
 
 }  // namespace streamfuse

@@ -1,7 +1,8 @@
-// tree_attention.h as an ExecuTorch kernel, streamfuse::tree_attention.out, for programs exported with
-// torch.ops.streamfuse.tree_attention (runtime/tree_attention.py defines the op and its schema). Loaded
-// into the process before a program is (runtime/tree_attention.py load_executorch_kernels); the work is
-// split over ExecuTorch's threadpool by rows and heads, never by keys.
+// tree_attention.h as ExecuTorch kernels, streamfuse::tree_attention.out and streamfuse::commit_rows.out, for
+// programs exported with torch.ops.streamfuse.tree_attention / commit_rows (runtime/tree_attention.py defines
+// the ops and their schemas). Loaded into the process before a program is (runtime/tree_attention.py
+// load_executorch_kernels); the attention is split over ExecuTorch's threadpool by rows and heads, never by keys.
+// Both write into the cache inputs, which must be the host's buffers (export/to_executorch.py host_inputs()).
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
@@ -16,10 +17,12 @@ using executorch::runtime::KernelRuntimeContext;
 
 // query [1, heads, rows, dim]; caches [layers, kv_heads, capacity, dim], of which `layer` is read; start [1]
 // int64; extra keys and values [1, kv_heads, extra, dim]; visible [rows, extra] float -> out [1, rows, heads, dim].
-// The whole cache comes in (a per-layer slice would be a copy in the graph), and only its used span is read.
+// The whole cache comes in (a per-layer slice would be a copy in the graph), and only its used span is read;
+// then the first `store` extra rows are written into it at slots start.. (the schema does not declare the
+// write: the graphs order it by data, see runtime/tree_attention.py).
 Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, const Tensor& k_cache,
                            const Tensor& v_cache, int64_t layer, const Tensor& start, const Tensor& k_extra,
-                           const Tensor& v_extra, const Tensor& visible, double scale, Tensor& out) {
+                           const Tensor& v_extra, const Tensor& visible, double scale, int64_t store, Tensor& out) {
   ET_KERNEL_CHECK(context, query.dim() == 4 && k_cache.dim() == 4 && k_extra.dim() == 4 && visible.dim() == 2,
                   InvalidArgument, out);
   ET_KERNEL_CHECK(context, query.scalar_type() == ScalarType::Float && start.scalar_type() == ScalarType::Long,
@@ -27,6 +30,7 @@ Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, c
   const int64_t first = start.const_data_ptr<int64_t>()[0];
   ET_KERNEL_CHECK(context, first >= 0 && first <= k_cache.size(2), InvalidArgument, out);
   ET_KERNEL_CHECK(context, layer >= 0 && layer < k_cache.size(0), InvalidArgument, out);
+  ET_KERNEL_CHECK(context, store >= 0 && store <= k_extra.size(2), InvalidArgument, out);
   const int64_t offset = layer * k_cache.size(1) * k_cache.size(2) * k_cache.size(3);
   const streamfuse::TreeAttentionArgs args{
       query.const_data_ptr<float>(), k_cache.const_data_ptr<float>() + offset,
@@ -37,9 +41,32 @@ Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, c
   executorch::extension::parallel_for(0, args.rows * args.heads, 1, [&](int64_t begin, int64_t end) {
     streamfuse::attend_tasks(args, begin, end);
   });
+  streamfuse::store_rows(k_cache.mutable_data_ptr<float>() + offset, v_cache.mutable_data_ptr<float>() + offset,
+                         args.k_extra, args.v_extra, args.kv_heads, args.capacity, args.dim, first, args.extra, store);
+  return out;
+}
+
+// Caches [layers, kv_heads, capacity, dim] float, start [1] and accepted [count] int64 -> out [1] int64, a copy of
+// start: the graphs feed it to every attention call so that each runs after the commit.
+Tensor& commit_rows_out(KernelRuntimeContext& context, const Tensor& k_cache, const Tensor& v_cache,
+                        const Tensor& start, const Tensor& accepted, Tensor& out) {
+  ET_KERNEL_CHECK(context, k_cache.dim() == 4 && v_cache.dim() == 4 && start.dim() == 1 && accepted.dim() == 1,
+                  InvalidArgument, out);
+  ET_KERNEL_CHECK(context, k_cache.scalar_type() == ScalarType::Float && v_cache.scalar_type() == ScalarType::Float &&
+                  start.scalar_type() == ScalarType::Long && accepted.scalar_type() == ScalarType::Long &&
+                  out.scalar_type() == ScalarType::Long && start.numel() == 1 && out.numel() == 1,
+                  InvalidArgument, out);
+  ET_KERNEL_CHECK(context, executorch::runtime::tensors_have_same_shape(k_cache, v_cache), InvalidArgument, out);
+  const int64_t first = start.const_data_ptr<int64_t>()[0];
+  const char* error = streamfuse::commit_rows(
+      k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(), k_cache.size(0), k_cache.size(1),
+      k_cache.size(2), k_cache.size(3), first, accepted.const_data_ptr<int64_t>(), accepted.size(0));
+  ET_KERNEL_CHECK_MSG(context, error == nullptr, InvalidArgument, out, "%s", error);
+  out.mutable_data_ptr<int64_t>()[0] = first;
   return out;
 }
 
 }  // namespace
 
 EXECUTORCH_LIBRARY(streamfuse, "tree_attention.out", tree_attention_out);
+EXECUTORCH_LIBRARY(streamfuse, "commit_rows.out", commit_rows_out);

@@ -1,12 +1,14 @@
-// tree_attention.h as an ONNX Runtime custom op, streamfuse.TreeAttention, for the ONNX graphs that
-// export/to_onnx.py translates torch.ops.streamfuse.tree_attention into:
+// tree_attention.h as ONNX Runtime custom ops, streamfuse.TreeAttention and streamfuse.CommitRows, for the ONNX
+// graphs that export/to_onnx.py translates torch.ops.streamfuse.tree_attention / commit_rows into:
 //
 //   TreeAttention(query [1, heads, rows, dim], k_cache, v_cache [layers, kv_heads, capacity, dim], start [1] int64,
-//                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float)
-//     -> out [1, rows, heads, dim]
+//                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float,
+//                 store: int) -> out [1, rows, heads, dim]
+//   CommitRows(k_cache, v_cache, start [1] int64, accepted [A] int64) -> out [1] int64 (a copy of start)
 //
-// The whole cache comes in (the host's buffer, read in place) and only slots [0, start) of `layer` are read.
-// The work goes over ONNX Runtime's intra-op threads by rows and heads, never by keys (the header says why).
+// The whole cache comes in (the host's buffer, used in place): TreeAttention reads slots [0, start) of `layer`,
+// then writes its first `store` extra rows at slots start..; CommitRows compacts the accepted rows in place.
+// The attention goes over ONNX Runtime's intra-op threads by rows and heads, never by keys (the header says why).
 //
 // The onnxruntime wheel ships no C headers, so the few pieces of ONNX Runtime's C API used here are declared
 // below: OrtApi is a table of function pointers that only ever grows at its end (ONNX Runtime's ABI promise), so
@@ -133,22 +135,6 @@ struct Api {
 
 const Api* ort = nullptr;  // set once by RegisterCustomOps
 
-constexpr size_t kInputs = 7;  // query, k_cache, v_cache, start, k_extra, v_extra, visible
-constexpr int64_t kRanks[kInputs] = {4, 4, 4, 1, 4, 4, 2};
-constexpr ElementType kTypes[kInputs] = {kFloat, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
-constexpr const char* kNames[kInputs] = {"query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"};
-
-struct Kernel {
-  int64_t layer;
-  float scale;
-};
-
-// A tensor input's data and shape, or a status naming what is wrong with it.
-struct Input {
-  const float* data = nullptr;
-  int64_t shape[4] = {};
-};
-
 #define RETURN_IF_ERROR(expr)         \
   do {                                \
     if (OrtStatus* status = (expr)) { \
@@ -158,28 +144,82 @@ struct Input {
 
 OrtStatus* fail(const std::string& message) { return ort->create_status(kInvalidArgument, message.c_str()); }
 
-OrtStatus* read_input(OrtKernelContext* context, size_t index, Input& in) {
+struct Signature;
+
+// A kernel's state: its op and its attributes (TreeAttention's; CommitRows has none).
+struct Kernel {
+  const Signature* op;
+  int64_t layer = 0, store = 0;
+  float scale = 0.f;
+};
+
+// What differs between the ops: their inputs (each checked against its name, element type and rank), output
+// type, attributes (read once per kernel) and work.
+struct Signature {
+  const char* name;
+  size_t inputs;
+  const char* const* names;
+  const ElementType* types;
+  const int64_t* ranks;
+  ElementType output;
+  OrtStatus* (*attributes)(const OrtKernelInfo*, Kernel&);
+  OrtStatus* (*compute)(const Kernel&, OrtKernelContext*);
+};
+
+// OrtCustomOp first, so the const OrtCustomOp* each callback gets is its Op (a standard-layout struct).
+struct Op {
+  OrtCustomOp base;
+  const Signature* signature;
+};
+const Signature& signature_of(const OrtCustomOp* op) { return *reinterpret_cast<const Op*>(op)->signature; }
+
+// A tensor input's data and shape.
+struct Input {
+  void* data = nullptr;
+  int64_t shape[4] = {};
+  const float* floats() const { return static_cast<const float*>(data); }
+  const int64_t* ints() const { return static_cast<const int64_t*>(data); }
+};
+
+OrtStatus* read_input(OrtKernelContext* context, const Signature& op, size_t index, Input& in) {
   const OrtValue* value = nullptr;
   RETURN_IF_ERROR(ort->input(context, index, &value));
   OrtTensorTypeAndShapeInfo* info = nullptr;
   RETURN_IF_ERROR(ort->type_and_shape(value, &info));
   ElementType type = kUndefined;
   size_t rank = 0;
+  const size_t expected_rank = static_cast<size_t>(op.ranks[index]);
   OrtStatus* status = ort->element_type(info, &type);
   if (status == nullptr) status = ort->dims_count(info, &rank);
-  if (status == nullptr && rank == static_cast<size_t>(kRanks[index])) status = ort->dims(info, in.shape, rank);
+  if (status == nullptr && rank == expected_rank) status = ort->dims(info, in.shape, rank);
   ort->release_shape(info);
   if (status != nullptr) return status;
-  const ElementType expected = kTypes[index];
-  if (type != expected || rank != static_cast<size_t>(kRanks[index])) {
-    return fail(std::string("TreeAttention: input ") + kNames[index] + " must be a rank-" +
-                std::to_string(kRanks[index]) + (expected == kInt64 ? " int64" : " float") + " tensor");
+  const ElementType expected = op.types[index];
+  if (type != expected || rank != expected_rank) {
+    return fail(std::string(op.name) + ": input " + op.names[index] + " must be a rank-" +
+                std::to_string(expected_rank) + (expected == kInt64 ? " int64" : " float") + " tensor");
   }
-  void* data = nullptr;  // ONNX Runtime's const accessor is newer than kApiVersion; nothing here writes
-  RETURN_IF_ERROR(ort->data(const_cast<OrtValue*>(value), &data));
-  in.data = static_cast<const float*>(data);
+  // The mutable accessor: the const one is newer than kApiVersion, and the caches are written in place (the
+  // host's buffers: ONNX Runtime hands a CPU input over without a copy).
+  return ort->data(const_cast<OrtValue*>(value), &in.data);
+}
+
+template <size_t N>
+OrtStatus* read_inputs(OrtKernelContext* context, const Signature& op, Input (&in)[N]) {
+  for (size_t i = 0; i < N; ++i) RETURN_IF_ERROR(read_input(context, op, i, in[i]));
   return nullptr;
 }
+
+OrtStatus* output(OrtKernelContext* context, const int64_t* shape, size_t rank, void** data) {
+  OrtValue* out = nullptr;
+  RETURN_IF_ERROR(ort->output(context, 0, shape, rank, &out));
+  return ort->data(out, data);
+}
+
+// --- TreeAttention(query, k_cache, v_cache, start, k_extra, v_extra, visible; layer, scale, store) -> out ---
+constexpr const char* kAttentionNames[] = {"query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"};
+constexpr ElementType kAttentionTypes[] = {kFloat, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
+constexpr int64_t kAttentionRanks[] = {4, 4, 4, 1, 4, 4, 2};
 
 struct Work {
   const streamfuse::TreeAttentionArgs* args;
@@ -192,67 +232,106 @@ void run_part(void* user, size_t part) {
   streamfuse::attend_tasks(*work.args, begin, std::min(begin + work.share, work.tasks));
 }
 
-OrtStatus* compute(void* state, OrtKernelContext* context) {
-  const Kernel& kernel = *static_cast<const Kernel*>(state);
-  Input in[kInputs];
-  for (size_t i = 0; i < kInputs; ++i) RETURN_IF_ERROR(read_input(context, i, in[i]));
+OrtStatus* attention_attributes(const OrtKernelInfo* info, Kernel& kernel) {
+  RETURN_IF_ERROR(ort->attribute_int64(info, "layer", &kernel.layer));
+  RETURN_IF_ERROR(ort->attribute_float(info, "scale", &kernel.scale));
+  return ort->attribute_int64(info, "store", &kernel.store);
+}
+
+OrtStatus* attend(const Kernel& kernel, OrtKernelContext* context) {
+  Input in[7];
+  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
   const int64_t* query = in[0].shape;
   const int64_t* cache = in[1].shape;
   const int64_t* extra = in[4].shape;
   const int64_t heads = query[1], rows = query[2], dim = query[3], kv_heads = cache[1], capacity = cache[2];
-  const int64_t first = reinterpret_cast<const int64_t*>(in[3].data)[0];
+  const int64_t first = in[3].ints()[0];
   bool shapes_agree = cache[3] == dim && extra[1] == kv_heads && extra[3] == dim && kv_heads > 0 &&
                       heads % kv_heads == 0 && in[6].shape[0] == rows && in[6].shape[1] == extra[2];
   for (int i = 0; i < 4; ++i) shapes_agree = shapes_agree && in[2].shape[i] == cache[i] && in[5].shape[i] == extra[i];
   if (!shapes_agree) return fail("TreeAttention: the inputs' shapes disagree (see runtime/tree_attention.py)");
   if (kernel.layer < 0 || kernel.layer >= cache[0]) return fail("TreeAttention: layer outside the cache");
   if (first < 0 || first > capacity) return fail("TreeAttention: start outside the cache");
+  if (kernel.store < 0 || kernel.store > extra[2]) return fail("TreeAttention: store outside [0, the extra rows]");
   const int64_t out_shape[4] = {1, rows, heads, dim};
-  OrtValue* out = nullptr;
-  RETURN_IF_ERROR(ort->output(context, 0, out_shape, 4, &out));
-  void* out_data = nullptr;
-  RETURN_IF_ERROR(ort->data(out, &out_data));
+  void* out = nullptr;
+  RETURN_IF_ERROR(output(context, out_shape, 4, &out));
   const int64_t offset = kernel.layer * kv_heads * capacity * dim;
-  const streamfuse::TreeAttentionArgs args{in[0].data, in[1].data + offset, in[2].data + offset, in[4].data,
-                                           in[5].data, in[6].data, static_cast<float*>(out_data), heads, kv_heads,
-                                           rows, dim, capacity, first, extra[2], kernel.scale};
+  const streamfuse::TreeAttentionArgs args{in[0].floats(), in[1].floats() + offset, in[2].floats() + offset,
+                                           in[4].floats(), in[5].floats(), in[6].floats(), static_cast<float*>(out),
+                                           heads, kv_heads, rows, dim, capacity, first, extra[2], kernel.scale};
   // Parts of whole KV groups where a group fills a batch, else halves of a group: a part reads its KV head's
   // keys once for all its queries, and there are parts enough for the threads to share.
   const int64_t tasks = rows * heads, per_head = tasks / kv_heads;
-  if (tasks == 0) return nullptr;
-  const int64_t per_part = per_head > streamfuse::BATCH ? streamfuse::BATCH : (per_head + 1) / 2;
-  const Work work{&args, tasks, per_part};
-  const int64_t parts = (tasks + per_part - 1) / per_part;
-  return ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, const_cast<Work*>(&work));
+  if (tasks > 0) {
+    const int64_t per_part = per_head > streamfuse::BATCH ? streamfuse::BATCH : (per_head + 1) / 2;
+    const Work work{&args, tasks, per_part};
+    const int64_t parts = (tasks + per_part - 1) / per_part;
+    RETURN_IF_ERROR(ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, const_cast<Work*>(&work)));
+  }
+  // After the attention (ParallelFor returns when every part is done); the schema does not declare this write.
+  streamfuse::store_rows(static_cast<float*>(in[1].data) + offset, static_cast<float*>(in[2].data) + offset,
+                         in[4].floats(), in[5].floats(), kv_heads, capacity, dim, first, extra[2], kernel.store);
+  return nullptr;
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** state) {
-  Kernel kernel{};
-  RETURN_IF_ERROR(ort->attribute_int64(info, "layer", &kernel.layer));
-  RETURN_IF_ERROR(ort->attribute_float(info, "scale", &kernel.scale));
+// --- CommitRows(k_cache, v_cache, start, accepted) -> out, a copy of start -------------------------------------
+constexpr const char* kCommitNames[] = {"k_cache", "v_cache", "start", "accepted"};
+constexpr ElementType kCommitTypes[] = {kFloat, kFloat, kInt64, kInt64};
+constexpr int64_t kCommitRanks[] = {4, 4, 1, 1};
+
+OrtStatus* commit(const Kernel& kernel, OrtKernelContext* context) {
+  Input in[4];
+  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
+  const int64_t* cache = in[0].shape;
+  bool shapes_agree = in[2].shape[0] == 1;
+  for (int i = 0; i < 4; ++i) shapes_agree = shapes_agree && in[1].shape[i] == cache[i];
+  if (!shapes_agree) return fail("CommitRows: the caches' shapes differ or start is not one number");
+  const int64_t first = in[2].ints()[0];
+  const char* error = streamfuse::commit_rows(static_cast<float*>(in[0].data), static_cast<float*>(in[1].data),
+                                              cache[0], cache[1], cache[2], cache[3], first, in[3].ints(),
+                                              in[3].shape[0]);
+  if (error != nullptr) return fail(error);
+  const int64_t out_shape[1] = {1};
+  void* out = nullptr;
+  RETURN_IF_ERROR(output(context, out_shape, 1, &out));
+  *static_cast<int64_t*>(out) = first;
+  return nullptr;
+}
+
+constexpr Signature kAttention{"TreeAttention", 7, kAttentionNames, kAttentionTypes, kAttentionRanks, kFloat,
+                               attention_attributes, attend};
+constexpr Signature kCommit{"CommitRows", 4, kCommitNames, kCommitTypes, kCommitRanks, kInt64, nullptr, commit};
+
+OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** state) {
+  Kernel kernel{&signature_of(op)};
+  if (kernel.op->attributes != nullptr) RETURN_IF_ERROR(kernel.op->attributes(info, kernel));
   *state = new Kernel(kernel);
   return nullptr;
 }
 
-OrtCustomOp make_op() {
+Op make_op(const Signature& signature) {
   OrtCustomOp op{};
   op.version = kApiVersion;
-  op.GetName = [](const OrtCustomOp*) { return "TreeAttention"; };
+  op.GetName = [](const OrtCustomOp* self) { return signature_of(self).name; };
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
-  op.GetInputType = [](const OrtCustomOp*, size_t index) { return kTypes[index]; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) { return kInputs; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetInputType = [](const OrtCustomOp* self, size_t index) { return signature_of(self).types[index]; };
+  op.GetInputTypeCount = [](const OrtCustomOp* self) { return signature_of(self).inputs; };
+  op.GetOutputType = [](const OrtCustomOp* self, size_t) { return signature_of(self).output; };
   op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
   op.KernelDestroy = [](void* state) { delete static_cast<Kernel*>(state); };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
   op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
   op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return kMemDefault; };
   op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
+  op.KernelComputeV2 = [](void* state, OrtKernelContext* context) {
+    const Kernel& kernel = *static_cast<const Kernel*>(state);
+    return kernel.op->compute(kernel, context);
+  };
+  return Op{op, &signature};
 }
 
-const OrtCustomOp kOp = make_op();
+const Op kOps[] = {make_op(kAttention), make_op(kCommit)};
 
 }  // namespace
 
@@ -269,7 +348,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   static OrtCustomOpDomain* domain = nullptr;  // kept for the process: sessions may outlive any one caller
   if (domain == nullptr) {
     RETURN_IF_ERROR(ort->create_domain("streamfuse", &domain));
-    RETURN_IF_ERROR(ort->domain_add(domain, &kOp));
+    for (const Op& op : kOps) RETURN_IF_ERROR(ort->domain_add(domain, &op.base));
   }
   return ort->add_domain(options, domain);
 }
