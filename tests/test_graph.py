@@ -1,5 +1,6 @@
 """The exported graphs' greedy step, run by torch eager: equal to step + accept + commit + streams,
-for both stream schedules, with and without a draft vocabulary; trees as data in size buckets."""
+for both stream schedules, with and without a draft vocabulary; trees as data in size buckets; the span graphs'
+cache, kept by the engine, equal to the host's."""
 
 import random
 import sys
@@ -274,3 +275,38 @@ def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly(greedy
     for prompt in ([3, 1, 4], [9, 9, 2, 6]):
         plain = generate(padded, prompt, DecodeSettings("ar", rules))
         assert generate(padded, prompt, DecodeSettings("ss", rules, tree=tree)).token_ids == plain.token_ids
+
+
+# Steps of the 7-node custom tree and the path each commits (then rollback by `back` rows): a path through node 0
+# only, one skipping nodes (rows moved down), the deepest branch, a rollback below a pending move, one above it.
+ENGINE_STEPS = [([0, 1, 3], 0), ([0, 2, 4, 6], 0), ([0], 0), ([0, 2, 4, 5], 2), ([0, 1], 1)]
+
+
+@torch.no_grad()
+def test_the_engine_keeps_the_cache_as_the_host_would():
+    """The span graphs (the engine writes its rows and moves the accepted ones, by the commit input) leave the cache
+    the host's copy would, through commits that move rows and rollbacks below and above a pending move."""
+    from streamfuse.export.span_attention import span_model
+
+    model, tree = tiny_model(), TREES[2]
+    host_shapes, engine_shapes = (GraphShapes(64, 8, (tree.num_nodes,), span=span) for span in (False, True))
+    host = StaticGraphBackend(EagerSession(graph_modules(model, host_shapes)), graph_spec(model, host_shapes, ["deferred"]))
+    span = span_model(model)
+    engine = StaticGraphBackend(EagerSession(graph_modules(span, engine_shapes)),
+                                graph_spec(span, engine_shapes, ["deferred"]))
+    assert engine.spec.engine_cache and not host.spec.engine_cache
+    rng = np.random.default_rng(0)
+    for backend in (host, engine):
+        backend.reset(64)
+        backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
+    for path, back in [*ENGINE_STEPS, ([0], 0)]:
+        tokens = rng.integers(3, 90, tree.num_nodes).tolist()
+        outs = [backend.step(tokens, tree, with_streams=False) for backend in (host, engine)]
+        # the engine's call has moved the last commit's rows: both caches hold the same committed rows now
+        assert host.length == engine.length
+        np.testing.assert_allclose(engine.keys[:, :, : host.length], host.keys[:, :, : host.length], atol=1e-5)
+        np.testing.assert_allclose(engine.values[:, :, : host.length], host.values[:, :, : host.length], atol=1e-5)
+        np.testing.assert_allclose(outs[1].main_logits, outs[0].main_logits, atol=1e-4)
+        for backend in (host, engine):
+            backend.commit(path)
+            backend.rollback(backend.length - back)
