@@ -257,7 +257,8 @@ class GreedyStepPass(nn.Module):
             anchor = lower.hidden[0].index_select(0, accepted)
             streams = self._deferred_streams(anchor, accepted, cache_len, tree, depths, keys, values, new_keys,
                                              new_values, provider)
-        return targets, accepted, self.ranked_drafts(streams), *new_rows(provider, self.layout), streams
+        rows = () if self.layout == SPAN else (new_keys, new_values)  # the span graphs have written them
+        return targets, accepted, self.ranked_drafts(streams), *rows, streams
 
     def ranked_drafts(self, streams: torch.Tensor) -> torch.Tensor:
         """[gamma, H] final-normed stream states -> [gamma, K] token ids, best first."""

@@ -342,8 +342,8 @@ class StaticGraphBackend:
         # the new length.
         moves = int((self._commit >= 0).sum())
         kept = max(0, length - (self.length - moves))
-        self._commit = self._no_commit if kept == 0 else np.where(np.arange(len(self._commit)) < kept,
-                                                                 self._commit, -1)
+        self._commit = self._commit.copy()
+        self._commit[kept:] = -1
         self.length = length  # the graphs attend to rows below cache_len only
         self._pending = None
 
@@ -379,7 +379,7 @@ class StaticGraphBackend:
             if len(index) and (index[0] < 0 or (np.diff(index) <= 0).any()):
                 raise RuntimeError(f"commit of nodes {index.tolist()}: a committed path is ascending")
             if len(index) and not (len(index) == index[-1] + 1):  # rows already in place need no move
-                self._commit = np.full(len(self._no_commit), -1, dtype=np.int64)
+                self._commit = self._no_commit.copy()
                 self._commit[: len(index)] = index
         else:
             count = len(index)
