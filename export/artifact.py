@@ -64,6 +64,7 @@ FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnxruntime"), "8da4w": ("e
 # Formats whose graphs take the task's tensors as inputs (export/task_inputs.py): the base's weights are the
 # same for every task, so one artifact's graphs serve several tasks. The others merge the LoRA into the weights.
 TASK_INPUT_FORMATS = ("q4-native",)
+ONNX_LINEARS = ("streamfuse", "matmulnbits")  # ExportConfig.onnx_linear
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -103,6 +104,9 @@ class ExportConfig:
     # the artifact (--task a,b sets it). Off for one task: XNNPACK repacks an input weight on every call, which
     # makes a decode call slower (docs/export.md, "Several tasks on one base").
     task_inputs: bool = False
+    # q4-native's linears on ONNX Runtime: streamfuse's own 4-bit op (one node, runtime/q4_linear.py) or ONNX
+    # Runtime's MatMulNBits with an fp32 low-rank term for the minimums and the LoRA (4 nodes)
+    onnx_linear: str = "streamfuse"
 
     def validate(self) -> None:
         if not self.trees:
@@ -114,6 +118,8 @@ class ExportConfig:
             raise ValueError(f"export.quantize (--quantize) must be one of {', '.join(FORMATS)}, got {self.quantize!r}")
         if self.workers < 1:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
+        if self.onnx_linear not in ONNX_LINEARS:
+            raise ValueError(f"export.onnx_linear must be one of {', '.join(ONNX_LINEARS)}, got {self.onnx_linear!r}")
         other = [b for b in self.backends if b != "torch" and b not in FORMATS[self.quantize]]
         if self.task_inputs and (self.quantize not in TASK_INPUT_FORMATS or other):
             raise ValueError(f"export.task_inputs (several tasks on one base) needs graphs without the task's weights: "
@@ -374,6 +380,10 @@ class ArtifactBuilder:
         # ONNX: the exact kernel's attention, as on ExecuTorch (SS == plain decoding exactly)
         if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
             model, details = self._q4_native_model()
+            if self.config.onnx_linear == "streamfuse":
+                from streamfuse.export.q4_kernel import use_kernel_linears
+
+                details = {**details, **use_kernel_linears(model)}
             return span_model(model), {**details, **LOW_BIT_ACTIVATIONS}
         model = span_model(self.model_and_tokenizer()[0])
         if fmt == "int8":

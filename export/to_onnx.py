@@ -86,13 +86,15 @@ ACCURACY_LEVEL = 4
 def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops: the low-bit products (export/low_bit.py) as ONNX Runtime's MatMulNBits,
     the attention kernel and the cache's commit (runtime/tree_attention.py) as streamfuse's TreeAttention and
-    CommitRows."""
+    CommitRows, and streamfuse's own 4-bit linear (runtime/q4_linear.py) as streamfuse.Q4Linear."""
     from onnxscript.values import Opset
 
     from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)
+    from streamfuse.runtime import q4_linear
     from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP, commit_op, torch_op
 
     _register_schemas()
+    own_linear = getattr(Opset(ONNX_DOMAIN, 1), q4_linear.ONNX_OP)
     matmul_nbits = Opset("com.microsoft", 1).MatMulNBits
     attention = getattr(Opset(ONNX_DOMAIN, 1), ONNX_OP)
     commit = getattr(Opset(ONNX_DOMAIN, 1), ONNX_COMMIT_OP)
@@ -113,8 +115,11 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     def commit_rows(k_cache, v_cache, start, accepted):
         return commit(k_cache, v_cache, start, accepted)
 
+    def linear_q4(x, weights, lora_a, lora_up, out_features: int):
+        return own_linear(x, weights, lora_a, lora_up, out_features=out_features)
+
     return {torch.ops.streamfuse.q4_matmul.default: q4_matmul, torch.ops.streamfuse.q8_linear.default: q8_linear,
-            torch_op(): tree_attention, commit_op(): commit_rows}
+            torch_op(): tree_attention, commit_op(): commit_rows, q4_linear.torch_op(): linear_q4}
 
 
 def _register_schemas() -> None:
@@ -123,6 +128,7 @@ def _register_schemas() -> None:
     against its own definitions at load."""
     from onnx import defs
 
+    from streamfuse.runtime.q4_linear import ONNX_OP as Q4_OP
     from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     schema = defs.OpSchema
@@ -143,6 +149,14 @@ def _register_schemas() -> None:
             inputs=[schema.FormalParameter(name, "T1" if name.endswith("cache") else "T2") for name in (
                 "k_cache", "v_cache", "start", "accepted")],
             outputs=[schema.FormalParameter("out", "T2")], type_constraints=types,
+        ))
+    if not defs.has(Q4_OP, ONNX_DOMAIN):
+        defs.register_schema(schema(
+            Q4_OP, ONNX_DOMAIN, 1,
+            inputs=[schema.FormalParameter(name, "T3" if name == "weights" else "T1") for name in (
+                "x", "weights", "lora_a", "lora_up")],
+            outputs=[schema.FormalParameter("out", "T1")], type_constraints=[*types[:1], ("T3", ["tensor(uint8)"], "")],
+            attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
         ))
     if defs.has("MatMulNBits", "com.microsoft"):
         return

@@ -84,7 +84,7 @@ def _compiler() -> str:
 def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
     """Compile `sources` (files under SOURCES) into BUILD/<name>-<hash>.so unless it is there; atomic."""
     digest = hashlib.sha256()
-    for source in sorted({*sources, "tree_attention.h"}):
+    for source in sorted({*sources, *(header.name for header in SOURCES.glob("*.h"))}):
         digest.update((SOURCES / source).read_bytes())
     flags = FLAGS + _arch_flags()
     digest.update(" ".join(flags + extra).encode())
@@ -105,8 +105,9 @@ def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
 
 @functools.cache
 def c_library() -> ctypes.CDLL:
-    """The kernel behind a C ABI (no dependencies), for the torch ops."""
-    library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", ["tree_attention_c.cpp"], ["-pthread"])))
+    """The kernels behind a C ABI (no dependencies), for the torch ops: the attention and runtime/q4_linear.py's."""
+    sources = ["tree_attention_c.cpp", "q4_linear_c.cpp"]
+    library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", sources, ["-pthread"])))
     attention = library.streamfuse_tree_attention
     attention.restype = None
     attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 2

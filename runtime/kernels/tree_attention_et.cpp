@@ -1,12 +1,15 @@
-// tree_attention.h as ExecuTorch kernels, streamfuse::tree_attention.out and streamfuse::commit_rows.out, for
-// programs exported with torch.ops.streamfuse.tree_attention / commit_rows (runtime/tree_attention.py defines
-// the ops and their schemas). Loaded into the process before a program is (runtime/tree_attention.py
+// tree_attention.h and q4_linear.h as ExecuTorch kernels, streamfuse::tree_attention.out, commit_rows.out and
+// q4_linear.out, for programs exported with torch.ops.streamfuse.* (runtime/tree_attention.py and
+// runtime/q4_linear.py define the ops and their schemas). Loaded into the process before a program is (runtime/tree_attention.py
 // load_executorch_kernels); the attention is split over ExecuTorch's threadpool by rows and heads, never by keys.
 // Both write into the cache inputs, which must be the host's buffers (export/to_executorch.py host_inputs()).
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
+#include <vector>
+
+#include "q4_linear.h"
 #include "tree_attention.h"
 
 namespace {
@@ -66,7 +69,39 @@ Tensor& commit_rows_out(KernelRuntimeContext& context, const Tensor& k_cache, co
   return out;
 }
 
+// x [.., K] float, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16] -> out [.., N]: the
+// columns (tiles) split over ExecuTorch's threadpool, never the rows (q4_linear.h says why).
+Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tensor& weights, const Tensor& lora_a,
+                      const Tensor& lora_up, int64_t out_features, Tensor& out) {
+  using namespace streamfuse::q4;
+  ET_KERNEL_CHECK(context, x.dim() >= 1 && weights.dim() == 3 && lora_a.dim() == 2 && lora_up.dim() == 3 &&
+                  out.dim() == x.dim(), InvalidArgument, out);
+  ET_KERNEL_CHECK(context, x.scalar_type() == ScalarType::Float && weights.scalar_type() == ScalarType::Byte &&
+                  lora_a.scalar_type() == ScalarType::Float && lora_up.scalar_type() == ScalarType::Float &&
+                  out.scalar_type() == ScalarType::Float, InvalidArgument, out);
+  const int64_t depth = x.size(x.dim() - 1), rows = depth > 0 ? x.numel() / depth : 0, rank = lora_a.size(1);
+  ET_KERNEL_CHECK_MSG(context, args_error(rows, depth, out_features, rank) == nullptr, InvalidArgument, out, "%s",
+                      args_error(rows, depth, out_features, rank));
+  const int64_t tiles = tiles_of(out_features), blocks = depth / BLOCK;
+  ET_KERNEL_CHECK(context, weights.size(0) == tiles && weights.size(1) == blocks && weights.size(2) == TILE_BYTES &&
+                  lora_a.size(0) == depth && lora_up.size(0) == tiles && lora_up.size(1) == rank &&
+                  lora_up.size(2) == TILE && out.numel() == rows * out_features &&
+                  out.size(out.dim() - 1) == out_features, InvalidArgument, out);
+  static const int64_t path = resolve_path(kAuto);
+  std::vector<int8_t> xq(rows * depth);
+  std::vector<float> xd(rows * blocks), xs(rows * blocks), xa(rows * rank);
+  quantize_rows(x.const_data_ptr<float>(), rows, depth, xq.data(), xd.data(), xs.data());
+  if (rank > 0) lora_down(x.const_data_ptr<float>(), lora_a.const_data_ptr<float>(), rows, depth, rank, xa.data());
+  const Args args{xq.data(), xd.data(), xs.data(), weights.const_data_ptr<uint8_t>(), xa.data(),
+                  lora_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, depth, out_features, rank};
+  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
+    run_tiles(args, path, first, last);
+  });
+  return out;
+}
+
 }  // namespace
 
+EXECUTORCH_LIBRARY(streamfuse, "q4_linear.out", q4_linear_out);
 EXECUTORCH_LIBRARY(streamfuse, "tree_attention.out", tree_attention_out);
 EXECUTORCH_LIBRARY(streamfuse, "commit_rows.out", commit_rows_out);

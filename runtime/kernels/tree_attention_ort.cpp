@@ -1,10 +1,12 @@
-// tree_attention.h as ONNX Runtime custom ops, streamfuse.TreeAttention and streamfuse.CommitRows, for the ONNX
-// graphs that export/to_onnx.py translates torch.ops.streamfuse.tree_attention / commit_rows into:
+// tree_attention.h and q4_linear.h as ONNX Runtime custom ops, streamfuse.TreeAttention, streamfuse.CommitRows and
+// streamfuse.Q4Linear, for the ONNX graphs that export/to_onnx.py translates torch.ops.streamfuse.* into:
 //
 //   TreeAttention(query [1, heads, rows, dim], k_cache, v_cache [layers, kv_heads, capacity, dim], start [1] int64,
 //                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float,
 //                 store: int) -> out [1, rows, heads, dim]
 //   CommitRows(k_cache, v_cache, start [1] int64, accepted [A] int64) -> out [1] int64 (a copy of start)
+//   Q4Linear(x [.., K] (rank 2 to 4), weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16];
+//            out_features: int) -> out [.., out_features]   (runtime/q4_linear.py)
 //
 // The whole cache comes in (the host's buffer, used in place): TreeAttention reads slots [0, start) of `layer`,
 // then writes its first `store` extra rows at slots start..; CommitRows compacts the accepted rows in place.
@@ -18,7 +20,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "q4_linear.h"
 #include "tree_attention.h"
 
 extern "C" {
@@ -37,7 +41,7 @@ struct OrtApiBase {
   const char* (*GetVersionString)();
 };
 
-enum ElementType : int { kUndefined = 0, kFloat = 1, kInt64 = 7 };  // ONNXTensorElementDataType
+enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt64 = 7 };  // ONNXTensorElementDataType
 enum Characteristic : int { kRequired = 0 };                        // OrtCustomOpInputOutputCharacteristic
 enum MemType : int { kMemDefault = 0 };                             // OrtMemType
 enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };           // OrtErrorCode
@@ -146,10 +150,10 @@ OrtStatus* fail(const std::string& message) { return ort->create_status(kInvalid
 
 struct Signature;
 
-// A kernel's state: its op and its attributes (TreeAttention's; CommitRows has none).
+// A kernel's state: its op and its attributes (TreeAttention's, Q4Linear's; CommitRows has none).
 struct Kernel {
   const Signature* op;
-  int64_t layer = 0, store = 0;
+  int64_t layer = 0, store = 0, out_features = 0;
   float scale = 0.f;
 };
 
@@ -177,6 +181,7 @@ const Signature& signature_of(const OrtCustomOp* op) { return *reinterpret_cast<
 struct Input {
   void* data = nullptr;
   int64_t shape[4] = {};
+  size_t rank = 0;
   const float* floats() const { return static_cast<const float*>(data); }
   const int64_t* ints() const { return static_cast<const int64_t*>(data); }
 };
@@ -188,16 +193,20 @@ OrtStatus* read_input(OrtKernelContext* context, const Signature& op, size_t ind
   RETURN_IF_ERROR(ort->type_and_shape(value, &info));
   ElementType type = kUndefined;
   size_t rank = 0;
-  const size_t expected_rank = static_cast<size_t>(op.ranks[index]);
   OrtStatus* status = ort->element_type(info, &type);
   if (status == nullptr) status = ort->dims_count(info, &rank);
+  // a rank of 0 in the signature: any of 2..4 (Q4Linear's x, [.., K])
+  const size_t expected_rank = op.ranks[index] == 0 && rank >= 2 && rank <= 4 ? rank : op.ranks[index];
   if (status == nullptr && rank == expected_rank) status = ort->dims(info, in.shape, rank);
   ort->release_shape(info);
   if (status != nullptr) return status;
+  in.rank = rank;
   const ElementType expected = op.types[index];
   if (type != expected || rank != expected_rank) {
-    return fail(std::string(op.name) + ": input " + op.names[index] + " must be a rank-" +
-                std::to_string(expected_rank) + (expected == kInt64 ? " int64" : " float") + " tensor");
+    const char* type_name = expected == kInt64 ? " int64" : expected == kUint8 ? " uint8" : " float";
+    const std::string ranks = op.ranks[index] == 0 ? "2, 3 or 4" : std::to_string(expected_rank);
+    return fail(std::string(op.name) + ": input " + op.names[index] + " must be a rank-" + ranks + type_name +
+                " tensor");
   }
   // The mutable accessor: the const one is newer than kApiVersion, and the caches are written in place (the
   // host's buffers: ONNX Runtime hands a CPU input over without a copy).
@@ -299,9 +308,69 @@ OrtStatus* commit(const Kernel& kernel, OrtKernelContext* context) {
   return nullptr;
 }
 
+
+// --- Q4Linear(x, weights, lora_a, lora_up; out_features) -> out --------------------------------------------------
+constexpr const char* kQ4Names[] = {"x", "weights", "lora_a", "lora_up"};
+constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat};
+constexpr int64_t kQ4Ranks[] = {0, 3, 2, 3};  // x: [.., K], rank 2 to 4
+constexpr int64_t kTilesPerPart = 4;  // ~5 KB of codes a row: parts enough for the threads, few enough to be cheap
+
+struct Q4Work {
+  const streamfuse::q4::Args* args;
+  int64_t path, tiles;
+};
+
+void run_q4_part(void* user, size_t part) {
+  const Q4Work& work = *static_cast<const Q4Work*>(user);
+  const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
+  streamfuse::q4::run_tiles(*work.args, work.path, first, std::min(first + kTilesPerPart, work.tiles));
+}
+
+OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
+  return ort->attribute_int64(info, "out_features", &kernel.out_features);
+}
+
+OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
+  using namespace streamfuse::q4;
+  Input in[4];
+  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
+  const size_t x_rank = in[0].rank;
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < x_rank; ++i) {
+    if (in[0].shape[i] < 0 || in[0].shape[i] > (int64_t{1} << 20)) return fail("Q4Linear: x's dims must be <= 2^20");
+    rows *= in[0].shape[i];
+  }
+  const int64_t depth = in[0].shape[x_rank - 1], width = kernel.out_features, rank = in[2].shape[1];
+  if (const char* error = args_error(rows, depth, width, rank)) return fail(error);
+  const int64_t tiles = tiles_of(width), blocks = depth / BLOCK;
+  const int64_t* w = in[1].shape;
+  if (w[0] != tiles || w[1] != blocks || w[2] != TILE_BYTES || in[2].shape[0] != depth || in[3].shape[0] != tiles ||
+      in[3].shape[1] != rank || in[3].shape[2] != TILE) {
+    return fail("Q4Linear: weights must be [ceil(N / 16), K / 32, 320], lora_a [K, r] and lora_up [ceil(N / 16), r, "
+                "16] (runtime/q4_linear.py)");
+  }
+  int64_t out_shape[4] = {};
+  for (size_t i = 0; i + 1 < x_rank; ++i) out_shape[i] = in[0].shape[i];
+  out_shape[x_rank - 1] = width;
+  void* out = nullptr;
+  RETURN_IF_ERROR(output(context, out_shape, x_rank, &out));
+  if (rows == 0) return nullptr;
+  static const int64_t path = resolve_path(kAuto);
+  std::vector<int8_t> xq(rows * depth);
+  std::vector<float> xd(rows * blocks), xs(rows * blocks), xa(rows * rank);
+  quantize_rows(in[0].floats(), rows, depth, xq.data(), xd.data(), xs.data());
+  if (rank > 0) lora_down(in[0].floats(), in[2].floats(), rows, depth, rank, xa.data());
+  const Args args{xq.data(), xd.data(), xs.data(), static_cast<const uint8_t*>(in[1].data), xa.data(),
+                  in[3].floats(), static_cast<float*>(out), rows, depth, width, rank};
+  const Q4Work work{&args, path, tiles};
+  const size_t parts = static_cast<size_t>((tiles + kTilesPerPart - 1) / kTilesPerPart);
+  return ort->parallel_for(context, run_q4_part, parts, 0, const_cast<Q4Work*>(&work));
+}
+
 constexpr Signature kAttention{"TreeAttention", 7, kAttentionNames, kAttentionTypes, kAttentionRanks, kFloat,
                                attention_attributes, attend};
 constexpr Signature kCommit{"CommitRows", 4, kCommitNames, kCommitTypes, kCommitRanks, kInt64, nullptr, commit};
+constexpr Signature kQ4Linear{"Q4Linear", 4, kQ4Names, kQ4Types, kQ4Ranks, kFloat, q4_attributes, q4_linear};
 
 OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** state) {
   Kernel kernel{&signature_of(op)};
@@ -331,7 +400,7 @@ Op make_op(const Signature& signature) {
   return Op{op, &signature};
 }
 
-const Op kOps[] = {make_op(kAttention), make_op(kCommit)};
+const Op kOps[] = {make_op(kAttention), make_op(kCommit), make_op(kQ4Linear)};
 
 }  // namespace
 

@@ -1,0 +1,301 @@
+// A 4-bit linear layer on the GGUF's own Q4_1 blocks whose every row has the same bits whatever else the call
+// holds: y = x · W^T (+ (x · A) · U), W the Q4_1 weights, A and U the layer's unmerged LoRA (U = scaling · B^T).
+//
+// Weights (packed once at export by runtime/q4_linear.py pack(), no re-quantization): TILE = 16 output columns
+// by BLOCK = 32 inputs make one tile-block of 320 bytes, exactly the 16 GGUF blocks' bytes:
+//   bytes [64j, 64j + 64), j = 0..3: byte 4c + i holds column c's code k = 4j + i in its low nibble and code
+//     k = 4(j + 4) + i in its high nibble (so one 64-byte load unpacks into two groups of 4 inputs x 16 columns);
+//   bytes [256, 288): the 16 columns' scales d (fp16); bytes [288, 320): their minimums m (fp16).
+// Tile-blocks run block by block within a tile and tile after tile, so a thread streams its columns in order.
+// A weight is w = d·q + m, q in 0..15.
+//
+// Activations are quantized once per call, row by row and block by block (llama.cpp's q8_1 idea):
+//   xd = max|x| / 127, q = round-half-even(x · (1 / xd)) clamped to [-127, 127] (0 where xd is 0 or q is NaN),
+//   xs = xd · Σ q.
+// Row r, column n: acc = 0, then for each block b in order
+//   acc = acc + ((d · xd) · float(Σ_i q_w,i · q_x,i) + m · xs)        (the integer sum is exact in any order)
+// and y = acc + lora, lora = 0 then lora = lora + xa_j · U[j, n] for j in order, xa_j = Σ_k x_k · A[k, j] in
+// order of k (fp32, from 0). Every float operation is a separate rounding (built with -ffp-contract=off, no
+// fast-math), so the NumPy reference in runtime/q4_linear.py repeats it bit for bit. Threads split the columns
+// (tiles) only and every path (AVX-512 VNNI, AVX2, portable) computes the same integers and the same
+// float operations lane by lane: a row's bits depend on nothing but that row, the weights and the LoRA.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define STREAMFUSE_X86 1
+#endif
+
+namespace streamfuse::q4 {
+
+constexpr int64_t BLOCK = 32, TILE = 16, TILE_BYTES = 320, SCALES_AT = 256, MINS_AT = 288;
+constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in registers
+
+enum Path : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512Vnni = 3 };
+
+struct Args {
+  const int8_t* xq;        // [rows, K] quantized activations
+  const float* xd;         // [rows, K / 32] their block scales
+  const float* xs;         // [rows, K / 32] xd · Σ q per block
+  const uint8_t* weights;  // [tiles, K / 32, TILE_BYTES]
+  const float* xa;         // [rows, rank] x · A, or null when rank is 0
+  const float* up;         // [tiles, rank, TILE] U by tile
+  float* out;              // [rows, N]
+  int64_t rows, in_features, out_features, rank;
+};
+
+inline int64_t tiles_of(int64_t out_features) { return (out_features + TILE - 1) / TILE; }
+
+// What is wrong with a call's sizes, or null: every buffer's size follows from these, so the wrappers check
+// the buffers they get against them (and the products below cannot overflow once these pass).
+inline const char* args_error(int64_t rows, int64_t in_features, int64_t out_features, int64_t rank) {
+  if (rows < 0 || rows > (int64_t{1} << 20)) return "q4_linear: rows must be in [0, 2^20]";
+  if (in_features <= 0 || in_features % BLOCK != 0 || in_features > (int64_t{1} << 20)) {
+    return "q4_linear: in_features must be a positive multiple of 32, at most 2^20";
+  }
+  if (out_features <= 0 || out_features > (int64_t{1} << 24)) return "q4_linear: out_features must be in [1, 2^24]";
+  if (rank < 0 || rank > 4096) return "q4_linear: the LoRA rank must be in [0, 4096]";
+  return nullptr;
+}
+
+inline float half_to_float(uint16_t h) {  // exact; no F16C needed on the portable path
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Row by row, block by block: xq, xd, xs from x [rows, K] (see the top of the file).
+inline void quantize_rows(const float* x, int64_t rows, int64_t in_features, int8_t* xq, float* xd, float* xs) {
+  const int64_t blocks = in_features / BLOCK;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + r * in_features + b * BLOCK;
+      float amax = 0.f;
+      for (int64_t i = 0; i < BLOCK; ++i) amax = std::fabs(v[i]) > amax ? std::fabs(v[i]) : amax;
+      const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < BLOCK; ++i) {
+        float q = v[i] * inverse;
+        q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+        const int32_t code = q == q ? static_cast<int32_t>(std::nearbyint(q)) : 0;
+        xq[r * in_features + b * BLOCK + i] = static_cast<int8_t>(code);
+        sum += code;
+      }
+      xd[r * blocks + b] = d;
+      xs[r * blocks + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// xa [rows, rank] = x · A, A [K, rank]: each sum in order of k, from 0 (lanes over j only).
+inline void lora_down(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank, float* xa) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = xa + r * rank;
+    for (int64_t j = 0; j < rank; ++j) acc[j] = 0.f;
+    for (int64_t k = 0; k < in_features; ++k) {
+      const float value = x[r * in_features + k];
+      const float* column = a + k * rank;
+      for (int64_t j = 0; j < rank; ++j) acc[j] = acc[j] + value * column[j];
+    }
+  }
+}
+
+// Column c's code k of a tile-block (the layout at the top of the file).
+inline int32_t code_at(const uint8_t* tile, int64_t c, int64_t k) {
+  const int64_t group = k / 4, byte = 64 * (group % 4) + 4 * c + k % 4;
+  return group < 4 ? tile[byte] & 0x0F : tile[byte] >> 4;
+}
+
+// The tile's output for row r: acc (TILE lanes) plus the LoRA, the first columns up to out_features stored.
+inline void finish_tile(const Args& a, int64_t tile, int64_t r, const float* acc) {
+  const int64_t n0 = tile * TILE, width = a.out_features - n0 < TILE ? a.out_features - n0 : TILE;
+  float lora[TILE] = {};
+  const float* up = a.up + tile * a.rank * TILE;
+  for (int64_t j = 0; j < a.rank; ++j) {
+    for (int64_t c = 0; c < TILE; ++c) lora[c] = lora[c] + a.xa[r * a.rank + j] * up[j * TILE + c];
+  }
+  for (int64_t c = 0; c < width; ++c) a.out[r * a.out_features + n0 + c] = acc[c] + lora[c];
+}
+
+inline void tiles_portable(const Args& a, int64_t first, int64_t last) {
+  const int64_t blocks = a.in_features / BLOCK;
+  for (int64_t t = first; t < last; ++t) {
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float acc[TILE] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
+        const int8_t* xq = a.xq + r * a.in_features + b * BLOCK;
+        const float xd = a.xd[r * blocks + b], xs = a.xs[r * blocks + b];
+        for (int64_t c = 0; c < TILE; ++c) {
+          int32_t sum = 0;
+          for (int64_t k = 0; k < BLOCK; ++k) sum += code_at(tile, c, k) * xq[k];
+          uint16_t d16, m16;
+          std::memcpy(&d16, tile + SCALES_AT + 2 * c, 2);
+          std::memcpy(&m16, tile + MINS_AT + 2 * c, 2);
+          const float product = (half_to_float(d16) * xd) * static_cast<float>(sum);
+          acc[c] = acc[c] + (product + half_to_float(m16) * xs);
+        }
+      }
+      finish_tile(a, t, r, acc);
+    }
+  }
+}
+
+#ifdef STREAMFUSE_X86
+// AVX-512 VNNI: one tile-block's 8 groups of 4 inputs x 16 columns unpacked once into zmm registers, then for
+// each row of the chunk 8 VPDPBUSD (u8 codes x s8 activations) and the block's float epilogue on 16 lanes.
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"))) inline void tiles_avx512_vnni(
+    const Args& a, int64_t first, int64_t last) {
+  const int64_t blocks = a.in_features / BLOCK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t t = first; t < last; ++t) {
+    for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_CHUNK) {
+      const int64_t count = a.rows - r0 < ROW_CHUNK ? a.rows - r0 : ROW_CHUNK;
+      __m512 acc[ROW_CHUNK];
+      for (int64_t r = 0; r < ROW_CHUNK; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
+        __m512i w[8];
+        for (int j = 0; j < 4; ++j) {
+          const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
+          w[j] = _mm512_and_si512(packed, low);
+          w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + SCALES_AT)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + MINS_AT)));
+        for (int64_t r = 0; r < count; ++r) {
+          const int8_t* xq = a.xq + (r0 + r) * a.in_features + b * BLOCK;
+          __m512i sum = _mm512_setzero_si512();
+          for (int g = 0; g < 8; ++g) {
+            int32_t four;
+            std::memcpy(&four, xq + 4 * g, 4);
+            sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(four));
+          }
+          const int64_t at = (r0 + r) * blocks + b;
+          const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[at]));
+          const __m512 product = _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(sum));
+          const __m512 offset = _mm512_mul_ps(m, _mm512_set1_ps(a.xs[at]));
+          acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(product, offset));
+        }
+      }
+      const float* up = a.up + t * a.rank * TILE;
+      const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
+      const __mmask16 store = static_cast<__mmask16>((1u << width) - 1u);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* xa = a.xa + (r0 + r) * a.rank;
+        __m512 lora = _mm512_setzero_ps();
+        for (int64_t j = 0; j < a.rank; ++j) {
+          lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(up + j * TILE)));
+        }
+        _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora));
+      }
+    }
+  }
+}
+
+// AVX2: a tile's 16 columns as two halves of 8 lanes; the same integers (VPMADDUBSW makes pairs of at most
+// 2·15·127 in magnitude, no saturation, and VPMADDWD by ones sums them to the groups of 4) and the same float
+// operations lane by lane.
+__attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64_t first, int64_t last) {
+  const int64_t blocks = a.in_features / BLOCK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t t = first; t < last; ++t) {
+    for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_CHUNK) {
+      const int64_t count = a.rows - r0 < ROW_CHUNK ? a.rows - r0 : ROW_CHUNK;
+      __m256 acc[ROW_CHUNK][2];
+      for (int64_t r = 0; r < ROW_CHUNK; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
+        for (int half = 0; half < 2; ++half) {
+          __m256i w[8];
+          for (int j = 0; j < 4; ++j) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
+            w[j] = _mm256_and_si256(packed, low);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+          }
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + SCALES_AT + 16 * half)));
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + MINS_AT + 16 * half)));
+          for (int64_t r = 0; r < count; ++r) {
+            const int8_t* xq = a.xq + (r0 + r) * a.in_features + b * BLOCK;
+            __m256i sum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; ++g) {
+              int32_t four;
+              std::memcpy(&four, xq + 4 * g, 4);
+              const __m256i pairs = _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(four));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+            }
+            const int64_t at = (r0 + r) * blocks + b;
+            const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(a.xd[at]));
+            const __m256 product = _mm256_mul_ps(scaled, _mm256_cvtepi32_ps(sum));
+            const __m256 offset = _mm256_mul_ps(m, _mm256_set1_ps(a.xs[at]));
+            acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_add_ps(product, offset));
+          }
+        }
+      }
+      const float* up = a.up + t * a.rank * TILE;
+      for (int64_t r = 0; r < count; ++r) {
+        const float* xa = a.xa + (r0 + r) * a.rank;
+        __m256 lora[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t j = 0; j < a.rank; ++j) {
+          const __m256 scale = _mm256_set1_ps(xa[j]);
+          for (int half = 0; half < 2; ++half) {
+            lora[half] = _mm256_add_ps(lora[half], _mm256_mul_ps(scale, _mm256_loadu_ps(up + j * TILE + 8 * half)));
+          }
+        }
+        alignas(32) float lanes[TILE];
+        _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], lora[0]));
+        _mm256_store_ps(lanes + 8, _mm256_add_ps(acc[r][1], lora[1]));
+        const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
+        std::memcpy(a.out + (r0 + r) * a.out_features + t * TILE, lanes, width * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+// The fastest path this CPU runs (kAuto), or `wanted` if it runs it, else kPortable's answer: -1.
+inline int64_t resolve_path(int64_t wanted) {
+#ifdef STREAMFUSE_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vnni") && avx2;
+  const bool has[] = {true, true, avx2, avx512};
+  if (wanted == kAuto) return avx512 ? kAvx512Vnni : avx2 ? kAvx2 : kPortable;
+#else
+  const bool has[] = {true, true, false, false};
+  if (wanted == kAuto) return kPortable;
+#endif
+  return wanted >= kPortable && wanted <= kAvx512Vnni && has[wanted] ? wanted : -1;
+}
+
+// Tiles [first, last) of the output on `path` (a resolved one).
+inline void run_tiles(const Args& a, int64_t path, int64_t first, int64_t last) {
+#ifdef STREAMFUSE_X86
+  if (path == kAvx512Vnni) return tiles_avx512_vnni(a, first, last);
+  if (path == kAvx2) return tiles_avx2(a, first, last);
+#endif
+  tiles_portable(a, first, last);
+}
+
+}  // namespace streamfuse::q4

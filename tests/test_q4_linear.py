@@ -1,0 +1,227 @@
+"""The 4-bit linear op (runtime/q4_linear.py, runtime/kernels/q4_linear.h): the layout, the kernel against its
+NumPy reference bit for bit on every instruction-set path, rows, threads and LoRA, and its errors."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamfuse.runtime import q4_linear as q4
+
+# Blocks whose activations quantize exactly (max |x| = 127, so xd = 1 and q = x): y = d·Σ q_w x + m·Σ x.
+#   codes (one column, 32 inputs), d, m, x (32 values)                                   -> y
+LITERAL = [
+    ([2] * 32, 0.5, -1.0, [127, -1] + [0] * 30, 0.0),  # 0.5·(2·126) - 126
+    ([15] * 32, 1.0, 0.0, [127] + [0] * 31, 1905.0),  # 15·127
+    (list(range(16)) * 2, 0.25, 0.5, [127] * 32, 0.25 * 127 * 240 + 0.5 * 127 * 32),
+    ([0] * 31 + [15], 2.0, -0.5, [0] * 31 + [-127], 2.0 * 15 * -127 + -0.5 * -127),
+]
+
+
+def packed(codes, scales, mins):
+    return q4.pack(np.asarray(codes, np.uint8), np.asarray(scales, np.float32), np.asarray(mins, np.float32))
+
+
+def no_lora(n: int, k: int):
+    return q4.pack_lora(None, None, 0.0, n, k)
+
+
+@pytest.mark.parametrize("path", ["portable", "avx2", "avx512_vnni"])
+@pytest.mark.parametrize("codes, d, m, x, y", LITERAL)
+def test_literal_table(path, codes, d, m, x, y):
+    if path not in q4.available_paths():
+        pytest.skip(f"this CPU does not run the {path} path")
+    weights = packed([codes], [[d]], [[m]])
+    out = q4.linear(np.asarray([x], np.float32), weights, *no_lora(1, 32), 1, path=path)
+    assert out.tolist() == [[y]]
+    assert q4.reference(np.asarray([x], np.float32), weights, *no_lora(1, 32), 1).tolist() == [[y]]
+
+
+def test_layout_is_the_files_bytes():
+    """A tile-block holds 16 columns x 32 codes in 256 bytes, then 16 fp16 scales and 16 fp16 minimums."""
+    codes = np.zeros((16, 32), np.uint8)
+    codes[3, 5] = 7  # group 1 (inputs 4..7), i = 1: byte 64·1 + 4·3 + 1, low nibble
+    codes[3, 21] = 9  # group 5: the same byte's high nibble
+    scales, mins = np.full((16, 1), 0.5, np.float32), np.full((16, 1), -2.0, np.float32)
+    tile = q4.pack(codes, scales, mins)[0, 0]
+    assert tile.shape == (q4.TILE_BYTES,) and q4.TILE_BYTES == 16 * 20  # Q4_1: 20 bytes a block
+    assert tile[64 + 12 + 1] == 7 | (9 << 4) and np.count_nonzero(tile[:256]) == 1
+    assert tile[256:288].view(np.float16).tolist() == [0.5] * 16
+    assert tile[288:320].view(np.float16).tolist() == [-2.0] * 16
+
+
+def random_layer(rng, n: int, k: int, rank: int):
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
+    mins = -scales * rng.uniform(4, 12, scales.shape).astype(np.float16).astype(np.float32)
+    mins = mins.astype(np.float16).astype(np.float32)
+    lora = no_lora(n, k) if rank == 0 else q4.pack_lora(rng.standard_normal((rank, k)).astype(np.float32) * 0.05,
+                                                        rng.standard_normal((n, rank)).astype(np.float32) * 0.05,
+                                                        2.0, n, k)
+    return (codes, scales, mins), q4.pack(codes, scales, mins), lora
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), blocks=st.integers(1, 5), rows=st.integers(1, 64), rank=st.sampled_from([0, 1, 8]),
+       seed=st.integers(0, 2**31))
+def test_pack_unpack_round_trip(n, blocks, rows, rank, seed):
+    (codes, scales, mins), weights, _ = random_layer(np.random.default_rng(seed), n, 32 * blocks, rank)
+    back = q4.unpack(weights, n)
+    assert np.array_equal(back[0], codes) and np.array_equal(back[1], scales) and np.array_equal(back[2], mins)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70), blocks=st.integers(1, 5), rows=st.integers(1, 64), rank=st.sampled_from([0, 3, 16]),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31))
+def test_kernel_is_the_reference_bit_for_bit_on_every_path(n, blocks, rows, rank, threads, seed):
+    rng = np.random.default_rng(seed)
+    _, weights, lora = random_layer(rng, n, 32 * blocks, rank)
+    x = (rng.standard_normal((rows, 32 * blocks)) * rng.uniform(0.1, 10)).astype(np.float32)
+    x[0, : min(32 * blocks, 5)] = 0  # a block with zeros; a whole zero block below
+    if blocks > 1:
+        x[-1, :32] = 0
+    expected = q4.reference(x, weights, *lora, n)
+    for path in q4.available_paths():
+        got = q4.linear(x, weights, *lora, n, path=path, threads=threads)
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), path
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_the_call(threads):
+    """Row r of an M-row call equals row r alone, for M = 1..64, at real shapes (576 -> 1536, LoRA rank 8)."""
+    rng = np.random.default_rng(0)
+    _, weights, lora = random_layer(rng, 1536, 576, 8)
+    x = rng.standard_normal((64, 576)).astype(np.float32)
+    alone = np.concatenate([q4.linear(x[r : r + 1], weights, *lora, 1536, threads=1) for r in range(64)])
+    for rows in (1, 2, 3, 4, 8, 16, 64):
+        got = q4.linear(x[:rows], weights, *lora, 1536, threads=threads)
+        assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), rows
+
+
+def test_close_to_the_exact_product():
+    """The op computes x · (d·q + m)^T + (x·A)·U up to the activations' int8 rounding (not some other product)."""
+    rng = np.random.default_rng(1)
+    (codes, scales, mins), weights, lora = random_layer(rng, 192, 576, 8)
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    dense = (codes.reshape(192, -1, 32) * scales[..., None] + mins[..., None]).reshape(192, 576)
+    up = lora[1].transpose(1, 0, 2).reshape(8, -1)[:, :192]
+    exact = x.astype(np.float64) @ dense.T + (x.astype(np.float64) @ lora[0]) @ up
+    got = q4.linear(x, weights, *lora, 192)
+    scale = np.abs(x).max() / 127 * np.abs(dense).sum(axis=1).max()
+    assert np.abs(got - exact).max() < 0.5 * scale
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "weights": a["weights"][:-1]}, "packed weights must be"),
+    (lambda a: {**a, "x": a["x"][:, :16]}, "in_features must be a positive multiple of 32"),
+    (lambda a: {**a, "lora_up": a["lora_up"][:, :1]}, "the LoRA must be"),
+    (lambda a: {**a, "out_features": 0}, "out_features must be in"),
+    (lambda a: {**a, "path": "neon"}, "path one of"),
+])
+def test_bad_calls_are_one_line_errors(change, message):
+    rng = np.random.default_rng(2)
+    _, weights, (down, up) = random_layer(rng, 20, 64, 2)
+    call = change({"x": rng.standard_normal((3, 64)).astype(np.float32), "weights": weights, "lora_a": down,
+                   "lora_up": up, "out_features": 20, "path": "auto"})
+    with pytest.raises(q4.Q4LinearError, match=message) as error:
+        q4.linear(**call)
+    assert "\n" not in str(error.value)
+
+
+def test_pack_refuses_what_it_would_round():
+    codes = np.zeros((1, 32), np.uint8)
+    with pytest.raises(q4.Q4LinearError, match="fp16 values"):
+        q4.pack(codes, np.full((1, 1), 0.1, np.float32), np.zeros((1, 1), np.float32))
+    with pytest.raises(q4.Q4LinearError, match="0..15"):
+        q4.pack(codes + 16, np.ones((1, 1), np.float32), np.zeros((1, 1), np.float32))
+
+
+def test_torch_op_and_its_fake():
+    torch = pytest.importorskip("torch")
+    op = q4.torch_op()
+    rng = np.random.default_rng(3)
+    _, weights, (down, up) = random_layer(rng, 40, 64, 4)
+    x = rng.standard_normal((1, 5, 64)).astype(np.float32)
+    tensors = [torch.from_numpy(a) for a in (weights, down, up)]
+    got = op(torch.from_numpy(x), *tensors, 40)
+    assert got.shape == (1, 5, 40)
+    assert np.array_equal(got.numpy()[0], q4.reference(x[0], weights, down, up, 40))
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return op(x, *tensors, 40)
+
+    program = torch.export.export(Layer(), (torch.from_numpy(x),))
+    assert any(node.target is op for node in program.graph.nodes)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_onnx_runtime_op_is_the_reference(threads):
+    """streamfuse.Q4Linear in ONNX Runtime: each row bit-equal to the reference for 1..64 rows (x of rank 2 to 4)."""
+    pytest.importorskip("onnxruntime")
+    from streamfuse.tools import q4_bench
+
+    rng = np.random.default_rng(4)
+    layers = [q4_bench.random_layer(rng, 200, 64, rank=4), q4_bench.random_layer(rng, 48, 96, rank=0)]
+    session = q4_bench.onnx_session(q4_bench.onnx_model(layers, "ours"), threads)
+    for rows in (1, 2, 3, 4, 8, 64):
+        x64, x96 = (rng.standard_normal((1, rows, k)).astype(np.float32) for k in (64, 96))
+        got = session.run(None, {"x64": x64, "x96": x96})
+        for layer, x, y in zip(layers, (x64, x96), got):
+            weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])
+            lora = q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
+            expected = q4.reference(x[0], weights, *lora, layer["n"])
+            assert y.shape == (1, rows, layer["n"]) and np.array_equal(y[0], expected), rows
+
+
+def test_onnx_runtime_op_refuses_bad_shapes():
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from streamfuse.tools import q4_bench
+
+    layer = q4_bench.random_layer(np.random.default_rng(5), 32, 64, rank=2)
+    weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])[:, :1]  # half the blocks
+    lora = q4.pack_lora(layer["down"], layer["up"], 2.0, 32, 64)
+    inits = [numpy_helper.from_array(a, n) for n, a in (("w", weights), ("a", lora[0]), ("u", lora[1]))]
+    node = helper.make_node("Q4Linear", ["x", "w", "a", "u"], ["y"], domain="streamfuse", out_features=32)
+    graph = helper.make_graph([node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 32])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
+                              ir_version=10)
+    session = q4_bench.onnx_session(model.SerializeToString(), 1)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="Q4Linear: weights must be"):
+        session.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
+
+
+def test_executorch_kernel_is_the_reference():
+    """streamfuse::q4_linear.out in an ExecuTorch program (beside an XNNPACK-delegated op): the reference's bits."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("executorch", reason="the executorch extra is not installed")
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from streamfuse.runtime.tree_attention import load_executorch_kernels
+
+    rng = np.random.default_rng(6)
+    _, weights, lora = random_layer(rng, 40, 64, 4)
+    op = q4.torch_op()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name, array in zip(("weights", "lora_a", "lora_up"), (weights, *lora)):
+                self.register_buffer(name, torch.from_numpy(array))
+
+        def forward(self, x):
+            return torch.relu(x) + 1, op(x, self.weights, self.lora_a, self.lora_up, 40)
+
+    x = rng.standard_normal((1, 3, 64)).astype(np.float32)
+    program = to_edge_transform_and_lower(torch.export.export(Layer(), (torch.from_numpy(x),)),
+                                          partitioner=[XnnpackPartitioner()]).to_executorch()
+    load_executorch_kernels()
+    method = Runtime.get().load_program(program.buffer).load_method("forward")
+    got = method.execute([torch.from_numpy(x)])[1].numpy()
+    assert np.array_equal(got[0], q4.reference(x[0], weights, *lora, 40))

@@ -1,0 +1,216 @@
+"""python -m streamfuse.tools.q4_bench: what M rows cost a 4-bit linear, ours against the forms the artifact
+runs today, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
+weights' values; --scope call puts the LoRA on the top 10 layers, as the default build does).
+
+  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside
+  matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
+               LoRA: MatMul, MatMul, Add), the 4 nodes of a linear in the q4-native ONNX artifact
+  xnnpack      ExecuTorch XNNPACK 8da4w + the same low-rank term as two fp32 linears, the q4-native .pte's
+               form (needs the executorch extra; --scope layer only)
+
+--scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs hold
+them); --scope call puts every linear of the 30 layers into one graph (96 MB of codes in ours: each call
+streams them from memory as a real call does), the linear part of a whole call. Engines alternate call by call,
+fixed threads; medians in microseconds and each row count's cost in 1-row calls.
+
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope layer --rows 1,2,4,8,16,64 --threads 2
+    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope call --rows 1,2,4,8,16,64 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from streamfuse.runtime import q4_linear as q4
+
+HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
+# (name, in_features, out_features): a decoder layer's linears as the graphs hold them (q/k/v and gate/up packed)
+LINEARS = [("qkv", HIDDEN, HIDDEN + 2 * 192), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP), ("down", MLP, HIDDEN)]
+
+
+def random_layer(rng, n: int, k: int, rank: int = RANK) -> dict:
+    """Q4_1 codes, fp16 scales and minimums like a real layer's, and a LoRA: every form's inputs."""
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.02, (n, k // 32)).astype(np.float16).astype(np.float32)
+    mins = (-scales * rng.uniform(6, 10, scales.shape)).astype(np.float16).astype(np.float32)
+    down = (rng.standard_normal((rank, k)) * 0.02).astype(np.float32)  # rank 0: no LoRA
+    up = (rng.standard_normal((n, rank)) * 0.02).astype(np.float32)
+    return {"codes": codes, "scales": scales, "mins": mins, "down": down, "up": up, "n": n, "k": k}
+
+
+def _nodes_ours(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]:
+    from onnx import helper, numpy_helper
+
+    weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])
+    lora_a, lora_up = q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
+    inits = [numpy_helper.from_array(a, f"{prefix}.{name}") for name, a in
+             (("weights", weights), ("lora_a", lora_a), ("lora_up", lora_up))]
+    node = helper.make_node(q4.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse",
+                            out_features=layer["n"])
+    return [node], inits
+
+
+def _nodes_matmulnbits(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]:
+    """The q4-native artifact's linear: MatMulNBits on d·(q - 8) + (x · [S | A^T]) · [m + 8d ; s·B^T]."""
+    from onnx import helper, numpy_helper
+
+    from streamfuse.export.low_bit import pack_nibbles
+
+    n, k = layer["n"], layer["k"]
+    groups = k // 32
+    zero_points = np.full((n, (groups + 1) // 2), 8 | (8 << 4), np.uint8)
+    sums = np.repeat(np.eye(groups, dtype=np.float32), 32, axis=0)
+    left = np.concatenate([sums, layer["down"].T], axis=1)
+    right = np.concatenate([(layer["mins"] + 8 * layer["scales"]).T, layer["up"].T * 2.0], axis=0)
+    arrays = {"packed": pack_nibbles(layer["codes"]), "scales": layer["scales"].reshape(-1),
+              "zero_points": zero_points.reshape(-1), "left": left, "right": right.astype(np.float32)}
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a), f"{prefix}.{name}") for name, a in arrays.items()]
+    names = [i.name for i in inits]
+    nodes = [helper.make_node("MatMulNBits", [x, *names[:3]], [f"{prefix}.base"], domain="com.microsoft", K=k, N=n,
+                              bits=4, block_size=32, accuracy_level=4),
+             helper.make_node("MatMul", [x, names[3]], [f"{prefix}.low"]),
+             helper.make_node("MatMul", [f"{prefix}.low", names[4]], [f"{prefix}.term"]),
+             helper.make_node("Add", [f"{prefix}.base", f"{prefix}.term"], [out])]
+    return nodes, inits
+
+
+FORMS = {"ours": _nodes_ours, "matmulnbits": _nodes_matmulnbits}
+
+
+def onnx_model(layers: list[dict], form: str) -> bytes:
+    """One graph holding `layers`, each reading input x<K> [1, M, K] and writing its own output."""
+    from onnx import TensorProto, helper
+
+    nodes, inits, outputs = [], [], []
+    widths = sorted({layer["k"] for layer in layers})
+    for index, layer in enumerate(layers):
+        made, weights = FORMS[form](layer, f"x{layer['k']}", f"y{index}", f"l{index}")
+        nodes += made
+        inits += weights
+        outputs.append(helper.make_tensor_value_info(f"y{index}", TensorProto.FLOAT, [1, "M", layer["n"]]))
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, "M", k]) for k in widths]
+    graph = helper.make_graph(nodes, "q4_bench", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("streamfuse", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def onnx_session(model: bytes, threads: int):
+    """An ONNX Runtime session as the artifact's engine makes one (its thread settings, our op library)."""
+    import onnxruntime as ort
+
+    from streamfuse.runtime.backends.sessions import ort_options
+    from streamfuse.runtime.tree_attention import onnxruntime_library_path
+
+    options = ort_options(ort, threads)
+    options.register_custom_ops_library(str(onnxruntime_library_path()))
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def xnnpack_method(layer: dict, rows: int):
+    """The q4-native .pte's linear (export/xnnpack_low_bit.py) lowered to XNNPACK for `rows` rows."""
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from streamfuse.adapters.gguf_codes import BlockCodes
+    from streamfuse.export.low_bit import Q4Linear
+    from streamfuse.export.xnnpack_low_bit import XnnpackQ4Linear
+
+    codes = BlockCodes("q4_1", layer["codes"], layer["scales"], layer["mins"])
+    module = XnnpackQ4Linear(Q4Linear(codes, (torch.from_numpy(layer["down"]), torch.from_numpy(layer["up"]), 2.0)))
+    example = (torch.zeros(1, rows, layer["k"]),)
+    program = to_edge_transform_and_lower(torch.export.export(module.eval(), example), partitioner=[XnnpackPartitioner()])
+    return Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
+
+
+def time_interleaved(calls: dict, reps: int) -> dict[str, float]:
+    """Median microseconds of each call, the calls alternating (a few warm-up rounds first)."""
+    samples = {name: [] for name in calls}
+    for round_ in range(reps + 3):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_ >= 3:
+                samples[name].append(time.perf_counter() - start)
+    return {name: 1e6 * statistics.median(values) for name, values in samples.items()}
+
+
+def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, xnnpack: bool) -> list[dict]:
+    sessions = {form: onnx_session(onnx_model(layers, form), threads) for form in FORMS}
+    rng, results = np.random.default_rng(1), []
+    for rows in rows_list:
+        feeds = {f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in {l["k"] for l in layers}}
+        calls = {form: (lambda s=session: s.run(None, feeds)) for form, session in sessions.items()}
+        if xnnpack:
+            import torch
+
+            methods = [(xnnpack_method(layer, rows), torch.from_numpy(feeds[f"x{layer['k']}"])) for layer in layers]
+            calls["xnnpack"] = lambda: [method.execute([x]) for method, x in methods]
+        results.append({"rows": rows, "us": time_interleaved(calls, reps)})
+        print(f"  M={rows:<3} " + "   ".join(f"{name} {us:8.0f} us" for name, us in results[-1]["us"].items()),
+              flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    names = list(results[0]["us"])
+    lines = ["| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + " | ours / matmulnbits |",
+             "|---:|" + "---:|" * (len(names) + 1)]
+    one = results[0]["us"]
+    for result in results:
+        us = result["us"]
+        cells = [f"{us[n]:.0f} ({us[n] / one[n]:.2f})" for n in names]
+        lines.append(f"| {result['rows']} | " + " | ".join(cells) + f" | {us['ours'] / us['matmulnbits']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scope", choices=("layer", "call"), default="layer")
+    parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts (M)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--xnnpack", action=argparse.BooleanOptionalAction, default=False,
+                        help="also time ExecuTorch XNNPACK's form (--scope layer)")
+    parser.add_argument("--out", type=Path, help="write q4_bench.json and q4_bench.md here")
+    args = parser.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --rows must be comma-separated integers, got {args.rows!r}") from None
+    if not rows or min(rows) < 1 or args.threads < 1 or args.threads > 256:
+        raise SystemExit("error: --rows must be >= 1 and --threads in [1, 256]")
+    if args.xnnpack and args.scope == "call":
+        raise SystemExit("error: --xnnpack times single layers only: use --scope layer")
+    rng = np.random.default_rng(0)
+    report = {"scope": args.scope, "threads": args.threads, "reps": args.reps, "path": q4.available_paths()[-1],
+              "rank": RANK, "results": {}}
+    print(f"q4_bench --scope {args.scope}, {args.threads} threads, kernel path {report['path']}")
+    if args.scope == "layer":
+        for name, k, n in LINEARS:
+            print(f"{name}: {k} -> {n}")
+            report["results"][name] = sweep([random_layer(rng, n, k)], rows, args.threads, args.reps, args.xnnpack)
+    else:
+        layers = [random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
+                  for index in range(LAYERS) for _, k, n in LINEARS]
+        print(f"every linear of {LAYERS} layers ({len(layers)} layers in one graph)")
+        report["results"]["call"] = sweep(layers, rows, args.threads, args.reps, False)
+    markdown = "\n\n".join(f"{name}\n\n{table(results)}" for name, results in report["results"].items())
+    print(markdown)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "q4_bench.json").write_text(json.dumps(report, indent=1))
+        (args.out / "q4_bench.md").write_text(markdown + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
