@@ -65,6 +65,7 @@ FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnxruntime"), "8da4w": ("e
 # same for every task, so one artifact's graphs serve several tasks. The others merge the LoRA into the weights.
 TASK_INPUT_FORMATS = ("q4-native",)
 ONNX_LINEARS = ("streamfuse", "matmulnbits")  # ExportConfig.onnx_linear
+PTE_LINEARS = ("xnnpack", "streamfuse")  # ExportConfig.pte_linear
 VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
              "coremltools", "streamfuse")
 
@@ -107,6 +108,9 @@ class ExportConfig:
     # q4-native's linears on ONNX Runtime: streamfuse's own 4-bit op (one node, runtime/q4_linear.py) or ONNX
     # Runtime's MatMulNBits with an fp32 low-rank term for the minimums and the LoRA (4 nodes)
     onnx_linear: str = "streamfuse"
+    # ... and on ExecuTorch: XNNPACK's 8da4w with fp32 side terms (one delegate call for the whole method), or
+    # streamfuse's op, which runs outside the delegate (the graph between the linears splits into many)
+    pte_linear: str = "xnnpack"
 
     def validate(self) -> None:
         if not self.trees:
@@ -120,6 +124,8 @@ class ExportConfig:
             raise ValueError(f"export.workers must be >= 1, got {self.workers}")
         if self.onnx_linear not in ONNX_LINEARS:
             raise ValueError(f"export.onnx_linear must be one of {', '.join(ONNX_LINEARS)}, got {self.onnx_linear!r}")
+        if self.pte_linear not in PTE_LINEARS:
+            raise ValueError(f"export.pte_linear must be one of {', '.join(PTE_LINEARS)}, got {self.pte_linear!r}")
         other = [b for b in self.backends if b != "torch" and b not in FORMATS[self.quantize]]
         if self.task_inputs and (self.quantize not in TASK_INPUT_FORMATS or other):
             raise ValueError(f"export.task_inputs (several tasks on one base) needs graphs without the task's weights: "
@@ -369,7 +375,17 @@ class ArtifactBuilder:
 
                 model, details = self._q4_native_model()
                 model = xnnpack_model(model)
-                return model, {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
+                own = {}
+                if self.config.pte_linear == "streamfuse":  # before XNNPACK's forms, which take the Q4Linears left
+                    from streamfuse.export.q4_kernel import use_kernel_linears
+
+                    own = use_kernel_linears(model)
+                details = {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
+                if own:
+                    errors = {**details["max_weight_error"], **own.pop("max_weight_error")}
+                    details = {**details, **own, "max_weight_error": errors,
+                               "activations": "int8 per row and block of 32 in the linears (q8_1), per token in the head"}
+                return model, details
             from streamfuse.export.to_executorch import quantize_weights
 
             model = xnnpack_model(self.model_and_tokenizer()[0])

@@ -170,19 +170,23 @@ def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoi
         ExportConfig(quantize="q3").validate()
 
 
-def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp_path):
-    """XNNPACK's closest form (bf16 scales, per-channel int8 head): the manifest says what it is
-    and how far its weights are from the GGUF's; SS == its own plain decoding, greedy and sampled."""
+@pytest.mark.parametrize("linear", ["xnnpack", "streamfuse"])
+def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp_path, linear):
+    """XNNPACK's closest form (bf16 scales, per-channel int8 head), or streamfuse's own op with the file's exact
+    weights: the manifest says what it is and how far its weights are from the GGUF's; SS == its own plain
+    decoding, greedy and sampled."""
     pytest.importorskip("executorch", reason="the executorch extra is not installed")
     shallow = write_checkpoint(tmp_path / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
     fmt_config = ExportConfig(backends=("executorch",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
-                              quantize="q4-native", parity_prompts=3, greedy_schedule="fused")
+                              quantize="q4-native", parity_prompts=3, greedy_schedule="fused", pte_linear=linear)
     out = tmp_path / "q4-executorch"
     manifest = ArtifactBuilder(shallow / "ckpt", out, fmt_config, prompts(3), 24, {}, DRAFT).build()
     details = manifest["graphs"]["formats"]["executorch"]
-    assert details["name"] == "q4-native" and "bf16" in details["linear"] and details["lora"] == "float32, unmerged"
+    own = linear == "streamfuse"
+    assert details["name"] == "q4-native" and details["lora"] == "float32, unmerged"
+    assert ("streamfuse's own op" if own else "bf16") in details["linear"]
     errors = details["max_weight_error"]
-    assert 0 <= errors["linear"] < 1e-2 and 0 < errors["lm_head"] < 1e-2
+    assert (errors["linear"] == 0 if own else 0 <= errors["linear"] < 1e-2) and 0 < errors["lm_head"] < 1e-2
     assert manifest["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")
     assert_lossless(loaded, prompts(4, seed=7), StopRules(24))
