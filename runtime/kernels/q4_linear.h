@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -297,5 +298,37 @@ inline void run_tiles(const Args& a, int64_t path, int64_t first, int64_t last) 
 #endif
   tiles_portable(a, first, last);
 }
+
+// One call: its rows prepared (quantized, x · A), then its tiles. Both phases split into independent parts, rows
+// then columns, that a wrapper hands to its threads in any grouping: a row's bits never depend on the grouping.
+class Call {
+ public:
+  Call(const float* x, const uint8_t* weights, const float* lora_a, const float* lora_up, float* out, int64_t rows,
+       int64_t in_features, int64_t out_features, int64_t rank, int64_t path)
+      : x_(x), lora_a_(lora_a), path_(path), xq_(rows * in_features), xd_(rows * (in_features / BLOCK)),
+        xs_(xd_.size()), xa_(rows * rank),
+        args_{xq_.data(), xd_.data(), xs_.data(), weights, xa_.data(), lora_up, out, rows, in_features, out_features,
+              rank} {}
+
+  int64_t rows() const { return args_.rows; }
+  int64_t tiles() const { return tiles_of(args_.out_features); }
+
+  void prepare(int64_t first, int64_t last) {
+    const int64_t k = args_.in_features, blocks = k / BLOCK;
+    quantize_rows(x_ + first * k, last - first, k, xq_.data() + first * k, xd_.data() + first * blocks,
+                  xs_.data() + first * blocks);
+    if (args_.rank > 0) lora_down(x_ + first * k, lora_a_, last - first, k, args_.rank, xa_.data() + first * args_.rank);
+  }
+
+  void run(int64_t first, int64_t last) const { run_tiles(args_, path_, first, last); }
+
+ private:
+  const float* x_;
+  const float* lora_a_;
+  int64_t path_;
+  std::vector<int8_t> xq_;
+  std::vector<float> xd_, xs_, xa_;
+  Args args_;
+};
 
 }  // namespace streamfuse::q4

@@ -42,27 +42,20 @@ extern "C" const char* streamfuse_q4_linear(const float* x, const uint8_t* weigh
   }
   path = resolve_path(path);
   if (path < 0) return "q4_linear: this CPU cannot run the instruction-set path asked for";
-  const int64_t blocks = in_features / BLOCK;
-  std::vector<int8_t> xq(rows * in_features);
-  std::vector<float> xd(rows * blocks), xs(rows * blocks), xa(rows * rank);
-  quantize_rows(x, rows, in_features, xq.data(), xd.data(), xs.data());
-  if (rank > 0) lora_down(x, lora_a, rows, in_features, rank, xa.data());
-  const Args args{xq.data(), xd.data(), xs.data(), weights, xa.data(), lora_up, out,
-                  rows, in_features, out_features, rank};
-  const int64_t tiles = tiles_of(out_features);
+  Call call(x, weights, lora_a, lora_up, out, rows, in_features, out_features, rank, path);
+  call.prepare(0, rows);
+  const int64_t tiles = call.tiles();
   threads = threads < 1 ? 1 : (threads > tiles ? tiles : threads);
   if (threads == 1) {
-    run_tiles(args, path, 0, tiles);
+    call.run(0, tiles);
     return nullptr;
   }
   std::vector<std::thread> pool;
   const int64_t share = (tiles + threads - 1) / threads;
   for (int64_t first = share; first < tiles; first += share) {
-    pool.emplace_back([&args, path, first, share, tiles] {
-      run_tiles(args, path, first, first + share < tiles ? first + share : tiles);
-    });
+    pool.emplace_back([&call, first, share, tiles] { call.run(first, first + share < tiles ? first + share : tiles); });
   }
-  run_tiles(args, path, 0, share < tiles ? share : tiles);
+  call.run(0, share < tiles ? share : tiles);
   for (auto& worker : pool) worker.join();
   return nullptr;
 }

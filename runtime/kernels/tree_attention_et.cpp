@@ -88,15 +88,10 @@ Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tens
                   lora_up.size(2) == TILE && out.numel() == rows * out_features &&
                   out.size(out.dim() - 1) == out_features, InvalidArgument, out);
   static const int64_t path = resolve_path(kAuto);
-  std::vector<int8_t> xq(rows * depth);
-  std::vector<float> xd(rows * blocks), xs(rows * blocks), xa(rows * rank);
-  quantize_rows(x.const_data_ptr<float>(), rows, depth, xq.data(), xd.data(), xs.data());
-  if (rank > 0) lora_down(x.const_data_ptr<float>(), lora_a.const_data_ptr<float>(), rows, depth, rank, xa.data());
-  const Args args{xq.data(), xd.data(), xs.data(), weights.const_data_ptr<uint8_t>(), xa.data(),
-                  lora_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, depth, out_features, rank};
-  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
-    run_tiles(args, path, first, last);
-  });
+  Call call(x.const_data_ptr<float>(), weights.const_data_ptr<uint8_t>(), lora_a.const_data_ptr<float>(),
+            lora_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, depth, out_features, rank, path);
+  executorch::extension::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) { call.prepare(first, last); });
+  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) { call.run(first, last); });
   return out;
 }
 

@@ -315,15 +315,15 @@ constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat};
 constexpr int64_t kQ4Ranks[] = {0, 3, 2, 3};  // x: [.., K], rank 2 to 4
 constexpr int64_t kTilesPerPart = 4;  // ~5 KB of codes a row: parts enough for the threads, few enough to be cheap
 
-struct Q4Work {
-  const streamfuse::q4::Args* args;
-  int64_t path, tiles;
-};
+void prepare_q4_row(void* user, size_t row) {
+  auto& call = *static_cast<streamfuse::q4::Call*>(user);
+  call.prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
+}
 
 void run_q4_part(void* user, size_t part) {
-  const Q4Work& work = *static_cast<const Q4Work*>(user);
+  const auto& call = *static_cast<const streamfuse::q4::Call*>(user);
   const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
-  streamfuse::q4::run_tiles(*work.args, work.path, first, std::min(first + kTilesPerPart, work.tiles));
+  call.run(first, std::min(first + kTilesPerPart, call.tiles()));
 }
 
 OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
@@ -356,15 +356,15 @@ OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(output(context, out_shape, x_rank, &out));
   if (rows == 0) return nullptr;
   static const int64_t path = resolve_path(kAuto);
-  std::vector<int8_t> xq(rows * depth);
-  std::vector<float> xd(rows * blocks), xs(rows * blocks), xa(rows * rank);
-  quantize_rows(in[0].floats(), rows, depth, xq.data(), xd.data(), xs.data());
-  if (rank > 0) lora_down(in[0].floats(), in[2].floats(), rows, depth, rank, xa.data());
-  const Args args{xq.data(), xd.data(), xs.data(), static_cast<const uint8_t*>(in[1].data), xa.data(),
-                  in[3].floats(), static_cast<float*>(out), rows, depth, width, rank};
-  const Q4Work work{&args, path, tiles};
+  Call call(in[0].floats(), static_cast<const uint8_t*>(in[1].data), in[2].floats(), in[3].floats(),
+            static_cast<float*>(out), rows, depth, width, rank, path);
+  if (rows <= 2) {  // a decode or a small step: a parallel phase would cost more than the rows
+    call.prepare(0, rows);
+  } else {
+    RETURN_IF_ERROR(ort->parallel_for(context, prepare_q4_row, static_cast<size_t>(rows), 0, &call));
+  }
   const size_t parts = static_cast<size_t>((tiles + kTilesPerPart - 1) / kTilesPerPart);
-  return ort->parallel_for(context, run_q4_part, parts, 0, const_cast<Q4Work*>(&work));
+  return ort->parallel_for(context, run_q4_part, parts, 0, &call);
 }
 
 constexpr Signature kAttention{"TreeAttention", 7, kAttentionNames, kAttentionTypes, kAttentionRanks, kFloat,
