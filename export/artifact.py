@@ -375,17 +375,11 @@ class ArtifactBuilder:
 
                 model, details = self._q4_native_model()
                 model = xnnpack_model(model)
-                own = {}
-                if self.config.pte_linear == "streamfuse":  # before XNNPACK's forms, which take the Q4Linears left
+                if self.config.pte_linear == "streamfuse":  # every linear and the head on streamfuse's ops
                     from streamfuse.export.q4_kernel import use_kernel_linears
 
-                    own = use_kernel_linears(model)
-                details = {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
-                if own:
-                    errors = {**details["max_weight_error"], **own.pop("max_weight_error")}
-                    details = {**details, **own, "max_weight_error": errors,
-                               "activations": "int8 per row and block of 32 in the linears (q8_1), per token in the head"}
-                return model, details
+                    return model, {**details, **use_kernel_linears(model, head=True), **LOW_BIT_ACTIVATIONS}
+                return model, {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
             from streamfuse.export.to_executorch import quantize_weights
 
             model = xnnpack_model(self.model_and_tokenizer()[0])
@@ -399,7 +393,7 @@ class ArtifactBuilder:
             if self.config.onnx_linear == "streamfuse":
                 from streamfuse.export.q4_kernel import use_kernel_linears
 
-                details = {**details, **use_kernel_linears(model)}
+                details = {**details, **use_kernel_linears(model, head=True)}
             return span_model(model), {**details, **LOW_BIT_ACTIVATIONS}
         model = span_model(self.model_and_tokenizer()[0])
         if fmt == "int8":

@@ -91,10 +91,12 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
 
     from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)
     from streamfuse.runtime import q4_linear
+    from streamfuse.runtime import q8_linear as q8_tiles  # (q8_linear below is MatMulNBits' translation)
     from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP, commit_op, torch_op
 
     _register_schemas()
     own_linear = getattr(Opset(ONNX_DOMAIN, 1), q4_linear.ONNX_OP)
+    own_head = getattr(Opset(ONNX_DOMAIN, 1), q8_tiles.ONNX_OP)
     matmul_nbits = Opset("com.microsoft", 1).MatMulNBits
     attention = getattr(Opset(ONNX_DOMAIN, 1), ONNX_OP)
     commit = getattr(Opset(ONNX_DOMAIN, 1), ONNX_COMMIT_OP)
@@ -118,8 +120,12 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     def linear_q4(x, weights, lora_a, lora_up, out_features: int):
         return own_linear(x, weights, lora_a, lora_up, out_features=out_features)
 
+    def head_q8(x, codes, scales, out_features: int):
+        return own_head(x, codes, scales, out_features=out_features)
+
     return {torch.ops.streamfuse.q4_matmul.default: q4_matmul, torch.ops.streamfuse.q8_linear.default: q8_linear,
-            torch_op(): tree_attention, commit_op(): commit_rows, q4_linear.torch_op(): linear_q4}
+            torch_op(): tree_attention, commit_op(): commit_rows, q4_linear.torch_op(): linear_q4,
+            q8_tiles.torch_op(): head_q8}
 
 
 def _register_schemas() -> None:
@@ -129,6 +135,7 @@ def _register_schemas() -> None:
     from onnx import defs
 
     from streamfuse.runtime.q4_linear import ONNX_OP as Q4_OP
+    from streamfuse.runtime.q8_linear import ONNX_OP as Q8_OP
     from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     schema = defs.OpSchema
@@ -156,6 +163,13 @@ def _register_schemas() -> None:
             inputs=[schema.FormalParameter(name, "T3" if name == "weights" else "T1") for name in (
                 "x", "weights", "lora_a", "lora_up")],
             outputs=[schema.FormalParameter("out", "T1")], type_constraints=[*types[:1], ("T3", ["tensor(uint8)"], "")],
+            attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
+        ))
+    if not defs.has(Q8_OP, ONNX_DOMAIN):
+        defs.register_schema(schema(
+            Q8_OP, ONNX_DOMAIN, 1,
+            inputs=[schema.FormalParameter(name, "T4" if name == "codes" else "T1") for name in ("x", "codes", "scales")],
+            outputs=[schema.FormalParameter("out", "T1")], type_constraints=[*types[:1], ("T4", ["tensor(int8)"], "")],
             attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
         ))
     if defs.has("MatMulNBits", "com.microsoft"):

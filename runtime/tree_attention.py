@@ -105,8 +105,9 @@ def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
 
 @functools.cache
 def c_library() -> ctypes.CDLL:
-    """The kernels behind a C ABI (no dependencies), for the torch ops: the attention and runtime/q4_linear.py's."""
-    sources = ["tree_attention_c.cpp", "q4_linear_c.cpp"]
+    """The kernels behind a C ABI (no dependencies), for the torch ops: the attention, runtime/q4_linear.py's
+    and runtime/q8_linear.py's."""
+    sources = ["tree_attention_c.cpp", "q4_linear_c.cpp", "q8_linear_c.cpp"]
     library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", sources, ["-pthread"])))
     attention = library.streamfuse_tree_attention
     attention.restype = None

@@ -2,15 +2,17 @@
 runs today, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
 weights' values; --scope call puts the LoRA on the top 10 layers, as the default build does).
 
-  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside
+  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside; the Q8_0 LM head
+               on streamfuse.Q8Linear (runtime/q8_linear.py)
   matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
-               LoRA: MatMul, MatMul, Add), the 4 nodes of a linear in the q4-native ONNX artifact
+               LoRA: MatMul, MatMul, Add), the 4 nodes of a linear in the q4-native ONNX artifact before our op;
+               the head as MatMulNBits (8 bits)
   xnnpack      ExecuTorch XNNPACK 8da4w + the same low-rank term as two fp32 linears, the q4-native .pte's
                form (needs the executorch extra; --scope layer only)
 
---scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs hold
-them); --scope call puts every linear of the 30 layers into one graph (96 MB of codes in ours: each call
-streams them from memory as a real call does), the linear part of a whole call. Engines alternate call by call,
+--scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs held
+them) and the LM head; --scope call puts every linear of the 30 layers and the head into one graph (~97 MB of
+codes: each call streams them from memory as a real call does), the linear part of a whole call. Engines alternate call by call,
 fixed threads; medians in microseconds and each row count's cost in 1-row calls.
 
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope layer --rows 1,2,4,8,16,64 --threads 2
@@ -31,6 +33,7 @@ import numpy as np
 from streamfuse.runtime import q4_linear as q4
 
 HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
+VOCAB = 49152
 # (name, in_features, out_features): a decoder layer's linears as the graphs hold them (q/k/v and gate/up packed)
 LINEARS = [("qkv", HIDDEN, HIDDEN + 2 * 192), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP), ("down", MLP, HIDDEN)]
 
@@ -45,8 +48,24 @@ def random_layer(rng, n: int, k: int, rank: int = RANK) -> dict:
     return {"codes": codes, "scales": scales, "mins": mins, "down": down, "up": up, "n": n, "k": k}
 
 
+def head_layer(rng, n: int = VOCAB, k: int = HIDDEN) -> dict:
+    """Q8_0 codes and fp16 scales like the tied head's."""
+    codes = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    scales = rng.uniform(1e-4, 1e-3, (n, k // 32)).astype(np.float16).astype(np.float32)
+    return {"kind": "q8", "codes": codes, "scales": scales, "n": n, "k": k}
+
+
 def _nodes_ours(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]:
     from onnx import helper, numpy_helper
+
+    from streamfuse.runtime import q8_linear
+
+    if layer.get("kind") == "q8":
+        codes, scales = q8_linear.pack(layer["codes"], layer["scales"])
+        inits = [numpy_helper.from_array(codes, f"{prefix}.codes"), numpy_helper.from_array(scales, f"{prefix}.scales")]
+        node = helper.make_node(q8_linear.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse",
+                                out_features=layer["n"])
+        return [node], inits
 
     weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])
     lora_a, lora_up = q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
@@ -64,6 +83,12 @@ def _nodes_matmulnbits(layer: dict, x: str, out: str, prefix: str) -> tuple[list
     from streamfuse.export.low_bit import pack_nibbles
 
     n, k = layer["n"], layer["k"]
+    if layer.get("kind") == "q8":  # the head as the artifact held it: codes q + 128, MatMulNBits' default zero point
+        codes = (layer["codes"].astype(np.int16) + 128).astype(np.uint8).reshape(n, k // 32, 32)
+        inits = [numpy_helper.from_array(codes, f"{prefix}.codes"),
+                 numpy_helper.from_array(layer["scales"].reshape(-1), f"{prefix}.scales")]
+        return [helper.make_node("MatMulNBits", [x, *(i.name for i in inits)], [out], domain="com.microsoft", K=k, N=n,
+                                 bits=8, block_size=32, accuracy_level=4)], inits
     groups = k // 32
     zero_points = np.full((n, (groups + 1) // 2), 8 | (8 << 4), np.uint8)
     sums = np.repeat(np.eye(groups, dtype=np.float32), 32, axis=0)
@@ -198,10 +223,12 @@ def main(argv=None) -> int:
         for name, k, n in LINEARS:
             print(f"{name}: {k} -> {n}")
             report["results"][name] = sweep([random_layer(rng, n, k)], rows, args.threads, args.reps, args.xnnpack)
+        print(f"head: {HIDDEN} -> {VOCAB} (Q8_0)")
+        report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps, False)
     else:
         layers = [random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
-                  for index in range(LAYERS) for _, k, n in LINEARS]
-        print(f"every linear of {LAYERS} layers ({len(layers)} layers in one graph)")
+                  for index in range(LAYERS) for _, k, n in LINEARS] + [head_layer(rng)]
+        print(f"every linear of {LAYERS} layers and the head ({len(layers)} nodes in one graph)")
         report["results"]["call"] = sweep(layers, rows, args.threads, args.reps, False)
     markdown = "\n\n".join(f"{name}\n\n{table(results)}" for name, results in report["results"].items())
     print(markdown)

@@ -85,8 +85,9 @@ inline float half_to_float(uint16_t h) {  // exact; no F16C needed on the portab
   return f;
 }
 
-// Row by row, block by block: xq, xd, xs from x [rows, K] (see the top of the file).
-inline void quantize_rows(const float* x, int64_t rows, int64_t in_features, int8_t* xq, float* xd, float* xs) {
+// Row by row, block by block: xq, xd, xs (and the integer sums, where asked) from x [rows, K] (see the top of the file).
+inline void quantize_rows(const float* x, int64_t rows, int64_t in_features, int8_t* xq, float* xd, float* xs,
+                          int32_t* sums = nullptr) {
   const int64_t blocks = in_features / BLOCK;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -104,6 +105,7 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t in_features, int
       }
       xd[r * blocks + b] = d;
       xs[r * blocks + b] = d * static_cast<float>(sum);
+      if (sums != nullptr) sums[r * blocks + b] = sum;
     }
   }
 }

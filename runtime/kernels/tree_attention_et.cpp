@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "q4_linear.h"
+#include "q8_linear.h"
 #include "tree_attention.h"
 
 namespace {
@@ -95,8 +96,33 @@ Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tens
   return out;
 }
 
+// x [.., K] float, codes [tiles·K/32·512] int8, scales [tiles·K/32·16] float -> out [.., N] (q8_linear.h).
+Tensor& q8_tiles_out(KernelRuntimeContext& context, const Tensor& x, const Tensor& codes, const Tensor& scales,
+                     int64_t out_features, Tensor& out) {
+  using namespace streamfuse;
+  ET_KERNEL_CHECK(context, x.dim() >= 1 && codes.dim() == 1 && scales.dim() == 1 && out.dim() == x.dim(),
+                  InvalidArgument, out);
+  ET_KERNEL_CHECK(context, x.scalar_type() == ScalarType::Float && codes.scalar_type() == ScalarType::Char &&
+                  scales.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
+                  InvalidArgument, out);
+  const int64_t depth = x.size(x.dim() - 1), rows = depth > 0 ? x.numel() / depth : 0;
+  ET_KERNEL_CHECK_MSG(context, q4::args_error(rows, depth, out_features, 0) == nullptr, InvalidArgument, out, "%s",
+                      q4::args_error(rows, depth, out_features, 0));
+  const int64_t tiles = q4::tiles_of(out_features), blocks = depth / q8::BLOCK;
+  ET_KERNEL_CHECK(context, codes.numel() == tiles * blocks * q8::CODES_BYTES &&
+                  scales.numel() == tiles * blocks * q8::TILE && out.numel() == rows * out_features &&
+                  out.size(out.dim() - 1) == out_features, InvalidArgument, out);
+  static const int64_t path = q4::resolve_path(q4::kAuto);
+  q8::Call call(x.const_data_ptr<float>(), codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                out.mutable_data_ptr<float>(), rows, depth, out_features, path);
+  executorch::extension::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) { call.prepare(first, last); });
+  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) { call.run(first, last); });
+  return out;
+}
+
 }  // namespace
 
 EXECUTORCH_LIBRARY(streamfuse, "q4_linear.out", q4_linear_out);
+EXECUTORCH_LIBRARY(streamfuse, "q8_tiles.out", q8_tiles_out);
 EXECUTORCH_LIBRARY(streamfuse, "tree_attention.out", tree_attention_out);
 EXECUTORCH_LIBRARY(streamfuse, "commit_rows.out", commit_rows_out);

@@ -7,6 +7,8 @@
 //   CommitRows(k_cache, v_cache, start [1] int64, accepted [A] int64) -> out [1] int64 (a copy of start)
 //   Q4Linear(x [.., K] (rank 2 to 4), weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16];
 //            out_features: int) -> out [.., out_features]   (runtime/q4_linear.py)
+//   Q8Linear(x [.., K], codes [tiles·K/32·512] int8, scales [tiles·K/32·16]; out_features: int) -> out [.., N]
+//            (runtime/q8_linear.py)
 //
 // The whole cache comes in (the host's buffer, used in place): TreeAttention reads slots [0, start) of `layer`,
 // then writes its first `store` extra rows at slots start..; CommitRows compacts the accepted rows in place.
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "q4_linear.h"
+#include "q8_linear.h"
 #include "tree_attention.h"
 
 extern "C" {
@@ -41,7 +44,7 @@ struct OrtApiBase {
   const char* (*GetVersionString)();
 };
 
-enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt64 = 7 };  // ONNXTensorElementDataType
+enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7 };  // ONNXTensorElementDataType
 enum Characteristic : int { kRequired = 0 };                        // OrtCustomOpInputOutputCharacteristic
 enum MemType : int { kMemDefault = 0 };                             // OrtMemType
 enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };           // OrtErrorCode
@@ -203,7 +206,8 @@ OrtStatus* read_input(OrtKernelContext* context, const Signature& op, size_t ind
   in.rank = rank;
   const ElementType expected = op.types[index];
   if (type != expected || rank != expected_rank) {
-    const char* type_name = expected == kInt64 ? " int64" : expected == kUint8 ? " uint8" : " float";
+    const char* type_name = expected == kInt64 ? " int64" : expected == kUint8 ? " uint8" : expected == kInt8 ? " int8"
+                                                                                                       : " float";
     const std::string ranks = op.ranks[index] == 0 ? "2, 3 or 4" : std::to_string(expected_rank);
     return fail(std::string(op.name) + ": input " + op.names[index] + " must be a rank-" + ranks + type_name +
                 " tensor");
@@ -367,10 +371,66 @@ OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
   return ort->parallel_for(context, run_q4_part, parts, 0, &call);
 }
 
+// --- Q8Linear(x, codes, scales; out_features) -> out --------------------------------------------------------------
+constexpr const char* kQ8Names[] = {"x", "codes", "scales"};
+constexpr ElementType kQ8Types[] = {kFloat, kInt8, kFloat};
+constexpr int64_t kQ8Ranks[] = {0, 1, 1};  // x: [.., K], rank 2 to 4; the codes and scales flat
+
+void prepare_q8_row(void* user, size_t row) {
+  static_cast<streamfuse::q8::Call*>(user)->prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
+}
+
+void run_q8_part(void* user, size_t part) {
+  const auto& call = *static_cast<const streamfuse::q8::Call*>(user);
+  const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
+  call.run(first, std::min(first + kTilesPerPart, call.tiles()));
+}
+
+// x's rows (all dims but the last, each <= 2^20) and the output's shape, or an error.
+OrtStatus* rows_of(const char* op, const Input& x, int64_t width, int64_t& rows, int64_t (&shape)[4]) {
+  rows = 1;
+  for (size_t i = 0; i + 1 < x.rank; ++i) {
+    if (x.shape[i] < 0 || x.shape[i] > (int64_t{1} << 20)) return fail(std::string(op) + ": x's dims must be <= 2^20");
+    rows *= x.shape[i];
+    shape[i] = x.shape[i];
+  }
+  shape[x.rank - 1] = width;
+  return nullptr;
+}
+
+OrtStatus* q8_linear(const Kernel& kernel, OrtKernelContext* context) {
+  using namespace streamfuse;
+  Input in[3];
+  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
+  int64_t rows = 0, out_shape[4] = {};
+  const int64_t depth = in[0].shape[in[0].rank - 1], width = kernel.out_features;
+  RETURN_IF_ERROR(rows_of("Q8Linear", in[0], width, rows, out_shape));
+  if (const char* error = q4::args_error(rows, depth, width, 0)) return fail(error);
+  const int64_t tiles = q4::tiles_of(width), blocks = depth / q8::BLOCK;
+  if (in[1].shape[0] != tiles * blocks * q8::CODES_BYTES || in[2].shape[0] != tiles * blocks * q8::TILE) {
+    return fail("Q8Linear: codes must hold ceil(N / 16) x K / 32 x 512 int8 and scales 16 floats a block "
+                "(runtime/q8_linear.py)");
+  }
+  void* out = nullptr;
+  RETURN_IF_ERROR(output(context, out_shape, in[0].rank, &out));
+  if (rows == 0) return nullptr;
+  static const int64_t path = q4::resolve_path(q4::kAuto);
+  q8::Call call(in[0].floats(), static_cast<const int8_t*>(in[1].data), in[2].floats(), static_cast<float*>(out),
+                rows, depth, width, path);
+  if (rows <= 2) {
+    call.prepare(0, rows);
+  } else {
+    RETURN_IF_ERROR(ort->parallel_for(context, prepare_q8_row, static_cast<size_t>(rows), 0, &call));
+  }
+  const size_t parts = static_cast<size_t>((tiles + kTilesPerPart - 1) / kTilesPerPart);
+  return ort->parallel_for(context, run_q8_part, parts, 0, &call);
+}
+
 constexpr Signature kAttention{"TreeAttention", 7, kAttentionNames, kAttentionTypes, kAttentionRanks, kFloat,
                                attention_attributes, attend};
 constexpr Signature kCommit{"CommitRows", 4, kCommitNames, kCommitTypes, kCommitRanks, kInt64, nullptr, commit};
 constexpr Signature kQ4Linear{"Q4Linear", 4, kQ4Names, kQ4Types, kQ4Ranks, kFloat, q4_attributes, q4_linear};
+constexpr Signature kQ8Linear{"Q8Linear", 3, kQ8Names, kQ8Types, kQ8Ranks, kFloat, q4_attributes, q8_linear};
 
 OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** state) {
   Kernel kernel{&signature_of(op)};
@@ -400,7 +460,7 @@ Op make_op(const Signature& signature) {
   return Op{op, &signature};
 }
 
-const Op kOps[] = {make_op(kAttention), make_op(kCommit), make_op(kQ4Linear)};
+const Op kOps[] = {make_op(kAttention), make_op(kCommit), make_op(kQ4Linear), make_op(kQ8Linear)};
 
 }  // namespace
 

@@ -1,0 +1,127 @@
+"""The LM head on the GGUF's own Q8_0 blocks with our row-invariant kernel (runtime/kernels/q8_linear.h): torch
+(streamfuse::q8_tiles, through ctypes), ONNX Runtime (streamfuse.Q8Linear) and ExecuTorch (q8_tiles.out) from one
+header, its packing, and a NumPy reference of the same arithmetic, the tests' oracle.
+
+    q8_tiles(x [.., K] float32, codes [tiles·K/32·512] int8, scales [tiles·K/32·16] float32, out_features N) -> [.., N]
+
+codes and scales are flat (pack()), so the tied embedding gathers its rows from the same tensors by index
+(embedding_index) with no reshaped copy. Activations are quantized in the op as q4_linear's are; every weight
+tile-block is loaded once for all the call's rows; a row's bits depend only on the row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from streamfuse.runtime import q4_linear
+from streamfuse.runtime.q4_linear import BLOCK, PATHS, TILE, Q4LinearError, quantize_rows, tiles_of
+
+CODES_BYTES = TILE * BLOCK  # 512 a tile-block
+SCHEMA = "q8_tiles(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+OUT_SCHEMA = "q8_tiles.out(Tensor x, Tensor codes, Tensor scales, int out_features, *, Tensor(a!) out) -> Tensor(a!)"
+ONNX_OP = "Q8Linear"
+
+
+def pack(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 codes [N, K] int8 and scales [N, K/32] (fp16 values) -> flat (codes int8, scales float32) in the
+    header's layout; columns past N are zeros."""
+    rows, depth = codes.shape
+    if depth % BLOCK or scales.shape != (rows, depth // BLOCK) or codes.dtype != np.int8:
+        raise Q4LinearError(f"q8 pack: codes [N, K] int8 with K a multiple of 32 and scales [N, K/32], got "
+                            f"{codes.shape} {codes.dtype} and {scales.shape}")
+    tiles, blocks = tiles_of(rows), depth // BLOCK
+    padded = np.zeros((tiles * TILE, depth), np.int8)
+    padded[:rows] = codes
+    # [tiles, c, blocks, g, i] -> [tiles, blocks, g, c, i]: byte 64g + 4c + i of a tile-block
+    laid = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    table = np.zeros((tiles * TILE, blocks), np.float32)
+    table[:rows] = scales
+    return (np.ascontiguousarray(laid).reshape(-1),
+            np.ascontiguousarray(table.reshape(tiles, TILE, blocks).transpose(0, 2, 1)).reshape(-1))
+
+
+def embedding_index(out_features: int, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where row n's weights lie in the flat tensors: code (n, k) at code_base[n] + code_offset[k], scale (n, b) at
+    scale_base[n] + scale_offset[b] (int64), so the embedding gathers rows from the head's own codes."""
+    blocks = in_features // BLOCK
+    rows = np.arange(out_features, dtype=np.int64)
+    tile, column = rows // TILE, rows % TILE
+    k = np.arange(in_features, dtype=np.int64)
+    code_offset = (k // BLOCK) * CODES_BYTES + 64 * ((k % BLOCK) // 4) + k % 4
+    b = np.arange(blocks, dtype=np.int64)
+    return tile * blocks * CODES_BYTES + 4 * column, code_offset, tile * blocks * TILE + column, b * TILE
+
+
+def unpack(codes: np.ndarray, scales: np.ndarray, out_features: int, in_features: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack()'s inverse: (codes [N, K] int8, scales [N, K/32] float32)."""
+    code_base, code_offset, scale_base, scale_offset = embedding_index(out_features, in_features)
+    return codes[code_base[:, None] + code_offset[None]], scales[scale_base[:, None] + scale_offset[None]]
+
+
+def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: int) -> np.ndarray:
+    """The kernel's arithmetic in NumPy, operation by operation: x [M, K] -> [M, N] float32."""
+    x = np.asarray(x, np.float32)
+    weights, d = unpack(codes, scales, out_features, x.shape[1])
+    q, xd, _ = quantize_rows(x)
+    sums = np.einsum("mbk,nbk->mnb", q, weights.reshape(out_features, -1, BLOCK).astype(np.int32))
+    acc = np.zeros((x.shape[0], out_features), np.float32)
+    for b in range(d.shape[1]):
+        scaled = (d[None, :, b] * xd[:, b, None]).astype(np.float32)
+        acc = (acc + (scaled * sums[:, :, b].astype(np.float32)).astype(np.float32)).astype(np.float32)
+    return acc
+
+
+@functools.cache
+def c_library() -> ctypes.CDLL:
+    library = q4_linear.c_library()  # one library: the attention's, with both linear kernels
+    function = library.streamfuse_q8_linear
+    function.restype = ctypes.c_char_p
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9
+    return library
+
+
+def linear(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: int, path: str = "auto",
+           threads: int = 1) -> np.ndarray:
+    """The kernel on NumPy arrays: x [M, K] float32 -> [M, N] float32."""
+    x = np.ascontiguousarray(x, np.float32)
+    codes, scales = np.ascontiguousarray(codes, np.int8), np.ascontiguousarray(scales, np.float32)
+    if x.ndim != 2 or path not in PATHS:
+        raise Q4LinearError(f"q8_linear: x must be [M, K]; path one of {', '.join(PATHS)}")
+    out = np.empty((x.shape[0], out_features), np.float32)
+    error = c_library().streamfuse_q8_linear(x.ctypes.data, codes.ctypes.data, scales.ctypes.data, out.ctypes.data,
+                                             x.shape[0], x.shape[1], out_features, x.size, codes.size, scales.size,
+                                             out.size, PATHS[path], threads)
+    if error:
+        raise Q4LinearError(error.decode())
+    return out
+
+
+@functools.cache
+def _torch_library():
+    import torch
+
+    library = torch.library.Library("streamfuse", "FRAGMENT")
+    library.define(SCHEMA)
+    library.define(OUT_SCHEMA)
+
+    def run(x, codes, scales, out_features):
+        flat = x.detach().reshape(-1, x.shape[-1]).contiguous().float()
+        result = linear(flat.numpy(), codes.numpy(), scales.numpy(), out_features, threads=torch.get_num_threads())
+        return torch.from_numpy(result).reshape(*x.shape[:-1], out_features)
+
+    library.impl("q8_tiles", run, "CPU")
+    library.impl("q8_tiles.out", lambda x, codes, scales, n, out: out.copy_(run(x, codes, scales, n)), "CPU")
+    torch.library.register_fake("streamfuse::q8_tiles", lambda x, codes, scales, n: x.new_empty(*x.shape[:-1], n),
+                                lib=library)
+    return library
+
+
+def torch_op():
+    """torch.ops.streamfuse.q8_tiles: the kernel on CPU tensors, with a fake for export."""
+    import torch
+
+    _torch_library()
+    return torch.ops.streamfuse.q8_tiles.default
