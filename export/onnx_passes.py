@@ -9,7 +9,8 @@ call. So:
 - `fuse_skip_norm`: every such norm -> SkipSimplifiedLayerNormalization, with the residual Add it reads.
 - `fuse_rotary`: rotary embedding, x·cos + cat(-x2, x1)·sin (Mul, Slice, Slice, Neg, Concat, Mul, Add) on
   q and k, becomes ONNX's RotaryEmbedding (opset 23) on the first half of cos / sin: 7 nodes -> 1.
-- `pack_linears`: q / k / v and gate / up, each with its low-rank term, -> one product, one term and a Split.
+- `pack_linears`: q / k / v and gate / up, each with its low-rank term, -> one product, one term and a Split;
+  streamfuse.Q4Linear siblings -> one Q4Linear (activations quantized once) and a Split.
 - `drop_unused_initializers`: the constants only the replaced nodes read.
 - `lift_embedding`: the embedding gathers the tied LM head's Q8 codes; an initializer a Gather reads stays
   mapped and its pages resident (the head's prepacking touches them all: 30 MiB of SmolLM2), so the gathered
@@ -37,6 +38,7 @@ ROTARY_OPSET = 23  # ONNX's RotaryEmbedding
 GATHERS = ("Gather", "GatherND")
 MICROSOFT = "com.microsoft"  # ONNX Runtime's own ops
 LIFT_BYTES = 1 << 20  # gathered tables this large are fed by the host; smaller ones (id maps) stay
+OWN_LINEAR, OWN_WIDTH, OWN_TILE = "Q4Linear", "out_features", 16  # streamfuse's 4-bit op (runtime/q4_linear.py)
 
 
 class _Graph:
@@ -359,7 +361,7 @@ class _Linear(NamedTuple):
 
     def key(self) -> tuple:
         """What siblings must share to be packed: the input, the op and its attributes but N, the term's form."""
-        attributes = tuple(sorted((a.name, a.i) for a in self.product.attribute if a.name != "N"))
+        attributes = tuple(sorted((a.name, a.i) for a in self.product.attribute if a.name not in ("N", OWN_WIDTH)))
         return (self.product.input[0], self.product.op_type, len(self.product.input), attributes, self.add is None)
 
 
@@ -376,7 +378,7 @@ def pack_linears(model) -> int:
         groups: dict[tuple, list[_Linear]] = {}
         for linear in _linears(graph):
             groups.setdefault(linear.key(), []).append(linear)
-        packs = [s for s in groups.values() if len(s) > 1]
+        packs = [s for s in groups.values() if len(s) > 1 and _whole_tiles(graph, s)]
         graph.replace_all([([n for linear in siblings for n in linear.nodes], _packed(model, siblings, graph, made), True)
                            for siblings in packs])
         packed += sum(len(siblings) for siblings in packs)
@@ -401,7 +403,15 @@ def _linears(graph: _Graph) -> list[_Linear]:
     return found
 
 
+def _whole_tiles(graph: _Graph, siblings: list[_Linear]) -> bool:
+    """Q4Linear siblings pack by stacking their weights' tiles: each must fill its last tile of 16 columns."""
+    return siblings[0].product.op_type != OWN_LINEAR or all(
+        _columns(graph, linear.product) % OWN_TILE == 0 for linear in siblings)
+
+
 def _constant_product(graph: _Graph, node) -> bool:
+    if node.op_type == OWN_LINEAR:
+        return len(node.input) == 4 and all(graph.dims(name) is not None for name in node.input[1:])
     if node.op_type == "MatMulNBits":
         return len(node.input) <= 4 and all(graph.dims(name) is not None for name in node.input[1:])
     return node.op_type == "MatMul" and graph.dims(node.input[0]) is None and _matrix(graph, node.input[1])
@@ -429,13 +439,16 @@ def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
         return made[key]
 
     inputs = [first.product.input[0]]
-    for slot in range(1, len(first.product.input)):
+    if first.product.op_type == OWN_LINEAR:
+        inputs += _packed_own(siblings, graph, tensor)
+    for slot in range(len(inputs), len(first.product.input)):
         parts = [linear.product.input[slot] for linear in siblings]
         axis = 0 if first.product.op_type == "MatMulNBits" else 1  # NBits: [N, ..]; MatMul: [K, N]
         inputs.append(tensor(parts, lambda: np.concatenate([graph.value(p) for p in parts], axis=axis)))
     attributes = {a.name: helper.get_attribute_value(a) for a in first.product.attribute}
-    if "N" in attributes:
-        attributes["N"] = sum(sizes)
+    for width in ("N", OWN_WIDTH):
+        if width in attributes:
+            attributes[width] = sum(sizes)
     nodes = [helper.make_node(first.product.op_type, inputs, [f"{name}/product"], name=f"{name}/product",
                               domain=first.product.domain, **attributes)]
     total = f"{name}/product"
@@ -460,7 +473,28 @@ def _packed(model, siblings: list[_Linear], graph: _Graph, made: dict) -> list:
     return nodes
 
 
+def _packed_own(siblings: list[_Linear], graph: _Graph, tensor) -> list[str]:
+    """Q4Linear siblings' weights, LoRA A and LoRA U as one layer's: the weights' tiles stacked, the ranks side by
+    side, U block-diagonal (each column's own rank terms in their order, exact zeros for the others' ranks)."""
+    names = [[linear.product.input[slot] for linear in siblings] for slot in (1, 2, 3)]
+
+    def block_diagonal() -> np.ndarray:
+        ups = [graph.value(name) for name in names[2]]
+        out = np.zeros((sum(u.shape[0] for u in ups), sum(u.shape[1] for u in ups), OWN_TILE), np.float32)
+        tile = rank = 0
+        for up in ups:
+            out[tile : tile + up.shape[0], rank : rank + up.shape[1]] = up
+            tile, rank = tile + up.shape[0], rank + up.shape[1]
+        return out
+
+    return [tensor(names[0], lambda: np.concatenate([graph.value(n) for n in names[0]], axis=0)),
+            tensor(names[1], lambda: np.concatenate([graph.value(n) for n in names[1]], axis=1)),
+            tensor(names[2], block_diagonal)]
+
+
 def _columns(graph: _Graph, product) -> int:
+    if product.op_type == OWN_LINEAR:
+        return next(a.i for a in product.attribute if a.name == OWN_WIDTH)
     if product.op_type == "MatMulNBits":
         return next(a.i for a in product.attribute if a.name == "N")
     return graph.dims(product.input[1])[1]

@@ -289,3 +289,44 @@ def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
             for name, out, one in zip(FUSED_OUTPUTS, session.run(None, feed), alone):
                 assert np.array_equal(np.take(out, at, out_axis[name]), np.take(one, 0, out_axis[name])), (
                     name, threads, count)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_linear_siblings_pack_into_one_node_with_each_columns_bits(threads):
+    """Three streamfuse.Q4Linear on one input (q / k / v; LoRA ranks 4, 0 and 2) -> one Q4Linear and a Split: every
+    output the unpacked graph's bits, for 1 to 16 rows; a sibling whose columns do not fill its last tile of 16
+    keeps the graph as it is."""
+    from streamfuse.tools import q4_bench
+
+    rng = np.random.default_rng(0)
+    layers = [q4_bench.random_layer(rng, n, 64, rank) for n, rank in ((48, 4), (16, 0), (32, 2))]
+    model = as_method(q4_bench.onnx_model(layers, "ours"))
+    before = q4_bench.onnx_session(model.SerializeToString(), threads)
+    assert pack_linears(model) == 3 and drop_unused_initializers(model) == 9
+    (body,) = [a.g for a in model.graph.node[0].attribute if a.name == "then_branch"]
+    assert [n.op_type for n in body.node] == ["Q4Linear", "Split"]
+    after = q4_bench.onnx_session(model.SerializeToString(), threads)
+    for rows in (1, 2, 5, 16):
+        feed = {"x64": rng.standard_normal((1, rows, 64)).astype(np.float32), "run": np.array(True)}
+        for old, new in zip(before.run(None, feed), after.run(None, feed)):
+            assert np.array_equal(old.view(np.uint32), new.view(np.uint32)), rows
+    ragged = as_method(q4_bench.onnx_model(layers[:2] + [q4_bench.random_layer(rng, 40, 64, 1)], "ours"))
+    assert pack_linears(ragged) == 0
+
+
+def as_method(serialized: bytes):
+    """A one-graph model as the combined model holds a method: the graph an If's branch, its constants on top."""
+    from onnx import TensorProto, helper
+
+    inner = onnx.load_from_string(serialized)
+    body = helper.make_graph(list(inner.graph.node), "method", [], list(inner.graph.output))
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    other = helper.make_graph([helper.make_node("Constant", [], [f"{o.name}/other"], value=zero)
+                               for o in inner.graph.output], "other", [],
+                              [helper.make_tensor_value_info(f"{o.name}/other", TensorProto.FLOAT, None)
+                               for o in inner.graph.output])
+    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None) for i in range(len(inner.graph.output))]
+    node = helper.make_node("If", ["run"], [o.name for o in outputs], then_branch=body, else_branch=other)
+    run = helper.make_tensor_value_info("run", TensorProto.BOOL, [])
+    graph = helper.make_graph([node], "top", [run, *inner.graph.input], outputs, list(inner.graph.initializer))
+    return helper.make_model(graph, opset_imports=list(inner.opset_import), ir_version=inner.ir_version)
