@@ -60,6 +60,9 @@ inline const char* args_error(int64_t rows, int64_t in_features, int64_t out_fea
   }
   if (out_features <= 0 || out_features > (int64_t{1} << 24)) return "q4_linear: out_features must be in [1, 2^24]";
   if (rank < 0 || rank > 4096) return "q4_linear: the LoRA rank must be in [0, 4096]";
+  if (rows * in_features > (int64_t{1} << 28) || rows * rank > (int64_t{1} << 28)) {
+    return "q4_linear: a call's rows x in_features (or x rank) must be at most 2^28";  // the scratch it allocates
+  }
   return nullptr;
 }
 

@@ -1,5 +1,5 @@
-// tree_attention.h and q4_linear.h as ONNX Runtime custom ops, streamfuse.TreeAttention, streamfuse.CommitRows and
-// streamfuse.Q4Linear, for the ONNX graphs that export/to_onnx.py translates torch.ops.streamfuse.* into:
+// tree_attention.h, q4_linear.h and q8_linear.h as ONNX Runtime custom ops, streamfuse.TreeAttention, CommitRows,
+// Q4Linear and Q8Linear, for the ONNX graphs that export/to_onnx.py translates torch.ops.streamfuse.* into:
 //
 //   TreeAttention(query [1, heads, rows, dim], k_cache, v_cache [layers, kv_heads, capacity, dim], start [1] int64,
 //                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float,
@@ -312,7 +312,6 @@ OrtStatus* commit(const Kernel& kernel, OrtKernelContext* context) {
   return nullptr;
 }
 
-
 // --- Q4Linear(x, weights, lora_a, lora_up; out_features) -> out --------------------------------------------------
 constexpr const char* kQ4Names[] = {"x", "weights", "lora_a", "lora_up"};
 constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat};
@@ -330,6 +329,20 @@ void run_q4_part(void* user, size_t part) {
   call.run(first, std::min(first + kTilesPerPart, call.tiles()));
 }
 
+// x's rows (all dims but the last; their product at most 2^20) and the output's shape, or an error.
+OrtStatus* rows_of(const char* op, const Input& x, int64_t width, int64_t& rows, int64_t (&shape)[4]) {
+  rows = 1;
+  for (size_t i = 0; i + 1 < x.rank; ++i) {
+    if (x.shape[i] < 0 || x.shape[i] > (int64_t{1} << 20) || rows * x.shape[i] > (int64_t{1} << 20)) {
+      return fail(std::string(op) + ": x's rows (all its dims but the last) must number at most 2^20");
+    }
+    rows *= x.shape[i];
+    shape[i] = x.shape[i];
+  }
+  shape[x.rank - 1] = width;
+  return nullptr;
+}
+
 OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
   return ort->attribute_int64(info, "out_features", &kernel.out_features);
 }
@@ -338,13 +351,9 @@ OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
   using namespace streamfuse::q4;
   Input in[4];
   RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
-  const size_t x_rank = in[0].rank;
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < x_rank; ++i) {
-    if (in[0].shape[i] < 0 || in[0].shape[i] > (int64_t{1} << 20)) return fail("Q4Linear: x's dims must be <= 2^20");
-    rows *= in[0].shape[i];
-  }
-  const int64_t depth = in[0].shape[x_rank - 1], width = kernel.out_features, rank = in[2].shape[1];
+  int64_t rows = 0, out_shape[4] = {};
+  const int64_t depth = in[0].shape[in[0].rank - 1], width = kernel.out_features, rank = in[2].shape[1];
+  RETURN_IF_ERROR(rows_of("Q4Linear", in[0], width, rows, out_shape));
   if (const char* error = args_error(rows, depth, width, rank)) return fail(error);
   const int64_t tiles = tiles_of(width), blocks = depth / BLOCK;
   const int64_t* w = in[1].shape;
@@ -353,11 +362,8 @@ OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
     return fail("Q4Linear: weights must be [ceil(N / 16), K / 32, 320], lora_a [K, r] and lora_up [ceil(N / 16), r, "
                 "16] (runtime/q4_linear.py)");
   }
-  int64_t out_shape[4] = {};
-  for (size_t i = 0; i + 1 < x_rank; ++i) out_shape[i] = in[0].shape[i];
-  out_shape[x_rank - 1] = width;
   void* out = nullptr;
-  RETURN_IF_ERROR(output(context, out_shape, x_rank, &out));
+  RETURN_IF_ERROR(output(context, out_shape, in[0].rank, &out));
   if (rows == 0) return nullptr;
   static const int64_t path = resolve_path(kAuto);
   Call call(in[0].floats(), static_cast<const uint8_t*>(in[1].data), in[2].floats(), in[3].floats(),
@@ -384,18 +390,6 @@ void run_q8_part(void* user, size_t part) {
   const auto& call = *static_cast<const streamfuse::q8::Call*>(user);
   const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
   call.run(first, std::min(first + kTilesPerPart, call.tiles()));
-}
-
-// x's rows (all dims but the last, each <= 2^20) and the output's shape, or an error.
-OrtStatus* rows_of(const char* op, const Input& x, int64_t width, int64_t& rows, int64_t (&shape)[4]) {
-  rows = 1;
-  for (size_t i = 0; i + 1 < x.rank; ++i) {
-    if (x.shape[i] < 0 || x.shape[i] > (int64_t{1} << 20)) return fail(std::string(op) + ": x's dims must be <= 2^20");
-    rows *= x.shape[i];
-    shape[i] = x.shape[i];
-  }
-  shape[x.rank - 1] = width;
-  return nullptr;
 }
 
 OrtStatus* q8_linear(const Kernel& kernel, OrtKernelContext* context) {
