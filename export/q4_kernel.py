@@ -39,8 +39,8 @@ class KernelQ4Linear(nn.Module):
             down = layer.left[:, groups:].T.numpy()  # A [r, K]
             up = layer.right[groups:].T.numpy()  # s·B [N, r], the scaling already in
         left, right = q4_linear.pack_lora(down, up, 1.0, self.out_features, self.in_features)
-        self.register_buffer("left", torch.from_numpy(left))
-        self.register_buffer("right", torch.from_numpy(right))
+        self.register_buffer("left", _tensor(left))
+        self.register_buffer("right", _tensor(right))
         self.adapted = layer.adapted
         self.task_input = False  # the op's LoRA is row-wise either way (export/task_inputs.py sets it)
 
@@ -53,6 +53,12 @@ class KernelQ4Linear(nn.Module):
         blocks = codes.reshape(self.out_features, -1, BLOCK).astype(np.float64)
         weights = blocks * scales[..., None].astype(np.float64) + mins[..., None].astype(np.float64)
         return torch.from_numpy(weights.reshape(self.out_features, -1))
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor of `array`; an empty one (no LoRA) with torch's own strides: NumPy gives a [K, 0] array stride 0
+    on K, which ExecuTorch refuses."""
+    return torch.from_numpy(array) if array.size else torch.zeros(array.shape, dtype=torch.float32)
 
 
 class KernelQ8Head(nn.Module):

@@ -205,23 +205,28 @@ def test_executorch_kernel_is_the_reference():
 
     from streamfuse.runtime.tree_attention import load_executorch_kernels
 
+    from streamfuse.export.q4_kernel import _tensor
+
     rng = np.random.default_rng(6)
     _, weights, lora = random_layer(rng, 40, 64, 4)
+    empty = no_lora(40, 64)  # a layer without LoRA: empty tensors, which ExecuTorch takes with torch's strides
     op = q4.torch_op()
 
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            for name, array in zip(("weights", "lora_a", "lora_up"), (weights, *lora)):
-                self.register_buffer(name, torch.from_numpy(array))
+            for name, array in zip(("weights", "lora_a", "lora_up", "none_a", "none_up"), (weights, *lora, *empty)):
+                self.register_buffer(name, _tensor(array))
 
         def forward(self, x):
-            return torch.relu(x) + 1, op(x, self.weights, self.lora_a, self.lora_up, 40)
+            return (torch.relu(x) + 1, op(x, self.weights, self.lora_a, self.lora_up, 40),
+                    op(x, self.weights, self.none_a, self.none_up, 40))
 
     x = rng.standard_normal((1, 3, 64)).astype(np.float32)
     program = to_edge_transform_and_lower(torch.export.export(Layer(), (torch.from_numpy(x),)),
                                           partitioner=[XnnpackPartitioner()]).to_executorch()
     load_executorch_kernels()
     method = Runtime.get().load_program(program.buffer).load_method("forward")
-    got = method.execute([torch.from_numpy(x)])[1].numpy()
-    assert np.array_equal(got[0], q4.reference(x[0], weights, *lora, 40))
+    outputs = method.execute([torch.from_numpy(x)])
+    assert np.array_equal(outputs[1].numpy()[0], q4.reference(x[0], weights, *lora, 40))
+    assert np.array_equal(outputs[2].numpy()[0], q4.reference(x[0], weights, *empty, 40))
