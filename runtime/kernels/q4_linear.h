@@ -35,6 +35,21 @@ namespace streamfuse::q4 {
 
 constexpr int64_t BLOCK = 32, TILE = 16, TILE_BYTES = 320, SCALES_AT = 256, MINS_AT = 288;
 constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in registers
+// Tile-blocks ahead that a path asks the memory for while it computes this one: a call streams its weights from
+// memory once, and the hardware's prefetch alone left the cores waiting (all linears of a call, 2 threads,
+// tools.q4_bench --scope call: 1 row 6.63 -> 6.17 ms, 4 rows 8.80 -> 7.77 ms; 4 to 16 ahead were within 3 %).
+constexpr int64_t PREFETCH = 8;
+
+// Asks for the cache lines of the tile-block `PREFETCH` ahead of `tile` (a hint: never a fault, past the end too).
+inline void prefetch_ahead(const void* tile, int64_t bytes) {
+#ifdef STREAMFUSE_X86
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(tile) + static_cast<uintptr_t>(PREFETCH * bytes);  // no pointer
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+#else
+  (void)tile;
+  (void)bytes;
+#endif
+}
 
 enum Path : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512Vnni = 3 };
 
@@ -181,6 +196,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"))) inline void til
       for (int64_t r = 0; r < ROW_CHUNK; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
+        prefetch_ahead(tile, TILE_BYTES);
         __m512i w[8];
         for (int j = 0; j < 4; ++j) {
           const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
@@ -232,6 +248,7 @@ __attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64
       for (int64_t r = 0; r < ROW_CHUNK; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
+        prefetch_ahead(tile, TILE_BYTES);
         for (int half = 0; half < 2; ++half) {
           __m256i w[8];
           for (int j = 0; j < 4; ++j) {

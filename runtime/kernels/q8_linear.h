@@ -64,6 +64,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"))) inline void til
       for (int64_t r = 0; r < q4::ROW_CHUNK; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* tile = a.codes + (t * blocks + b) * CODES_BYTES;
+        q4::prefetch_ahead(tile, CODES_BYTES);
         __m512i w[8];
         for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), flip);
         const __m512 d = _mm512_loadu_ps(a.scales + (t * blocks + b) * TILE);
@@ -100,6 +101,7 @@ __attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64
       for (int64_t r = 0; r < q4::ROW_CHUNK; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* tile = a.codes + (t * blocks + b) * CODES_BYTES;
+        q4::prefetch_ahead(tile, CODES_BYTES);
         for (int half = 0; half < 2; ++half) {
           __m256i w[8], magnitude[8];
           for (int g = 0; g < 8; ++g) {
