@@ -2,7 +2,8 @@
 (streamfuse::q8_tiles, through ctypes), ONNX Runtime (streamfuse.Q8Linear) and ExecuTorch (q8_tiles.out) from one
 header, its packing, and a NumPy reference of the same arithmetic, the tests' oracle.
 
-    q8_tiles(x [.., K] float32, codes [tiles·K/32·512] int8, scales [tiles·K/32·16] float32, out_features N) -> [.., N]
+    q8_tiles(x [.., K] float32, codes [tiles·K/32·512] int8, scales [tiles·K/32·16] float32, out_features N)
+        -> [.., N]
 
 codes and scales are flat (pack()), so the tied embedding gathers its rows from the same tensors by index
 (embedding_index) with no reshaped copy. Activations are quantized in the op as q4_linear's are; every weight

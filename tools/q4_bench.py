@@ -7,13 +7,11 @@ weights' values; --scope call puts the LoRA on the top 10 layers, as the default
   matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
                LoRA: MatMul, MatMul, Add), the 4 nodes of a linear in the q4-native ONNX artifact before our op;
                the head as MatMulNBits (8 bits)
-  xnnpack      ExecuTorch XNNPACK 8da4w + the same low-rank term as two fp32 linears, the q4-native .pte's
-               form (needs the executorch extra; --scope layer only)
 
 --scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs held
 them) and the LM head; --scope call puts every linear of the 30 layers and the head into one graph (~97 MB of
-codes: each call streams them from memory as a real call does), the linear part of a whole call. Engines alternate call by call,
-fixed threads; medians in microseconds and each row count's cost in 1-row calls.
+codes: each call streams them from memory as a real call does), the linear part of a whole call. Engines
+alternate call by call, fixed threads; medians in microseconds and each row count's cost in 1-row calls.
 
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope layer --rows 1,2,4,8,16,64 --threads 2
     OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope call --rows 1,2,4,8,16,64 --threads 2
@@ -35,7 +33,8 @@ from streamfuse.runtime import q4_linear as q4
 HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
 VOCAB = 49152
 # (name, in_features, out_features): a decoder layer's linears as the graphs hold them (q/k/v and gate/up packed)
-LINEARS = [("qkv", HIDDEN, HIDDEN + 2 * 192), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP), ("down", MLP, HIDDEN)]
+LINEARS = [("qkv", HIDDEN, HIDDEN + 2 * 192), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP),
+           ("down", MLP, HIDDEN)]
 
 
 def random_layer(rng, n: int, k: int, rank: int = RANK) -> dict:
@@ -122,7 +121,8 @@ def onnx_model(layers: list[dict], form: str) -> bytes:
         outputs.append(helper.make_tensor_value_info(f"y{index}", TensorProto.FLOAT, [1, "M", layer["n"]]))
     inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, "M", k]) for k in widths]
     graph = helper.make_graph(nodes, "q4_bench", inputs, outputs, inits)
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("streamfuse", 1)]
+    opsets = [helper.make_opsetid(domain, version) for domain, version in (("", 18), ("com.microsoft", 1),
+                                                                            ("streamfuse", 1))]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
 
@@ -138,24 +138,6 @@ def onnx_session(model: bytes, threads: int):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def xnnpack_method(layer: dict, rows: int):
-    """The q4-native .pte's linear (export/xnnpack_low_bit.py) lowered to XNNPACK for `rows` rows."""
-    import torch
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
-    from streamfuse.adapters.gguf_codes import BlockCodes
-    from streamfuse.export.low_bit import Q4Linear
-    from streamfuse.export.xnnpack_low_bit import XnnpackQ4Linear
-
-    codes = BlockCodes("q4_1", layer["codes"], layer["scales"], layer["mins"])
-    module = XnnpackQ4Linear(Q4Linear(codes, (torch.from_numpy(layer["down"]), torch.from_numpy(layer["up"]), 2.0)))
-    example = (torch.zeros(1, rows, layer["k"]),)
-    program = to_edge_transform_and_lower(torch.export.export(module.eval(), example), partitioner=[XnnpackPartitioner()])
-    return Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
-
-
 def time_interleaved(calls: dict, reps: int) -> dict[str, float]:
     """Median microseconds of each call, the calls alternating (a few warm-up rounds first)."""
     samples = {name: [] for name in calls}
@@ -168,17 +150,12 @@ def time_interleaved(calls: dict, reps: int) -> dict[str, float]:
     return {name: 1e6 * statistics.median(values) for name, values in samples.items()}
 
 
-def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, xnnpack: bool) -> list[dict]:
+def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int) -> list[dict]:
     sessions = {form: onnx_session(onnx_model(layers, form), threads) for form in FORMS}
     rng, results = np.random.default_rng(1), []
     for rows in rows_list:
         feeds = {f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in {l["k"] for l in layers}}
         calls = {form: (lambda s=session: s.run(None, feeds)) for form, session in sessions.items()}
-        if xnnpack:
-            import torch
-
-            methods = [(xnnpack_method(layer, rows), torch.from_numpy(feeds[f"x{layer['k']}"])) for layer in layers]
-            calls["xnnpack"] = lambda: [method.execute([x]) for method, x in methods]
         results.append({"rows": rows, "us": time_interleaved(calls, reps)})
         print(f"  M={rows:<3} " + "   ".join(f"{name} {us:8.0f} us" for name, us in results[-1]["us"].items()),
               flush=True)
@@ -203,8 +180,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts (M)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--xnnpack", action=argparse.BooleanOptionalAction, default=False,
-                        help="also time ExecuTorch XNNPACK's form (--scope layer)")
     parser.add_argument("--out", type=Path, help="write q4_bench.json and q4_bench.md here")
     args = parser.parse_args(argv)
     try:
@@ -213,8 +188,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --rows must be comma-separated integers, got {args.rows!r}") from None
     if not rows or min(rows) < 1 or args.threads < 1 or args.threads > 256:
         raise SystemExit("error: --rows must be >= 1 and --threads in [1, 256]")
-    if args.xnnpack and args.scope == "call":
-        raise SystemExit("error: --xnnpack times single layers only: use --scope layer")
     rng = np.random.default_rng(0)
     report = {"scope": args.scope, "threads": args.threads, "reps": args.reps, "path": q4.available_paths()[-1],
               "rank": RANK, "results": {}}
@@ -222,14 +195,14 @@ def main(argv=None) -> int:
     if args.scope == "layer":
         for name, k, n in LINEARS:
             print(f"{name}: {k} -> {n}")
-            report["results"][name] = sweep([random_layer(rng, n, k)], rows, args.threads, args.reps, args.xnnpack)
+            report["results"][name] = sweep([random_layer(rng, n, k)], rows, args.threads, args.reps)
         print(f"head: {HIDDEN} -> {VOCAB} (Q8_0)")
-        report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps, False)
+        report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps)
     else:
         layers = [random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
                   for index in range(LAYERS) for _, k, n in LINEARS] + [head_layer(rng)]
         print(f"every linear of {LAYERS} layers and the head ({len(layers)} nodes in one graph)")
-        report["results"]["call"] = sweep(layers, rows, args.threads, args.reps, False)
+        report["results"]["call"] = sweep(layers, rows, args.threads, args.reps)
     markdown = "\n\n".join(f"{name}\n\n{table(results)}" for name, results in report["results"].items())
     print(markdown)
     if args.out:
