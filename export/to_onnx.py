@@ -86,7 +86,8 @@ ACCURACY_LEVEL = 4
 def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops: the low-bit products (export/low_bit.py) as ONNX Runtime's MatMulNBits,
     the attention kernel and the cache's commit (runtime/tree_attention.py) as streamfuse's TreeAttention and
-    CommitRows, and streamfuse's own 4-bit linear (runtime/q4_linear.py) as streamfuse.Q4Linear."""
+    CommitRows, and streamfuse's own 4-bit linear and Q8_0 head (runtime/q4_linear.py, q8_linear.py) as
+    streamfuse.Q4Linear and Q8Linear."""
     from onnxscript.values import Opset
 
     from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)

@@ -37,7 +37,7 @@ from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/19"  # /19: the ExecuTorch and ONNX Runtime graphs write the KV cache (kv_layout owner)
+SCHEMA = "streamfuse.artifact/20"  # /20: q4-native graphs call streamfuse's Q4Linear / Q8Linear ops
 MANIFEST = "manifest.json"
 HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
 DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary, ascending (int64)
