@@ -180,30 +180,33 @@ def linear(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.n
 
 
 # --- torch ---------------------------------------------------------------------------------------
-@functools.cache
-def _torch_library():
+def define_torch_op(name: str, schema: str, out_schema: str, kernel):
+    """A torch.library Library defining streamfuse::<name> and its out variant on CPU tensors, and a fake for
+    export: kernel(x [M, K] float32 NumPy, *weights as NumPy, out_features, threads) -> [M, N]; x [.., K] is
+    flattened to rows and back. The Library is returned to be kept alive (dropping it unregisters the op)."""
     import torch
 
     library = torch.library.Library("streamfuse", "FRAGMENT")
-    library.define(SCHEMA)
-    library.define(OUT_SCHEMA)
+    library.define(schema)
+    library.define(out_schema)
 
-    def run(x, weights, lora_a, lora_up, out_features):
+    def run(x, *args):
+        *weights, out_features = args
         flat = x.detach().reshape(-1, x.shape[-1]).contiguous().float()
-        result = linear(flat.numpy(), weights.numpy(), lora_a.detach().numpy(), lora_up.detach().numpy(),
-                        out_features, threads=torch.get_num_threads())
+        result = kernel(flat.numpy(), *(w.detach().numpy() for w in weights), out_features, torch.get_num_threads())
         return torch.from_numpy(result).reshape(*x.shape[:-1], out_features)
 
-    def run_out(x, weights, lora_a, lora_up, out_features, out):
-        return out.copy_(run(x, weights, lora_a, lora_up, out_features))
-
-    def fake(x, weights, lora_a, lora_up, out_features):
-        return x.new_empty(*x.shape[:-1], out_features)
-
-    library.impl("q4_linear", run, "CPU")
-    library.impl("q4_linear.out", run_out, "CPU")
-    torch.library.register_fake("streamfuse::q4_linear", fake, lib=library)
+    library.impl(name, run, "CPU")
+    library.impl(f"{name}.out", lambda *args, out: out.copy_(run(*args)), "CPU")
+    torch.library.register_fake(f"streamfuse::{name}", lambda x, *args: x.new_empty(*x.shape[:-1], args[-1]),
+                                lib=library)
     return library
+
+
+@functools.cache
+def _torch_library():
+    return define_torch_op("q4_linear", SCHEMA, OUT_SCHEMA,
+                           lambda x, w, a, u, n, threads: linear(x, w, a, u, n, threads=threads))
 
 
 def torch_op():

@@ -102,22 +102,8 @@ def linear(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: i
 
 @functools.cache
 def _torch_library():
-    import torch
-
-    library = torch.library.Library("streamfuse", "FRAGMENT")
-    library.define(SCHEMA)
-    library.define(OUT_SCHEMA)
-
-    def run(x, codes, scales, out_features):
-        flat = x.detach().reshape(-1, x.shape[-1]).contiguous().float()
-        result = linear(flat.numpy(), codes.numpy(), scales.numpy(), out_features, threads=torch.get_num_threads())
-        return torch.from_numpy(result).reshape(*x.shape[:-1], out_features)
-
-    library.impl("q8_tiles", run, "CPU")
-    library.impl("q8_tiles.out", lambda x, codes, scales, n, out: out.copy_(run(x, codes, scales, n)), "CPU")
-    torch.library.register_fake("streamfuse::q8_tiles", lambda x, codes, scales, n: x.new_empty(*x.shape[:-1], n),
-                                lib=library)
-    return library
+    return q4_linear.define_torch_op("q8_tiles", SCHEMA, OUT_SCHEMA,
+                                     lambda x, codes, scales, n, threads: linear(x, codes, scales, n, threads=threads))
 
 
 def torch_op():

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -352,5 +353,20 @@ class Call {
   std::vector<float> xd_, xs_, xa_;
   Args args_;
 };
+
+// A prepared call's tiles on `threads` std::threads in contiguous shares, this one taking the first (the C ABIs;
+// the engines' wrappers use their own thread pools). Any `Call` with tiles() and run(first, last).
+template <typename C>
+void run_on_threads(const C& call, int64_t threads) {
+  const int64_t tiles = call.tiles();
+  threads = threads < 1 ? 1 : (threads > tiles ? tiles : threads);
+  const int64_t share = (tiles + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int64_t first = share; first < tiles; first += share) {
+    pool.emplace_back([&call, first, share, tiles] { call.run(first, first + share < tiles ? first + share : tiles); });
+  }
+  call.run(0, share < tiles ? share : tiles);
+  for (auto& worker : pool) worker.join();
+}
 
 }  // namespace streamfuse::q4

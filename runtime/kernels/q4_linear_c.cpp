@@ -1,7 +1,4 @@
 // q4_linear.h behind a C ABI: the torch op and the tests (runtime/q4_linear.py) call it through ctypes.
-#include <thread>
-#include <vector>
-
 #include "q4_linear.h"
 
 namespace {
@@ -44,18 +41,6 @@ extern "C" const char* streamfuse_q4_linear(const float* x, const uint8_t* weigh
   if (path < 0) return "q4_linear: this CPU cannot run the instruction-set path asked for";
   Call call(x, weights, lora_a, lora_up, out, rows, in_features, out_features, rank, path);
   call.prepare(0, rows);
-  const int64_t tiles = call.tiles();
-  threads = threads < 1 ? 1 : (threads > tiles ? tiles : threads);
-  if (threads == 1) {
-    call.run(0, tiles);
-    return nullptr;
-  }
-  std::vector<std::thread> pool;
-  const int64_t share = (tiles + threads - 1) / threads;
-  for (int64_t first = share; first < tiles; first += share) {
-    pool.emplace_back([&call, first, share, tiles] { call.run(first, first + share < tiles ? first + share : tiles); });
-  }
-  call.run(0, share < tiles ? share : tiles);
-  for (auto& worker : pool) worker.join();
+  run_on_threads(call, threads);
   return nullptr;
 }

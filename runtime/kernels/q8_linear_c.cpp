@@ -1,7 +1,4 @@
 // q8_linear.h behind a C ABI: the torch op and the tests (runtime/q8_linear.py) call it through ctypes.
-#include <thread>
-#include <vector>
-
 #include "q8_linear.h"
 
 // null on success, else the error (a static string). Each buffer's size in elements comes with it, checked
@@ -22,13 +19,6 @@ extern "C" const char* streamfuse_q8_linear(const float* x, const int8_t* codes,
   if (path < 0) return "q8_linear: this CPU cannot run the instruction-set path asked for";
   q8::Call call(x, codes, scales, out, rows, in_features, out_features, path);
   call.prepare(0, rows);
-  threads = threads < 1 ? 1 : (threads > tiles ? tiles : threads);
-  std::vector<std::thread> pool;
-  const int64_t share = (tiles + threads - 1) / threads;
-  for (int64_t first = share; first < tiles; first += share) {
-    pool.emplace_back([&call, first, share, tiles] { call.run(first, first + share < tiles ? first + share : tiles); });
-  }
-  call.run(0, share < tiles ? share : tiles);
-  for (auto& worker : pool) worker.join();
+  q4::run_on_threads(call, threads);
   return nullptr;
 }
