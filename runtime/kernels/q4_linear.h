@@ -42,7 +42,8 @@ constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in 
 constexpr int64_t PREFETCH = 8;
 
 // Asks for the cache lines of the tile-block `PREFETCH` ahead of `tile` (a hint: never a fault, past the end too).
-inline void prefetch_ahead(const void* tile, int64_t bytes) {
+// Always inlined: otherwise GCC left it out of the AVX-512 rows below (seen in their disassembly).
+__attribute__((always_inline)) inline void prefetch_ahead(const void* tile, int64_t bytes) {
 #ifdef STREAMFUSE_X86
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(tile) + static_cast<uintptr_t>(PREFETCH * bytes);  // no pointer
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
@@ -184,54 +185,80 @@ inline void tiles_portable(const Args& a, int64_t first, int64_t last) {
 }
 
 #ifdef STREAMFUSE_X86
-// AVX-512 VNNI: one tile-block's 8 groups of 4 inputs x 16 columns unpacked once into zmm registers, then for
-// each row of the chunk 8 VPDPBUSD (u8 codes x s8 activations) and the block's float epilogue on 16 lanes.
+typedef int32_t __attribute__((may_alias, aligned(1))) Unaligned32;
+
+// AVX-512 VNNI, rows [r0, r0 + R) of tile t through every block, R fixed so that their sums stay in registers:
+// each tile-block's 8 groups of 4 inputs x 16 columns unpacked once into zmm registers, then per row 8 VPDPBUSD
+// (u8 codes x s8 activations, in two chains joined by one exact integer add) and the block's float epilogue on
+// 16 lanes. Its 7 vector operations a row and block share the VPDPBUSD's two ports: they, not the dot
+// products, bound the rows (docs/benchmarks.md).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"), always_inline)) inline void rows_avx512_vnni(
+    const Args& a, int64_t t, int64_t r0) {
+  const int64_t blocks = a.in_features / BLOCK, k = a.in_features;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* tile = a.weights + t * blocks * TILE_BYTES;
+  const int8_t* xq = a.xq + r0 * k;
+  const float* xd = a.xd + r0 * blocks;
+  const float* xs = a.xs + r0 * blocks;
+  for (int64_t b = 0; b < blocks; ++b, tile += TILE_BYTES, xq += BLOCK, ++xd, ++xs) {
+    prefetch_ahead(tile, TILE_BYTES);
+    __m512i w[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
+      w[j] = _mm512_and_si512(packed, low);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + SCALES_AT)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + MINS_AT)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * k;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int g = 0; g < 8; g += 2) {
+        const __m512i first = _mm512_set1_epi32(*reinterpret_cast<const Unaligned32*>(x + 4 * g));
+        const __m512i second = _mm512_set1_epi32(*reinterpret_cast<const Unaligned32*>(x + 4 * g + 4));
+        even = _mm512_dpbusd_epi32(even, w[g], first);
+        odd = _mm512_dpbusd_epi32(odd, w[g + 1], second);
+      }
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * blocks]));
+      const __m512 product = _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)));
+      const __m512 offset = _mm512_mul_ps(m, _mm512_set1_ps(xs[r * blocks]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(product, offset));
+    }
+  }
+  const float* up = a.up + t * a.rank * TILE;
+  const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
+  const __mmask16 store = static_cast<__mmask16>((1u << width) - 1u);
+  for (int r = 0; r < R; ++r) {
+    const float* xa = a.xa + (r0 + r) * a.rank;
+    __m512 lora = _mm512_setzero_ps();
+    for (int64_t j = 0; j < a.rank; ++j) {
+      lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(up + j * TILE)));
+    }
+    _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora));
+  }
+}
+
+// Tiles [first, last): each tile's rows in chunks of ROW_CHUNK, the last chunk by its own size.
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"))) inline void tiles_avx512_vnni(
     const Args& a, int64_t first, int64_t last) {
-  const int64_t blocks = a.in_features / BLOCK;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  static_assert(ROW_CHUNK == 8, "one case per chunk size below");
   for (int64_t t = first; t < last; ++t) {
-    for (int64_t r0 = 0; r0 < a.rows; r0 += ROW_CHUNK) {
-      const int64_t count = a.rows - r0 < ROW_CHUNK ? a.rows - r0 : ROW_CHUNK;
-      __m512 acc[ROW_CHUNK];
-      for (int64_t r = 0; r < ROW_CHUNK; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* tile = a.weights + (t * blocks + b) * TILE_BYTES;
-        prefetch_ahead(tile, TILE_BYTES);
-        __m512i w[8];
-        for (int j = 0; j < 4; ++j) {
-          const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
-          w[j] = _mm512_and_si512(packed, low);
-          w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + SCALES_AT)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + MINS_AT)));
-        for (int64_t r = 0; r < count; ++r) {
-          const int8_t* xq = a.xq + (r0 + r) * a.in_features + b * BLOCK;
-          __m512i sum = _mm512_setzero_si512();
-          for (int g = 0; g < 8; ++g) {
-            int32_t four;
-            std::memcpy(&four, xq + 4 * g, 4);
-            sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(four));
-          }
-          const int64_t at = (r0 + r) * blocks + b;
-          const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[at]));
-          const __m512 product = _mm512_mul_ps(scaled, _mm512_cvtepi32_ps(sum));
-          const __m512 offset = _mm512_mul_ps(m, _mm512_set1_ps(a.xs[at]));
-          acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(product, offset));
-        }
-      }
-      const float* up = a.up + t * a.rank * TILE;
-      const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
-      const __mmask16 store = static_cast<__mmask16>((1u << width) - 1u);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* xa = a.xa + (r0 + r) * a.rank;
-        __m512 lora = _mm512_setzero_ps();
-        for (int64_t j = 0; j < a.rank; ++j) {
-          lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(up + j * TILE)));
-        }
-        _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora));
-      }
+    int64_t r0 = 0;
+    for (; r0 + ROW_CHUNK <= a.rows; r0 += ROW_CHUNK) rows_avx512_vnni<8>(a, t, r0);
+    switch (a.rows - r0) {
+      case 7: rows_avx512_vnni<7>(a, t, r0); break;
+      case 6: rows_avx512_vnni<6>(a, t, r0); break;
+      case 5: rows_avx512_vnni<5>(a, t, r0); break;
+      case 4: rows_avx512_vnni<4>(a, t, r0); break;
+      case 3: rows_avx512_vnni<3>(a, t, r0); break;
+      case 2: rows_avx512_vnni<2>(a, t, r0); break;
+      case 1: rows_avx512_vnni<1>(a, t, r0); break;
+      default: break;
     }
   }
 }
