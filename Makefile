@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,build,executorch,coreml,data,app
 ARGS ?=
 
-.PHONY: build test venv kernels clean
+.PHONY: build test venv kernels clean fuzz sanitize
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The exact attention kernel (runtime/kernels/), for torch, ExecuTorch and ONNX Runtime: compiled once per source change.
+# The C++ kernels (runtime/kernels/) for torch, ExecuTorch and ONNX Runtime, compiled into runtime/kernels/lib (the
+# editable install's package data; `pip install .` and `pip wheel .` compile them into the package): run it after
+# editing runtime/kernels/*. Up-to-date libraries are kept; nothing compiles at run time.
 kernels: $(STAMP)
-	$(BIN)/python -m streamfuse.runtime.tree_attention
+	$(BIN)/python -m streamfuse.runtime.kernel_library
 
 build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python export/build.py --task dialogsum $(ARGS)
@@ -27,5 +29,16 @@ build: kernels
 test: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The C++ ops under AddressSanitizer and UndefinedBehaviorSanitizer (g++): their tables of sound and unsound calls
+# and the fuzz targets' seed corpus (tests/fuzz/).
+sanitize:
+	tests/fuzz/run.sh sanitize
+
+# Each op's libFuzzer target (validator + kernel) for FUZZ_SECONDS, one after another (needs clang: apt-get install
+# clang); new inputs are kept in build/fuzz/corpus/.
+FUZZ_SECONDS ?= 600
+fuzz:
+	tests/fuzz/run.sh fuzz $(FUZZ_SECONDS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info runtime/kernels/lib

@@ -19,6 +19,7 @@ from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples
 from streamfuse.runtime import cli
 from streamfuse.runtime.loader import BACKENDS, fastest_backend
 from streamfuse.runtime.options import add_model_options
+from streamfuse.runtime.threads import check_threads
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,8 +37,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.autorun and args.artifact is None:
         parser.error("--autorun needs --artifact")
-    if args.threads is not None and args.threads < 1 or args.max_new_tokens < 1:
-        parser.error("--threads and --max-new-tokens must be >= 1")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        check_threads(args.threads)
+    except ValueError as error:
+        parser.error(str(error))
     if args.examples != DEFAULT_EXAMPLES and not args.examples.is_file():
         parser.error(f"--examples {args.examples}: no such file")
     return args

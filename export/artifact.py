@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -32,14 +33,19 @@ from streamfuse.export.verify import EagerSession, ParityError, backend_parity, 
 from streamfuse.runtime.artifact import (
     DRAFT_VOCAB,
     HEAD_VOCAB,
+    LOCK,
     MANIFEST,
     SCHEMA,
     TASKS,
     Artifact,
     ArtifactError,
     file_digest,
+    lock,
     save_vocab,
+    write_manifest,
 )
+from streamfuse.runtime.artifact_files import folder_files
+from streamfuse.runtime.durable import replace_folder, write_atomic
 from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
 from streamfuse.runtime.emitter import StopRules
@@ -71,12 +77,9 @@ VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Written whole or not at all: a temporary file per process (export workers write beside each other),
-    then renamed."""
+    """Written whole or not at all: a temporary file of its own (export workers write beside each other), renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: export workers write beside each other
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=2).encode())
 
 
 @dataclass(frozen=True)
@@ -243,12 +246,19 @@ class ArtifactBuilder:
         parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
         self._gate(parity)
         manifest = self._manifest(files, parity, seconds, formats, task_files, lending)
-        (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        self.staging.rename(self.out)
-        shutil.rmtree(self.out / "done")  # kept until the rename, so an interrupted swap still resumes
+        write_manifest(self.staging, manifest)
+        self._swap_in()
         return manifest
+
+    def _swap_in(self) -> None:
+        """The staged artifact in place of the old one (renamed aside, deleted after), under the old one's lock: a
+        tools.calibrate writing meanwhile finishes first, or finds the new build and says so."""
+        if self.out.is_dir():
+            with lock(self.out):
+                replace_folder(self.staging, self.out)
+        else:
+            replace_folder(self.staging, self.out)
+        shutil.rmtree(self.out / "done")  # kept until the rename, so an interrupted swap still resumes
 
     def _keep_other_tasks(self) -> None:
         """Refuse to replace an artifact that serves another task with graphs this task cannot join."""
@@ -290,7 +300,7 @@ class ArtifactBuilder:
     def _seed(self, manifest: dict) -> None:
         """Start from the finished artifact's exports (hard links: the artifact stays intact)."""
         for item in self.out.iterdir():
-            if item.name != MANIFEST and not (self.staging / item.name).exists():
+            if item.name not in (MANIFEST, LOCK) and not (self.staging / item.name).exists():
                 if item.is_dir():
                     shutil.copytree(item, self.staging / item.name, copy_function=os.link)
                 else:
@@ -546,11 +556,11 @@ class ArtifactBuilder:
         eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
         return {"tokens": eager_tokens(eager, self.trees[0], self.prompts, self.rules())}
 
-    def adapter_entry(self, path: str) -> dict:
-        """The manifest's record of the checkpoint copied to `path` (relative to the artifact)."""
+    def adapter_entry(self, root: Path, path: str) -> dict:
+        """The manifest's record of the checkpoint copied to root / `path` (`path` relative to the artifact)."""
         trained = read_manifest(self.checkpoint)
         return {"path": path, "lora": trained["lora"], "training_key": trained["info"].get("training_key"),
-                "weights_sha256": weights_digest(self.checkpoint)}
+                "weights_sha256": weights_digest(self.checkpoint), **file_digest(root / path)}
 
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
@@ -583,7 +593,9 @@ class ArtifactBuilder:
                        "formats": formats,
                        "coreml_precision": self.config.coreml_precision,
                        "greedy_step": {"schedules": self.greedy_schedules(), "width": shapes.width,
-                                       "draft_vocab": {"path": DRAFT_VOCAB, **self.draft.to_dict()} if self.draft else None},
+                                       "draft_vocab": None if self.draft is None else {
+                                           "path": DRAFT_VOCAB, **self.draft.to_dict(),
+                                           **file_digest(self.staging / DRAFT_VOCAB)}},
                        "heads": {"count": self.num_heads, "training_key": self.heads_key},
                        "methods": graph.signature(modules, graph.example_inputs(model, shapes), shapes)},
             "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
@@ -593,8 +605,8 @@ class ArtifactBuilder:
                           # or the host, per backend
                           "owner": {backend: "engine" if backend in SPAN else "host" for backend in files}},
             "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                          "sha256": file_digest(self.staging / "tokenizer" / "tokenizer.json")["sha256"]},
-            "adapter": self.adapter_entry("adapter"),
+                          "files": folder_digests(self.staging / "tokenizer")},
+            "adapter": self.adapter_entry(self.staging, "adapter"),
             "task_files": task_files,  # backend -> this task's tensors, where its graphs take them as inputs
             # other tasks on these graphs (runtime/artifact.py TASK_FIELDS each), kept while the graphs are the same
             TASKS: {} if lending is None else lending[TASKS],
@@ -640,9 +652,9 @@ class TaskAdder:
         parity = {b: builder._parity_stage(b, stored["files"][b]) for b in backends if b in RUNS_HERE}
         builder._gate(parity)
         shutil.rmtree(builder.staging / "done")
-        shutil.rmtree(self.target, ignore_errors=True)
-        builder.staging.rename(self.target)
-        self.artifact.add_task(self._fields(files, parity))
+        with lock(builder.out):  # the folder and its record change together
+            replace_folder(builder.staging, self.target)
+            self.artifact.add_task(self._fields(files, parity))
         return self.artifact.for_task(builder.task).manifest
 
     def _copy_adapter(self) -> dict:
@@ -657,7 +669,7 @@ class TaskAdder:
         if checkpoint["streams"] != self.artifact.manifest["streams"]:  # the graph key holds them: a broken artifact
             raise ArtifactError(f"task {builder.task}'s streams differ from those of {builder.out}'s graphs")
         return {"task": builder.task, "prompt": checkpoint["info"].get("prompt"),
-                "adapter": builder.adapter_entry(f"{TASKS}/{builder.task}/adapter"),
+                "adapter": builder.adapter_entry(builder.out, f"{TASKS}/{builder.task}/adapter"),
                 "task_files": files, "trees": [tree.to_dict() for tree in builder.trees],
                 "calibration": {"acceptance": None, "backends": {}}, "drafters": {}, "parity": parity,
                 "build_key": builder.key, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -674,12 +686,21 @@ def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) 
     beside the target and renamed into place, so a reader never meets half of it."""
     opened = Artifact.open(artifact)
     target = opened.path / "drafters" / method
-    staging = target.with_name(f".{method}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(checkpoint, staging, ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    opened.record_drafter(method, {**entry, "path": f"drafters/{method}", **file_digest(target)})
+    target.parent.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{method}.partial-", dir=target.parent))
+    try:
+        shutil.copytree(checkpoint, staging / method, ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
+        digest = file_digest(staging / method)
+        with lock(opened.path):  # the folder and its record change together
+            replace_folder(staging / method, target)
+            opened.record_drafter(method, {**entry, "path": f"drafters/{method}", **digest})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def folder_digests(folder: Path) -> dict[str, dict]:
+    """Each file of a folder by its relative name: bytes + sha256 (the tokenizer's: each changes behaviour)."""
+    return {file.relative_to(folder).as_posix(): file_digest(file) for file in folder_files(folder)}
 
 
 def model_shape(trained: dict) -> dict:

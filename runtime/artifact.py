@@ -2,7 +2,8 @@
 
     <artifact>/manifest.json   schema, model dims, draft trees, calibration (acceptance model; per
                                backend: step costs and the chosen tree), graphs (methods, shapes),
-                               KV layout, tokenizer, files (bytes + sha256), parity, eval, versions
+                               KV layout, tokenizer (each of its files' bytes + sha256), files (bytes +
+                               sha256), parity, eval, versions; its declared schema: runtime/manifest_schema.py
     <artifact>/tokenizer/      the tokenizer the model was trained with
     <artifact>/head_vocab.safetensors  a draft model's artifact only: the token ids its LM head keeps
     <artifact>/adapter/        the fine-tuned checkpoint (LoRA + streams): the torch backend's input,
@@ -21,34 +22,43 @@ The manifest's top level describes the artifact's own task (the one whose build 
 holds every other task's own fields (TASK_FIELDS), and Artifact.open(path, task) reads the artifact as that
 task sees it: the top level with the task's fields over it.
 The runtime owns this format; export/ writes it.
+
+Before anything is used, the manifest is checked against its declared schema (runtime/manifest_schema.py); every
+path it names is confined to the artifact folder, and every file that changes behaviour is hashed before it is
+parsed (runtime/artifact_files.py). Writes take the artifact's lock (LOCK) and re-read the manifest under it, so
+two writers (two tools.calibrate runs, a build's swap) each keep the other's change; the file is replaced through
+a temporary file of its own (runtime/durable.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from streamfuse.runtime import manifest_schema
+from streamfuse.runtime.artifact_files import ArtifactError, file_digest, folder_files, inside, mismatch, read_checked
 from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.durable import locked, write_atomic
 from streamfuse.runtime.tree import TreeSpec
 
-SCHEMA = "streamfuse.artifact/20"  # /20: q4-native graphs call streamfuse's Q4Linear / Q8Linear ops
+__all__ = ["ArtifactError", "file_digest"]  # re-exported: the artifact's error and digest live in artifact_files
+
+SCHEMA = "streamfuse.artifact/21"  # /21: a declared schema; tokenizer.files, draft_vocab, adapter digests
 MANIFEST = "manifest.json"
+LOCK = ".manifest.lock"  # every write to the artifact holds this file's lock (runtime/durable.py)
+MAX_MANIFEST_BYTES = 1 << 26  # a real manifest is well under 1 MiB
 HEAD_VOCAB = "head_vocab.safetensors"  # "ids": the LM head's kept token ids, ascending (int64)
 DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary, ascending (int64)
 TASKS = "tasks"  # <artifact>/tasks/<task>/: a task's tensor files (and an added task's adapter/)
 # What each task has of its own; the rest (graphs, files, model, tokenizer, streams' shape) is the base's.
-TASK_FIELDS = ("task", "prompt", "adapter", "task_files", "trees", "calibration", "drafters", "parity", "build_key",
-               "created", "info", "profile")
-
-
-class ArtifactError(ValueError):
-    pass
+TASK_FIELDS = tuple(manifest_schema.TASK.fields)
+REBUILD = "rebuild the artifact with this streamfuse (export/build.py)"
+COPY_AGAIN = "copy the artifact again or rebuild it with export/build.py"
 
 
 def save_vocab(path: Path, ids) -> None:
@@ -61,25 +71,79 @@ def task_names(manifest: dict) -> tuple[str, ...]:
     return (manifest["task"], *manifest[TASKS])
 
 
+def parse_manifest(data: bytes, file: Path) -> dict:
+    """The manifest in `data` (read from `file`), checked against the schema: an ArtifactError otherwise, one line
+    naming the key and the fix. Nothing else escapes, whatever the bytes (tests/fuzz/manifest)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{file} has {len(data)} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES}); "
+                            f"{REBUILD}")
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+        json.dumps(manifest, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\\ud800) anywhere
+    except UnicodeError as error:
+        raise ArtifactError(f"{file} is not valid UTF-8 text ({error.reason} at {error.start}); {REBUILD}") from None
+    except RecursionError:
+        raise ArtifactError(f"{file} nests its values too deeply to be a manifest; {REBUILD}") from None
+    except ValueError as error:  # JSONDecodeError, an integer of too many digits
+        raise ArtifactError(f"{file} is not valid JSON ({str(error).splitlines()[0]}); {REBUILD}") from None
+    check_manifest(manifest, file)
+    return manifest
+
+
+def check_manifest(manifest: object, file: Path) -> None:
+    """ArtifactError unless `manifest` has this streamfuse's schema and every key it declares, well typed."""
+    schema = manifest.get("schema") if isinstance(manifest, dict) else None
+    if schema != SCHEMA:
+        raise ArtifactError(f"{file} has schema {manifest_schema.show(schema)}; this streamfuse reads {SCHEMA!r}: "
+                            f"rebuild the artifact with this version (export/build.py)")
+    try:
+        manifest_schema.check(manifest)
+    except manifest_schema.SchemaError as error:
+        raise ArtifactError(f"{file}: {error}; {REBUILD}") from None
+    for task in (manifest, *manifest[TASKS].values()):
+        _check_task_data(task, "" if task is manifest else f"tasks.{task['task']}.", file)
+
+
+def _check_task_data(task: dict, where: str, file: Path) -> None:
+    """What the schema's types leave open: each tree is a tree, the acceptance model replays answers."""
+    for index, tree in enumerate(task["trees"]):
+        try:
+            TreeSpec.from_dict(tree)
+        except ValueError as error:
+            raise ArtifactError(f"{file}: {where}trees[{index}] is not a draft tree ({error}); {REBUILD}") from None
+    acceptance = task["calibration"]["acceptance"]
+    if acceptance is not None:
+        positions = sum(len(rows) for rows in acceptance["answers"])
+        if positions == 0 or positions != acceptance["positions"]:
+            raise ArtifactError(f"{file}: {where}calibration.acceptance.positions is {acceptance['positions']}, its "
+                                f"answers hold {positions} (at least 1); {REBUILD}")
+
+
+def read_manifest(folder: Path) -> dict:
+    file = Path(folder) / MANIFEST
+    if not file.is_file():
+        raise ArtifactError(f"{file} not found: {folder} is not an exported artifact (build one with "
+                            f"`python export/build.py --task dialogsum`)")
+    inside(folder, MANIFEST)
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise ArtifactError(f"{file} cannot be read ({error.strerror or error.__class__.__name__}); check its "
+                            f"permissions or copy the artifact again") from None
+    return parse_manifest(data, file)
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
-    file, tmp = Path(folder) / MANIFEST, Path(folder) / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, file)
+    """Check and write a manifest whole (a temporary file of this call's own, fsynced, renamed); the caller holds
+    the artifact's lock where another writer could be at work."""
+    check_manifest(manifest, Path(folder) / MANIFEST)
+    write_atomic(Path(folder) / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
-def file_digest(path: Path) -> dict:
-    """bytes + sha256 of a file, or of a folder's files in sorted order (.mlpackage)."""
-    path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    digest, size = hashlib.sha256(), 0
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode())
-        with open(file, "rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-                size += len(chunk)
-    return {"bytes": size, "sha256": digest.hexdigest()}
+def lock(folder: Path):
+    """The artifact's write lock (a context manager), held while its manifest is read, changed and written, and
+    while a build swaps the folder."""
+    return locked(Path(folder) / LOCK)
 
 
 @dataclass
@@ -89,27 +153,24 @@ class Artifact:
     path: Path
     manifest: dict
     stored: dict | None = None  # the manifest as written (None: `manifest` is the artifact's own task's)
+    built: str = field(default="", init=False)  # the build that made these files (its build_key)
+
+    def __post_init__(self):
+        self.built = (self.stored or self.manifest)["build_key"]
 
     @classmethod
     def open(cls, path: Path, task: str | None = None) -> "Artifact":
         """task: one of `tasks` (default: the artifact's own)."""
         path = Path(path)
-        file = path / MANIFEST
-        if not file.is_file():
-            raise ArtifactError(f"{file} not found: {path} is not an exported artifact (build one with "
-                                f"`python export/build.py --task dialogsum`)")
-        try:
-            manifest = json.loads(file.read_text())
-        except json.JSONDecodeError as error:
-            raise ArtifactError(f"{file} is not valid JSON ({error}); rebuild the artifact") from None
-        if manifest.get("schema") != SCHEMA:
-            raise ArtifactError(f"{file} has schema {manifest.get('schema')!r}; this streamfuse reads {SCHEMA!r}: "
-                                f"rebuild the artifact with this version (export/build.py)")
+        return cls.view(path, read_manifest(path), task)
+
+    @classmethod
+    def view(cls, path: Path, manifest: dict, task: str | None) -> "Artifact":
         if task is None or task == manifest["task"]:
             return cls(path, manifest)
         if task not in manifest[TASKS]:
-            raise ArtifactError(f"{path} has no task {task!r} (its tasks: {', '.join(task_names(manifest))}); add it with "
-                                f"export/build.py --task {task} --out {path}")
+            raise ArtifactError(f"{path} has no task {task!r} (its tasks: {', '.join(task_names(manifest))}); add it "
+                                f"with export/build.py --task {task} --out {path}")
         return cls(path, {**manifest, **manifest[TASKS][task]}, manifest)
 
     @property
@@ -124,29 +185,51 @@ class Artifact:
     def for_task(self, task: str) -> "Artifact":
         return Artifact.open(self.path, task)
 
+    def file(self, relative: str) -> Path:
+        """A path the manifest names, confined to the artifact folder."""
+        return inside(self.path, relative)
+
+    def checked(self, entry: dict, fix: str) -> Path:
+        """The file or folder of a manifest entry (path, bytes, sha256), once it matches; else one line ending in
+        `fix`."""
+        path = self.file(entry["path"])
+        problem = mismatch(path, entry, self.path)
+        if problem is not None:
+            raise ArtifactError(f"{path} {problem}; {fix}")
+        return path
+
+    def _vocab(self, entry: dict) -> np.ndarray:
+        from safetensors.numpy import load
+
+        path = self.file(entry["path"])
+        data = read_checked(path, entry, COPY_AGAIN)
+        try:
+            ids = load(data)["ids"]
+        except Exception as error:  # safetensors' own error types; the bytes are the build's
+            raise ArtifactError(f"{path} is not a token id file ({error.__class__.__name__}); {REBUILD}") from None
+        return ids
+
     def task_tensors(self, backend: str) -> dict[str, np.ndarray] | None:
         """The task's tensors for `backend`'s graphs by input name (None: its graphs hold them), checked
-        against the manifest."""
+        against the manifest before they are parsed."""
         entry = self.manifest["task_files"].get(backend)
         if entry is None:
             return None
-        file = self.path / entry["path"]
-        if not file.is_file() or file_digest(file)["sha256"] != entry["sha256"]:
-            raise ArtifactError(f"{file}: task {self.task}'s tensors for {backend} are missing or differ from the "
-                                f"manifest; copy the artifact again or rebuild the task with export/build.py --task "
-                                f"{self.task} --out {self.path}")
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load
 
-        return load_file(file)
+        path = self.file(entry["path"])
+        fix = f"copy the artifact again or rebuild the task with export/build.py --task {self.task} --out {self.path}"
+        try:
+            data = read_checked(path, entry, fix)
+        except ArtifactError:
+            raise ArtifactError(f"{path}: task {self.task}'s tensors for {backend} are missing or differ from the "
+                                f"manifest; {fix}") from None
+        return load(data)
 
     def draft_ids(self) -> np.ndarray | None:
-        """greedy_step's draft vocabulary (None: the streams rank every token)."""
-        file = self.path / DRAFT_VOCAB
-        if self.manifest["graphs"]["greedy_step"]["draft_vocab"] is None:
-            return None
-        from safetensors.numpy import load_file
-
-        return load_file(file)["ids"]
+        """greedy_step's draft vocabulary (None: the streams rank every token), checked."""
+        entry = self.manifest["graphs"]["greedy_step"]["draft_vocab"]
+        return None if entry is None else self._vocab(entry)
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
@@ -166,8 +249,10 @@ class Artifact:
         """The calibration tools/calibrate recorded for a runtime backend (on the device it ran on)."""
         data = self.manifest["calibration"]["backends"].get(backend)
         try:
+            if data:
+                manifest_schema.BACKEND_CALIBRATION.check(data, f"calibration.backends.{backend}")
             return BackendCalibration.from_dict(data) if data else None
-        except (KeyError, TypeError, ValueError):
+        except ValueError:  # SchemaError, or a tree that is none
             raise ArtifactError(f"{self.path / MANIFEST}: the calibration recorded for {backend} is not one this "
                                 f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
                                 f"{self.path} --backend {backend}") from None
@@ -184,49 +269,72 @@ class Artifact:
             raise ArtifactError(f"{self.path} has no drafter for method {method} (it has: "
                                 f"{', '.join(sorted(self.drafters)) or 'none'}); add one with export/build.py "
                                 f"--set {method}.enabled=true (it reuses the SS stages)")
-        folder = self.path / entry["path"]
-        if not folder.is_dir() or file_digest(folder)["sha256"] != entry["sha256"]:
+        folder = self.file(entry["path"])
+        if not folder.is_dir() or mismatch(folder, entry, self.path) is not None:
             raise ArtifactError(f"{folder} is missing or differs from the manifest: copy the artifact again or rebuild "
                                 f"it with export/build.py --set {method}.enabled=true")
         return folder
 
+    def adapter_path(self) -> Path:
+        """The checked checkpoint folder the torch backend loads (the task's adapter/)."""
+        return self.checked(self.manifest["adapter"], COPY_AGAIN)
+
+    # --- writes: under the artifact's lock, on the manifest as stored now -----------------------
+    def _change(self, change: Callable[[dict, dict], None]) -> None:
+        """Apply change(stored manifest, this task's record in it) to the manifest as written now, under the lock:
+        another writer's changes since this one opened stay. Refused where the artifact was rebuilt meanwhile
+        (what this writer measured belongs to the old files)."""
+        with lock(self.path):
+            stored = read_manifest(self.path)
+            if stored["build_key"] != self.built:
+                raise ArtifactError(f"{self.path} was rebuilt (build {stored['build_key']}) since this process opened "
+                                    f"build {self.built}; run it again on the new artifact")
+            if self.task != stored["task"] and self.task not in stored[TASKS]:
+                raise ArtifactError(f"{self.path} no longer has task {self.task}; add it again with export/build.py "
+                                    f"--task {self.task} --out {self.path}")
+            change(stored, stored if self.task == stored["task"] else stored[TASKS][self.task])
+            write_manifest(self.path, stored)
+        fresh = Artifact.view(self.path, stored, self.task if self.stored is not None else None)
+        self.manifest, self.stored = fresh.manifest, fresh.stored
+
     def record_drafter(self, method: str, entry: dict) -> None:
-        self.manifest["drafters"][method] = entry
-        self._write()
+        self._change(lambda _, record: record["drafters"].__setitem__(method, entry))
 
     def update(self, **fields) -> None:
-        """Add results (the build's profile) to the manifest."""
-        self.manifest.update(fields)
-        self._write()
+        """Add results (the build's profile) to this task's record in the manifest."""
+        unknown = set(fields) - set(TASK_FIELDS)
+        if unknown:
+            raise ValueError(f"Artifact.update takes a task's fields ({', '.join(TASK_FIELDS)}), not {sorted(unknown)}")
+        self._change(lambda _, record: record.update(fields))
 
     def save_acceptance(self, acceptance: AcceptanceModel) -> None:
         """Record the acceptance model; another one than recorded drops the backends' calibrations,
         whose expected tokens came from it."""
-        if self.acceptance != acceptance:
-            self.manifest["calibration"] = {"acceptance": acceptance.to_dict(), "backends": {}}
-            self._write()
+        def change(_, record: dict) -> None:
+            recorded = record["calibration"]["acceptance"]
+            if recorded is None or AcceptanceModel.from_dict(recorded) != acceptance:
+                record["calibration"] = {"acceptance": acceptance.to_dict(), "backends": {}}
+
+        self._change(change)
 
     def save_calibration(self, backend: str, calibration: BackendCalibration) -> None:
-        """Record a backend's calibration in the manifest."""
-        self.manifest["calibration"]["backends"][backend] = calibration.to_dict()
-        self._write()
+        """Record a backend's calibration; refused where the acceptance model it was computed with was replaced."""
+        measured_with = self.manifest["calibration"]["acceptance"]
 
-    def _write(self) -> None:
-        """An atomic rewrite of the manifest: readers never see half of one. Another task's view writes its
-        own fields back under tasks."""
-        stored = self.manifest
-        if self.stored is not None:
-            stored = self.stored
-            stored[TASKS][self.task] = {name: self.manifest[name] for name in TASK_FIELDS}
-        write_manifest(self.path, stored)
+        def change(_, record: dict) -> None:
+            if record["calibration"]["acceptance"] != measured_with:
+                raise ArtifactError(f"{self.path}: the acceptance model changed while {backend} was calibrated; "
+                                    f"calibrate again: python -m streamfuse.tools.calibrate --artifact {self.path} "
+                                    f"--backend {backend}")
+            record["calibration"]["backends"][backend] = calibration.to_dict()
+
+        self._change(change)
 
     def add_task(self, fields: dict) -> None:
         """Record another task (its TASK_FIELDS) on this artifact's graphs, replacing one of the same name."""
-        stored = self.stored or self.manifest
-        if fields["task"] == stored["task"]:
+        if fields["task"] == (self.stored or self.manifest)["task"]:
             raise ArtifactError(f"task {fields['task']} is the artifact's own: rebuild it instead of adding it")
-        stored[TASKS][fields["task"]] = {name: fields[name] for name in TASK_FIELDS}
-        write_manifest(self.path, stored)
+        self._change(lambda stored, _: stored[TASKS].__setitem__(fields["task"], {n: fields[n] for n in TASK_FIELDS}))
 
     def graph_spec(self, backend: str) -> GraphSpec:
         """What the host must know to run `backend`'s graphs."""
@@ -244,14 +352,7 @@ class Artifact:
         """The token ids the LM head keeps (model.head_vocab: a draft model's pruned vocabulary), checked; None:
         the head covers the vocabulary."""
         entry = self.manifest["model"]["head_vocab"]
-        if entry is None:
-            return None
-        file = self.path / entry["path"]
-        if not file.is_file() or file_digest(file)["sha256"] != entry["sha256"]:
-            raise ArtifactError(f"{file} is missing or differs from the manifest: copy the artifact again or rebuild it")
-        from safetensors.numpy import load_file
-
-        return load_file(file)["ids"]
+        return None if entry is None else self._vocab(entry)
 
     def backend_files(self, backend: str) -> dict[str, Path]:
         """The checked files of one backend: name -> path. Raises if missing, truncated or altered."""
@@ -262,32 +363,56 @@ class Artifact:
                                 f"export/build.py --backends ...,{backend}")
         paths = {}
         for name, entry in entries.items():
-            file = self.path / entry["path"]
-            if not file.exists():
+            file = self.file(entry["path"])
+            problem = mismatch(file, entry, self.path)
+            if problem == "is missing":
                 raise ArtifactError(f"{file} is missing: the artifact is incomplete; rebuild it with export/build.py")
-            found = file_digest(file)
-            if found["bytes"] != entry["bytes"]:
-                raise ArtifactError(f"{file} has {found['bytes']} bytes, the manifest says {entry['bytes']}: the file "
-                                    f"is truncated or replaced; copy the artifact again or rebuild it")
-            if found["sha256"] != entry["sha256"]:
-                raise ArtifactError(f"{file} does not match its sha256 in the manifest: the file is corrupted; copy "
-                                    f"the artifact again or rebuild it")
+            if problem is not None and problem.startswith("has "):
+                raise ArtifactError(f"{file} {problem}: the file is truncated or replaced; copy the artifact again or "
+                                    f"rebuild it")
+            if problem is not None:
+                raise ArtifactError(f"{file} {problem}: the file is corrupted; copy the artifact again or rebuild it")
             paths[name] = file
+        if backend == "onnxruntime":  # the model names its weights file: one of the checked files, nothing else
+            from streamfuse.runtime.onnx_external import check_external_data
+
+            unlisted = check_external_data(paths["model"]) - set(paths.values())
+            if unlisted:
+                raise ArtifactError(f"{paths['model']} reads {sorted(unlisted)[0]}, which the manifest does not list; "
+                                    f"{REBUILD}")
         return paths
 
     def load_tokenizer(self):
-        """The artifact's tokenizer (runtime/tokenizer.py, no Transformers), checked against the model's
-        vocabulary and the recorded hash."""
+        """The artifact's tokenizer (runtime/tokenizer.py, no Transformers): every file of its folder checked against
+        the manifest before any is parsed, then checked against the model's vocabulary."""
         from streamfuse.runtime.tokenizer import Tokenizer
 
         info = self.manifest["tokenizer"]
-        folder = self.path / info["path"]
-        tokenizer = Tokenizer(folder)
+        folder = self.file(info["path"])
+        files = self._tokenizer_files(folder, info["files"])
+        tokenizer = Tokenizer(folder, files)
         vocab = self.manifest["model"]["vocab_size"]
         if len(tokenizer) > vocab:
             raise ArtifactError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                                 f"{vocab}: this tokenizer belongs to another model; restore the artifact's tokenizer/")
-        if file_digest(folder / "tokenizer.json")["sha256"] != info["sha256"]:
-            raise ArtifactError(f"{folder / 'tokenizer.json'} differs from the tokenizer the model was exported with; "
-                                f"restore the artifact's tokenizer/ folder or rebuild the artifact")
         return tokenizer
+
+    def _tokenizer_files(self, folder: Path, listed: dict) -> dict[str, bytes]:
+        fix = "restore the artifact's tokenizer/ folder or rebuild the artifact"
+        if not folder.is_dir():
+            raise ArtifactError(f"{folder} is missing; {fix}")
+        found = {file.relative_to(folder).as_posix() for file in folder_files(folder, self.path)}
+        if found != set(listed):
+            extra, missing = sorted(found - set(listed)), sorted(set(listed) - found)
+            problems = ([f"has files the manifest does not list: {', '.join(extra)}"] if extra else []) + (
+                [f"lacks {', '.join(missing)}"] if missing else [])
+            raise ArtifactError(f"{folder} {' and '.join(problems)} (each changes how text becomes ids); {fix}")
+        files = {}
+        for name, entry in listed.items():
+            try:
+                files[name] = read_checked(folder / name, entry, fix)
+            except ArtifactError:
+                raise ArtifactError(f"{folder / name} differs from the tokenizer the model was exported with; "
+                                    f"{fix}") from None
+        return files
+

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 
 from streamfuse.runtime.artifact import ArtifactError
-from streamfuse.runtime.backends.base import CapacityError
+from streamfuse.runtime.backends.base import CapacityError, EngineError
 from streamfuse.runtime.backends.sessions import MissingBackend
 
 DEBUG_FLAG = "--debug"
@@ -32,8 +32,9 @@ class UsageError(ValueError):
 
 
 # What a user can cause and fix: bad files and values (ValueError covers UnicodeDecodeError and
-# ArtifactError), missing files or folders, an engine not installed, a prompt longer than the cache.
-USER_ERRORS = (ValueError, OSError, ArtifactError, MissingBackend, CapacityError)
+# ArtifactError), missing files or folders, an engine not installed or unable to serve the model, a prompt longer
+# than the cache.
+USER_ERRORS = (ValueError, OSError, ArtifactError, MissingBackend, EngineError, CapacityError)
 
 
 # Known, harmless messages of the libraries below us (optional kernels not built for this machine,

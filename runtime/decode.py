@@ -82,7 +82,9 @@ class DecodeRun:
     @classmethod
     def begin(cls, backend: Backend, prompt_ids: Sequence[int], settings: DecodeSettings, drafter: Drafter,
               trace: Trace | None, run_id: str, decode) -> "DecodeRun":
-        """Validate the request, then reset the backend; nothing runs before the checks pass."""
+        """Validate the request, then reset the backend; nothing runs before the checks pass. The reset is what
+        makes a generation independent of the last one, even one that raised mid-step (a pending commit, a
+        failed call: runtime/backends/static_graph.py), whoever calls."""
         check_prompt(prompt_ids, backend.vocab_size)
         capacity = required_capacity(len(prompt_ids), settings.rules, backend.step_rows(drafter.tree),
                                      backend.max_positions)

@@ -19,6 +19,7 @@ from streamfuse.runtime.decode import GenerationResult, generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import Loaded, artifact_tasks, fastest_backend, load
 from streamfuse.runtime.options import add_model_options, check_model_options
+from streamfuse.runtime.prompt import check_text
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
@@ -53,7 +54,7 @@ def read_requests(path: Path, loaded: Loaded, as_task: bool, limit: int | None) 
             if as_task:
                 text = loaded.prompt.fill_source(row, where)
             elif isinstance(row.get("prompt"), str):
-                text = row["prompt"]
+                text = check_text(row["prompt"], f"{where}: the prompt")
             else:
                 raise ValueError(f"{where}: needs a 'prompt' field (or pass --task to read the task's fields)")
             count += 1
@@ -90,6 +91,7 @@ def source_overflow(loaded: Loaded, text: str, as_task: bool) -> int:
 def prompt_ids(loaded: Loaded, text: str, as_task: bool, cut_source: bool = True) -> list[int]:
     """Token ids of a request; a task source is cut as training cut it unless cut_source is False."""
     tokenizer = loaded.tokenizer
+    check_text(text, "the prompt")
     if as_task:
         rendered = loaded.prompt.render(tokenizer, text, cut=cut_source)
     else:
@@ -172,6 +174,10 @@ def check_flags(args: argparse.Namespace) -> None:
               f"--threshold is a probability in [0, 1], got {args.threshold}")
     if args.tree is not None:
         cli.usage(lambda: TreeSpec.parse(args.tree))
+    if args.prompt is not None:
+        cli.usage(lambda: check_text(args.prompt, "--prompt"))
+    for stop in args.stop:
+        cli.usage(lambda: check_text(stop, "--stop"))
 
 
 def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpec:
@@ -179,7 +185,7 @@ def choose_tree(text: str | None, loaded: Loaded, method: str = "ss") -> TreeSpe
     DEFAULT_TREE; sd: its draft model's chain; specdec++: its longest chain; ss-adaptive: the largest
     calibrated tree, the bound of its choice)."""
     if text is not None:
-        return TreeSpec.parse(text)
+        return TreeSpec.parse(text, loaded.max_nodes, "the artifact's largest step graph")
     tree = loaded.method_tree(method)
     return tree if tree is not None else TreeSpec.parse(DEFAULT_TREE)
 

@@ -252,7 +252,7 @@ def _task_set(model, manifest: dict, artifact: Artifact):
     for task in artifact.tasks:
         if task != artifact.task:
             view = artifact.for_task(task)
-            tasks.add(task, view.path / view.manifest["adapter"]["path"])
+            tasks.add(task, view.adapter_path())
     return tasks
 
 
@@ -263,7 +263,7 @@ def _prompt(data: dict | None) -> PromptFormat | None:
 def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None,
                    calibrated: bool) -> Loaded:
     if backend == "torch":
-        return _load_checkpoint(artifact.path / artifact.manifest["adapter"]["path"], device, stream_schedule, artifact,
+        return _load_checkpoint(artifact.adapter_path(), device, stream_schedule, artifact,
                                 calibrated)
     from streamfuse.runtime.backends.sessions import open_session
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
@@ -273,6 +273,6 @@ def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedul
     if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
         session.bind_task(tensors)
     manifest = artifact.manifest
-    return Loaded(StaticGraphBackend(session, artifact.graph_spec(backend), device), artifact.load_tokenizer(),
+    return Loaded(StaticGraphBackend.checked(session, artifact.graph_spec(backend), device), artifact.load_tokenizer(),
                   {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,
                   artifact, artifact.calibration(backend) if calibrated else None, threads)

@@ -55,7 +55,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, artifact: str = "requi
 
 def check_model_options(args: argparse.Namespace) -> None:
     """The shared options' values, before any (slow) model load: a bad one is the user's to fix (exit 2)."""
-    from streamfuse.runtime.cli import UsageError
+    from streamfuse.runtime.cli import usage
+    from streamfuse.runtime.threads import check_threads
 
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    usage(lambda: check_threads(args.threads))

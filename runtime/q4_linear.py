@@ -145,8 +145,8 @@ def reference(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: n
 def c_library() -> ctypes.CDLL:
     library = kernels.c_library()
     function = library.streamfuse_q4_linear
-    function.restype = ctypes.c_char_p
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.POINTER(kernels.View)] + [ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64]
     library.streamfuse_q4_path.restype = ctypes.c_int64
     library.streamfuse_q4_path.argtypes = [ctypes.c_int64]
     return library
@@ -157,47 +157,58 @@ def available_paths() -> list[str]:
     return [name for name, code in PATHS.items() if code and c_library().streamfuse_q4_path(code) == code]
 
 
+def output(op: str, x: np.ndarray, out_features: int) -> np.ndarray:
+    """A new out [.., N] for x [.., K] (no columns where N is out of range: the validator names that)."""
+    if x.ndim == 0:
+        raise Q4LinearError(f"{op}: x must be [.., in_features] (rank 1 to 4), got a scalar")
+    return np.empty((*x.shape[:-1], out_features if 0 < out_features <= 1 << 24 else 0), np.float32)
+
+
 def linear(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.ndarray, out_features: int,
            path: str = "auto", threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
-    """The kernel on NumPy arrays: x [M, K] float32 -> [M, N] float32 (into `out` if given)."""
-    arrays = [np.ascontiguousarray(a, dtype=t) for a, t in ((x, np.float32), (weights, np.uint8),
-                                                              (lora_a, np.float32), (lora_up, np.float32))]
-    x, weights, lora_a, lora_up = arrays
-    if x.ndim != 2 or lora_a.ndim != 2 or path not in PATHS:
-        raise Q4LinearError(f"q4_linear: x must be [M, K] and lora_a [K, r]; path one of {', '.join(PATHS)}")
-    rows, depth = x.shape
-    if out is None:
-        out = np.empty((rows, out_features), np.float32)
-    if out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise Q4LinearError("q4_linear: out must be a contiguous float32 array")
-    error = c_library().streamfuse_q4_linear(
-        x.ctypes.data, weights.ctypes.data, lora_a.ctypes.data, lora_up.ctypes.data, out.ctypes.data,
-        rows, depth, out_features, lora_a.shape[1], x.size, weights.size, lora_a.size, lora_up.size, out.size,
-        PATHS[path], threads)
-    if error:
-        raise Q4LinearError(error.decode())
+    """The kernel on NumPy arrays: x [.., K] float32 (rank 1 to 4) -> [.., N] float32, into `out` if given (which
+    must be exactly that). x is made a dense float32 copy if it is not one; the other arrays must be of their types
+    (the kernel's validator, q4_linear.h, checks every array)."""
+    if path not in PATHS:
+        raise Q4LinearError(f"q4_linear: path one of {', '.join(PATHS)}, got {path!r}")
+    x = np.ascontiguousarray(x, np.float32)
+    weights, lora_a, lora_up = (np.ascontiguousarray(a) for a in (weights, lora_a, lora_up))
+    out = output("q4_linear", x, out_features) if out is None else out
+    arguments = [kernels.views(x, weights, lora_a, lora_up, out), out_features, PATHS[path], threads]
+    kernels.run_checked(c_library().streamfuse_q4_linear, arguments, Q4LinearError)
     return out
 
 
 # --- torch ---------------------------------------------------------------------------------------
+def _numpy(op: str, tensor) -> np.ndarray:
+    """A CPU tensor's own memory as a NumPy array (out is written through it)."""
+    try:
+        return tensor.detach().numpy()
+    except (TypeError, RuntimeError) as error:  # on a GPU, sparse, of a type NumPy lacks
+        raise Q4LinearError(f"{op}: {error}") from None
+
+
 def define_torch_op(name: str, schema: str, out_schema: str, kernel):
     """A torch.library Library defining streamfuse::<name> and its out variant on CPU tensors, and a fake for
-    export: kernel(x [M, K] float32 NumPy, *weights as NumPy, out_features, threads) -> [M, N]; x [.., K] is
-    flattened to rows and back. The Library is returned to be kept alive (dropping it unregisters the op)."""
+    export: kernel(x [.., K] float32, *weights, out_features, threads, out [.., N]) on NumPy views of the tensors
+    (out's own memory: the kernel's validator refuses a wrong one). The Library is returned to be kept alive
+    (dropping it unregisters the op)."""
     import torch
 
     library = torch.library.Library("streamfuse", "FRAGMENT")
     library.define(schema)
     library.define(out_schema)
 
-    def run(x, *args):
+    def run(x, *args, out=None):
         *weights, out_features = args
-        flat = x.detach().reshape(-1, x.shape[-1]).contiguous().float()
-        result = kernel(flat.numpy(), *(w.detach().numpy() for w in weights), out_features, torch.get_num_threads())
-        return torch.from_numpy(result).reshape(*x.shape[:-1], out_features)
+        x = _numpy(name, x.float())
+        if out is None:
+            out = torch.from_numpy(output(name, x, out_features))
+        kernel(x, *(_numpy(name, w) for w in weights), out_features, torch.get_num_threads(), _numpy(name, out))
+        return out
 
     library.impl(name, run, "CPU")
-    library.impl(f"{name}.out", lambda *args, out: out.copy_(run(*args)), "CPU")
+    library.impl(f"{name}.out", lambda *args, out: run(*args, out=out), "CPU")
     torch.library.register_fake(f"streamfuse::{name}", lambda x, *args: x.new_empty(*x.shape[:-1], args[-1]),
                                 lib=library)
     return library
@@ -206,7 +217,7 @@ def define_torch_op(name: str, schema: str, out_schema: str, kernel):
 @functools.cache
 def _torch_library():
     return define_torch_op("q4_linear", SCHEMA, OUT_SCHEMA,
-                           lambda x, w, a, u, n, threads: linear(x, w, a, u, n, threads=threads))
+                           lambda x, w, a, u, n, threads, out: linear(x, w, a, u, n, threads=threads, out=out))
 
 
 def torch_op():

@@ -18,6 +18,7 @@ import functools
 import numpy as np
 
 from streamfuse.runtime import q4_linear
+from streamfuse.runtime import tree_attention as kernels
 from streamfuse.runtime.q4_linear import BLOCK, PATHS, TILE, Q4LinearError, quantize_rows, tiles_of
 
 CODES_BYTES = TILE * BLOCK  # 512 a tile-block
@@ -79,31 +80,31 @@ def reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features
 def c_library() -> ctypes.CDLL:
     library = q4_linear.c_library()  # one library: the attention's, with both linear kernels
     function = library.streamfuse_q8_linear
-    function.restype = ctypes.c_char_p
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.POINTER(kernels.View)] + [ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64]
     return library
 
 
 def linear(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: int, path: str = "auto",
-           threads: int = 1) -> np.ndarray:
-    """The kernel on NumPy arrays: x [M, K] float32 -> [M, N] float32."""
+           threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+    """The kernel on NumPy arrays: x [.., K] float32 (rank 1 to 4) -> [.., N] float32, into `out` if given (which
+    must be exactly that); x is made a dense float32 copy if it is not one, codes and scales must be of their
+    types (the kernel's validator, q8_linear.h, checks every array)."""
+    if path not in PATHS:
+        raise Q4LinearError(f"q8_linear: path one of {', '.join(PATHS)}, got {path!r}")
     x = np.ascontiguousarray(x, np.float32)
-    codes, scales = np.ascontiguousarray(codes, np.int8), np.ascontiguousarray(scales, np.float32)
-    if x.ndim != 2 or path not in PATHS:
-        raise Q4LinearError(f"q8_linear: x must be [M, K]; path one of {', '.join(PATHS)}")
-    out = np.empty((x.shape[0], out_features), np.float32)
-    error = c_library().streamfuse_q8_linear(x.ctypes.data, codes.ctypes.data, scales.ctypes.data, out.ctypes.data,
-                                             x.shape[0], x.shape[1], out_features, x.size, codes.size, scales.size,
-                                             out.size, PATHS[path], threads)
-    if error:
-        raise Q4LinearError(error.decode())
+    codes, scales = np.ascontiguousarray(codes), np.ascontiguousarray(scales)
+    out = q4_linear.output("q8_linear", x, out_features) if out is None else out
+    arguments = [kernels.views(x, codes, scales, out), out_features, PATHS[path], threads]
+    kernels.run_checked(c_library().streamfuse_q8_linear, arguments, Q4LinearError)
     return out
 
 
 @functools.cache
 def _torch_library():
     return q4_linear.define_torch_op("q8_tiles", SCHEMA, OUT_SCHEMA,
-                                     lambda x, codes, scales, n, threads: linear(x, codes, scales, n, threads=threads))
+                                     lambda x, codes, scales, n, threads, out: linear(x, codes, scales, n,
+                                                                                      threads=threads, out=out))
 
 
 def torch_op():

@@ -32,8 +32,8 @@ class DecodeSettings:
         from streamfuse.runtime import methods  # the registry's methods build drafters from settings
 
         method = methods.get(self.method)
-        if method.speculative and self.tree is None:
-            raise ValueError(f"method {self.method} needs a draft tree")
+        if method.speculative and (self.tree is None or not self.tree.paths):
+            raise ValueError(f"method {self.method} needs a draft tree with at least one path below the root")
         if method.chain and any(len(kids) > 1 for kids in self.tree.children):
             raise ValueError(f"method {self.method} drafts a chain: give --tree gamma=G,k=1")
         if self.threshold is not None and not method.threshold:

@@ -5,12 +5,15 @@ runtime calls, so the torch backend's Transformers tokenizer and this one are in
 
     <folder>/tokenizer.json          the tokenizers model
     <folder>/tokenizer_config.json   special tokens; chat_template (or chat_template.jinja beside it)
+
+An artifact passes the files' bytes it checked against its manifest (runtime/artifact.py), so what is parsed is
+what was hashed; a bare folder is read from disk.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -19,19 +22,24 @@ CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # Transformers' clean_up_tokenization
 
 
+TEMPLATE_FILE = "chat_template.jinja"
+
+
 class Tokenizer:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, files: Mapping[str, bytes] | None = None):
+        """files: file name -> bytes, read and checked by the caller (None: read them from `folder`)."""
         from tokenizers import Tokenizer as Model
 
         folder = Path(folder)
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-        self.model = Model.from_file(str(folder / "tokenizer.json"))
+        files = files if files is not None else _read(folder)
+        config = json.loads(files["tokenizer_config.json"].decode("utf-8"))
+        self.model = Model.from_str(files["tokenizer.json"].decode("utf-8"))
         self.special = {name: _content(config.get(name)) for name in SPECIAL_TOKENS if config.get(name) is not None}
         self.eos_token_id = self.model.token_to_id(self.special["eos_token"]) if "eos_token" in self.special else None
         self.pad_token_id = self.model.token_to_id(self.special["pad_token"]) if "pad_token" in self.special else None
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        template_file = folder / "chat_template.jinja"
-        self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        template = files.get(TEMPLATE_FILE)
+        self.chat_template = template.decode("utf-8") if template is not None else config.get("chat_template")
         self._template = None
 
     @property
@@ -60,6 +68,11 @@ class Tokenizer:
         text = self._template.render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special)
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
+
+
+def _read(folder: Path) -> dict[str, bytes]:
+    names = ("tokenizer.json", "tokenizer_config.json", TEMPLATE_FILE)
+    return {name: (folder / name).read_bytes() for name in names if name != TEMPLATE_FILE or (folder / name).is_file()}
 
 
 def _content(token) -> str:

@@ -16,39 +16,25 @@ into slots start.. of `layer` (rows past C dropped), and commit_rows moves the p
 layer. Neither schema declares these writes: the graphs feed commit_rows' output as every attention's start,
 so a step's commit runs before its attention on every engine (they order nodes by data only), and a call's
 store touches only slots >= start, which no attention of the same call reads.
-The libraries are compiled on first use (or by `make build`) into build/kernels/, named by a hash of
-their sources; a machine without a C++ compiler gets a one-line error naming what is missing.
+The libraries are compiled when streamfuse is built or installed (`make kernels` after editing the sources)
+and only loaded here: runtime/kernel_library.py.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.util
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 
-from streamfuse import seams
+from streamfuse.runtime import kernel_library
+from streamfuse.runtime.kernel_library import (  # noqa: F401  (re-exported: the engines' sessions load them)
+    KernelUnavailable,
+    executorch_library_path,
+    load_executorch_kernels,
+    onnxruntime_library_path,
+)
 
-SOURCES = Path(__file__).resolve().parent / "kernels"
-BUILD = Path(__file__).resolve().parents[1] / "build" / "kernels"
-# -ffp-contract=off: no fused multiply-add, the reference's arithmetic exactly. The 8 lanes are one AVX2
-# register where the CPU has it (the lanes are independent, so the sums do not change; -march=native's
-# AVX-512 was slower on a Zen 4).
-FLAGS = ["-std=c++20", "-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"]
-
-
-def _arch_flags() -> list[str]:
-    try:
-        avx2 = platform.machine() in ("x86_64", "AMD64") and " avx2" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        avx2 = False
-    return ["-mavx2"] if avx2 else []
 # The caches are written (store, commit) but not declared so (no `(a!)`): see the module docstring.
 SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "
           "Tensor v_extra, Tensor visible, float scale, int store) -> Tensor")
@@ -69,97 +55,17 @@ ONNX_DOMAIN, ONNX_OP, ONNX_COMMIT_OP = "streamfuse", "TreeAttention", "CommitRow
 WORK_PER_THREAD = 32768
 
 
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def _compiler() -> str:
-    found = shutil.which("g++") or shutil.which("c++")
-    if found is None:
-        raise KernelUnavailable("the tree attention kernel needs a C++ compiler and none is on PATH: install g++ "
-                                "(Debian: apt-get install g++) and run make build")
-    return found
-
-
-def _library_path(name: str, sources: list[str], extra: list[str]) -> Path:
-    """Compile `sources` (files under SOURCES) into BUILD/<name>-<hash>.so unless it is there; atomic."""
-    digest = hashlib.sha256()
-    for source in sorted({*sources, *(header.name for header in SOURCES.glob("*.h"))}):
-        digest.update((SOURCES / source).read_bytes())
-    flags = FLAGS + _arch_flags()
-    digest.update(" ".join(flags + extra).encode())
-    target = BUILD / f"{name}-{digest.hexdigest()[:12]}.so"
-    if target.is_file():
-        return target
-    BUILD.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".tmp")
-    command = [_compiler(), *flags, *(str(SOURCES / s) for s in sources), "-o", str(partial), *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:300])
-        raise KernelUnavailable(f"compiling the tree attention kernel ({name}) failed: {first}")
-    partial.replace(target)
-    return target
-
-
 @functools.cache
 def c_library() -> ctypes.CDLL:
     """The kernels behind a C ABI (no dependencies), for the torch ops: the attention, runtime/q4_linear.py's
     and runtime/q8_linear.py's."""
-    sources = ["tree_attention_c.cpp", "q4_linear_c.cpp", "q8_linear_c.cpp"]
-    library = ctypes.CDLL(str(_library_path("libstreamfuse_attention", sources, ["-pthread"])))
-    attention = library.streamfuse_tree_attention
-    attention.restype = None
-    attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_int64] * 2
-    commit = library.streamfuse_commit_rows
-    commit.restype = ctypes.c_int
-    commit.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
+    library = kernel_library.load_c_library()
+    attention, commit = library.streamfuse_tree_attention, library.streamfuse_commit_rows  # tree_attention_c.cpp
+    attention.restype = commit.restype = ctypes.c_int
+    attention.argtypes = [ctypes.POINTER(View), ctypes.c_int64, ctypes.c_double, ctypes.c_int64, ctypes.c_int64,
+                          ctypes.c_char_p, ctypes.c_int64]
+    commit.argtypes = [ctypes.POINTER(View), ctypes.c_char_p, ctypes.c_int64]
     return library
-
-
-def executorch_library_path() -> Path:
-    """The ExecuTorch kernel library, built against the installed executorch wheel's headers and runtime."""
-    spec = importlib.util.find_spec("executorch")
-    if spec is None or not spec.submodule_search_locations:
-        raise KernelUnavailable("the ExecuTorch tree attention kernel needs executorch: "
-                                "pip install 'streamfuse[executorch]'")
-    root = Path(list(spec.submodule_search_locations)[0]).resolve()
-    runtime = seams.executorch_runtime_library(root)
-    if not (root / "include").is_dir() or not runtime.is_file():
-        raise KernelUnavailable(f"the executorch wheel at {root} lacks its headers or runtime library; "
-                                f"reinstall it: pip install --force-reinstall 'streamfuse[executorch]'")
-    include = root / "include"
-    extra = ["-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_USE_THREADPOOL", "-DNDEBUG", f"-I{include}",
-             f"-I{include / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}",
-             str(runtime), f"-Wl,-rpath,{runtime.parent}"]
-    return _library_path("libstreamfuse_attention_et", ["tree_attention_et.cpp"], extra)
-
-
-def onnxruntime_library_path() -> Path:
-    """The ONNX Runtime custom-op library (ONNX_DOMAIN.ONNX_OP). It needs nothing but a C++ compiler: the few
-    entries of ONNX Runtime's C API it calls are declared in its source, and the library links nothing."""
-    return _library_path("libstreamfuse_attention_ort", ["tree_attention_ort.cpp"], [])
-
-
-@functools.cache
-def load_executorch_kernels() -> None:
-    """Register streamfuse::tree_attention.out and commit_rows.out with ExecuTorch's runtime in this process
-    (before a program that calls them is loaded). The library links the runtime executorch's pybindings loaded."""
-    from executorch.extension.pybindings import portable_lib  # noqa: F401  (loads the runtime first)
-
-    ctypes.CDLL(str(executorch_library_path()), mode=ctypes.RTLD_GLOBAL)
-
-
-def build_all() -> list[Path]:
-    """Compile every library this machine can use (make build / make test); returns their paths."""
-    built = [Path(c_library()._name), onnxruntime_library_path()]
-    try:
-        built.append(executorch_library_path())
-    except KernelUnavailable as error:
-        if "needs executorch" not in str(error):
-            raise
-    return built
 
 
 # --- torch ---------------------------------------------------------------------------------------
@@ -191,12 +97,64 @@ def commit_op():
     return torch.ops.streamfuse.commit_rows.default
 
 
-def _in_place_caches(op: str, *caches) -> None:
-    """The kernel writes through the caches' pointers: a converted copy would swallow the write."""
+class KernelCallError(ValueError):
+    """A call the kernels' validators refused (runtime/kernels/*.h): their one-line message."""
+
+
+class View(ctypes.Structure):
+    """runtime/kernels/boundary.h's View: all that the C ABI's validators know of a tensor."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("sizes", ctypes.c_int64 * 8), ("strides", ctypes.c_int64 * 8),
+                ("rank", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+
+
+# boundary.h's DType codes by NumPy / torch dtype name (those past int8 only name the type in an error).
+DTYPES = {"float32": 0, "int64": 1, "uint8": 2, "int8": 3, "int32": 5, "float16": 6, "bfloat16": 7, "float64": 8,
+          "bool": 9}
+OTHER_DTYPE, MESSAGE_SIZE = 4, 400
+
+
+def view(array) -> View:
+    """A View of a NumPy array or a torch tensor, its own memory (no copy): the validators check the rest."""
+    if isinstance(array, np.ndarray):
+        data, shape, item = array.ctypes.data, array.shape, array.itemsize
+        strides = [step // item if step % item == 0 else -1 for step in array.strides]  # -1: never dense
+        name = array.dtype.name if array.dtype.isnative else "non-native byte order"
+    else:
+        import torch
+
+        if array.device.type != "cpu" or array.layout != torch.strided:
+            raise KernelCallError(f"streamfuse's kernels take dense CPU tensors, got a {array.layout} tensor on "
+                                  f"{array.device}: pass tensor.cpu() / .to_dense()")
+        data, shape, strides = array.data_ptr(), tuple(array.shape), array.stride()
+        name = str(array.dtype).removeprefix("torch.")
+    result = View(data=data or None, rank=len(shape), dtype=DTYPES.get(name, OTHER_DTYPE))
+    for i, (size, step) in enumerate(list(zip(shape, strides))[:8]):
+        result.sizes[i], result.strides[i] = size, step
+    return result
+
+
+def views(*arrays) -> ctypes.Array:
+    """The arrays' views in order: a C ABI function's `const View*`."""
+    return (View * len(arrays))(*(view(a) for a in arrays))
+
+
+def run_checked(function, arguments: list, error: type[ValueError] = KernelCallError) -> None:
+    """function(*arguments, message, size), a C ABI function that returns 0, or 1 with its one-line error in
+    message: raised as `error`."""
+    message = ctypes.create_string_buffer(MESSAGE_SIZE)
+    if function(*arguments, message, MESSAGE_SIZE):
+        raise error(message.value.decode(errors="replace"))
+
+
+def _threads(query, start, k_extra) -> int:
+    """One thread per WORK_PER_THREAD query-key pairs, at most torch's (a guess made before the validator runs)."""
     import torch
 
-    if any(c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu" for c in caches):
-        raise ValueError(f"{op}: the caches must be contiguous float32 CPU tensors (it writes into them)")
+    first = int(start.reshape(-1)[0]) if start.numel() == 1 and start.dtype == torch.int64 else 0
+    queries = query.numel() // query.shape[-1] if query.dim() and query.shape[-1] else 0
+    extra = k_extra.shape[-2] if k_extra.dim() >= 2 else 0
+    return max(1, min(torch.get_num_threads(), 1 + queries * (max(first, 0) + extra) // WORK_PER_THREAD))
 
 
 def _define_attention(library) -> None:
@@ -206,32 +164,17 @@ def _define_attention(library) -> None:
     library.define(OUT_SCHEMA)
 
     def run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store, out):
-        if not 0 <= layer < k_cache.shape[0]:
-            raise ValueError(f"tree_attention: layer {layer} is outside the cache's {k_cache.shape[0]} layers")
-        if not 0 <= store <= k_extra.shape[2]:
-            raise ValueError(f"tree_attention: store {store} is outside [0, {k_extra.shape[2]}] (the extra rows)")
-        if store:
-            _in_place_caches("tree_attention", k_cache, v_cache)
-        k_cache, v_cache = k_cache[layer : layer + 1], v_cache[layer : layer + 1]  # views: no copy
-        inputs = [t.contiguous().float() for t in (query, k_cache, v_cache, k_extra, v_extra, visible)]
-        query, k_cache, v_cache, k_extra, v_extra, visible = inputs
-        _, heads, rows, dim = query.shape
-        first = int(start.reshape(-1)[0])
-        if not 0 <= first <= k_cache.shape[2]:
-            raise ValueError(f"tree_attention: start {first} is outside the cache's {k_cache.shape[2]} slots")
-        result = torch.empty(1, rows, heads, dim) if not out.is_contiguous() else out
-        c_library().streamfuse_tree_attention(
-            *(t.data_ptr() for t in (query, k_cache, v_cache, k_extra, v_extra, visible, result)),
-            heads, k_cache.shape[1], rows, dim, k_cache.shape[2], first, k_extra.shape[2], scale, store,
-            min(torch.get_num_threads(), 1 + rows * heads * (first + k_extra.shape[2]) // WORK_PER_THREAD))
-        if result is not out:
-            out.copy_(result)
+        # The inputs only read may be dense copies; the caches (written), start and out go as they are.
+        query, k_extra, v_extra, visible = (t.contiguous() for t in (query, k_extra, v_extra, visible))
+        tensors = views(query, k_cache, v_cache, start, k_extra, v_extra, visible, out)
+        threads = _threads(query, start, k_extra)
+        run_checked(c_library().streamfuse_tree_attention, [tensors, layer, scale, store, threads])
         return out
 
     def functional(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
-        _, heads, rows, dim = query.shape
+        shape = (query.shape[2], query.shape[1], query.shape[3]) if query.dim() == 4 else (0, 0, 0)
         return run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store,
-                   torch.empty(1, rows, heads, dim))
+                   torch.empty(1, *shape, dtype=torch.float32))
 
     def fake(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
         _, heads, rows, dim = query.shape
@@ -249,42 +192,14 @@ def _define_commit(library) -> None:
     library.define(COMMIT_OUT_SCHEMA)
 
     def run(k_cache, v_cache, start, accepted, out):
-        _in_place_caches("commit_rows", k_cache, v_cache)
-        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-            raise ValueError("commit_rows: the caches must be [L, kv, C, d], both of one shape")
-        if start.dtype != torch.int64 or start.shape != (1,) or accepted.dtype != torch.int64 or accepted.dim() != 1:
-            raise ValueError("commit_rows: start must be a [1] and accepted an [A] int64 tensor")
-        nodes, first = accepted.tolist(), int(start[0])
-        error = commit_error(k_cache.shape[2], first, nodes)
-        if error:
-            raise ValueError(error)
-        accepted = accepted.contiguous()
-        c_library().streamfuse_commit_rows(k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, first,
-                                           accepted.data_ptr(), len(nodes))
-        return out.copy_(start)
+        tensors = views(k_cache, v_cache, start, accepted.contiguous(), out)
+        run_checked(c_library().streamfuse_commit_rows, [tensors])  # nothing moves when it raises
+        return out
 
     library.impl("commit_rows", lambda k, v, start, accepted: run(k, v, start, accepted, start.new_empty(1)), "CPU")
     library.impl("commit_rows.out", run, "CPU")
     torch.library.register_fake("streamfuse::commit_rows", lambda k, v, start, accepted: start.new_empty(1),
                                 lib=library)
-
-
-def commit_error(capacity: int, start: int, accepted: list[int]) -> str | None:
-    """What is wrong with a commit_rows call (the header's commit_error, with the numbers), or None."""
-    n = next((j for j, node in enumerate(accepted) if node < 0), len(accepted))
-    nodes = accepted[:n]
-    if any(node != -1 for node in accepted[n:]):
-        return f"commit_rows: accepted {accepted} must be its nodes >= 0 first, then only -1 padding"
-    if any(b <= a for a, b in zip(nodes, nodes[1:])):
-        return f"commit_rows: accepted {accepted}'s nodes must be strictly increasing"
-    if start < n:
-        return f"commit_rows: start {start} is less than the {n} accepted nodes (base = start - n < 0)"
-    if start > capacity:
-        return f"commit_rows: start {start} is outside the cache's {capacity} slots"
-    if n and start - n + nodes[-1] >= capacity:
-        row = start - n + nodes[-1]
-        return f"commit_rows: accepted node {nodes[-1]} is row {row}, past the cache's {capacity} slots"
-    return None
 
 
 # --- the oracle ----------------------------------------------------------------------------------
@@ -356,13 +271,3 @@ def _exp(x: np.float32) -> np.float32:
     for c in range(5, -1, -1):
         p = np.float32(np.float32(p * r) + EXP_POLY[c])
     return np.float32(0) if x < EXP_FLOOR else np.float32(np.ldexp(p, int(n)))
-
-
-if __name__ == "__main__":  # make kernels
-    import sys
-
-    try:
-        for path in build_all():
-            print(f"[kernels] {path}")
-    except KernelUnavailable as error:
-        sys.exit(f"error: {error}")

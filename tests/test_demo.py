@@ -118,6 +118,8 @@ def test_session_reports_bad_requests(session, tmp_path):
         session.generate(GenerationRequest("medusa", "x"), lambda *_: None, threading.Event())
     with pytest.raises(ValueError, match="tree"):
         session.generate(GenerationRequest("ss", "x", tree="gamma=3"), lambda *_: None, threading.Event())
+    with pytest.raises(ValueError, match="111,111,111 nodes is larger than"):  # refused before it is enumerated
+        session.generate(GenerationRequest("ss", "x", tree="gamma=8,k=10"), lambda *_: None, threading.Event())
     with pytest.raises(FileNotFoundError, match="streamfuse.json"):
         Session().load(LoadRequest(tmp_path))
 

@@ -19,7 +19,7 @@ import torch
 from streamfuse.adapters.medusa import MedusaHeads, save_heads
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError
+from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.base import HIDDEN, CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
 from streamfuse.runtime.backends.static_graph import method_names
@@ -165,6 +165,16 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     counting.calls.clear()
     generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
     assert counting.calls["greedy_step_4"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_4"}
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_a_failed_engine_call_leaves_the_loaded_model_as_a_fresh_load(artifact, backend):
+    """test_engine_state.py's checks on the engine itself: after a call that raised mid-step (the moves of a commit
+    pending) or mid-generation, the same loaded model refuses calls until its reset and then generates what a fresh
+    load does."""
+    from test_engine_state import check_recovery
+
+    check_recovery(load(artifact, backend).backend, load(artifact, backend).backend)
 
 
 def second_token_marginal(eager, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
@@ -316,7 +326,10 @@ def test_manifest_describes_the_graphs(artifact):
     assert greedy["drafts"] == {"name": "drafts", "shape": [3, 14], "dtype": "int64"}  # any tree of 15 nodes
     assert data["graphs"]["greedy_step"] == {"schedules": ["fused", "fused"], "width": 14,
                                              "draft_vocab": {"path": "draft_vocab.safetensors", "size": 60,
-                                                             "coverage": 0.5}}
+                                                             "coverage": 0.5,
+                                                             **file_digest(artifact / "draft_vocab.safetensors")}}
+    # every file of the tokenizer folder, hashed: each changes how text becomes ids
+    assert set(data["tokenizer"]["files"]) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
     assert data["graphs"]["heads"] == {"count": 2, "training_key": "test-heads"}
     assert data["graphs"]["methods"]["heads"]["outputs"][0]["shape"] == [2, data["model"]["vocab_size"]]
     assert {"torch", "executorch", "onnx"} <= set(data["versions"])
@@ -924,3 +937,16 @@ def test_the_wheel_with_only_its_onnxruntime_extra_decodes_an_artifact(artifact,
     assert found.stdout.strip() == "[]"  # the environment has neither: the run below cannot load them
     ss, plain = generate_without_torch(python, artifact, "0", tmp_path)
     assert ss["token_ids"] == plain["token_ids"]
+
+
+@needs("onnxruntime")
+def test_probe_gives_one_line_errors_and_catches_a_bad_input_accepted(artifact):
+    """tools/probe.py's tampered copies on the tiny artifact (the real one: its command in docs/export.md), and a
+    case that expects an error from a well-formed request: the probe must report that as a failure."""
+    from streamfuse.tools.probe import Case, probe
+
+    lenient = Case("a well-formed request taken for a bad one", ("--prompt", "Hi", "--max-new-tokens", "2"))
+    outcomes = probe(artifact, "onnxruntime", only="manifest", extra=(lenient,))
+    failed = {o.case: o.message for o in outcomes if not o.passed}
+    assert failed == {lenient.name: "accepted a bad input"}, failed
+    assert len(outcomes) >= 6

@@ -180,11 +180,13 @@ def test_llamacpp_f32_on_the_real_checkpoint():
 
 
 def test_exported_artifact_resolves_to_its_adapter_checkpoint(checkpoint, tmp_path):
-    from streamfuse.runtime.artifact import MANIFEST, SCHEMA
+    from streamfuse.runtime.artifact import file_digest, write_manifest
 
     artifact = tmp_path / "artifact"
     shutil.copytree(checkpoint / "ckpt", artifact / "adapter")
-    (artifact / MANIFEST).write_text(json.dumps({"schema": SCHEMA, "adapter": {"path": "adapter"}}))
+    manifest = json.loads((Path(__file__).parent / "fuzz/manifest/seeds/tiny_onnx.json").read_text())
+    manifest["adapter"].update(file_digest(artifact / "adapter"))  # a tiny artifact's manifest, this adapter's digest
+    write_manifest(artifact, manifest)
     assert peers_gguf.checkpoint_dir(artifact) == artifact / "adapter"
     assert peers_gguf.artifact_key(artifact) == peers_gguf.artifact_key(checkpoint / "ckpt")
     with pytest.raises(FileNotFoundError, match="neither streamfuse.json nor manifest.json"):

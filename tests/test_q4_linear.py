@@ -191,7 +191,8 @@ def test_onnx_runtime_op_refuses_bad_shapes():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
                               ir_version=10)
     session = q4_bench.onnx_session(model.SerializeToString(), 1)
-    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="Q4Linear: weights must be"):
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match="q4_linear: the packed weights must be"):
         session.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
-from streamfuse.runtime.artifact import Artifact, ArtifactError, file_digest
+from streamfuse.runtime.artifact import LOCK, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
@@ -66,7 +66,7 @@ def built(request, tasks, tmp_path_factory):
 
 def digests(folder) -> dict[str, tuple[int, str]]:
     return {str(f.relative_to(folder)): (f.stat().st_size, file_digest(f)["sha256"])
-            for f in folder.rglob("*") if f.is_file()}
+            for f in folder.rglob("*") if f.is_file() and f.name != LOCK}  # the lock file: made by the first write
 
 
 def build(checkpoint, out, backends, task_inputs: bool):

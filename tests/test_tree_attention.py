@@ -4,6 +4,7 @@ of its token, the same bits through ExecuTorch and ONNX Runtime, and a one-line 
 The cache's upkeep in place: the store and commit_rows equal their references byte for byte, in torch and in
 both engines, where they land in the host's own buffers."""
 
+import importlib.util
 import re
 
 import numpy as np
@@ -126,21 +127,6 @@ def test_a_bad_start_or_layer_is_a_clear_error():
         attend(query, k_cache, v_cache, 3, k_extra, v_extra, torch.ones(1, 1), layer=1)
 
 
-def test_without_a_compiler_the_error_is_one_line_naming_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(tree_attention, "BUILD", tmp_path)
-    monkeypatch.setattr(tree_attention.shutil, "which", lambda name: None)
-    with pytest.raises(tree_attention.KernelUnavailable, match="needs a C\\+\\+ compiler .* install g\\+\\+") as error:
-        tree_attention._library_path("libprobe", ["tree_attention_c.cpp"], [])
-    assert "\n" not in str(error.value) and not list(tmp_path.iterdir())
-
-
-def test_a_failed_compile_names_the_error_and_leaves_nothing_behind(monkeypatch, tmp_path):
-    monkeypatch.setattr(tree_attention, "BUILD", tmp_path)
-    with pytest.raises(tree_attention.KernelUnavailable, match="compiling the tree attention kernel .*failed: .*error"):
-        tree_attention._library_path("libprobe", ["tree_attention_c.cpp"], ["-DSTREAMFUSE_PROBE", "-include", "nonexistent.h"])
-    assert not list(tmp_path.iterdir())
-
-
 # (start, store): the first slots, mid-cache, rows past the capacity dropped (2 of 5, all of 2), nothing stored
 STORES = [(0, 1), (11, 3), (45, 5), (48, 2), (30, 0)]
 
@@ -164,7 +150,7 @@ def test_a_bad_store_is_a_clear_error():
     for store in (3, -1):
         with pytest.raises(ValueError, match=re.escape(f"store {store} is outside [0, 2] (the extra rows)")):
             attend(query, k_cache, v_cache, 4, k_extra, v_extra, torch.ones(2, 2), store=store)
-    with pytest.raises(ValueError, match="caches must be contiguous float32 CPU tensors"):  # a copy would take it
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):  # a copy would take the store
         attend(query, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, 4, k_extra, v_extra,
                torch.ones(2, 2), store=1)
 
@@ -232,7 +218,7 @@ def test_a_bad_commit_is_a_one_line_error_and_moves_nothing(start, accepted, mes
     with pytest.raises(ValueError, match=re.escape(message)):
         commit(*caches, start, accepted)
     assert all(torch.equal(c, b) for c, b in zip(caches, before))
-    with pytest.raises(ValueError, match=re.escape("start must be a [1] and accepted an [A] int64 tensor")):
+    with pytest.raises(ValueError, match="accepted must be a rank-1 int64 tensor, got rank 1 int32"):
         COMMIT(*caches, torch.tensor([12]), torch.tensor([0, -1], dtype=torch.int32))
 
 
@@ -249,7 +235,7 @@ def two_layers(seed: int, rows: int, start: int, visible: torch.Tensor) -> tuple
     return query, k_cache, v_cache, torch.tensor([start]), k_extra, v_extra, visible.float()
 
 
-@pytest.mark.skipif(tree_attention.importlib.util.find_spec("executorch") is None, reason="executorch not installed")
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed")
 def test_executorch_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads(tmp_path):
     """One 16-row program (trees, starts and caches are its inputs) against the torch op, whose rows the
     property test above proves invariant: random trees of 1-16 nodes (pad rows see themselves), random
@@ -283,7 +269,7 @@ def random_tree_calls(rows: int, count: int, generator: torch.Generator):
         yield nodes, start, two_layers(seed, rows, start, visible)
 
 
-@pytest.mark.skipif(tree_attention.importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
 def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads(tmp_path):
     """The exported op (export/to_onnx.py's translation) in an ONNX Runtime session with the custom-op library,
     against the torch op: random trees of 1-16 nodes and starts, ONNX Runtime's intra-op pool at 2 threads
@@ -308,7 +294,7 @@ def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_thread
             assert np.array_equal(out, Attend()(*inputs).numpy()), (threads, nodes, start)
     bad = dict(zip(names, (t.numpy() for t in two_layers(0, rows, 13, torch.eye(rows)))))
     bad[names[3]] = np.array([CAPACITY + 1], dtype=np.int64)
-    with pytest.raises(Exception, match="TreeAttention: start outside the cache"):
+    with pytest.raises(Exception, match="tree_attention: start 49 is outside the cache's 48 slots"):
         session.run(None, bad)
 
 
@@ -345,7 +331,7 @@ def step_expected(inputs: tuple) -> tuple:
     return out, want
 
 
-@pytest.mark.skipif(tree_attention.importlib.util.find_spec("executorch") is None, reason="executorch not installed")
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed")
 def test_executorch_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path):
     """A program lowered with host_inputs() (the builds' config) writes into the torch tensors passed as its
     cache inputs: no copy of the cache is made, in or out."""
@@ -365,7 +351,7 @@ def test_executorch_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path
         assert all(np.array_equal(c.numpy(), w) for c, w in zip(inputs[1:3], want)), (start, accepted)
 
 
-@pytest.mark.skipif(tree_attention.importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="onnxruntime not installed")
 def test_onnxruntime_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path):
     """The exported step in an ONNX Runtime session writes into the numpy arrays passed as its cache inputs; a
     bad commit is the op's one-line error."""
@@ -389,5 +375,5 @@ def test_onnxruntime_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_pat
         assert np.array_equal(got, out.numpy()), (start, accepted)
         assert all(np.array_equal(feeds[n], w) for n, w in zip(names[1:3], want)), (start, accepted)
     feeds[names[4]] = np.array([0, 3, 3, -1], dtype=np.int64)
-    with pytest.raises(Exception, match="commit_rows: accepted's nodes must be strictly increasing"):
+    with pytest.raises(Exception, match=re.escape("commit_rows: accepted [0, 3, 3, -1]'s nodes must be strictly")):
         session.run(None, feeds)

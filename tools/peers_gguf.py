@@ -30,6 +30,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from streamfuse.runtime.durable import replace_folder
+
 # llama.cpp file types we make from the f32 file; f32 itself is the converter's output.
 QUANTS = ("f32", "q8_0", "q4_0", "q4_1")
 # The default base model of adapters/base_model.py (repeated here: tools/ may not import adapters/):
@@ -60,7 +62,7 @@ def checkpoint_dir(artifact: Path) -> Path:
     if (artifact / "manifest.json").is_file():
         from streamfuse.runtime.artifact import Artifact
 
-        return artifact / Artifact.open(artifact).manifest["adapter"]["path"]
+        return Artifact.open(artifact).adapter_path()
     raise FileNotFoundError(f"{artifact} has neither streamfuse.json nor manifest.json: pass a checkpoint or "
                             f"artifact made by export/build.py")
 
@@ -148,8 +150,10 @@ def _fetch_converter(version: str, target: Path) -> None:
         if not _has_scripts(staging):
             raise FileNotFoundError(f"{archives[0].name} lacks vendor/llama.cpp/{' or '.join(_SCRIPTS)}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.move(str(staging), target)
+        beside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # target's file system
+        shutil.move(str(staging), beside / target.name)
+        replace_folder(beside / target.name, target)  # the old copy deleted once the new one is in place
+        beside.rmdir()
 
 
 def export_gguf(model, tokenizer, artifact: Path, quant: str, threads: int) -> Path:

@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from streamfuse.runtime.durable import replace_folder
 from streamfuse.tools.peers_gguf import DEFAULT_BASE_MODEL, bundled_base_gguf, cache_root, llama_cpp_version
 
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
@@ -141,8 +142,7 @@ def _fetch_source(version: str, target: Path) -> None:
         _extract_vendor(archives[0], staging)
         if not (staging / "CMakeLists.txt").is_file():
             raise SystemExit(f"error: {archives[0].name} has no vendor/llama.cpp/CMakeLists.txt")
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        replace_folder(staging, target)  # the old copy deleted once the new one is in place
 
 
 def _extract_vendor(archive_path: Path, staging: Path) -> None:

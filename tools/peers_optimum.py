@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from streamfuse.runtime.durable import replace_folder
 from streamfuse.tools import peers_gguf
 from streamfuse.tools.peers_runners import PeerResult
 
@@ -55,8 +56,7 @@ def ensure_site() -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"pip could not install optimum-executorch ({done.returncode}): {done.stderr[-2000:]}")
     (staging / ".complete").write_text(json.dumps(PACKAGES))
-    shutil.rmtree(site, ignore_errors=True)
-    staging.rename(site)
+    replace_folder(staging, site)  # the old install deleted once the new one is in place
     return site
 
 

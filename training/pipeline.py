@@ -37,6 +37,7 @@ from streamfuse.export.parallel_graph import export_drafter
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.durable import replace_folder
 from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
 from streamfuse.runtime.methods.parallelspec import widths_tree
@@ -291,8 +292,7 @@ class Build:
         print(f"[{method}] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {quantize})", flush=True)
         entry = write(eager.model, eager.parts.embed, engines, staging)
         (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
+        replace_folder(staging, out)  # the old export deleted once the new one is in place
         return out, entry
 
     def parity_prompts(self) -> list[list[int]]:

@@ -16,6 +16,11 @@ class CapacityError(RuntimeError):
     """A run needs more KV positions than the backend holds."""
 
 
+class EngineError(RuntimeError):
+    """The engine cannot serve this model as the host needs (it copies the cache it should write in place), or a
+    call on a backend whose last call failed, before a reset."""
+
+
 @dataclass(frozen=True)
 class PruneConfig:
     """Tree pruning by the early-exit head (paper 3.2.3): drop nodes whose parent->child

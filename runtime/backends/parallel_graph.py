@@ -14,6 +14,7 @@ import numpy as np
 
 from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, _require, ort_options
+from streamfuse.runtime.onnx_external import check_external_data
 from streamfuse.runtime.parallel_drafter import pass_visibility
 
 INPUT_NAMES = ["states", "embeds", "positions", "read", "mask", "keys", "values"]
@@ -24,6 +25,7 @@ class OnnxDraftSession:
 
     def __init__(self, model: Path, threads: int | None = None):
         ort = _require("onnxruntime", "onnxruntime")
+        check_external_data(Path(model))  # the weights file it names stays in its folder
         self.session = ort.InferenceSession(str(model), ort_options(ort, threads), providers=["CPUExecutionProvider"])
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:

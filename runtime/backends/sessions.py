@@ -28,7 +28,10 @@ from streamfuse.runtime.backends.static_graph import (
     method_output,
     output_names,
 )
-from streamfuse.runtime.tree_attention import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
+from streamfuse.runtime.artifact_files import inside
+from streamfuse.runtime.kernel_library import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
+from streamfuse.runtime.onnx_external import check_external_data
+from streamfuse.runtime.threads import check_threads
 
 
 class MissingBackend(RuntimeError):
@@ -61,6 +64,7 @@ class ExecuTorchSession:
     """The .pte through ExecuTorch's Python runtime (XNNPACK kernels on CPU)."""
 
     def __init__(self, pte: Path, threads: int | None = None):
+        check_threads(threads)
         runtime = _require("executorch.runtime", "executorch")
         import torch
 
@@ -85,8 +89,11 @@ class ExecuTorchSession:
         return [out.numpy() for out in outputs]  # views: valid until this method runs again
 
 
-PROVIDER_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
-                       "CPUExecutionProvider")
+# The providers with kernels for streamfuse's ops (attention, commit_rows, the 4-bit linears), which every exported
+# ONNX model calls and which write the host's KV cache in place. Under another provider ONNX Runtime would run them
+# on copies of the cache moved between devices, and the rows they write would never reach the host: sessions stay
+# on these until the ops have kernels elsewhere (runtime/kernels/tree_attention_ort.cpp GetExecutionProviderType).
+OP_PROVIDERS = ("CPUExecutionProvider",)
 
 
 def ort_options(ort, threads: int | None):
@@ -107,15 +114,16 @@ class OnnxRuntimeSession:
     """The artifact's one ONNX model (every method, export/onnx_methods.py) in one InferenceSession:
     one prepacked copy of the weights for all methods, streamfuse's attention kernel registered as a custom
     op, and the host's cache read in place (whole, contiguous arrays go in without a copy). The provider is
-    the best available one, named in the trace."""
+    the first of OP_PROVIDERS, named in the trace; asking for another is an error."""
 
     def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
+        check_threads(threads)
+        if provider is not None and provider not in OP_PROVIDERS:
+            raise MissingBackend(f"onnxruntime provider {provider} cannot run this model: streamfuse's ops in it have "
+                                 f"kernels for {', '.join(OP_PROVIDERS)} only and write the KV cache in place; leave "
+                                 f"the provider unset (it runs on {OP_PROVIDERS[0]})")
         ort = _require("onnxruntime", "onnxruntime")
-        available = ort.get_available_providers()
-        if provider is not None and provider not in available:
-            raise MissingBackend(f"onnxruntime provider {provider} is not available here (available: "
-                                 f"{', '.join(available)}); GPU providers need the onnxruntime-gpu package")
-        provider = provider or next(p for p in PROVIDER_PREFERENCE if p in available)
+        provider = provider or OP_PROVIDERS[0]
         options = ort_options(ort, threads)
         try:  # the graphs' attention kernel, registered before the model that calls it loads
             options.register_custom_ops_library(str(onnxruntime_library_path()))
@@ -123,6 +131,7 @@ class OnnxRuntimeSession:
             raise MissingBackend(str(error)) from None
         if not Path(model).is_file():
             raise FileNotFoundError(f"ONNX model missing: {model}; copy the artifact again or rebuild it")
+        check_external_data(Path(model))  # the weights file it names stays in its folder
         self.session = ort.InferenceSession(str(model), options, providers=[provider])
         release_file_pages(Path(model).parent)
         self.ort = ort
@@ -216,7 +225,7 @@ def mapped_tables(model: Path, metadata: dict) -> dict[str, np.ndarray]:
     array in place."""
     tables = {}
     for name, place in json.loads(metadata.get(EMBEDDING_METADATA, "{}")).items():
-        path = model.parent / place["location"]
+        path = inside(model.parent, place["location"], "the ONNX embedding table's location")
         dtype, shape = np.dtype(place["dtype"]), tuple(place["shape"])
         if not path.is_file() or path.stat().st_size < place["offset"] + dtype.itemsize * int(np.prod(shape)):
             raise FileNotFoundError(f"ONNX weights missing or cut short: {path}; copy the artifact again or rebuild it")

@@ -9,8 +9,10 @@ writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layou
 - "host" (Core ML, the torch session): a call returns its rows (new_keys, new_values) and the host copies the
   accepted ones in.
 This class also owns chunked prefill, running the streams of the last accepted node after the commit, and
-pruning a tree. A `Session` is the only engine-specific part: it runs one named method on a list of
-arrays (numpy; the torch session keeps the cache as tensors on its device).
+pruning a tree. A call that raises leaves the cache unknown (the engine may have moved rows before failing): the
+backend then refuses every call until a reset, which each generation starts with (runtime/decode.py), so a failure
+never leaves a pending commit to be applied twice. A `Session` is the only engine-specific part: it runs one named
+method on a list of arrays (numpy; the torch session keeps the cache as tensors on its device).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from streamfuse.runtime.backends.base import (
     HIDDEN,
     STREAM_STATES,
     CapacityError,
+    EngineError,
     PruneConfig,
     StepOutput,
     process_peak_rss_bytes,
@@ -253,7 +256,33 @@ class StaticGraphBackend:
         self._pending = None
         self._no_commit = np.full(spec.max_nodes or 0, -1, dtype=np.int64)
         self._commit = self._no_commit  # the engine's pending commit (COMMIT_INPUT), sent with the next call
+        self._failed: str | None = None  # why the cache is unknown (a call raised) until the next reset
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @classmethod
+    def checked(cls, session: Session, spec: GraphSpec, device: str = "cpu") -> "StaticGraphBackend":
+        """The backend over a freshly opened session, once check_in_place has passed."""
+        backend = cls(session, spec, device)
+        backend.check_in_place()
+        return backend
+
+    def check_in_place(self) -> None:
+        """Where the engine keeps the cache, one decode call of one token at slot 0 must write that row into the
+        host's buffers: an engine (or provider) that copies its inputs would leave them as they were and give wrong
+        tokens, not an error. The row is put back and the backend reset, so the check leaves no trace."""
+        if not self.spec.engine_cache:
+            return
+        self.reset(1)
+        before = [cache[:, :, 0].copy() for cache in (self.keys, self.values)]
+        self._run("decode", [_ids([0]), self._length(), self.keys, self.values])
+        written = [not np.array_equal(row, cache[:, :, 0]) for row, cache in zip(before, (self.keys, self.values))]
+        self.keys[:, :, 0], self.values[:, :, 0] = before
+        self.reset(1)
+        if not all(written):
+            raise EngineError(f"{self.name} did not write the KV cache in place (a one-token call at load left the "
+                              f"host's {'keys' if not written[0] else 'values'} unchanged): it copies its inputs, so "
+                              f"it would decode wrong tokens; run the artifact on CPU (ONNX Runtime's "
+                              f"CPUExecutionProvider, ExecuTorch with XNNPACK) or rebuild it with this version")
 
     def step_rows(self, tree: TreeSpec | None) -> int:
         """A tree runs in its size bucket: the bucket's rows, pad rows included."""
@@ -269,6 +298,7 @@ class StaticGraphBackend:
         self.length = 0
         self._pending = None
         self._commit = self._no_commit
+        self._failed = None
 
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
         tokens = list(token_ids)
@@ -330,12 +360,14 @@ class StaticGraphBackend:
         return self.spec.schedule(self.spec.bucket(tree)) if greedy else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
+        self._check_usable()
         if self._pending is None:
             raise RuntimeError("commit without a step")
         self._keep(self._pending, nodes)
         self._pending = None
 
     def rollback(self, length: int) -> None:
+        self._check_usable()
         if not 0 <= length <= self.length:
             raise ValueError(f"rollback to {length}: the cache holds {self.length} committed rows")
         # A pending engine commit moves rows into slots base.. (base = length - its count): keep the moves below
@@ -364,12 +396,23 @@ class StaticGraphBackend:
         return np.array([self.length], dtype=np.int64)
 
     def _run(self, method: str, inputs: list) -> dict[str, np.ndarray]:
-        """One call -> its outputs by name; where the engine keeps the cache, the pending commit goes with it."""
-        if not self.spec.engine_cache:
-            return dict(zip(output_names(method, False), self.session.run(method, inputs)))
-        outputs = self.session.run(method, [*inputs, self._commit])
-        self._commit = self._no_commit  # the call has moved the rows: never twice
-        return dict(zip(output_names(method, True), outputs))
+        """One call -> its outputs by name; where the engine keeps the cache, the pending commit goes with it. The
+        commit is taken before the call, so it is never sent twice: a call that raises (having moved the rows or
+        not) marks the backend failed until its reset."""
+        self._check_usable()
+        commit, self._commit = self._commit, self._no_commit
+        try:
+            outputs = self.session.run(method, [*inputs, commit] if self.spec.engine_cache else inputs)
+        except BaseException as error:
+            self._failed = f"its last call ({method}) raised {type(error).__name__}, so its KV cache is unknown"
+            self._pending = None
+            raise
+        return dict(zip(output_names(method, self.spec.engine_cache), outputs))
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise EngineError(f"{self.name}: {self._failed}; reset the backend (every generation does) before "
+                              f"calling it again")
 
     def _keep(self, out: dict[str, np.ndarray], nodes: Iterable[int]) -> None:
         """Commit rows `nodes` of the call that gave `out`: the host copies them into its cache, or (the engine's

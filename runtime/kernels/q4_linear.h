@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include "boundary.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define STREAMFUSE_X86 1
@@ -68,19 +70,23 @@ struct Args {
 
 inline int64_t tiles_of(int64_t out_features) { return (out_features + TILE - 1) / TILE; }
 
-// What is wrong with a call's sizes, or null: every buffer's size follows from these, so the wrappers check
-// the buffers they get against them (and the products below cannot overflow once these pass).
-inline const char* args_error(int64_t rows, int64_t in_features, int64_t out_features, int64_t rank) {
-  if (rows < 0 || rows > (int64_t{1} << 20)) return "q4_linear: rows must be in [0, 2^20]";
+// Whether a call's sizes are sound: every buffer's size follows from these, so the validators check the buffers
+// against them (and the products below cannot overflow once these pass).
+inline bool sizes_valid(const char* op, int64_t rows, int64_t in_features, int64_t out_features, int64_t rank,
+                        Error& error) {
+  if (rows < 0 || rows > (int64_t{1} << 20)) return error.set("%s: rows must be in [0, 2^20]", op);
   if (in_features <= 0 || in_features % BLOCK != 0 || in_features > (int64_t{1} << 20)) {
-    return "q4_linear: in_features must be a positive multiple of 32, at most 2^20";
+    return error.set("%s: in_features must be a positive multiple of 32, at most 2^20, got %lld", op,
+                     (long long)in_features);
   }
-  if (out_features <= 0 || out_features > (int64_t{1} << 24)) return "q4_linear: out_features must be in [1, 2^24]";
-  if (rank < 0 || rank > 4096) return "q4_linear: the LoRA rank must be in [0, 4096]";
+  if (out_features <= 0 || out_features > (int64_t{1} << 24)) {
+    return error.set("%s: out_features must be in [1, 2^24], got %lld", op, (long long)out_features);
+  }
+  if (rank < 0 || rank > 4096) return error.set("%s: the LoRA rank must be in [0, 4096]", op);
   if (rows * in_features > (int64_t{1} << 28) || rows * rank > (int64_t{1} << 28)) {
-    return "q4_linear: a call's rows x in_features (or x rank) must be at most 2^28";  // the scratch it allocates
+    return error.set("%s: a call's rows x in_features (or x rank) must be at most 2^28", op);  // its scratch
   }
-  return nullptr;
+  return true;
 }
 
 inline float half_to_float(uint16_t h) {  // exact; no F16C needed on the portable path
@@ -328,7 +334,11 @@ __attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64
 inline int64_t resolve_path(int64_t wanted) {
 #ifdef STREAMFUSE_X86
   __builtin_cpu_init();
+#ifdef __clang__  // clang (14) cannot ask for f16c here; every AVX2 CPU has it (Haswell, Excavator and later)
+  const bool avx2 = __builtin_cpu_supports("avx2");
+#else
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vnni") && avx2;
   const bool has[] = {true, true, avx2, avx512};
@@ -349,6 +359,81 @@ inline void run_tiles(const Args& a, int64_t path, int64_t first, int64_t last) 
   tiles_portable(a, first, last);
 }
 
+// --- validation: every wrapper (C ABI, ExecuTorch, ONNX Runtime) checks its tensors here before a kernel runs --
+
+// A call's x [.., K] (rank 1 to 4; its rows are all dims but the last) and out [.., N] (x's dims but the last, then
+// N): out's shape for a wrapper that allocates it (out null in the views).
+struct Rows {
+  int64_t rows = 0, in_features = 0;
+  int32_t out_rank = 0;
+  int64_t out_sizes[4] = {};
+};
+
+inline bool rows_valid(const char* op, const View& x, int64_t out_features, Rows& shape, Error& error) {
+  if (!check_tensor(op, "x", x, kFloat32, 1, 4, error)) return false;
+  shape.rows = 1;
+  for (int32_t i = 0; i + 1 < x.rank; ++i) {
+    shape.rows *= x.sizes[i];  // at most x's elements
+    shape.out_sizes[i] = x.sizes[i];
+  }
+  shape.in_features = x.sizes[x.rank - 1];
+  shape.out_rank = x.rank;
+  shape.out_sizes[x.rank - 1] = out_features;
+  return true;
+}
+
+// Whether out (null: the wrapper allocates it) is a dense float32 tensor of the shape Rows computed.
+inline bool out_valid(const char* op, const View* out, const Rows& shape, Error& error) {
+  if (out == nullptr) return true;
+  if (!check_tensor(op, "out", *out, kFloat32, shape.out_rank, shape.out_rank, error)) return false;
+  for (int32_t i = 0; i < shape.out_rank; ++i) {
+    if (out->sizes[i] != shape.out_sizes[i]) {
+      return error.set("%s: out must have x's shape with out_features (%lld) last", op,
+                       (long long)shape.out_sizes[shape.out_rank - 1]);
+    }
+  }
+  return true;
+}
+
+// The tensors of a q4_linear call as its wrapper got them; out null where the wrapper allocates it (Rows).
+struct Views {
+  const View *x, *weights, *lora_a, *lora_up, *out;
+};
+
+struct Checked {
+  Rows shape;
+  int64_t out_features, rank;
+};
+
+// Whether a q4_linear call is sound: x [.., K] float32, weights [ceil(N / 16), K / 32, 320] uint8, lora_a [K, r] and
+// lora_up [ceil(N / 16), r, 16] float32, out [.., N] float32, all dense; sizes_valid. Fills `call`, else `error`.
+inline bool validate(const Views& in, int64_t out_features, Checked& call, Error& error) {
+  constexpr const char* op = "q4_linear";
+  if (!rows_valid(op, *in.x, out_features, call.shape, error) ||
+      !check_tensor(op, "weights", *in.weights, kUint8, 3, 3, error) ||
+      !check_tensor(op, "lora_a", *in.lora_a, kFloat32, 2, 2, error) ||
+      !check_tensor(op, "lora_up", *in.lora_up, kFloat32, 3, 3, error)) {
+    return false;
+  }
+  const int64_t depth = call.shape.in_features, rank = in.lora_a->sizes[1];
+  if (!sizes_valid(op, call.shape.rows, depth, out_features, rank, error)) return false;
+  const int64_t tiles = tiles_of(out_features), blocks = depth / BLOCK;
+  const int64_t *w = in.weights->sizes, *up = in.lora_up->sizes;
+  if (w[0] != tiles || w[1] != blocks || w[2] != TILE_BYTES) {
+    return error.set("%s: the packed weights must be [ceil(out_features / 16), in_features / 32, 320] = [%lld, %lld, "
+                     "320] bytes, got [%lld, %lld, %lld]", op, (long long)tiles, (long long)blocks, (long long)w[0],
+                     (long long)w[1], (long long)w[2]);
+  }
+  if (in.lora_a->sizes[0] != depth || up[0] != tiles || up[1] != rank || up[2] != TILE) {
+    return error.set("%s: the LoRA must be A [in_features, rank] = [%lld, r] and U [ceil(out_features / 16), rank, "
+                     "16] = [%lld, r, 16]", op, (long long)depth, (long long)tiles);
+  }
+  if (!out_valid(op, in.out, call.shape, error)) return false;
+  call.out_features = out_features;
+  call.rank = rank;
+  return true;
+}
+
 // One call: its rows prepared (quantized, x · A), then its tiles. Both phases split into independent parts, rows
 // then columns, that a wrapper hands to its threads in any grouping: a row's bits never depend on the grouping.
 class Call {
@@ -359,6 +444,12 @@ class Call {
         xs_(xd_.size()), xa_(rows * rank),
         args_{xq_.data(), xd_.data(), xs_.data(), weights, xa_.data(), lora_up, out, rows, in_features, out_features,
               rank} {}
+
+  // A validated call into `out` (the views' or the one its wrapper allocated); may throw std::bad_alloc.
+  Call(const Views& in, const Checked& c, float* out, int64_t path)
+      : Call(static_cast<const float*>(in.x->data), static_cast<const uint8_t*>(in.weights->data),
+             static_cast<const float*>(in.lora_a->data), static_cast<const float*>(in.lora_up->data), out,
+             c.shape.rows, c.shape.in_features, c.out_features, c.rank, path) {}
 
   int64_t rows() const { return args_.rows; }
   int64_t tiles() const { return tiles_of(args_.out_features); }
@@ -381,19 +472,11 @@ class Call {
   Args args_;
 };
 
-// A prepared call's tiles on `threads` std::threads in contiguous shares, this one taking the first (the C ABIs;
-// the engines' wrappers use their own thread pools). Any `Call` with tiles() and run(first, last).
+// A prepared call's tiles on `threads` std::threads in contiguous shares (the C ABIs; the engines' wrappers use
+// their own thread pools). Any `Call` with tiles() and run(first, last); false if a share failed.
 template <typename C>
-void run_on_threads(const C& call, int64_t threads) {
-  const int64_t tiles = call.tiles();
-  threads = threads < 1 ? 1 : (threads > tiles ? tiles : threads);
-  const int64_t share = (tiles + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int64_t first = share; first < tiles; first += share) {
-    pool.emplace_back([&call, first, share, tiles] { call.run(first, first + share < tiles ? first + share : tiles); });
-  }
-  call.run(0, share < tiles ? share : tiles);
-  for (auto& worker : pool) worker.join();
+bool run_on_threads(const C& call, int64_t threads) {
+  return run_shares(call.tiles(), threads, [&call](int64_t first, int64_t last) { call.run(first, last); });
 }
 
 }  // namespace streamfuse::q4

@@ -143,6 +143,38 @@ inline void run_tiles(const Args& a, int64_t path, int64_t first, int64_t last) 
   tiles_portable(a, first, last);
 }
 
+// The tensors of a q8_tiles call as its wrapper got them; out null where the wrapper allocates it (q4::Rows).
+struct Views {
+  const View *x, *codes, *scales, *out;
+};
+
+struct Checked {
+  q4::Rows shape;
+  int64_t out_features;
+};
+
+// Whether a q8_tiles call is sound: x [.., K] float32, codes [ceil(N / 16) · K/32 · 512] int8, scales
+// [ceil(N / 16) · K/32 · 16] float32, out [.., N] float32, all dense; q4::sizes_valid. Fills `call`, else `error`.
+inline bool validate(const Views& in, int64_t out_features, Checked& call, Error& error) {
+  constexpr const char* op = "q8_linear";
+  int64_t codes = 0, scales = 0;
+  if (!q4::rows_valid(op, *in.x, out_features, call.shape, error) ||
+      !check_tensor(op, "codes", *in.codes, kInt8, 1, 1, error, &codes) ||
+      !check_tensor(op, "scales", *in.scales, kFloat32, 1, 1, error, &scales) ||
+      !q4::sizes_valid(op, call.shape.rows, call.shape.in_features, out_features, 0, error)) {
+    return false;
+  }
+  const int64_t blocks = q4::tiles_of(out_features) * (call.shape.in_features / BLOCK);
+  if (codes != blocks * CODES_BYTES || scales != blocks * TILE) {
+    return error.set("%s: codes must hold ceil(out_features / 16) x in_features / 32 x 512 = %lld int8 and scales 16 "
+                     "floats a block (%lld), got %lld and %lld", op, (long long)(blocks * CODES_BYTES),
+                     (long long)(blocks * TILE), (long long)codes, (long long)scales);
+  }
+  if (!q4::out_valid(op, in.out, call.shape, error)) return false;
+  call.out_features = out_features;
+  return true;
+}
+
 // One call, as q4::Call: rows prepared (quantized) in parts, then tiles in parts.
 class Call {
  public:
@@ -151,6 +183,12 @@ class Call {
       : x_(x), path_(path), xq_(rows * in_features), xd_(rows * (in_features / BLOCK)), xs_(xd_.size()),
         xsum_(xd_.size()),
         args_{xq_.data(), xd_.data(), xsum_.data(), codes, scales, out, rows, in_features, out_features} {}
+
+  // A validated call into `out` (the views' or the one its wrapper allocated); may throw std::bad_alloc.
+  Call(const Views& in, const Checked& c, float* out, int64_t path)
+      : Call(static_cast<const float*>(in.x->data), static_cast<const int8_t*>(in.codes->data),
+             static_cast<const float*>(in.scales->data), out, c.shape.rows, c.shape.in_features, c.out_features,
+             path) {}
 
   int64_t rows() const { return args_.rows; }
   int64_t tiles() const { return q4::tiles_of(args_.out_features); }

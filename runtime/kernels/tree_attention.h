@@ -22,11 +22,14 @@
 #pragma once
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
+
+#include "boundary.h"
 
 namespace streamfuse {
 
@@ -106,7 +109,8 @@ inline float exp_poly(float x) {
   const float r = (clamped - n * LN2_HI) - n * LN2_LO;
   float p = EXP_POLY[6];
   for (int c = 5; c >= 0; --c) p = p * r + EXP_POLY[c];
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  // n is NaN only where x is (the result is NaN whatever the scale): 0 keeps the conversion defined.
+  int32_t bits = ((n == n ? static_cast<int32_t>(n) : 0) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < EXP_FLOOR ? 0.f : p * scale;
@@ -192,7 +196,7 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
     for (; j + LANES <= a.start; j += LANES) {
       for (int64_t q = 0; q < n; ++q) {
         const Lanes score = dot8(query[q], kc + j * dim, dim) * a.scale;
-        std::memcpy(&s.scores[q * keys + j], &score, sizeof(score));
+        std::memcpy(s.scores.data() + q * keys + j, &score, sizeof(score));
         tops[q] = score > tops[q] ? score : tops[q];
       }
     }
@@ -201,7 +205,7 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
     }
   }
   for (int64_t q = 0; q < n; ++q) {
-    float* scores = &s.scores[q * keys];
+    float* scores = s.scores.data() + q * keys;
     for (int64_t k = j; k < a.start; ++k) {
       scores[k] = dot(query[q], kc + k * dim, dim) * a.scale;
       top[q] = scores[k] > top[q] ? scores[k] : top[q];
@@ -225,14 +229,15 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
   for (int64_t first = 0; first < a.start; first += KEY_BLOCK) {
     const int64_t count = std::min(KEY_BLOCK, a.start - first);
     for (int64_t q = 0; q < n; ++q) {
-      accumulate(total[q], &s.acc[q * blocks], &s.scores[q * keys + first], vc + first * dim, count, blocks, dim);
+      accumulate(total[q], s.acc.data() + q * blocks, s.scores.data() + q * keys + first, vc + first * dim, count,
+                 blocks, dim);
       for (int64_t k = first; k < first + count; ++k) {
         for (int64_t l = 0; l < rest; ++l) tail[q][l] += s.scores[q * keys + k] * vc[k * dim + blocks * LANES + l];
       }
     }
   }
   auto add = [&](int64_t q, float p, const float* v) {
-    accumulate(total[q], &s.acc[q * blocks], &p, v, 1, blocks, dim);
+    accumulate(total[q], s.acc.data() + q * blocks, &p, v, 1, blocks, dim);
     for (int64_t l = 0; l < rest; ++l) tail[q][l] += p * v[blocks * LANES + l];
   };
   for (int64_t q = 0; q < n; ++q) {
@@ -249,21 +254,27 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
 }
 
 // Tasks [begin, end) of kv_heads * rows * group, task = g * rows * group + i (query i of KV head g, as in
-// attend_batch): a thread's share reads each KV head it touches once per BATCH queries.
-inline void attend_tasks(const TreeAttentionArgs& a, int64_t begin, int64_t end) {
-  const int64_t per_head = a.rows * (a.heads / a.kv_heads);
-  Scratch scratch;
-  while (begin < end) {
-    const int64_t g = begin / per_head, i = begin % per_head;
-    const int64_t stop = std::min({end - begin, per_head - i, BATCH});
-    attend_batch(a, g, i, i + stop, scratch);
-    begin += stop;
+// attend_batch): a thread's share reads each KV head it touches once per BATCH queries. False if its scratch
+// could not be allocated (nothing escapes: the engines call it from their thread pools).
+inline bool attend_tasks(const TreeAttentionArgs& a, int64_t begin, int64_t end) noexcept {
+  try {
+    const int64_t per_head = a.rows * (a.heads / a.kv_heads);
+    Scratch scratch;
+    while (begin < end) {
+      const int64_t g = begin / per_head, i = begin % per_head;
+      const int64_t stop = std::min({end - begin, per_head - i, BATCH});
+      attend_batch(a, g, i, i + stop, scratch);
+      begin += stop;
+    }
+    return true;
+  } catch (...) {
+    return false;
   }
 }
 
 // Rows x in [0, store) of the extra keys and values into slots start + x of one layer's caches (pointers to
 // [kv_heads, capacity, dim]), every KV head; rows past the capacity are dropped (a padded prefill chunk may
-// run past the end). The callers check 0 <= start <= capacity and 0 <= store <= extra.
+// run past the end). validate_attention checks 0 <= start <= capacity and 0 <= store <= extra.
 inline void store_rows(float* k_cache, float* v_cache, const float* k_extra, const float* v_extra, int64_t kv_heads,
                        int64_t capacity, int64_t dim, int64_t start, int64_t extra, int64_t store) {
   const int64_t rows = std::min(store, capacity - start);
@@ -275,42 +286,203 @@ inline void store_rows(float* k_cache, float* v_cache, const float* k_extra, con
   }
 }
 
-// What is wrong with a commit_rows call, or nullptr: accepted [count] holds ascending nodes >= 0, then -1
-// padding; *kept is set to their number n, and base = start - n is where they go.
-inline const char* commit_error(int64_t capacity, int64_t start, const int64_t* accepted, int64_t count,
-                                int64_t* kept) {
+
+// --- validation: every wrapper (C ABI, ExecuTorch, ONNX Runtime) checks its tensors here before a kernel runs --
+
+// The tensors of an attention call as its wrapper got them; out is null where the wrapper allocates it afterwards
+// (ONNX Runtime), from AttentionCall::out_sizes.
+struct AttentionViews {
+  const View *query, *k_cache, *v_cache, *start, *k_extra, *v_extra, *visible, *out;
+};
+
+// A checked attention call: the kernel's arguments (the caches' pointers at `layer`; out is null where the views'
+// was), the store and out's shape.
+struct AttentionCall {
+  TreeAttentionArgs args;
+  float *k_layer, *v_layer;  // the same layer, written by the store
+  int64_t store;
+  int64_t out_sizes[4];  // [1, rows, heads, dim]
+};
+
+// Whether an attention call is sound: query [1, heads, rows, dim], k_cache = v_cache [layers, kv_heads, capacity,
+// dim], start [1] int64 in [0, capacity] (read only once its view is checked), k_extra = v_extra [1, kv_heads,
+// extra, dim], visible [rows, extra], out [1, rows, heads, dim], all float32 but start and dense; heads a positive
+// multiple of kv_heads; layer in [0, layers), store in [0, extra], scale finite. Fills `call`, else `error`.
+inline bool validate_attention(const AttentionViews& in, int64_t layer, double scale, int64_t store,
+                               AttentionCall& call, Error& error) {
+  constexpr const char* op = "tree_attention";
+  int64_t count = 0;
+  if (!check_tensor(op, "query", *in.query, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "k_cache", *in.k_cache, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "v_cache", *in.v_cache, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "k_extra", *in.k_extra, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "v_extra", *in.v_extra, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "visible", *in.visible, kFloat32, 2, 2, error)) {
+    return false;
+  }
+  if (!check_tensor(op, "start", *in.start, kInt64, 1, 1, error, &count)) return false;
+  if (count != 1) return error.set("%s: start must hold one number ([1] int64), got %lld", op, (long long)count);
+  const int64_t *q = in.query->sizes, *c = in.k_cache->sizes, *x = in.k_extra->sizes;
+  if (q[0] != 1 || x[0] != 1) {
+    return error.set("%s: query and k_extra must have a batch of 1 ([1, heads, rows, dim], [1, kv_heads, extra, "
+                     "dim]), got %lld and %lld", op, (long long)q[0], (long long)x[0]);
+  }
+  if (!same_shape(*in.k_cache, *in.v_cache) || !same_shape(*in.k_extra, *in.v_extra)) {
+    return error.set("%s: v_cache must have k_cache's shape and v_extra k_extra's", op);
+  }
+  const int64_t heads = q[1], rows = q[2], dim = q[3], kv_heads = c[1], capacity = c[2], extra = x[2];
+  if (dim < 1 || c[3] != dim || x[3] != dim) {
+    return error.set("%s: query, the caches and the extra keys must share one head_dim >= 1, got %lld, %lld and "
+                     "%lld", op, (long long)dim, (long long)c[3], (long long)x[3]);
+  }
+  if (kv_heads < 1 || x[1] != kv_heads || heads < 1 || heads % kv_heads != 0) {
+    return error.set("%s: heads (%lld) must be a positive multiple of kv_heads (the caches' %lld, the extra "
+                     "keys' %lld)", op, (long long)heads, (long long)kv_heads, (long long)x[1]);
+  }
+  const int64_t* seen = in.visible->sizes;
+  if (seen[0] != rows || seen[1] != extra) {
+    return error.set("%s: visible must be [rows, extra] = [%lld, %lld], got [%lld, %lld]", op, (long long)rows,
+                     (long long)extra, (long long)seen[0], (long long)seen[1]);
+  }
+  if (layer < 0 || layer >= c[0]) {
+    return error.set("%s: layer %lld is outside the cache's %lld layers", op, (long long)layer, (long long)c[0]);
+  }
+  if (store < 0 || store > extra) {
+    return error.set("%s: store %lld is outside [0, %lld] (the extra rows)", op, (long long)store, (long long)extra);
+  }
+  if (!(std::fabs(scale) <= FLT_MAX)) return error.set("%s: scale must be a finite float32", op);
+  const int64_t start = *static_cast<const int64_t*>(in.start->data);
+  if (start < 0 || start > capacity) {
+    return error.set("%s: start %lld is outside the cache's %lld slots", op, (long long)start, (long long)capacity);
+  }
+  const int64_t out_sizes[4] = {1, rows, heads, dim};
+  if (in.out != nullptr) {
+    if (!check_tensor(op, "out", *in.out, kFloat32, 4, 4, error)) return false;
+    const int64_t* o = in.out->sizes;
+    if (o[0] != 1 || o[1] != rows || o[2] != heads || o[3] != dim) {
+      return error.set("%s: out must be [1, rows, heads, dim] = [1, %lld, %lld, %lld], got [%lld, %lld, %lld, %lld]",
+                       op, (long long)rows, (long long)heads, (long long)dim, (long long)o[0], (long long)o[1],
+                       (long long)o[2], (long long)o[3]);
+    }
+  }
+  const int64_t offset = layer * kv_heads * capacity * dim;  // < the cache's elements: no overflow
+  float* k_layer = static_cast<float*>(in.k_cache->data) + offset;
+  float* v_layer = static_cast<float*>(in.v_cache->data) + offset;
+  call.args = {static_cast<const float*>(in.query->data), k_layer, v_layer,
+               static_cast<const float*>(in.k_extra->data), static_cast<const float*>(in.v_extra->data),
+               static_cast<const float*>(in.visible->data),
+               in.out != nullptr ? static_cast<float*>(in.out->data) : nullptr,
+               heads, kv_heads, rows, dim, capacity, start, extra, static_cast<float>(scale)};
+  call.k_layer = k_layer;
+  call.v_layer = v_layer;
+  call.store = store;
+  std::copy(out_sizes, out_sizes + 4, call.out_sizes);
+  return true;
+}
+
+// The store of a checked call (after its attention).
+inline void store_rows(const AttentionCall& call) {
+  const TreeAttentionArgs& a = call.args;
+  store_rows(call.k_layer, call.v_layer, a.k_extra, a.v_extra, a.kv_heads, a.capacity, a.dim, a.start, a.extra,
+             call.store);
+}
+
+// A checked commit_rows call: n = kept accepted nodes move to slots base = start - n.. of every layer and KV head.
+struct CommitCall {
+  float *k_cache, *v_cache;
+  int64_t layers, kv_heads, capacity, dim, start, kept;
+  const int64_t* accepted;
+};
+
+// accepted's first values, for a message: "[0, 3, 3, -1]" (at most 8, then "...").
+struct AcceptedText {
+  char text[160] = {};
+  AcceptedText(const int64_t* accepted, int64_t count) {
+    int used = std::snprintf(text, sizeof(text), "[");
+    for (int64_t j = 0; j < count && j < 8 && used > 0 && used < 120; ++j) {
+      used += std::snprintf(text + used, sizeof(text) - used, j ? ", %lld" : "%lld", (long long)accepted[j]);
+    }
+    if (used > 0 && used < 140) std::snprintf(text + used, sizeof(text) - used, count > 8 ? ", ...]" : "]");
+  }
+};
+
+// Whether accepted [count] holds ascending nodes >= 0, then -1 padding, whose rows base + accepted[j] (base = start
+// - n) all lie in the cache; *kept = n. Every comparison is between values already known in range: no sum wraps.
+inline bool commit_valid(int64_t capacity, int64_t start, const int64_t* accepted, int64_t count, int64_t* kept,
+                         Error& error) {
+  constexpr const char* op = "commit_rows";
   int64_t n = 0;
   while (n < count && accepted[n] >= 0) ++n;
   *kept = n;
   for (int64_t j = n; j < count; ++j) {
-    if (accepted[j] != -1) return "commit_rows: accepted must be its nodes >= 0 first, then only -1 padding";
+    if (accepted[j] != -1) {
+      return error.set("%s: accepted %s must be its nodes >= 0 first, then only -1 padding", op,
+                       AcceptedText(accepted, count).text);
+    }
   }
   for (int64_t j = 1; j < n; ++j) {
-    if (accepted[j] <= accepted[j - 1]) return "commit_rows: accepted's nodes must be strictly increasing";
+    if (accepted[j] <= accepted[j - 1]) {
+      return error.set("%s: accepted %s's nodes must be strictly increasing", op, AcceptedText(accepted, count).text);
+    }
   }
-  if (start < n) return "commit_rows: start is less than the number of accepted nodes (base = start - n < 0)";
-  if (start > capacity) return "commit_rows: start is outside the cache";
-  if (n > 0 && start - n + accepted[n - 1] >= capacity) return "commit_rows: an accepted node's row is past the cache";
-  return nullptr;
+  if (start < 0 || start > capacity) {
+    return error.set("%s: start %lld is outside the cache's %lld slots", op, (long long)start, (long long)capacity);
+  }
+  if (start < n) {
+    return error.set("%s: start %lld is less than the %lld accepted nodes (base = start - n < 0)", op,
+                     (long long)start, (long long)n);
+  }
+  const int64_t base = start - n;  // in [0, capacity]
+  if (n > 0 && accepted[n - 1] >= capacity - base) {
+    int64_t row = 0;
+    if (__builtin_add_overflow(base, accepted[n - 1], &row)) row = INT64_MAX;
+    return error.set("%s: accepted node %lld is row %lld, past the cache's %lld slots", op,
+                     (long long)accepted[n - 1], (long long)row, (long long)capacity);
+  }
+  return true;
 }
 
-// Slot base + j of every layer and KV head receives slot base + accepted[j], j = 0..n-1 ascending (caches
-// [layers, kv_heads, capacity, dim]). accepted[j] >= j (strictly increasing from >= 0), so the source is never
-// a slot already overwritten. Returns commit_error's message, copying nothing, when the call is wrong.
-inline const char* commit_rows(float* k_cache, float* v_cache, int64_t layers, int64_t kv_heads, int64_t capacity,
-                               int64_t dim, int64_t start, const int64_t* accepted, int64_t count) {
-  int64_t n = 0;
-  if (const char* error = commit_error(capacity, start, accepted, count, &n)) return error;
-  const int64_t base = start - n;
-  for (int64_t head = 0; head < layers * kv_heads; ++head) {
-    for (float* cache : {k_cache, v_cache}) {
-      float* slots = cache + (head * capacity + base) * dim;
-      for (int64_t j = 0; j < n; ++j) {
-        if (accepted[j] != j) std::memcpy(slots + j * dim, slots + accepted[j] * dim, dim * sizeof(float));
+// Whether a commit_rows call is sound: k_cache = v_cache [layers, kv_heads, capacity, dim] float32, start [1] and
+// accepted [count] int64 (read only once their views are checked), out (if given) [1] int64, all dense; then
+// commit_valid. Fills `call`, else `error`.
+inline bool validate_commit(const View& k_cache, const View& v_cache, const View& start, const View& accepted,
+                            const View* out, CommitCall& call, Error& error) {
+  constexpr const char* op = "commit_rows";
+  int64_t starts = 0, count = 0, outs = 1;
+  if (!check_tensor(op, "k_cache", k_cache, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "v_cache", v_cache, kFloat32, 4, 4, error) ||
+      !check_tensor(op, "start", start, kInt64, 1, 1, error, &starts) ||
+      !check_tensor(op, "accepted", accepted, kInt64, 1, 1, error, &count) ||
+      (out != nullptr && !check_tensor(op, "out", *out, kInt64, 1, 1, error, &outs))) {
+    return false;
+  }
+  if (!same_shape(k_cache, v_cache)) return error.set("%s: the caches must be [L, kv, C, d], both of one shape", op);
+  if (starts != 1 || outs != 1) return error.set("%s: start and out must each hold one number ([1] int64)", op);
+  const int64_t* c = k_cache.sizes;
+  const int64_t first = *static_cast<const int64_t*>(start.data);
+  const int64_t* nodes = static_cast<const int64_t*>(accepted.data);
+  int64_t kept = 0;
+  if (!commit_valid(c[2], first, nodes, count, &kept, error)) return false;
+  call = {static_cast<float*>(k_cache.data), static_cast<float*>(v_cache.data), c[0], c[1], c[2], c[3], first, kept,
+          nodes};
+  return true;
+}
+
+// Slot base + j of every layer and KV head receives slot base + accepted[j], j = 0..n-1 ascending. accepted[j] >= j
+// (strictly increasing from >= 0), so the source is never a slot already overwritten.
+inline void commit_rows(const CommitCall& call) {
+  const int64_t base = call.start - call.kept, dim = call.dim;
+  // Nothing to move: return before the loop over every layer and head (an empty cache may claim 2^40 of them, and
+  // may have no data to memcpy).
+  if (call.kept == 0 || dim == 0) return;
+  for (int64_t head = 0; head < call.layers * call.kv_heads; ++head) {
+    for (float* cache : {call.k_cache, call.v_cache}) {
+      float* slots = cache + (head * call.capacity + base) * dim;
+      for (int64_t j = 0; j < call.kept; ++j) {
+        if (call.accepted[j] != j) std::memcpy(slots + j * dim, slots + call.accepted[j] * dim, dim * sizeof(float));
       }
     }
   }
-  return nullptr;
 }
 
 }  // namespace streamfuse

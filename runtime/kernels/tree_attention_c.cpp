@@ -1,38 +1,48 @@
-// tree_attention.h behind a C ABI: the torch ops (runtime/tree_attention.py) call it through ctypes.
-#include <algorithm>
-#include <thread>
-#include <vector>
+// tree_attention.h behind a C ABI: the torch ops (runtime/tree_attention.py) call it through ctypes with a View of
+// every tensor. Each function validates them all (tree_attention.h) before reading any, returns 0 on success and
+// otherwise 1 with the one-line error in `message`; no C++ exception crosses it.
+#include <exception>
 
 #include "tree_attention.h"
 
-// The attention, then (after every thread joined) the store of the first `store` extra rows into the
-// layer's caches, whose pointers come in const only because the attention just reads them.
-extern "C" void streamfuse_tree_attention(const float* query, const float* k_cache, const float* v_cache,
-                                          const float* k_extra, const float* v_extra, const float* visible, float* out,
-                                          int64_t heads, int64_t kv_heads, int64_t rows, int64_t dim,
-                                          int64_t capacity, int64_t start, int64_t extra, float scale,
-                                          int64_t store, int64_t threads) {
-  const streamfuse::TreeAttentionArgs args{query, k_cache, v_cache, k_extra, v_extra, visible, out,
-                                           heads, kv_heads, rows, dim, capacity, start, extra, scale};
-  const int64_t tasks = rows * heads;
-  threads = std::max<int64_t>(1, std::min(threads, tasks));
-  if (threads == 1) {
-    streamfuse::attend_tasks(args, 0, tasks);
-  } else {
-    std::vector<std::thread> pool;
-    const int64_t share = (tasks + threads - 1) / threads;
-    for (int64_t begin = 0; begin < tasks; begin += share) {
-      pool.emplace_back([&args, begin, share, tasks] { streamfuse::attend_tasks(args, begin, std::min(begin + share, tasks)); });
-    }
-    for (auto& worker : pool) worker.join();
+// views: query, k_cache, v_cache, start, k_extra, v_extra, visible, out (tree_attention.h's AttentionViews). The
+// attention over `threads` threads (clamped to the rows x heads), then, after every thread joined, the store.
+extern "C" int streamfuse_tree_attention(const streamfuse::View* views, int64_t layer, double scale, int64_t store,
+                                         int64_t threads, char* message, int64_t size) noexcept {
+  using namespace streamfuse;
+  try {
+    const AttentionViews in{&views[0], &views[1], &views[2], &views[3], &views[4], &views[5], &views[6], &views[7]};
+    AttentionCall call{};
+    Error error;
+    if (!validate_attention(in, layer, scale, store, call, error)) return report(error.text(), message, size);
+    const int64_t tasks = call.args.rows * call.args.heads;
+    std::atomic<bool> ok{true};
+    const bool ran = run_shares(tasks, threads, [&](int64_t begin, int64_t end) {
+      if (!attend_tasks(call.args, begin, end)) ok = false;
+    });
+    if (!ran || !ok) return report("tree_attention: out of memory for the attention's scratch", message, size);
+    store_rows(call);
+    return 0;
+  } catch (const std::exception& failure) {
+    return report(failure.what(), message, size);
+  } catch (...) {
+    return report("tree_attention: an unknown C++ exception", message, size);
   }
-  streamfuse::store_rows(const_cast<float*>(k_cache), const_cast<float*>(v_cache), k_extra, v_extra, kv_heads,
-                         capacity, dim, start, extra, store);
 }
 
-// 0, or 1 when the call is wrong (nothing copied; the torch op checks first and names the error).
-extern "C" int streamfuse_commit_rows(float* k_cache, float* v_cache, int64_t layers, int64_t kv_heads,
-                                      int64_t capacity, int64_t dim, int64_t start, const int64_t* accepted,
-                                      int64_t count) {
-  return streamfuse::commit_rows(k_cache, v_cache, layers, kv_heads, capacity, dim, start, accepted, count) ? 1 : 0;
+// views: k_cache, v_cache, start, accepted, out; out receives start. Nothing is moved when the call is wrong.
+extern "C" int streamfuse_commit_rows(const streamfuse::View* views, char* message, int64_t size) noexcept {
+  using namespace streamfuse;
+  try {
+    CommitCall call{};
+    Error error;
+    if (!validate_commit(views[0], views[1], views[2], views[3], &views[4], call, error)) {
+      return report(error.text(), message, size);
+    }
+    commit_rows(call);
+    *static_cast<int64_t*>(views[4].data) = call.start;
+    return 0;
+  } catch (...) {
+    return report("commit_rows: an unknown C++ exception", message, size);
+  }
 }

@@ -3,11 +3,14 @@
 // runtime/q4_linear.py define the ops and their schemas). Loaded into the process before a program is (runtime/tree_attention.py
 // load_executorch_kernels); the attention is split over ExecuTorch's threadpool by rows and heads, never by keys.
 // Both write into the cache inputs, which must be the host's buffers (export/to_executorch.py host_inputs()).
+// Every kernel validates all its tensors first (the headers' validators, shared with the C ABI and ONNX Runtime),
+// fails the call with the one-line error in ExecuTorch's log otherwise, and lets no C++ exception out.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
-#include <vector>
+#include <atomic>
+#include <exception>
 
 #include "q4_linear.h"
 #include "q8_linear.h"
@@ -17,7 +20,55 @@ namespace {
 
 using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
+using executorch::runtime::Error;
 using executorch::runtime::KernelRuntimeContext;
+
+streamfuse::DType dtype_of(ScalarType type) {
+  switch (type) {
+    case ScalarType::Float: return streamfuse::kFloat32;
+    case ScalarType::Long: return streamfuse::kInt64;
+    case ScalarType::Byte: return streamfuse::kUint8;
+    case ScalarType::Char: return streamfuse::kInt8;
+    case ScalarType::Int: return streamfuse::kInt32;
+    case ScalarType::Half: return streamfuse::kFloat16;
+    case ScalarType::BFloat16: return streamfuse::kBFloat16;
+    case ScalarType::Double: return streamfuse::kFloat64;
+    case ScalarType::Bool: return streamfuse::kBool;
+    default: return streamfuse::kOtherType;
+  }
+}
+
+// A tensor as the validators see it (a rank past kMaxRank keeps no sizes: the validators refuse it by its rank).
+streamfuse::View view_of(const Tensor& t) {
+  const int32_t rank = static_cast<int32_t>(t.dim());
+  int64_t sizes[streamfuse::kMaxRank] = {};
+  for (int32_t i = 0; i < rank && i < streamfuse::kMaxRank; ++i) sizes[i] = t.size(i);
+  streamfuse::View view = streamfuse::dense_view(t.mutable_data_ptr(), dtype_of(t.scalar_type()), rank, sizes);
+  if (t.strides().data() != nullptr) {
+    for (int32_t i = 0; i < rank && i < streamfuse::kMaxRank; ++i) view.strides[i] = t.strides()[i];
+  }
+  return view;
+}
+
+// The call fails with `text` in ExecuTorch's log.
+void refuse(KernelRuntimeContext& context, const char* text, Error code = Error::InvalidArgument) {
+  ET_LOG(Error, "%s", text);
+  context.fail(code);
+}
+
+// Runs body() (which returns false when it refused the call), failing the call on any C++ exception.
+template <typename F>
+void guarded(KernelRuntimeContext& context, const char* op, const F& body) noexcept {
+  try {
+    body();
+  } catch (const std::exception& failure) {
+    ET_LOG(Error, "%s: %s", op, failure.what());
+    context.fail(Error::Internal);
+  } catch (...) {
+    ET_LOG(Error, "%s: an unknown C++ exception", op);
+    context.fail(Error::Internal);
+  }
+}
 
 // query [1, heads, rows, dim]; caches [layers, kv_heads, capacity, dim], of which `layer` is read; start [1]
 // int64; extra keys and values [1, kv_heads, extra, dim]; visible [rows, extra] float -> out [1, rows, heads, dim].
@@ -27,26 +78,24 @@ using executorch::runtime::KernelRuntimeContext;
 Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, const Tensor& k_cache,
                            const Tensor& v_cache, int64_t layer, const Tensor& start, const Tensor& k_extra,
                            const Tensor& v_extra, const Tensor& visible, double scale, int64_t store, Tensor& out) {
-  ET_KERNEL_CHECK(context, query.dim() == 4 && k_cache.dim() == 4 && k_extra.dim() == 4 && visible.dim() == 2,
-                  InvalidArgument, out);
-  ET_KERNEL_CHECK(context, query.scalar_type() == ScalarType::Float && start.scalar_type() == ScalarType::Long,
-                  InvalidArgument, out);
-  const int64_t first = start.const_data_ptr<int64_t>()[0];
-  ET_KERNEL_CHECK(context, first >= 0 && first <= k_cache.size(2), InvalidArgument, out);
-  ET_KERNEL_CHECK(context, layer >= 0 && layer < k_cache.size(0), InvalidArgument, out);
-  ET_KERNEL_CHECK(context, store >= 0 && store <= k_extra.size(2), InvalidArgument, out);
-  const int64_t offset = layer * k_cache.size(1) * k_cache.size(2) * k_cache.size(3);
-  const streamfuse::TreeAttentionArgs args{
-      query.const_data_ptr<float>(), k_cache.const_data_ptr<float>() + offset,
-      v_cache.const_data_ptr<float>() + offset,
-      k_extra.const_data_ptr<float>(), v_extra.const_data_ptr<float>(), visible.const_data_ptr<float>(),
-      out.mutable_data_ptr<float>(), query.size(1), k_cache.size(1), query.size(2), query.size(3),
-      k_cache.size(2), first, k_extra.size(2), static_cast<float>(scale)};
-  executorch::extension::parallel_for(0, args.rows * args.heads, 1, [&](int64_t begin, int64_t end) {
-    streamfuse::attend_tasks(args, begin, end);
+  guarded(context, "tree_attention", [&] {
+    const streamfuse::View views[8] = {view_of(query), view_of(k_cache), view_of(v_cache), view_of(start),
+                                       view_of(k_extra), view_of(v_extra), view_of(visible), view_of(out)};
+    const streamfuse::AttentionViews in{&views[0], &views[1], &views[2], &views[3],
+                                        &views[4], &views[5], &views[6], &views[7]};
+    streamfuse::AttentionCall call{};
+    streamfuse::Error error;
+    if (!streamfuse::validate_attention(in, layer, scale, store, call, error)) return refuse(context, error.text());
+    std::atomic<bool> ok{true};
+    executorch::extension::parallel_for(0, call.args.rows * call.args.heads, 1, [&](int64_t begin, int64_t end) {
+      if (!streamfuse::attend_tasks(call.args, begin, end)) ok = false;
+    });
+    if (!ok) {
+      return refuse(context, "tree_attention: out of memory for the attention's scratch",
+                    Error::MemoryAllocationFailed);
+    }
+    streamfuse::store_rows(call);
   });
-  streamfuse::store_rows(k_cache.mutable_data_ptr<float>() + offset, v_cache.mutable_data_ptr<float>() + offset,
-                         args.k_extra, args.v_extra, args.kv_heads, args.capacity, args.dim, first, args.extra, store);
   return out;
 }
 
@@ -54,20 +103,26 @@ Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, c
 // start: the graphs feed it to every attention call so that each runs after the commit.
 Tensor& commit_rows_out(KernelRuntimeContext& context, const Tensor& k_cache, const Tensor& v_cache,
                         const Tensor& start, const Tensor& accepted, Tensor& out) {
-  ET_KERNEL_CHECK(context, k_cache.dim() == 4 && v_cache.dim() == 4 && start.dim() == 1 && accepted.dim() == 1,
-                  InvalidArgument, out);
-  ET_KERNEL_CHECK(context, k_cache.scalar_type() == ScalarType::Float && v_cache.scalar_type() == ScalarType::Float &&
-                  start.scalar_type() == ScalarType::Long && accepted.scalar_type() == ScalarType::Long &&
-                  out.scalar_type() == ScalarType::Long && start.numel() == 1 && out.numel() == 1,
-                  InvalidArgument, out);
-  ET_KERNEL_CHECK(context, executorch::runtime::tensors_have_same_shape(k_cache, v_cache), InvalidArgument, out);
-  const int64_t first = start.const_data_ptr<int64_t>()[0];
-  const char* error = streamfuse::commit_rows(
-      k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(), k_cache.size(0), k_cache.size(1),
-      k_cache.size(2), k_cache.size(3), first, accepted.const_data_ptr<int64_t>(), accepted.size(0));
-  ET_KERNEL_CHECK_MSG(context, error == nullptr, InvalidArgument, out, "%s", error);
-  out.mutable_data_ptr<int64_t>()[0] = first;
+  guarded(context, "commit_rows", [&] {
+    const streamfuse::View views[5] = {view_of(k_cache), view_of(v_cache), view_of(start), view_of(accepted),
+                                       view_of(out)};
+    streamfuse::CommitCall call{};
+    streamfuse::Error error;
+    if (!streamfuse::validate_commit(views[0], views[1], views[2], views[3], &views[4], call, error)) {
+      return refuse(context, error.text());
+    }
+    streamfuse::commit_rows(call);
+    out.mutable_data_ptr<int64_t>()[0] = call.start;
+  });
   return out;
+}
+
+// A prepared linear call's rows, then its tiles, over ExecuTorch's threadpool (neither phase allocates or throws).
+template <typename C>
+void run_linear(C& call) {
+  using executorch::extension::parallel_for;
+  parallel_for(0, call.rows(), 1, [&](int64_t first, int64_t last) { call.prepare(first, last); });
+  parallel_for(0, call.tiles(), 4, [&](int64_t first, int64_t last) { call.run(first, last); });
 }
 
 // x [.., K] float, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16] -> out [.., N]: the
@@ -75,24 +130,16 @@ Tensor& commit_rows_out(KernelRuntimeContext& context, const Tensor& k_cache, co
 Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tensor& weights, const Tensor& lora_a,
                       const Tensor& lora_up, int64_t out_features, Tensor& out) {
   using namespace streamfuse::q4;
-  ET_KERNEL_CHECK(context, x.dim() >= 1 && weights.dim() == 3 && lora_a.dim() == 2 && lora_up.dim() == 3 &&
-                  out.dim() == x.dim(), InvalidArgument, out);
-  ET_KERNEL_CHECK(context, x.scalar_type() == ScalarType::Float && weights.scalar_type() == ScalarType::Byte &&
-                  lora_a.scalar_type() == ScalarType::Float && lora_up.scalar_type() == ScalarType::Float &&
-                  out.scalar_type() == ScalarType::Float, InvalidArgument, out);
-  const int64_t depth = x.size(x.dim() - 1), rows = depth > 0 ? x.numel() / depth : 0, rank = lora_a.size(1);
-  ET_KERNEL_CHECK_MSG(context, args_error(rows, depth, out_features, rank) == nullptr, InvalidArgument, out, "%s",
-                      args_error(rows, depth, out_features, rank));
-  const int64_t tiles = tiles_of(out_features), blocks = depth / BLOCK;
-  ET_KERNEL_CHECK(context, weights.size(0) == tiles && weights.size(1) == blocks && weights.size(2) == TILE_BYTES &&
-                  lora_a.size(0) == depth && lora_up.size(0) == tiles && lora_up.size(1) == rank &&
-                  lora_up.size(2) == TILE && out.numel() == rows * out_features &&
-                  out.size(out.dim() - 1) == out_features, InvalidArgument, out);
-  static const int64_t path = resolve_path(kAuto);
-  Call call(x.const_data_ptr<float>(), weights.const_data_ptr<uint8_t>(), lora_a.const_data_ptr<float>(),
-            lora_up.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, depth, out_features, rank, path);
-  executorch::extension::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) { call.prepare(first, last); });
-  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) { call.run(first, last); });
+  guarded(context, "q4_linear", [&] {
+    const streamfuse::View views[5] = {view_of(x), view_of(weights), view_of(lora_a), view_of(lora_up), view_of(out)};
+    const Views in{&views[0], &views[1], &views[2], &views[3], &views[4]};
+    Checked checked;
+    streamfuse::Error error;
+    if (!validate(in, out_features, checked, error)) return refuse(context, error.text());
+    static const int64_t path = resolve_path(kAuto);
+    Call call(in, checked, out.mutable_data_ptr<float>(), path);
+    run_linear(call);
+  });
   return out;
 }
 
@@ -100,23 +147,16 @@ Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tens
 Tensor& q8_tiles_out(KernelRuntimeContext& context, const Tensor& x, const Tensor& codes, const Tensor& scales,
                      int64_t out_features, Tensor& out) {
   using namespace streamfuse;
-  ET_KERNEL_CHECK(context, x.dim() >= 1 && codes.dim() == 1 && scales.dim() == 1 && out.dim() == x.dim(),
-                  InvalidArgument, out);
-  ET_KERNEL_CHECK(context, x.scalar_type() == ScalarType::Float && codes.scalar_type() == ScalarType::Char &&
-                  scales.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
-                  InvalidArgument, out);
-  const int64_t depth = x.size(x.dim() - 1), rows = depth > 0 ? x.numel() / depth : 0;
-  ET_KERNEL_CHECK_MSG(context, q4::args_error(rows, depth, out_features, 0) == nullptr, InvalidArgument, out, "%s",
-                      q4::args_error(rows, depth, out_features, 0));
-  const int64_t tiles = q4::tiles_of(out_features), blocks = depth / q8::BLOCK;
-  ET_KERNEL_CHECK(context, codes.numel() == tiles * blocks * q8::CODES_BYTES &&
-                  scales.numel() == tiles * blocks * q8::TILE && out.numel() == rows * out_features &&
-                  out.size(out.dim() - 1) == out_features, InvalidArgument, out);
-  static const int64_t path = q4::resolve_path(q4::kAuto);
-  q8::Call call(x.const_data_ptr<float>(), codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
-                out.mutable_data_ptr<float>(), rows, depth, out_features, path);
-  executorch::extension::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) { call.prepare(first, last); });
-  executorch::extension::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) { call.run(first, last); });
+  guarded(context, "q8_linear", [&] {
+    const View views[4] = {view_of(x), view_of(codes), view_of(scales), view_of(out)};
+    const q8::Views in{&views[0], &views[1], &views[2], &views[3]};
+    q8::Checked checked;
+    streamfuse::Error error;
+    if (!q8::validate(in, out_features, checked, error)) return refuse(context, error.text());
+    static const int64_t path = q4::resolve_path(q4::kAuto);
+    q8::Call call(in, checked, out.mutable_data_ptr<float>(), path);
+    run_linear(call);
+  });
   return out;
 }
 

@@ -19,10 +19,12 @@
 // each entry is read at its fixed index; the indices are those of the API's public header (1.17 onwards, which
 // added KernelContext_ParallelFor), and OrtCustomOp is that header's struct as of API version 18.
 // RegisterCustomOps asks for API version kApiVersion and fails with a message on an older runtime.
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <string>
-#include <vector>
 
 #include "q4_linear.h"
 #include "q8_linear.h"
@@ -44,7 +46,10 @@ struct OrtApiBase {
   const char* (*GetVersionString)();
 };
 
-enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7 };  // ONNXTensorElementDataType
+enum ElementType : int {  // ONNXTensorElementDataType
+  kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kInt64 = 7, kBool = 9, kFloat16 = 10, kDouble = 11,
+  kBFloat16 = 16
+};
 enum Characteristic : int { kRequired = 0 };                        // OrtCustomOpInputOutputCharacteristic
 enum MemType : int { kMemDefault = 0 };                             // OrtMemType
 enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };           // OrtErrorCode
@@ -160,14 +165,12 @@ struct Kernel {
   float scale = 0.f;
 };
 
-// What differs between the ops: their inputs (each checked against its name, element type and rank), output
-// type, attributes (read once per kernel) and work.
+// What differs between the ops: their inputs' element types (ONNX Runtime checks those; the op's validator in the
+// headers checks everything else), output type, attributes (read once per kernel) and work.
 struct Signature {
   const char* name;
   size_t inputs;
-  const char* const* names;
   const ElementType* types;
-  const int64_t* ranks;
   ElementType output;
   OrtStatus* (*attributes)(const OrtKernelInfo*, Kernel&);
   OrtStatus* (*compute)(const Kernel&, OrtKernelContext*);
@@ -180,46 +183,47 @@ struct Op {
 };
 const Signature& signature_of(const OrtCustomOp* op) { return *reinterpret_cast<const Op*>(op)->signature; }
 
-// A tensor input's data and shape.
-struct Input {
-  void* data = nullptr;
-  int64_t shape[4] = {};
-  size_t rank = 0;
-  const float* floats() const { return static_cast<const float*>(data); }
-  const int64_t* ints() const { return static_cast<const int64_t*>(data); }
-};
+streamfuse::DType dtype_of(ElementType type) {
+  switch (type) {
+    case kFloat: return streamfuse::kFloat32;
+    case kInt64: return streamfuse::kInt64;
+    case kUint8: return streamfuse::kUint8;
+    case kInt8: return streamfuse::kInt8;
+    case kInt32: return streamfuse::kInt32;
+    case kBool: return streamfuse::kBool;
+    case kFloat16: return streamfuse::kFloat16;
+    case kDouble: return streamfuse::kFloat64;
+    case kBFloat16: return streamfuse::kBFloat16;
+    default: return streamfuse::kOtherType;
+  }
+}
 
-OrtStatus* read_input(OrtKernelContext* context, const Signature& op, size_t index, Input& in) {
+// Input `index` as the validators see it (ONNX Runtime's tensors are dense; a rank past kMaxRank keeps no sizes:
+// the validators refuse it by its rank). The mutable accessor: the const one is newer than kApiVersion, and the
+// caches are written in place (the host's buffers: ONNX Runtime hands a CPU input over without a copy).
+OrtStatus* read_input(OrtKernelContext* context, size_t index, streamfuse::View& view) {
   const OrtValue* value = nullptr;
   RETURN_IF_ERROR(ort->input(context, index, &value));
   OrtTensorTypeAndShapeInfo* info = nullptr;
   RETURN_IF_ERROR(ort->type_and_shape(value, &info));
   ElementType type = kUndefined;
   size_t rank = 0;
+  int64_t sizes[streamfuse::kMaxRank] = {};
   OrtStatus* status = ort->element_type(info, &type);
   if (status == nullptr) status = ort->dims_count(info, &rank);
-  // a rank of 0 in the signature: any of 2..4 (Q4Linear's x, [.., K])
-  const size_t expected_rank = op.ranks[index] == 0 && rank >= 2 && rank <= 4 ? rank : op.ranks[index];
-  if (status == nullptr && rank == expected_rank) status = ort->dims(info, in.shape, rank);
+  if (status == nullptr && rank <= streamfuse::kMaxRank) status = ort->dims(info, sizes, rank);
   ort->release_shape(info);
   if (status != nullptr) return status;
-  in.rank = rank;
-  const ElementType expected = op.types[index];
-  if (type != expected || rank != expected_rank) {
-    const char* type_name = expected == kInt64 ? " int64" : expected == kUint8 ? " uint8" : expected == kInt8 ? " int8"
-                                                                                                       : " float";
-    const std::string ranks = op.ranks[index] == 0 ? "2, 3 or 4" : std::to_string(expected_rank);
-    return fail(std::string(op.name) + ": input " + op.names[index] + " must be a rank-" + ranks + type_name +
-                " tensor");
-  }
-  // The mutable accessor: the const one is newer than kApiVersion, and the caches are written in place (the
-  // host's buffers: ONNX Runtime hands a CPU input over without a copy).
-  return ort->data(const_cast<OrtValue*>(value), &in.data);
+  void* data = nullptr;
+  RETURN_IF_ERROR(ort->data(const_cast<OrtValue*>(value), &data));
+  const int32_t clamped = rank > 1024 ? 1024 : static_cast<int32_t>(rank);
+  view = streamfuse::dense_view(data, dtype_of(type), clamped, sizes);
+  return nullptr;
 }
 
 template <size_t N>
-OrtStatus* read_inputs(OrtKernelContext* context, const Signature& op, Input (&in)[N]) {
-  for (size_t i = 0; i < N; ++i) RETURN_IF_ERROR(read_input(context, op, i, in[i]));
+OrtStatus* read_inputs(OrtKernelContext* context, streamfuse::View (&views)[N]) {
+  for (size_t i = 0; i < N; ++i) RETURN_IF_ERROR(read_input(context, i, views[i]));
   return nullptr;
 }
 
@@ -230,19 +234,18 @@ OrtStatus* output(OrtKernelContext* context, const int64_t* shape, size_t rank, 
 }
 
 // --- TreeAttention(query, k_cache, v_cache, start, k_extra, v_extra, visible; layer, scale, store) -> out ---
-constexpr const char* kAttentionNames[] = {"query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"};
 constexpr ElementType kAttentionTypes[] = {kFloat, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
-constexpr int64_t kAttentionRanks[] = {4, 4, 4, 1, 4, 4, 2};
 
 struct Work {
   const streamfuse::TreeAttentionArgs* args;
   int64_t tasks, share;
+  std::atomic<bool> ok{true};
 };
 
 void run_part(void* user, size_t part) {
-  const Work& work = *static_cast<const Work*>(user);
+  Work& work = *static_cast<Work*>(user);
   const int64_t begin = static_cast<int64_t>(part) * work.share;
-  streamfuse::attend_tasks(*work.args, begin, std::min(begin + work.share, work.tasks));
+  if (!streamfuse::attend_tasks(*work.args, begin, std::min(begin + work.share, work.tasks))) work.ok = false;
 }
 
 OrtStatus* attention_attributes(const OrtKernelInfo* info, Kernel& kernel) {
@@ -252,95 +255,80 @@ OrtStatus* attention_attributes(const OrtKernelInfo* info, Kernel& kernel) {
 }
 
 OrtStatus* attend(const Kernel& kernel, OrtKernelContext* context) {
-  Input in[7];
-  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
-  const int64_t* query = in[0].shape;
-  const int64_t* cache = in[1].shape;
-  const int64_t* extra = in[4].shape;
-  const int64_t heads = query[1], rows = query[2], dim = query[3], kv_heads = cache[1], capacity = cache[2];
-  const int64_t first = in[3].ints()[0];
-  bool shapes_agree = cache[3] == dim && extra[1] == kv_heads && extra[3] == dim && kv_heads > 0 &&
-                      heads % kv_heads == 0 && in[6].shape[0] == rows && in[6].shape[1] == extra[2];
-  for (int i = 0; i < 4; ++i) shapes_agree = shapes_agree && in[2].shape[i] == cache[i] && in[5].shape[i] == extra[i];
-  if (!shapes_agree) return fail("TreeAttention: the inputs' shapes disagree (see runtime/tree_attention.py)");
-  if (kernel.layer < 0 || kernel.layer >= cache[0]) return fail("TreeAttention: layer outside the cache");
-  if (first < 0 || first > capacity) return fail("TreeAttention: start outside the cache");
-  if (kernel.store < 0 || kernel.store > extra[2]) return fail("TreeAttention: store outside [0, the extra rows]");
-  const int64_t out_shape[4] = {1, rows, heads, dim};
+  streamfuse::View views[7];
+  RETURN_IF_ERROR(read_inputs(context, views));
+  // ONNX Runtime's input order: start comes before the extra keys
+  const streamfuse::AttentionViews in{&views[0], &views[1], &views[2], &views[3],
+                                      &views[4], &views[5], &views[6], nullptr};
+  streamfuse::AttentionCall call{};
+  streamfuse::Error error;
+  if (!streamfuse::validate_attention(in, kernel.layer, kernel.scale, kernel.store, call, error)) {
+    return fail(error.text());
+  }
   void* out = nullptr;
-  RETURN_IF_ERROR(output(context, out_shape, 4, &out));
-  const int64_t offset = kernel.layer * kv_heads * capacity * dim;
-  const streamfuse::TreeAttentionArgs args{in[0].floats(), in[1].floats() + offset, in[2].floats() + offset,
-                                           in[4].floats(), in[5].floats(), in[6].floats(), static_cast<float*>(out),
-                                           heads, kv_heads, rows, dim, capacity, first, extra[2], kernel.scale};
+  RETURN_IF_ERROR(output(context, call.out_sizes, 4, &out));
+  call.args.out = static_cast<float*>(out);
   // Parts of whole KV groups where a group fills a batch, else halves of a group: a part reads its KV head's
   // keys once for all its queries, and there are parts enough for the threads to share.
-  const int64_t tasks = rows * heads, per_head = tasks / kv_heads;
+  const int64_t tasks = call.args.rows * call.args.heads, per_head = tasks / call.args.kv_heads;
   if (tasks > 0) {
     const int64_t per_part = per_head > streamfuse::BATCH ? streamfuse::BATCH : (per_head + 1) / 2;
-    const Work work{&args, tasks, per_part};
+    Work work{&call.args, tasks, per_part};
     const int64_t parts = (tasks + per_part - 1) / per_part;
-    RETURN_IF_ERROR(ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, const_cast<Work*>(&work)));
+    RETURN_IF_ERROR(ort->parallel_for(context, run_part, static_cast<size_t>(parts), 0, &work));
+    if (!work.ok) return fail("tree_attention: out of memory for the attention's scratch");
   }
   // After the attention (ParallelFor returns when every part is done); the schema does not declare this write.
-  streamfuse::store_rows(static_cast<float*>(in[1].data) + offset, static_cast<float*>(in[2].data) + offset,
-                         in[4].floats(), in[5].floats(), kv_heads, capacity, dim, first, extra[2], kernel.store);
+  streamfuse::store_rows(call);
   return nullptr;
 }
 
 // --- CommitRows(k_cache, v_cache, start, accepted) -> out, a copy of start -------------------------------------
-constexpr const char* kCommitNames[] = {"k_cache", "v_cache", "start", "accepted"};
 constexpr ElementType kCommitTypes[] = {kFloat, kFloat, kInt64, kInt64};
-constexpr int64_t kCommitRanks[] = {4, 4, 1, 1};
 
-OrtStatus* commit(const Kernel& kernel, OrtKernelContext* context) {
-  Input in[4];
-  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
-  const int64_t* cache = in[0].shape;
-  bool shapes_agree = in[2].shape[0] == 1;
-  for (int i = 0; i < 4; ++i) shapes_agree = shapes_agree && in[1].shape[i] == cache[i];
-  if (!shapes_agree) return fail("CommitRows: the caches' shapes differ or start is not one number");
-  const int64_t first = in[2].ints()[0];
-  const char* error = streamfuse::commit_rows(static_cast<float*>(in[0].data), static_cast<float*>(in[1].data),
-                                              cache[0], cache[1], cache[2], cache[3], first, in[3].ints(),
-                                              in[3].shape[0]);
-  if (error != nullptr) return fail(error);
+OrtStatus* commit(const Kernel&, OrtKernelContext* context) {
+  streamfuse::View views[4];
+  RETURN_IF_ERROR(read_inputs(context, views));
+  streamfuse::CommitCall call{};
+  streamfuse::Error error;
+  if (!streamfuse::validate_commit(views[0], views[1], views[2], views[3], nullptr, call, error)) {
+    return fail(error.text());
+  }
+  streamfuse::commit_rows(call);
   const int64_t out_shape[1] = {1};
   void* out = nullptr;
   RETURN_IF_ERROR(output(context, out_shape, 1, &out));
-  *static_cast<int64_t*>(out) = first;
+  *static_cast<int64_t*>(out) = call.start;
   return nullptr;
 }
 
 // --- Q4Linear(x, weights, lora_a, lora_up; out_features) -> out --------------------------------------------------
-constexpr const char* kQ4Names[] = {"x", "weights", "lora_a", "lora_up"};
 constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat};
-constexpr int64_t kQ4Ranks[] = {0, 3, 2, 3};  // x: [.., K], rank 2 to 4
 constexpr int64_t kTilesPerPart = 4;  // ~5 KB of codes a row: parts enough for the threads, few enough to be cheap
 
-void prepare_q4_row(void* user, size_t row) {
-  auto& call = *static_cast<streamfuse::q4::Call*>(user);
-  call.prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
+template <typename C>
+void prepare_row(void* user, size_t row) {
+  static_cast<C*>(user)->prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
 }
 
-void run_q4_part(void* user, size_t part) {
-  const auto& call = *static_cast<const streamfuse::q4::Call*>(user);
+template <typename C>
+void run_tiles_part(void* user, size_t part) {
+  const auto& call = *static_cast<const C*>(user);
   const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
   call.run(first, std::min(first + kTilesPerPart, call.tiles()));
 }
 
-// x's rows (all dims but the last; their product at most 2^20) and the output's shape, or an error.
-OrtStatus* rows_of(const char* op, const Input& x, int64_t width, int64_t& rows, int64_t (&shape)[4]) {
-  rows = 1;
-  for (size_t i = 0; i + 1 < x.rank; ++i) {
-    if (x.shape[i] < 0 || x.shape[i] > (int64_t{1} << 20) || rows * x.shape[i] > (int64_t{1} << 20)) {
-      return fail(std::string(op) + ": x's rows (all its dims but the last) must number at most 2^20");
-    }
-    rows *= x.shape[i];
-    shape[i] = x.shape[i];
+// A prepared call's rows then tiles over ONNX Runtime's intra-op threads (neither phase allocates or throws).
+template <typename C>
+OrtStatus* run_linear(OrtKernelContext* context, C& call) {
+  if (call.rows() == 0) return nullptr;
+  if (call.rows() <= 2) {  // a decode or a small step: a parallel phase would cost more than the rows
+    call.prepare(0, call.rows());
+  } else {
+    RETURN_IF_ERROR(ort->parallel_for(context, prepare_row<C>, static_cast<size_t>(call.rows()), 0, &call));
   }
-  shape[x.rank - 1] = width;
-  return nullptr;
+  const size_t parts = static_cast<size_t>((call.tiles() + kTilesPerPart - 1) / kTilesPerPart);
+  return ort->parallel_for(context, run_tiles_part<C>, parts, 0, &call);
 }
 
 OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
@@ -349,88 +337,64 @@ OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
 
 OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
   using namespace streamfuse::q4;
-  Input in[4];
-  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
-  int64_t rows = 0, out_shape[4] = {};
-  const int64_t depth = in[0].shape[in[0].rank - 1], width = kernel.out_features, rank = in[2].shape[1];
-  RETURN_IF_ERROR(rows_of("Q4Linear", in[0], width, rows, out_shape));
-  if (const char* error = args_error(rows, depth, width, rank)) return fail(error);
-  const int64_t tiles = tiles_of(width), blocks = depth / BLOCK;
-  const int64_t* w = in[1].shape;
-  if (w[0] != tiles || w[1] != blocks || w[2] != TILE_BYTES || in[2].shape[0] != depth || in[3].shape[0] != tiles ||
-      in[3].shape[1] != rank || in[3].shape[2] != TILE) {
-    return fail("Q4Linear: weights must be [ceil(N / 16), K / 32, 320], lora_a [K, r] and lora_up [ceil(N / 16), r, "
-                "16] (runtime/q4_linear.py)");
-  }
+  streamfuse::View views[4];
+  RETURN_IF_ERROR(read_inputs(context, views));
+  const Views in{&views[0], &views[1], &views[2], &views[3], nullptr};
+  Checked checked;
+  streamfuse::Error error;
+  if (!validate(in, kernel.out_features, checked, error)) return fail(error.text());
   void* out = nullptr;
-  RETURN_IF_ERROR(output(context, out_shape, in[0].rank, &out));
-  if (rows == 0) return nullptr;
+  RETURN_IF_ERROR(output(context, checked.shape.out_sizes, checked.shape.out_rank, &out));
   static const int64_t path = resolve_path(kAuto);
-  Call call(in[0].floats(), static_cast<const uint8_t*>(in[1].data), in[2].floats(), in[3].floats(),
-            static_cast<float*>(out), rows, depth, width, rank, path);
-  if (rows <= 2) {  // a decode or a small step: a parallel phase would cost more than the rows
-    call.prepare(0, rows);
-  } else {
-    RETURN_IF_ERROR(ort->parallel_for(context, prepare_q4_row, static_cast<size_t>(rows), 0, &call));
-  }
-  const size_t parts = static_cast<size_t>((tiles + kTilesPerPart - 1) / kTilesPerPart);
-  return ort->parallel_for(context, run_q4_part, parts, 0, &call);
+  Call call(in, checked, static_cast<float*>(out), path);
+  return run_linear(context, call);
 }
 
 // --- Q8Linear(x, codes, scales; out_features) -> out --------------------------------------------------------------
-constexpr const char* kQ8Names[] = {"x", "codes", "scales"};
 constexpr ElementType kQ8Types[] = {kFloat, kInt8, kFloat};
-constexpr int64_t kQ8Ranks[] = {0, 1, 1};  // x: [.., K], rank 2 to 4; the codes and scales flat
-
-void prepare_q8_row(void* user, size_t row) {
-  static_cast<streamfuse::q8::Call*>(user)->prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
-}
-
-void run_q8_part(void* user, size_t part) {
-  const auto& call = *static_cast<const streamfuse::q8::Call*>(user);
-  const int64_t first = static_cast<int64_t>(part) * kTilesPerPart;
-  call.run(first, std::min(first + kTilesPerPart, call.tiles()));
-}
 
 OrtStatus* q8_linear(const Kernel& kernel, OrtKernelContext* context) {
   using namespace streamfuse;
-  Input in[3];
-  RETURN_IF_ERROR(read_inputs(context, *kernel.op, in));
-  int64_t rows = 0, out_shape[4] = {};
-  const int64_t depth = in[0].shape[in[0].rank - 1], width = kernel.out_features;
-  RETURN_IF_ERROR(rows_of("Q8Linear", in[0], width, rows, out_shape));
-  if (const char* error = q4::args_error(rows, depth, width, 0)) return fail(error);
-  const int64_t tiles = q4::tiles_of(width), blocks = depth / q8::BLOCK;
-  if (in[1].shape[0] != tiles * blocks * q8::CODES_BYTES || in[2].shape[0] != tiles * blocks * q8::TILE) {
-    return fail("Q8Linear: codes must hold ceil(N / 16) x K / 32 x 512 int8 and scales 16 floats a block "
-                "(runtime/q8_linear.py)");
-  }
+  View views[3];
+  RETURN_IF_ERROR(read_inputs(context, views));
+  const q8::Views in{&views[0], &views[1], &views[2], nullptr};
+  q8::Checked checked;
+  Error error;
+  if (!q8::validate(in, kernel.out_features, checked, error)) return fail(error.text());
   void* out = nullptr;
-  RETURN_IF_ERROR(output(context, out_shape, in[0].rank, &out));
-  if (rows == 0) return nullptr;
+  RETURN_IF_ERROR(output(context, checked.shape.out_sizes, checked.shape.out_rank, &out));
   static const int64_t path = q4::resolve_path(q4::kAuto);
-  q8::Call call(in[0].floats(), static_cast<const int8_t*>(in[1].data), in[2].floats(), static_cast<float*>(out),
-                rows, depth, width, path);
-  if (rows <= 2) {
-    call.prepare(0, rows);
-  } else {
-    RETURN_IF_ERROR(ort->parallel_for(context, prepare_q8_row, static_cast<size_t>(rows), 0, &call));
-  }
-  const size_t parts = static_cast<size_t>((tiles + kTilesPerPart - 1) / kTilesPerPart);
-  return ort->parallel_for(context, run_q8_part, parts, 0, &call);
+  q8::Call call(in, checked, static_cast<float*>(out), path);
+  return run_linear(context, call);
 }
 
-constexpr Signature kAttention{"TreeAttention", 7, kAttentionNames, kAttentionTypes, kAttentionRanks, kFloat,
-                               attention_attributes, attend};
-constexpr Signature kCommit{"CommitRows", 4, kCommitNames, kCommitTypes, kCommitRanks, kInt64, nullptr, commit};
-constexpr Signature kQ4Linear{"Q4Linear", 4, kQ4Names, kQ4Types, kQ4Ranks, kFloat, q4_attributes, q4_linear};
-constexpr Signature kQ8Linear{"Q8Linear", 3, kQ8Names, kQ8Types, kQ8Ranks, kFloat, q4_attributes, q8_linear};
+constexpr Signature kAttention{"TreeAttention", 7, kAttentionTypes, kFloat, attention_attributes, attend};
+constexpr Signature kCommit{"CommitRows", 4, kCommitTypes, kInt64, nullptr, commit};
+constexpr Signature kQ4Linear{"Q4Linear", 4, kQ4Types, kFloat, q4_attributes, q4_linear};
+constexpr Signature kQ8Linear{"Q8Linear", 3, kQ8Types, kFloat, q4_attributes, q8_linear};
+
+// `body`'s status, or a failed one for a C++ exception (none may cross into ONNX Runtime).
+template <typename F>
+OrtStatus* guarded(const F& body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception& failure) {
+    try {
+      return ort->create_status(kFail, (std::string("streamfuse op: ") + failure.what()).c_str());
+    } catch (...) {
+    }
+  } catch (...) {
+  }
+  return ort->create_status(kFail, "streamfuse op: a C++ exception");
+}
 
 OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** state) {
-  Kernel kernel{&signature_of(op)};
-  if (kernel.op->attributes != nullptr) RETURN_IF_ERROR(kernel.op->attributes(info, kernel));
-  *state = new Kernel(kernel);
-  return nullptr;
+  return guarded([&]() -> OrtStatus* {
+    Kernel kernel{&signature_of(op)};
+    if (kernel.op->attributes != nullptr) RETURN_IF_ERROR(kernel.op->attributes(info, kernel));
+    *state = new Kernel(kernel);
+    return nullptr;
+  });
 }
 
 Op make_op(const Signature& signature) {
@@ -449,7 +413,7 @@ Op make_op(const Signature& signature) {
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = [](void* state, OrtKernelContext* context) {
     const Kernel& kernel = *static_cast<const Kernel*>(state);
-    return kernel.op->compute(kernel, context);
+    return guarded([&] { return kernel.op->compute(kernel, context); });
   };
   return Op{op, &signature};
 }
@@ -462,9 +426,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
                                                                                const OrtApiBase* base) {
   const OrtApi* api = base->GetApi(kApiVersion);
   if (api == nullptr) {  // every runtime has version 1's CreateStatus
-    const std::string message = std::string("streamfuse's TreeAttention needs ONNX Runtime 1.17 or later, this is ") +
-                                base->GetVersionString() + ": pip install 'streamfuse[onnxruntime]'";
-    return entry<CreateStatusFn>(base->GetApi(1), 0)(kFail, message.c_str());
+    char message[200];
+    std::snprintf(message, sizeof(message), "streamfuse's TreeAttention needs ONNX Runtime 1.17 or later, this is "
+                  "%s: pip install 'streamfuse[onnxruntime]'", base->GetVersionString());
+    return entry<CreateStatusFn>(base->GetApi(1), 0)(kFail, message);
   }
   static const Api table(api);
   ort = &table;

@@ -1,0 +1,65 @@
+// Fuzz target: q4_linear's validator and kernel (runtime/kernels/q4_linear.h) on every instruction-set path this
+// CPU runs. x [.., K] of rank 1 to 4, packed weights, a LoRA of rank 0 to 3 and out, of consistent shapes from the
+// bytes, some views perturbed, any out_features; whatever the validator accepts runs on buffers of exactly the
+// claimed sizes (weights of any bytes: fp16 NaN and infinities among the scales).
+#include "../../runtime/kernels/q4_linear.h"
+#include "fuzz_common.h"
+
+namespace {
+
+// x's leading dims (rank - 1 of them, product `rows`) then `last`.
+std::vector<int64_t> leading(fuzz::Bytes& in, int32_t rank, int64_t last) {
+  std::vector<int64_t> sizes;
+  for (int32_t i = 0; i + 1 < rank; ++i) sizes.push_back(in.range(0, 3));
+  sizes.push_back(last);
+  return sizes;
+}
+
+void shape_of(fuzz::Tensor& t, streamfuse::DType dtype, const std::vector<int64_t>& sizes) {
+  t.view = streamfuse::dense_view(nullptr, dtype, static_cast<int32_t>(sizes.size()), sizes.data());
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace streamfuse;
+  using namespace streamfuse::q4;
+  fuzz::Bytes in(data, size);
+  const int32_t rank_x = static_cast<int32_t>(in.range(1, 4));
+  const int64_t depth = BLOCK * in.range(1, 3), width = in.range(1, 40), rank = in.range(0, 3);
+  const int64_t path = in.range(kPortable, kAvx512Vnni);
+  const int64_t tiles = tiles_of(width), blocks = depth / BLOCK;
+  fuzz::Tensor tensors[5];
+  std::vector<int64_t> x_sizes = leading(in, rank_x, depth), out_sizes = x_sizes;
+  out_sizes.back() = width;
+  shape_of(tensors[0], kFloat32, x_sizes);
+  tensors[1].shape(kUint8, {tiles, blocks, TILE_BYTES});
+  tensors[2].shape(kFloat32, {depth, rank});
+  tensors[3].shape(kFloat32, {tiles, rank, TILE});
+  shape_of(tensors[4], kFloat32, out_sizes);
+  fuzz::perturb_some(in, tensors, 24);
+  const bool pass_out = in.chance(224);  // else the wrapper allocates out (ONNX Runtime)
+  if (!pass_out) tensors[4] = fuzz::Tensor();
+  const int64_t out_features = in.chance(224) ? width : in.integer();
+  const bool honoured = fuzz::allocate_all(in, tensors);
+  const Views views{&tensors[0].view, &tensors[1].view, &tensors[2].view, &tensors[3].view,
+                    pass_out ? &tensors[4].view : nullptr};
+  Checked checked;
+  Error error;
+  const bool valid = validate(views, out_features, checked, error);
+  FUZZ_REQUIRE(valid == (error.text()[0] == '\0'));
+  for (const fuzz::Tensor& t : tensors) FUZZ_REQUIRE(!valid || !t.detached || fuzz::span(t.view) == 0);
+  if (!valid || !honoured || resolve_path(path) != path) return 0;
+  fuzz::Tensor allocated;  // where the wrapper allocates out (ONNX Runtime): exactly the shape it was told
+  float* out = tensors[4].as<float>();
+  if (views.out == nullptr) {
+    allocated.view = dense_view(nullptr, kFloat32, checked.shape.out_rank, checked.shape.out_sizes);
+    allocated.allocate(in);
+    if (!allocated.honoured) return 0;  // an out larger than the harness's buffers: validated, not run
+    out = allocated.as<float>();
+  }
+  Call call(views, checked, out, path);
+  call.prepare(0, call.rows());
+  call.run(0, call.tiles());
+  return 0;
+}
