@@ -17,7 +17,7 @@ layer. Neither schema declares these writes: the graphs feed commit_rows' output
 so a step's commit runs before its attention on every engine (they order nodes by data only), and a call's
 store touches only slots >= start, which no attention of the same call reads.
 The libraries are compiled when streamfuse is built or installed (`make kernels` after editing the sources)
-and only loaded here: runtime/kernel_library.py.
+and loaded by runtime/kernel_library.py.
 """
 
 from __future__ import annotations
@@ -28,12 +28,6 @@ import functools
 import numpy as np
 
 from streamfuse.runtime import kernel_library
-from streamfuse.runtime.kernel_library import (  # noqa: F401  (re-exported: the engines' sessions load them)
-    KernelUnavailable,
-    executorch_library_path,
-    load_executorch_kernels,
-    onnxruntime_library_path,
-)
 
 # The caches are written (store, commit) but not declared so (no `(a!)`): see the module docstring.
 SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "

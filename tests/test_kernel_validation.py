@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import q4_linear, q8_linear, tree_attention
+from streamfuse.runtime import kernel_library, q4_linear, q8_linear, tree_attention
 
 ATTEND, COMMIT, Q4 = tree_attention.torch_op(), tree_attention.commit_op(), q4_linear.torch_op()
 HEADS, KV, ROWS, DIM, CAPACITY, EXTRA, LAYERS = 4, 2, 3, 8, 16, 3, 2
@@ -279,7 +279,7 @@ def attention_session(layer: int = 1, store: int = 2):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
                               ir_version=10)
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+    options.register_custom_ops_library(str(kernel_library.onnxruntime_library_path()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -324,7 +324,7 @@ def test_onnxruntime_refuses_a_layer_or_store_out_of_range_and_a_bad_commit():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
                               ir_version=10)
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+    options.register_custom_ops_library(str(kernel_library.onnxruntime_library_path()))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     call = sound_call()
     for start, accepted, message in BAD_COMMITS[:2]:
@@ -358,7 +358,7 @@ def test_executorch_refuses_a_crafted_program_with_the_validators_message(capfd)
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    tree_attention.load_executorch_kernels()
+    kernel_library.load_executorch_kernels()
     for what, change, message in BAD_PROGRAMS:
         call = change(sound_call())
         inputs = tuple(call[n] for n in ("query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible"))

@@ -204,7 +204,7 @@ def test_executorch_kernel_is_the_reference():
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    from streamfuse.runtime.tree_attention import load_executorch_kernels
+    from streamfuse.runtime.kernel_library import load_executorch_kernels
 
     from streamfuse.export.q4_kernel import _tensor
 

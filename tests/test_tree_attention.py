@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import tree_attention
+from streamfuse.runtime import kernel_library, tree_attention
 
 OP = tree_attention.torch_op()
 COMMIT = tree_attention.commit_op()
@@ -249,7 +249,7 @@ def test_executorch_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads
     example = two_layers(0, rows, 13, torch.eye(rows))
     program = to_edge_transform_and_lower(torch.export.export(Attend(), example, strict=False)).to_executorch()
     (tmp_path / "attend.pte").write_bytes(program.buffer)
-    tree_attention.load_executorch_kernels()
+    kernel_library.load_executorch_kernels()
     for threads in (2, 1):  # ExecuTorch's threadpool splits the rows and heads, or does not
         set_executorch_threads(threads)
         method = Runtime.get().load_program(tmp_path / "attend.pte").load_method("forward")
@@ -286,7 +286,7 @@ def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_thread
     for threads in (2, 1):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+        options.register_custom_ops_library(str(kernel_library.onnxruntime_library_path()))
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
         for nodes, start, inputs in random_tree_calls(rows, 6, torch.Generator().manual_seed(7)):
@@ -342,7 +342,7 @@ def test_executorch_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_path
 
     program = torch.export.export(Step(), step_inputs(0, *STEPS[0]), strict=False)
     (tmp_path / "step.pte").write_bytes(to_edge_transform_and_lower(program).to_executorch(host_inputs()).buffer)
-    tree_attention.load_executorch_kernels()
+    kernel_library.load_executorch_kernels()
     method = Runtime.get().load_program(tmp_path / "step.pte").load_method("forward")
     for seed, (start, accepted) in enumerate(STEPS):
         inputs = step_inputs(seed, start, accepted)
@@ -364,7 +364,7 @@ def test_onnxruntime_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_pat
     torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False
                       ).save(str(path))
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(tree_attention.onnxruntime_library_path()))
+    options.register_custom_ops_library(str(kernel_library.onnxruntime_library_path()))
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     for seed, (start, accepted) in enumerate(STEPS):

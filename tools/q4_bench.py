@@ -131,7 +131,7 @@ def onnx_session(model: bytes, threads: int):
     import onnxruntime as ort
 
     from streamfuse.runtime.backends.sessions import ort_options
-    from streamfuse.runtime.tree_attention import onnxruntime_library_path
+    from streamfuse.runtime.kernel_library import onnxruntime_library_path
 
     options = ort_options(ort, threads)
     options.register_custom_ops_library(str(onnxruntime_library_path()))
