@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,build,executorch,coreml,data,app
 ARGS ?=
 
-.PHONY: build test venv kernels clean fuzz sanitize
+.PHONY: build test venv kernels clean fuzz sanitize lint
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,10 +24,15 @@ kernels: $(STAMP)
 	$(BIN)/python -m streamfuse.runtime.kernel_library
 
 build: kernels
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python export/build.py --task dialogsum $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/streamfuse build --task dialogsum $(ARGS)
 
 test: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff's lint and its formatter (pinned in the dev extra), as CI runs them: `$(BIN)/ruff format .` formats.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The C++ ops under AddressSanitizer and UndefinedBehaviorSanitizer (g++): their tables of sound and unsound calls
 # and the fuzz targets' seed corpus (tests/fuzz/).

@@ -21,10 +21,13 @@ def read_head_manifest(directory: Path, manifest_name: str, version: int, what: 
     (option: the build's config section that trains these heads)."""
     path = Path(directory) / manifest_name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {directory} holds no {what} (export/build.py "
-                                f"--set {option}.enabled=true makes them)")
+        raise FileNotFoundError(
+            f"{path} not found: {directory} holds no {what} (streamfuse build --set {option}.enabled=true makes them)"
+        )
     manifest = json.loads(path.read_text())
     if manifest.get("format_version") != version:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
-                         f"{version}: rebuild the {what}")
+        raise ValueError(
+            f"{path} has format_version {manifest.get('format_version')}, this streamfuse reads "
+            f"{version}: rebuild the {what}"
+        )
     return manifest

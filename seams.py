@@ -27,17 +27,35 @@ class Seam:
 
 SEAMS = {
     "executorch-threadpool": Seam("executorch", "1.4.1", "portable_lib._unsafe_reset_threadpool"),
-    "executorch-backend-options": Seam("executorch", "1.4.1", "C++ executorch::runtime::set_option/get_option and "
-                                       "BackendOption's layout (runtime/backend/options.h), through ctypes"),
-    "executorch-named-data": Seam("executorch", "1.4.1", "exir._serialize._named_data_store.NamedDataStore."
-                                  "add_named_data and exir.backend.backend_api.copy, replaced while lowering"),
+    "executorch-backend-options": Seam(
+        "executorch",
+        "1.4.1",
+        "C++ executorch::runtime::set_option/get_option and "
+        "BackendOption's layout (runtime/backend/options.h), through ctypes",
+    ),
+    "executorch-named-data": Seam(
+        "executorch",
+        "1.4.1",
+        "exir._serialize._named_data_store.NamedDataStore."
+        "add_named_data and exir.backend.backend_api.copy, replaced while lowering",
+    ),
     "executorch-ir-check": Seam("executorch", "1.4.1", "EdgeCompileConfig(_check_ir_validity=False)"),
-    "executorch-linear-config": Seam("executorch", "1.4.1", "xnnpack partition.config ALL_PARTITIONER_CONFIGS, "
-                                     "LinearConfig._get_weight_deps and utils.is_param_node, subclassed"),
-    "executorch-runtime-library": Seam("executorch", "1.4.1", "extension/pybindings/_portable_lib, linked by our "
-                                       "kernel library (its exported runtime and parallel_for)"),
-    "executorch-load-program": Seam("executorch", "1.4.1", "portable_lib._load_for_executorch (a .pte with "
-                                    "ExecuTorch's own runners' custom ops: the optimum peer)"),
+    "executorch-linear-config": Seam(
+        "executorch",
+        "1.4.1",
+        "xnnpack partition.config ALL_PARTITIONER_CONFIGS, "
+        "LinearConfig._get_weight_deps and utils.is_param_node, subclassed",
+    ),
+    "executorch-runtime-library": Seam(
+        "executorch",
+        "1.4.1",
+        "extension/pybindings/_portable_lib, linked by our kernel library (its exported runtime and parallel_for)",
+    ),
+    "executorch-load-program": Seam(
+        "executorch",
+        "1.4.1",
+        "portable_lib._load_for_executorch (a .pte with ExecuTorch's own runners' custom ops: the optimum peer)",
+    ),
     "torch-node-source": Seam("torch", "2.13.0", "torch.fx.traceback.NodeSource.__init__, replaced while lowering"),
     "torch-mkldnn": Seam("torch", "2.13.0", "torch.ops.mkldnn._reorder_linear_weight and _linear_pointwise"),
     "transformers-attention": Seam("transformers", "5.23.0", "PretrainedConfig._attn_implementation"),
@@ -60,12 +78,16 @@ def check(name: str) -> None:
     found = installed_version(seam.package)
     if found not in (None, seam.version) and name not in _WARNED:
         _WARNED.add(name)
-        warnings.warn(f"streamfuse uses {seam.package}'s private {seam.uses}, written for {seam.version}; "
-                      f"{found} is installed: install {seam.package}=={seam.version} if this step fails",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"streamfuse uses {seam.package}'s private {seam.uses}, written for {seam.version}; "
+            f"{found} is installed: install {seam.package}=={seam.version} if this step fails",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # --- ExecuTorch runtime ---------------------------------------------------------------------------
+
 
 def reset_executorch_threadpool(threads: int) -> bool:
     """Size ExecuTorch's threadpool; False where the runtime lacks the call (it keeps one thread per core)."""
@@ -105,8 +127,12 @@ _BOOL = 0  # index of bool in std::variant<bool, int, std::array<char, 256>>
 class _Option(ctypes.Structure):
     """BackendOption: char key[64]; std::variant<bool, int, std::array<char, 256>> value."""
 
-    _fields_ = [("key", ctypes.c_char * 64), ("storage", ctypes.c_uint8 * 256), ("index", ctypes.c_uint8),
-                ("padding", ctypes.c_uint8 * 3)]
+    _fields_ = [
+        ("key", ctypes.c_char * 64),
+        ("storage", ctypes.c_uint8 * 256),
+        ("index", ctypes.c_uint8),
+        ("padding", ctypes.c_uint8 * 3),
+    ]
 
 
 class _Span(ctypes.Structure):
@@ -153,6 +179,7 @@ def share_xnnpack_weights(enabled: bool = True) -> bool:
 
 
 # --- ExecuTorch lowering --------------------------------------------------------------------------
+
 
 def edge_config_without_ir_check():
     """EdgeCompileConfig without the edge IR check after every pass (~10 % of lowering): the build runs
@@ -237,7 +264,7 @@ def shallow_provenance() -> Iterator[None]:
     """While lowering, a node's provenance record shares its history instead of deep-copying it.
     torch.fx (NodeSource) deep-copies each node's whole "from_node" history on every pass, and the
     history grows by one level per pass: with edge decompositions and XNNPACK's 17 passes per
-    partition, that copying was ~12 % of lowering a method. The records are only read for debugging
+    partition, that copying is ~12 % of lowering a method. The records are only read for debugging
     and never mutated, so sharing them changes no output."""
     check("torch-node-source")
     from torch.fx import traceback
@@ -285,6 +312,7 @@ def mkldnn_linear(rows, packed_weight, bias):
 
 
 # --- transformers, coremltools --------------------------------------------------------------------
+
 
 def set_attention_implementation(config, name: str) -> None:
     """Route the attention modules that share `config` to transformers' registered implementation `name`."""

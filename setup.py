@@ -42,11 +42,13 @@ class BuildKernels(Command):
     def run(self) -> None:
         kernels = _load("_streamfuse_kernel_library", ROOT / "runtime" / "kernel_library.py")
         seams = _load("_streamfuse_seams", ROOT / "seams.py")
-        target = kernels.LIBRARIES if self.editable_mode else Path(self.build_lib, "streamfuse", "runtime", "kernels",
-                                                                       "lib")
+        target = (
+            kernels.LIBRARIES if self.editable_mode else Path(self.build_lib, "streamfuse", "runtime", "kernels", "lib")
+        )
         try:
-            self.built = kernels.build(target, seams.executorch_runtime_library, log=self.announce_info,
-                                       only_these=not self.editable_mode)
+            self.built = kernels.build(
+                target, seams.executorch_runtime_library, log=self.announce_info, only_these=not self.editable_mode
+            )
         except OSError as error:  # KernelUnavailable (one line naming the fix), or a folder it cannot write
             if not self.editable_mode:
                 sys.exit(f"error: {error}")

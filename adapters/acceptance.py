@@ -4,7 +4,7 @@
 Read at a draft token's own position (its state has seen the token), the head predicts the
 probability that the target accepts that token, given that every draft before it was accepted.
 Drafting stops once the probability of at least one rejection, 1 - prod_i p_i, passes a threshold
-h (the paper's Theorem 3.1; runtime/model_drafter.py). The head is the paper's D residual blocks,
+h (the paper's Theorem 3.1; methods/sd/drafter.py). The head is the paper's D residual blocks,
 h + SiLU(W h + b), then a linear layer to one logit; W starts at zero. The draft model stays frozen.
 
     <dir>/acceptance.json      format version, depth, hidden size, info (training figures)
@@ -41,8 +41,17 @@ class AcceptanceHead(nn.Module):
 
 
 def save_acceptance_head(head: AcceptanceHead, directory: Path, info: dict) -> None:
-    save_head(head, directory, MANIFEST, {"format_version": FORMAT_VERSION, "depth": len(head.blocks),
-                                          "hidden_size": head.out.in_features, "info": info})
+    save_head(
+        head,
+        directory,
+        MANIFEST,
+        {
+            "format_version": FORMAT_VERSION,
+            "depth": len(head.blocks),
+            "hidden_size": head.out.in_features,
+            "info": info,
+        },
+    )
 
 
 def read_acceptance_manifest(directory: Path, option: str = "specdec") -> dict:

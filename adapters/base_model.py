@@ -97,9 +97,11 @@ def base_gguf(name: str = DEFAULT_BASE_MODEL) -> Path:
         return bundled_gguf()
     found = sorted(Path(name).glob("*.gguf")) if Path(name).is_dir() else []
     if len(found) != 1:
-        raise FileNotFoundError(f"--quantize q4-native keeps the base model's GGUF codes, but {name} "
-                                f"{'has several .gguf files' if found else 'has no .gguf file'}: put the one it was "
-                                f"converted from in that folder, or use --quantize int8 / none")
+        raise FileNotFoundError(
+            f"--quantize q4-native keeps the base model's GGUF codes, but {name} "
+            f"{'has several .gguf files' if found else 'has no .gguf file'}: put the one it was "
+            f"converted from in that folder, or use --quantize int8 / none"
+        )
     return found[0]
 
 

@@ -37,8 +37,15 @@ def extra_state(model: SpeculativeStreamingLM) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
-def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, base_model: str, lora: LoraSettings,
-                    info: dict | None = None, base_layers: int | None = None) -> None:
+def save_checkpoint(
+    model: SpeculativeStreamingLM,
+    tokenizer,
+    directory: Path,
+    base_model: str,
+    lora: LoraSettings,
+    info: dict | None = None,
+    base_layers: int | None = None,
+) -> None:
     """Write atomically: a temp folder beside the target, renamed into place when complete.
     base_layers: the model keeps the base's first this-many decoder layers (None: all)."""
     directory = Path(directory)
@@ -67,7 +74,7 @@ def save_checkpoint(model: SpeculativeStreamingLM, tokenizer, directory: Path, b
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {directory} is not a streamfuse checkpoint (run export/build.py)")
+        raise FileNotFoundError(f"{path} not found: {directory} is not a streamfuse checkpoint (run streamfuse build)")
     manifest = json.loads(path.read_text())
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
@@ -86,8 +93,9 @@ def weights_digest(directory: Path) -> str:
     digest = hashlib.sha256()
     for path in files:
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: {directory} is an incomplete checkpoint; retrain it with "
-                                    f"export/build.py")
+            raise FileNotFoundError(
+                f"{path} not found: {directory} is an incomplete checkpoint; retrain it with streamfuse build"
+            )
         digest.update(path.relative_to(directory).as_posix().encode())
         with path.open("rb") as stream:
             for block in iter(lambda: stream.read(1 << 20), b""):
@@ -105,8 +113,13 @@ def update_info(directory: Path, **fields) -> None:
     tmp.replace(path)
 
 
-def load_checkpoint(directory: Path, base_model: str | None = None, merge_lora: bool = False, trainable: bool = False,
-                    adapter_name: str = "default"):
+def load_checkpoint(
+    directory: Path,
+    base_model: str | None = None,
+    merge_lora: bool = False,
+    trainable: bool = False,
+    adapter_name: str = "default",
+):
     """Rebuild (SpeculativeStreamingLM, tokenizer, manifest) from a checkpoint folder, in eval mode.
 
     merge_lora folds the adapter into the base weights: same function, no per-projection LoRA

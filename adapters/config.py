@@ -55,9 +55,7 @@ class StreamConfig:
         layer = self.pruning_layer_index(num_layers)
         # The runtime prunes the tree before streams are inserted, so the head must read below them.
         if not 1 <= layer <= self.first_msa_layer(num_layers):
-            raise ValueError(
-                f"pruning_layer must be in [1, N - N_s = {self.first_msa_layer(num_layers)}], got {layer}"
-            )
+            raise ValueError(f"pruning_layer must be in [1, N - N_s = {self.first_msa_layer(num_layers)}], got {layer}")
 
     def first_msa_layer(self, num_layers: int) -> int:
         """Index of the first decoder layer with multi-stream attention (N - N_s)."""
@@ -73,8 +71,8 @@ class StreamConfig:
         return math.pi / (2 * (max_positions + self.num_streams))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "StreamConfig":
-        known = {f for f in cls.__dataclass_fields__}
+    def from_dict(cls, data: dict) -> StreamConfig:
+        known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown StreamConfig fields {sorted(unknown)}; known: {sorted(known)}")
@@ -105,4 +103,3 @@ class LoraSettings:
         if self.top_layers is None:
             return None
         return list(range(num_layers - self.top_layers, num_layers))
-

@@ -102,8 +102,10 @@ def read_base_codes(path: Path, num_heads: int, num_kv_heads: int) -> BaseCodes:
 def _unpack(tensor) -> BlockCodes:
     kind = tensor.tensor_type.name.lower()
     if kind not in KINDS:
-        raise GGUFError(f"{tensor.name} is stored as {tensor.tensor_type.name}; streamfuse keeps the codes of "
-                        f"{', '.join(k.upper() for k in KINDS)} tensors only: export with --quantize int8 or none")
+        raise GGUFError(
+            f"{tensor.name} is stored as {tensor.tensor_type.name}; streamfuse keeps the codes of "
+            f"{', '.join(k.upper() for k in KINDS)} tensors only: export with --quantize int8 or none"
+        )
     rows = int(tensor.shape[-1])  # GGUF lists dims innermost first: [K, N]
     return unpack_blocks(kind, np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1))
 
@@ -127,5 +129,6 @@ def _unpermute(codes: BlockCodes, heads: int) -> BlockCodes:
     """Undo llama.cpp's rotary row permutation of q/k (as transformers' GGUF loader does)."""
     order = np.arange(codes.shape[0])
     order = order.reshape(heads, -1, 2).swapaxes(2, 1).reshape(-1)  # HF row r is GGUF row order[r]
-    return BlockCodes(codes.kind, codes.codes[order], codes.scales[order],
-                      None if codes.mins is None else codes.mins[order])
+    return BlockCodes(
+        codes.kind, codes.codes[order], codes.scales[order], None if codes.mins is None else codes.mins[order]
+    )

@@ -152,16 +152,19 @@ class SpeculativeStreamingLM(nn.Module):
         lower = self.forward_lower(input_ids, position_ids, mask, key_values, with_pruning, bottom)
         return self.forward_upper(lower, anchors)
 
-    def forward_lower(self, input_ids, position_ids, mask, key_values=None, with_pruning=False,
-                      bottom: BottomState | None = None) -> "LowerState":
+    def forward_lower(
+        self, input_ids, position_ids, mask, key_values=None, with_pruning=False, bottom: BottomState | None = None
+    ) -> LowerState:
         """Main stream through layers [0, N - N_s) (from bottom.depth when given); the pruning
         head reads its layer on the way. Callers that prune a tree draft decide the anchors
         between this and forward_upper."""
         parts = self.parts
         start = 0 if bottom is None else bottom.depth
         if not 0 <= start <= (self.pruning_layer if with_pruning else self.split):
-            raise ValueError(f"a bottom state after {start} layers is past the layer the pruning head or the "
-                             f"streams read ({self.pruning_layer} / {self.split})")
+            raise ValueError(
+                f"a bottom state after {start} layers is past the layer the pruning head or the "
+                f"streams read ({self.pruning_layer} / {self.split})"
+            )
         hidden = parts.embed(input_ids) if bottom is None else bottom.hidden
         rope = parts.rotary(hidden, position_ids)
         if key_values is None:
@@ -196,7 +199,7 @@ class SpeculativeStreamingLM(nn.Module):
                 return index
         return limit
 
-    def forward_upper(self, lower: "LowerState", anchors: torch.Tensor | None = None) -> StreamingOutput:
+    def forward_upper(self, lower: LowerState, anchors: torch.Tensor | None = None) -> StreamingOutput:
         """Layers [N - N_s, N): plain when anchors is None, else multi-stream over main + streams."""
         parts, top = self.parts, range(self.split, self.parts.num_layers)
         if anchors is None:
@@ -205,8 +208,13 @@ class SpeculativeStreamingLM(nn.Module):
         main, streams = self._run_streams(lower.hidden, lower.position_ids, lower.mask, anchors, lower.key_values)
         return StreamingOutput(parts.norm(main), parts.norm(streams), lower.pruning_hidden, lower.key_values)
 
-    def forward_streams(self, anchor_hidden: torch.Tensor, anchor_positions: torch.Tensor,
-                        past_mask: torch.Tensor, key_values: KeyValues) -> torch.Tensor:
+    def forward_streams(
+        self,
+        anchor_hidden: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        past_mask: torch.Tensor,
+        key_values: KeyValues,
+    ) -> torch.Tensor:
         """Streams alone through the MSA layers, once their anchors' main K/V are in the past.
 
         Stream (a, j) attends to what anchor a sees plus streams (a, <= j) (eq. 2), so with a's
@@ -249,7 +257,9 @@ class SpeculativeStreamingLM(nn.Module):
         batch, tokens, size = hidden.shape
         gamma, num_anchors = self.num_streams, anchors.shape[1]
         anchor_hidden = torch.gather(hidden, 1, anchors[:, :, None].expand(batch, num_anchors, size))
-        streams, stream_positions = self._stream_tokens(anchor_hidden, torch.gather(position_ids, 1, anchors), key_values)
+        streams, stream_positions = self._stream_tokens(
+            anchor_hidden, torch.gather(position_ids, 1, anchors), key_values
+        )
         combined = torch.cat([hidden, streams], dim=1)
         rope = self.parts.rotary(combined, torch.cat([position_ids, stream_positions], dim=1))
         msa_mask = multi_stream_mask(mask, anchors, gamma)
@@ -262,8 +272,9 @@ def kept_rows(weight: torch.Tensor, ids) -> tuple[torch.Tensor, torch.Tensor]:
     `weight` [V, H], detached copies."""
     ids = torch.as_tensor(ids, dtype=torch.long, device=weight.device)
     if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) or ids[0] < 0 or ids[-1] >= len(weight):
-        raise ValueError(f"the kept vocabulary must be ascending distinct ids in [0, {len(weight)}), got {len(ids)} "
-                         f"ids that are not")
+        raise ValueError(
+            f"the kept vocabulary must be ascending distinct ids in [0, {len(weight)}), got {len(ids)} ids that are not"
+        )
     return ids, weight.detach()[ids].clone()
 
 

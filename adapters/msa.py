@@ -36,7 +36,7 @@ class KeyValues:
     provider and every update clear what an attention that does not read it (Core ML's, eager) left.
     """
 
-    active: tuple["KeyValues", int] | None = None
+    active: tuple[KeyValues, int] | None = None
     announced = False
 
     def __init__(self, main_len: int):
@@ -45,7 +45,7 @@ class KeyValues:
         KeyValues.active = None
 
     @staticmethod
-    def take_active(layer: int | None) -> "KeyValues | None":
+    def take_active(layer: int | None) -> KeyValues | None:
         """The provider whose update() announced `layer` just before this attention call, else None."""
         active, KeyValues.active = KeyValues.active, None
         return active[0] if active is not None and active[1] == layer else None
@@ -122,8 +122,15 @@ class SpanKeyValues(KeyValues):
 
     announced = True
 
-    def __init__(self, num_layers: int, main_len: int, cache: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
-                 prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, store: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        main_len: int,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        start: torch.Tensor,
+        prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        store: bool = False,
+    ):
         super().__init__(main_len)
         if store and prefix is not None:
             raise ValueError("a call that stores its rows has none before them: the stored rows come first")

@@ -33,12 +33,16 @@ class TaskSet:
         manifest = read_manifest(directory)
         for key in SHARED:
             if manifest[key] != self.manifest[key]:
-                raise ValueError(f"{directory}: task {task}'s {key} differs from task {self.active}'s, so the two "
-                                 f"cannot share one base model; build them as separate artifacts")
+                raise ValueError(
+                    f"{directory}: task {task}'s {key} differs from task {self.active}'s, so the two "
+                    f"cannot share one base model; build them as separate artifacts"
+                )
         model = self.model
         model.model.load_adapter(Path(directory) / "lora", adapter_name=task)
-        parts = StreamInit(model.config, model.parts.hidden_size), PruningHead(model.parts.hidden_size,
-                                                                               model.config.pruning_rank)
+        parts = (
+            StreamInit(model.config, model.parts.hidden_size),
+            PruningHead(model.parts.hidden_size, model.config.pruning_rank),
+        )
         load_extra_state(*parts, directory)
         self.parts[task] = parts
         self.use(self.active)  # the loaded adapter's weights stay inactive and frozen

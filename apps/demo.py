@@ -1,6 +1,6 @@
 """python apps/demo.py [--artifact DIR]: watch Speculative Streaming decode, next to plain decoding.
 
-Open a model folder (export/build.py output: artifacts/dialogsum, or checkpoints/dialogsum-cpu/ss), pick a
+Open a model folder (streamfuse build output: artifacts/dialogsum, or checkpoints/dialogsum-cpu/ss), pick a
 DialogSum dialogue or paste one, and run. Each SS step shows its accepted draft tokens
 (green), the draft tokens it rejected (struck through, red) and the model's correction
 token (bold), with live tokens/s, model calls, call reduction and mean accepted length.
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples
-from streamfuse.runtime import cli
+from streamfuse.runtime import errors
 from streamfuse.runtime.loader import BACKENDS, fastest_backend
 from streamfuse.runtime.options import add_model_options
 from streamfuse.runtime.threads import check_threads
@@ -24,16 +24,21 @@ from streamfuse.runtime.threads import check_threads
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=Path, default=DEFAULT_EXAMPLES,
-                        help="DialogSum JSON lines to pick dialogues from (default: ../shared/data/dialogsum test split)")
+    parser.add_argument(
+        "--examples",
+        type=Path,
+        default=DEFAULT_EXAMPLES,
+        help="DialogSum JSON lines to pick dialogues from (default: ../shared/data/dialogsum test split)",
+    )
     parser.add_argument("--example", type=int, default=0, help="index of the example selected at start")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="initial 'max new tokens' setting")
     parser.add_argument("--autorun", action="store_true", help="once the artifact loads, run both panes")
-    parser.add_argument("--screenshot", type=Path, default=None,
-                        help="save a PNG of the window when the autorun (or the load) is done")
+    parser.add_argument(
+        "--screenshot", type=Path, default=None, help="save a PNG of the window when the autorun (or the load) is done"
+    )
     parser.add_argument("--quit-after", action="store_true", help="exit after the autorun / screenshot")
     add_model_options(parser, artifact="optional: open it at start; without it the window says how to build one")
-    cli.add_debug_flag(parser)
+    errors.add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.autorun and args.artifact is None:
         parser.error("--autorun needs --artifact")
@@ -56,20 +61,21 @@ def choose_platform(args: argparse.Namespace) -> str | None:
     if args.screenshot is not None and args.quit_after:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
         return None
-    return ("no display: set DISPLAY (or run under `xvfb-run`), or pass --screenshot PNG --quit-after "
-            "to render off screen")
+    return (
+        "no display: set DISPLAY (or run under `xvfb-run`), or pass --screenshot PNG --quit-after to render off screen"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = choose_platform(args)
     if problem:
-        print(f"streamfuse-demo: {problem}", file=sys.stderr)
+        print(f"streamfuse demo: {problem}", file=sys.stderr)
         return 2
     try:
         from PySide6.QtWidgets import QApplication
     except ImportError:
-        print("streamfuse-demo: PySide6 is missing; install it with  pip install -e '.[app]'", file=sys.stderr)
+        print("streamfuse demo: PySide6 is missing; install it with  pip install -e '.[app]'", file=sys.stderr)
         return 1
     if args.threads:
         import torch
@@ -83,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     engine = Engine()
     backend = args.backend or (fastest_backend(args.artifact) if args.artifact is not None else BACKENDS[0])
-    window = MainWindow(engine, WindowOptions(args.artifact, backend, args.stream_schedule, args.max_new_tokens,
-                                              examples, args.example))
+    window = MainWindow(
+        engine, WindowOptions(args.artifact, backend, args.stream_schedule, args.max_new_tokens, examples, args.example)
+    )
     pilot = Autopilot(window, args.autorun, args.screenshot, args.quit_after)
     window.show()
     code = app.exec()
@@ -92,10 +99,5 @@ def main(argv: list[str] | None = None) -> int:
     return code or pilot.exit_code
 
 
-def console() -> int:
-    """The `streamfuse-demo` command: main with one-line errors."""
-    return cli.run(main, prog="streamfuse-demo")
-
-
 if __name__ == "__main__":
-    sys.exit(console())
+    sys.exit(errors.run(main))

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# The task data lives beside the checkout (as for export/build.py): <repo>/../shared/data/<task>.
+# The task data lives beside the checkout (as for streamfuse build): <repo>/../shared/data/<task>.
 DEFAULT_EXAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dialogsum" / "dialogsum.test.jsonl"
 
 
@@ -34,6 +34,8 @@ def read_examples(path: Path, limit: int = 100) -> list[Example]:
             row = json.loads(line)
             if not isinstance(row.get("dialogue"), str):
                 raise ValueError(f"{path}:{number}: no 'dialogue' field; expected DialogSum rows")
-            references = tuple(row[key] for key in sorted(row) if key.startswith("summary") and isinstance(row[key], str))
+            references = tuple(
+                row[key] for key in sorted(row) if key.startswith("summary") and isinstance(row[key], str)
+            )
             examples.append(Example(str(row.get("fname", number)), row["dialogue"], references))
     return examples

@@ -51,9 +51,9 @@ class SegmentBuilder:
 
     def add(self, event: StepEvent) -> list[Segment]:
         accepted = list(event.tokens[: event.accepted_drafts])
-        correction = list(event.tokens[event.accepted_drafts:])
+        correction = list(event.tokens[event.accepted_drafts :])
         # A step cut short by a stop rule inside its drafts has no correction and rejected nothing.
-        rejected = list(event.drafted[event.accepted_drafts:]) if correction else []
+        rejected = list(event.drafted[event.accepted_drafts :]) if correction else []
         segments = [Segment(ACCEPTED, self._extend(accepted))]
         segments.append(Segment(REJECTED, self._continuation(rejected)))
         segments.append(Segment(CORRECTION if event.drafted else PLAIN, self._extend(correction)))
@@ -64,7 +64,7 @@ class SegmentBuilder:
         if not tokens:
             return ""
         full = self.decode(self.tokens + tokens)
-        return full[len(self.text):] if full.startswith(self.text) else self.decode(tokens)
+        return full[len(self.text) :] if full.startswith(self.text) else self.decode(tokens)
 
     def _extend(self, tokens: list[int]) -> str:
         piece = self._continuation(tokens)

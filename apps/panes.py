@@ -38,9 +38,12 @@ def legend_html() -> str:
     parts = []
     for kind, label in LEGEND.items():
         style = STYLES[kind]
-        css = [f"color:{style.foreground}" if style.foreground else "",
-               f"background-color:{style.background}" if style.background else "",
-               "font-weight:bold" if style.bold else "", "text-decoration:line-through" if style.strike else ""]
+        css = [
+            f"color:{style.foreground}" if style.foreground else "",
+            f"background-color:{style.background}" if style.background else "",
+            "font-weight:bold" if style.bold else "",
+            "text-decoration:line-through" if style.strike else "",
+        ]
         parts.append(f'<span style="{";".join(c for c in css if c)}">&nbsp;{html.escape(label)}&nbsp;</span>')
     return "Key: " + " &nbsp; ".join(parts)
 

@@ -14,26 +14,34 @@ from pathlib import Path
 
 from streamfuse.apps.markup import Segment, SegmentBuilder
 from streamfuse.apps.stats import RunStats
+from streamfuse.methods import registry
 from streamfuse.runtime.decode import StepEvent
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, choose_tree, prompt_ids, run
-from streamfuse.runtime import methods
 from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.session import (
+    BASELINE_METHOD,
+    DEFAULT_METHOD,
+    DEFAULT_TREE,
+    DecodeRequest,
+    decode_settings,
+    prompt_ids,
+    run,
+)
 from streamfuse.runtime.settings import DecodeSettings
 
-BUILD_HINT = ("Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
-              "or `python export/build.py --task dialogsum --preset smoke` (minutes), then open "
-              "artifacts/dialogsum (every backend) or checkpoints/dialogsum-<preset>/ss (torch only).")
+BUILD_HINT = (
+    "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
+    "or `streamfuse build --task dialogsum --preset smoke` (minutes), then open "
+    "artifacts/dialogsum (every backend) or checkpoints/dialogsum-<preset>/ss (torch only)."
+)
 
 
 # The panes' choices before a model is loaded; once one is, those of the registry it carries drafters for.
-DEFAULT_METHODS = ("ar", "ss")
+DEFAULT_METHODS = (BASELINE_METHOD, DEFAULT_METHOD)
 
 
 def method_choices(names) -> list[tuple[str, str]]:
     """(name, label) of registered methods, for a selector."""
-    return [(name, methods.get(name).label) for name in names]
+    return [(name, registry.get(name).label) for name in names]
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,9 @@ class Session:
             self.request = request
         elif request != self.request:
             self.loaded, self.request = None, None  # free the old model before loading the next
-            self.loaded = load(request.artifact, request.backend, request.device, request.stream_schedule,
-                               task=request.task)
+            self.loaded = load(
+                request.artifact, request.backend, request.device, request.stream_schedule, task=request.task
+            )
             self.request = request
         return self.loaded
 
@@ -95,10 +104,9 @@ class Session:
         # An artifact: its calibrated (or default) tree, which its graphs have; a checkpoint takes any that fits.
         tree = "" if loaded.tree is not None else f"gamma={min(3, streams)},k=2"
         for name in DEFAULT_METHODS:
-            if methods.get(name).streams and not streams:
+            if registry.get(name).streams and not streams:
                 continue  # a model without streams can still decode plainly
-            self.generate(GenerationRequest(name, "Hello.", tree, max_new_tokens=4), lambda *_: None,
-                          threading.Event())
+            self.generate(GenerationRequest(name, "Hello.", tree, max_new_tokens=4), lambda *_: None, threading.Event())
 
     def methods(self) -> list[tuple[str, str]]:
         """(name, label) of the methods the loaded model decodes with (the registry's, where it has drafters)."""
@@ -119,21 +127,24 @@ class Session:
         info, backend = self.loaded.info, self.loaded.backend
         task = info.get("task", "no task")
         preset = f", preset {info['preset']}" if "preset" in info else ""
-        return (f"{self.request.artifact.name} ({task}{preset}): {backend.name} backend, {backend.num_streams} streams, "
-                f"{self.request.stream_schedule} streams schedule")
+        return (
+            f"{self.request.artifact.name} ({task}{preset}): {backend.name} backend, "
+            f"{backend.num_streams} streams, "
+            f"{self.request.stream_schedule} streams schedule"
+        )
 
     def settings(self, request: GenerationRequest) -> DecodeSettings:
-        loaded = self._loaded()
-        if request.method not in loaded.methods:
-            raise ValueError(f"method {request.method!r} is not available for this model; it decodes with "
-                             f"{', '.join(loaded.methods)}")
-        method = methods.get(request.method)
-        rules = StopRules(request.max_new_tokens, loaded.stop_token_ids)
-        tree = choose_tree(request.tree or None, loaded, request.method)
-        if method.speculative:
-            loaded.check_method_tree(request.method, tree)
-        return DecodeSettings(request.method, rules, tree=tree, sampling=SamplingConfig(request.temperature),
-                              seed=request.seed, fallback=loaded.fallback(tree) if method.streams else None)
+        """The panes' request as the decode loop takes it (the library's checks, its tree choice and fallback)."""
+        return decode_settings(
+            self._loaded(),
+            DecodeRequest(
+                request.method,
+                request.max_new_tokens,
+                temperature=request.temperature,
+                seed=request.seed,
+                tree=request.tree or None,
+            ),
+        )
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
         """Run one generation; `on_update(new_segments, stats)` after every model call.
@@ -143,7 +154,7 @@ class Session:
         if not request.text.strip():
             raise ValueError("the input is empty: paste a dialogue or pick an example")
         # Task artifacts were fine-tuned on a prompt format: format the text as in training, the source
-        # kept whole up to the context (as runtime.generate does without --cut-source).
+        # kept whole up to the context (as the generate CLI does without --cut-source).
         ids = prompt_ids(loaded, request.text, as_task=loaded.prompt is not None, cut_source=False)
         builder = SegmentBuilder(lambda tokens: loaded.tokenizer.decode(tokens, skip_special_tokens=True))
         stats = RunStats(request.method)

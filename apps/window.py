@@ -27,15 +27,17 @@ from PySide6.QtWidgets import (
 
 from streamfuse.apps.examples import Example
 from streamfuse.apps.panes import RunPane, legend_html
-from streamfuse.apps.session import BUILD_HINT, GenerationRequest, LoadRequest
+from streamfuse.apps.session import BUILD_HINT, DEFAULT_METHODS, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
 from streamfuse.apps.worker import Engine
-from streamfuse.runtime.generate import DEFAULT_TREE
+from streamfuse.runtime.contract import STREAM_SCHEDULES
 from streamfuse.runtime.loader import BACKENDS, artifact_tasks, fastest_backend
-from streamfuse.runtime.options import STREAM_SCHEDULES
+from streamfuse.runtime.session import DEFAULT_TREE
 
-SEQUENTIAL_NOTE = ("Both panes run one after the other on the same input: run at once, they would share "
-                   "the CPU cores and disturb each other's timings.")
+SEQUENTIAL_NOTE = (
+    "Both panes run one after the other on the same input: run at once, they would share "
+    "the CPU cores and disturb each other's timings."
+)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class MainWindow(QMainWindow):
         self.banner.setWordWrap(True)
         self.banner.setStyleSheet("background:#fee2e2; color:#991b1b; padding:6px; border-radius:4px;")
         self.banner.hide()
-        self.panes = (RunPane("ar"), RunPane("ss"))
+        self.panes = tuple(RunPane(method) for method in DEFAULT_METHODS)
         for index, pane in enumerate(self.panes):
             pane.run_clicked.connect(lambda index=index: self.run_panes([index]))
         splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -116,26 +118,32 @@ class MainWindow(QMainWindow):
         self.open_button.clicked.connect(self.choose_artifact)
         self.backend_box = self._combo(BACKENDS, options.backend)
         self.schedule_box = self._combo(STREAM_SCHEDULES, options.stream_schedule)
-        self.schedule_box.setToolTip("fused: streams ride along every tree node (memory-bound devices); "
-                                     "deferred: streams of the last accepted node only (CPUs)")
+        self.schedule_box.setToolTip(
+            "fused: streams ride along every tree node (memory-bound devices); "
+            "deferred: streams of the last accepted node only (CPUs)"
+        )
         self.task_box = QComboBox()
-        self.task_box.setToolTip("an artifact with several tasks on one base switches between them without loading "
-                                 "the base again")
+        self.task_box.setToolTip(
+            "an artifact with several tasks on one base switches between them without loading the base again"
+        )
         for combo in (self.backend_box, self.schedule_box, self.task_box):  # load-time choices
             combo.currentIndexChanged.connect(self.reload)
         row = QHBoxLayout()
         row.addWidget(self.artifact_edit, 1)
         row.addWidget(self.open_button)
-        self._add_labelled(row, ("task", self.task_box), ("backend", self.backend_box),
-                           ("streams schedule", self.schedule_box))
+        self._add_labelled(
+            row, ("task", self.task_box), ("backend", self.backend_box), ("streams schedule", self.schedule_box)
+        )
         return row
 
     def _decoding_row(self, options: WindowOptions) -> QHBoxLayout:
         self.tree_edit = QLineEdit()
         self.tree_edit.setPlaceholderText(f"default: {DEFAULT_TREE}")
         self.tree_edit.setMinimumWidth(260)
-        self.tree_edit.setToolTip("draft tree for SS: 'gamma=G,k=K' or a JSON list of paths; empty: the artifact's "
-                                  "tree (exported graphs take no other), else the default")
+        self.tree_edit.setToolTip(
+            "draft tree for SS: 'gamma=G,k=K' or a JSON list of paths; empty: the artifact's "
+            "tree (exported graphs take no other), else the default"
+        )
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 4096)
         self.max_tokens.setValue(options.max_new_tokens)
@@ -145,8 +153,9 @@ class MainWindow(QMainWindow):
         self.temperature.setToolTip("0 = greedy; > 0 samples (SS stays lossless)")
         self.model_label = QLabel()
         row = QHBoxLayout()
-        self._add_labelled(row, ("tree", self.tree_edit), ("max new tokens", self.max_tokens),
-                           ("temperature", self.temperature))
+        self._add_labelled(
+            row, ("tree", self.tree_edit), ("max new tokens", self.max_tokens), ("temperature", self.temperature)
+        )
         row.addWidget(self.model_label, 1)
         return row
 
@@ -238,9 +247,14 @@ class MainWindow(QMainWindow):
         self.model_label.setText("loading…")
         self.statusBar().showMessage(f"Loading {self.artifact} and warming it up …")
         self._update_busy()
-        self.engine.load_requested.emit(LoadRequest(self.artifact, self.backend_box.currentText(),
-                                                    self.schedule_box.currentText(),
-                                                    task=self.task_box.currentText() or None))
+        self.engine.load_requested.emit(
+            LoadRequest(
+                self.artifact,
+                self.backend_box.currentText(),
+                self.schedule_box.currentText(),
+                task=self.task_box.currentText() or None,
+            )
+        )
 
     @Slot(int)
     def show_example(self, row: int) -> None:
@@ -262,8 +276,13 @@ class MainWindow(QMainWindow):
         self.batch = list(panes)
         for index in panes:
             pane = self.panes[index]
-            request = GenerationRequest(pane.method, self.input_edit.toPlainText(), self.tree_edit.text(),
-                                        self.max_tokens.value(), self.temperature.value())
+            request = GenerationRequest(
+                pane.method,
+                self.input_edit.toPlainText(),
+                self.tree_edit.text(),
+                self.max_tokens.value(),
+                self.temperature.value(),
+            )
             self.stops[index] = threading.Event()
             self.outcomes.pop(index, None)
             pane.start()

@@ -16,20 +16,29 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, weights_digest
-from streamfuse.adapters.medusa import load_heads, read_heads_manifest
 from streamfuse.export import graph, worker
+from streamfuse.export.artifact_manifest import ManifestRecord
+from streamfuse.export.artifact_parity import ParityGate, parity_stage
+from streamfuse.export.backend_export import BackendExports, tensors_stage
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.export.task_inputs import input_names as task_input_names
-from streamfuse.export.task_inputs import save_task_tensors, with_task_inputs
-from streamfuse.export.verify import EagerSession, ParityError, backend_parity, check_parity, eager_tokens
+from streamfuse.export.formats import (  # noqa: F401  (the export's settings: callers import them from here)
+    BACKENDS,
+    DEFAULT_BACKENDS,
+    FORMATS,
+    ONNX_LINEARS,
+    PTE_LINEARS,
+    RUNS_HERE,
+    SPAN,
+    TASK_INPUT_FORMATS,
+)
+from streamfuse.export.task_adder import TaskAdder, model_shape
+from streamfuse.methods.medusa.model import load_heads, read_heads_manifest
 from streamfuse.runtime.artifact import (
     DRAFT_VOCAB,
     HEAD_VOCAB,
@@ -44,36 +53,9 @@ from streamfuse.runtime.artifact import (
     save_vocab,
     write_manifest,
 )
-from streamfuse.runtime.artifact_files import folder_files
+from streamfuse.runtime.contract import GraphSpec, method_names
 from streamfuse.runtime.durable import replace_folder, write_atomic
-from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.backends.static_graph import GraphSpec, method_names
-from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.tree import TreeSpec
-
-BACKENDS = ("torch", "executorch", "onnxruntime", "coreml", "executorch_coreml")
-# What this machine can verify. Core ML (.mlpackage, fp16: 270 MB for SmolLM2-135M) and the Core ML-delegated
-# .pte run only on Apple devices, where their parity is checked: asked for (--backends ...,coreml).
-DEFAULT_BACKENDS = ("torch", "executorch", "onnxruntime")
-# backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
-PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
-# Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span),
-# registered into the engine as a custom op (runtime/tree_attention.py): ExecuTorch on XNNPACK, ONNX Runtime.
-SPAN = ("executorch", "onnxruntime")
-RUNS_HERE = ("executorch", "onnxruntime")  # the exported backends whose parity is checked here
-# What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).
-LOW_BIT_ACTIVATIONS = {"activations": "int8 per row and block of 32, quantized in the kernel (as llama.cpp's q8_1)"}
-# --quantize value -> the backends that build that format; the others are exported unquantized (the
-# manifest's graphs.quantize says which got what). docs/export.md: what each format computes.
-FORMATS = {"none": BACKENDS, "int8": ("executorch", "onnxruntime"), "8da4w": ("executorch",),
-           "q4-native": ("executorch", "onnxruntime")}
-# Formats whose graphs take the task's tensors as inputs (export/task_inputs.py): the base's weights are the
-# same for every task, so one artifact's graphs serve several tasks. The others merge the LoRA into the weights.
-TASK_INPUT_FORMATS = ("q4-native",)
-ONNX_LINEARS = ("streamfuse", "matmulnbits")  # ExportConfig.onnx_linear
-PTE_LINEARS = ("xnnpack", "streamfuse")  # ExportConfig.pte_linear
-VERSIONED = ("torch", "transformers", "peft", "executorch", "torchao", "onnx", "onnxscript", "onnxruntime",
-             "coremltools", "streamfuse")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -131,29 +113,47 @@ class ExportConfig:
             raise ValueError(f"export.pte_linear must be one of {', '.join(PTE_LINEARS)}, got {self.pte_linear!r}")
         other = [b for b in self.backends if b != "torch" and b not in FORMATS[self.quantize]]
         if self.task_inputs and (self.quantize not in TASK_INPUT_FORMATS or other):
-            raise ValueError(f"export.task_inputs (several tasks on one base) needs graphs without the task's weights: "
-                             f"--quantize {' or '.join(TASK_INPUT_FORMATS)} and only backends that build it "
-                             f"({', '.join(FORMATS[TASK_INPUT_FORMATS[0]])}), not {self.quantize} / {other}")
+            raise ValueError(
+                f"export.task_inputs (several tasks on one base) needs graphs without the task's weights: "
+                f"--quantize {' or '.join(TASK_INPUT_FORMATS)} and only backends that build it "
+                f"({', '.join(FORMATS[TASK_INPUT_FORMATS[0]])}), not {self.quantize} / {other}"
+            )
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
         shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
         graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
         for tree in (TreeSpec.parse(tree) for tree in self.trees):
             if tree.num_nodes > shapes.max_nodes:
-                raise ValueError(f"export.trees has a tree of {tree.num_nodes} nodes, more than the largest of "
-                                 f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more")
+                raise ValueError(
+                    f"export.trees has a tree of {tree.num_nodes} nodes, more than the largest of "
+                    f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more"
+                )
 
-    def key(self, training_key: str, weights: str, draft: DraftVocab | None, heads_key: str | None = None,
-            head: DraftVocab | None = None, graphs_only: bool = False, shape: dict | None = None) -> str:
+    def key(
+        self,
+        training_key: str,
+        weights: str,
+        draft: DraftVocab | None,
+        heads_key: str | None = None,
+        head: DraftVocab | None = None,
+        graphs_only: bool = False,
+        shape: dict | None = None,
+    ) -> str:
         """What the artifact depends on: the checkpoint's settings and its weights (weights_digest), these
-        settings, the draft vocabulary, the Medusa heads (their training key), the head's kept rows. The backend list is not
-        part of it: an artifact with the same key lends its finished exports to a build that asks for
+        settings, the draft vocabulary, the Medusa heads (their training key), the head's kept rows. The backend
+        list is not part of it: an artifact with the same key lends its finished exports to a build that asks for
         more backends. graphs_only: what the exported files depend on, without the trees and the parity
         prompts (data the graphs take as inputs), so the files can be lowered before calibration."""
-        payload = {"schema": SCHEMA, "training": training_key, "weights": weights,
-                   "methods": method_names(self.buckets, heads_key is not None), "heads": heads_key, **asdict(self),
-                   "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest(),
-                   "head_ids": hashlib.sha256(json.dumps(head.ids if head else None).encode()).hexdigest()}
+        payload = {
+            "schema": SCHEMA,
+            "training": training_key,
+            "weights": weights,
+            "methods": method_names(self.buckets, heads_key is not None),
+            "heads": heads_key,
+            **asdict(self),
+            "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest(),
+            "head_ids": hashlib.sha256(json.dumps(head.ids if head else None).encode()).hexdigest(),
+        }
         for name in ("backends", "workers", *(("trees", "parity_prompts") if graphs_only else ())):
             payload.pop(name)
         if graphs_only and self.task_inputs:  # the trained tensors are inputs: the graphs hold the model's shape only
@@ -161,24 +161,25 @@ class ExportConfig:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def versions() -> dict[str, str]:
-    found = {}
-    for package in VERSIONED:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
-class ArtifactBuilder:
+class ArtifactBuilder(BackendExports, ParityGate, ManifestRecord):
     """draft: greedy_step's draft vocabulary (export/draft_vocab.py; None: all tokens). heads: a Medusa
-    heads folder (adapters/medusa.py), which gives the graphs a heads method. The manifest's
-    calibration section starts empty: the build's calibrate stage fills it (export/build.py)."""
+    heads folder (methods/medusa/model.py), which gives the graphs a heads method. The manifest's
+    calibration section starts empty: the build's calibrate stage fills it (streamfuse build)."""
 
-    def __init__(self, checkpoint: Path, out: Path, config: ExportConfig, prompts: list[list[int]],
-                 max_new_tokens: int, info: dict, draft: DraftVocab | None = None, prompt_names: Sequence[str] = (),
-                 heads: Path | None = None, head: DraftVocab | None = None, pending: dict[str, Future] | None = None):
+    def __init__(
+        self,
+        checkpoint: Path,
+        out: Path,
+        config: ExportConfig,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        info: dict,
+        draft: DraftVocab | None = None,
+        prompt_names: Sequence[str] = (),
+        heads: Path | None = None,
+        head: DraftVocab | None = None,
+        pending: dict[str, Future] | None = None,
+    ):
         """head: the LM head's rows (a draft model's pruned vocabulary: its logits cover those tokens only).
         pending: backends whose files a worker lowers meanwhile (start_lowering), into this staging folder."""
         config.validate()
@@ -194,7 +195,13 @@ class ArtifactBuilder:
         self.heads_key = None if heads_manifest is None else heads_manifest["info"].get("training_key", "untracked")
         trained = read_manifest(checkpoint)
         self.task = trained["info"].get("task")
-        identity = (trained["info"].get("training_key", "untracked"), weights_digest(checkpoint), draft, self.heads_key, head)
+        identity = (
+            trained["info"].get("training_key", "untracked"),
+            weights_digest(checkpoint),
+            draft,
+            self.heads_key,
+            head,
+        )
         self.key = config.key(*identity)
         self.graph_key = config.key(*identity, graphs_only=True, shape=model_shape(trained))
         # Keyed by the graphs: files lowered before calibration chose the trees are this build's files.
@@ -241,8 +248,11 @@ class ArtifactBuilder:
         files = {backend: done["files"] for backend, done in exported.items()}
         formats = {backend: done["format"] for backend, done in exported.items()}
         seconds = {backend: done["seconds"] for backend, done in exported.items()}
-        task_files = {backend: self._stage(tensors_stage(backend, self.key), lambda b=backend: self._task_file(b))["file"]
-                      for backend in backends if self.config.task_inputs}
+        task_files = {
+            b: self._stage(tensors_stage(b, self.key), lambda b=b: self._task_file(b))["file"]
+            for b in backends
+            if self.config.task_inputs
+        }
         parity = {backend: self._parity_stage(backend, files[backend]) for backend in backends if backend in RUNS_HERE}
         self._gate(parity)
         manifest = self._manifest(files, parity, seconds, formats, task_files, lending)
@@ -268,24 +278,22 @@ class ArtifactBuilder:
             return
         if manifest["task"] == self.task:
             if manifest[TASKS]:
-                print(f"[export] {self.out}'s graphs change: its other tasks ({', '.join(manifest[TASKS])}) go with "
-                      f"them; build them again into it (export/build.py --task ... --out {self.out})", flush=True)
+                print(
+                    f"[export] {self.out}'s graphs change: its other tasks ({', '.join(manifest[TASKS])}) go with "
+                    f"them; build them again into it (streamfuse build --task ... --out {self.out})",
+                    flush=True,
+                )
             return
-        why = ("its graphs hold its task's weights (built without export.task_inputs)" if not manifest["task_files"]
-               else "its graphs were built with other settings, base or streams")
-        raise ArtifactError(f"{self.out} serves task {manifest['task']}, and task {self.task} cannot join it: {why}; "
-                            f"give --out another folder, or build the tasks together (--task {manifest['task']},"
-                            f"{self.task})")
-
-    def _gate(self, parity: dict[str, dict]) -> None:
-        """Refuse an artifact that is not lossless: the staging folder goes (a rerun exports afresh,
-        for a fixed exporter), the installed artifact stays as it was."""
-        try:
-            for backend, result in parity.items():
-                check_parity(backend, result, against_eager=self.format(backend) == "none", names=self.prompt_names)
-        except ParityError:
-            shutil.rmtree(self.staging)
-            raise
+        why = (
+            "its graphs hold its task's weights (built without export.task_inputs)"
+            if not manifest["task_files"]
+            else "its graphs were built with other settings, base or streams"
+        )
+        raise ArtifactError(
+            f"{self.out} serves task {manifest['task']}, and task {self.task} cannot join it: {why}; "
+            f"give --out another folder, or build the tasks together (--task {manifest['task']},"
+            f"{self.task})"
+        )
 
     # --- stages -----------------------------------------------------------------------------
     def _clear_scratch(self) -> None:
@@ -307,8 +315,11 @@ class ArtifactBuilder:
                     os.link(item, self.staging / item.name)
         done = {"common": {}}
         for backend, files in manifest["files"].items():
-            done[backend] = {"files": files, "seconds": manifest["export_seconds"][backend],
-                             "format": manifest["graphs"]["formats"][backend]}
+            done[backend] = {
+                "files": files,
+                "seconds": manifest["export_seconds"][backend],
+                "format": manifest["graphs"]["formats"][backend],
+            }
             if backend in manifest["parity"] and manifest["build_key"] == self.key:
                 done[parity_stage(backend, self.key)] = manifest["parity"][backend]
         for name, result in done.items():
@@ -327,19 +338,15 @@ class ArtifactBuilder:
             return {b: json.loads(self._marker(b).read_text()) for b in backends}
         beside = [b for b in backends[1:] if not self._marker(b).is_file()]
         if self.config.workers < 2 or not beside:
-            return {b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")}
+            return {
+                b: self._stage(b, lambda b=b: self._export(b)) for b in tqdm(backends, desc="export", unit="backend")
+            }
         print(f"[export] {', '.join(beside)} in a worker process beside {backends[0]}", flush=True)
         job = worker.start(export_stages, self.arguments, beside)
         first = self._stage(backends[0], lambda: self._export(backends[0]))
         self._parity_stage(backends[0], first["files"])
         job.result()  # re-raises the worker's error here
         return {backends[0]: first, **{b: json.loads(self._marker(b).read_text()) for b in backends[1:]}}
-
-    def _parity_stage(self, backend: str, files: dict) -> dict | None:
-        """The parity check of a backend that runs here (None for the others)."""
-        if backend not in RUNS_HERE:
-            return None
-        return self._stage(parity_stage(backend, self.key), lambda: self._parity(backend, files))
 
     def _marker(self, name: str) -> Path:
         return self.staging / "done" / f"{name}.json"
@@ -365,147 +372,10 @@ class ArtifactBuilder:
             save_vocab(self.staging / HEAD_VOCAB, self.head.ids)
         if self.draft is not None:  # a task added later drafts from the same rows of the head (the graphs hold them)
             save_vocab(self.staging / DRAFT_VOCAB, self.draft.ids)
-        shutil.copytree(self.checkpoint, self.staging / "adapter",
-                        ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
+        shutil.copytree(
+            self.checkpoint, self.staging / "adapter", ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp")
+        )
         return {}
-
-    def format(self, backend: str) -> str:
-        """The weight format `backend` is exported in: --quantize where the backend offers it."""
-        return self.config.quantize if backend in FORMATS[self.config.quantize] else "none"
-
-    def export_model(self, backend: str) -> tuple[torch.nn.Module, dict]:
-        """The model `backend` exports, in its weight format, and the format's manifest record."""
-        from streamfuse.export.span_attention import span_model
-        from streamfuse.export.xnnpack_graph import xnnpack_model
-
-        fmt = self.format(backend)
-        if backend == "executorch":  # XNNPACK: a copy with partition-friendly modules, maybe quantized
-            if fmt == "q4-native":  # the GGUF's codes in the closest form XNNPACK holds (bf16 scales)
-                from streamfuse.export.xnnpack_low_bit import use_xnnpack_codes
-
-                model, details = self._q4_native_model()
-                model = xnnpack_model(model)
-                if self.config.pte_linear == "streamfuse":  # every linear and the head on streamfuse's ops
-                    from streamfuse.export.q4_kernel import use_kernel_linears
-
-                    return model, {**details, **use_kernel_linears(model, head=True), **LOW_BIT_ACTIVATIONS}
-                return model, {**details, **use_xnnpack_codes(model), "activations": "int8 per token (dynamic)"}
-            from streamfuse.export.to_executorch import quantize_weights
-
-            model = xnnpack_model(self.model_and_tokenizer()[0])
-            quantize_weights(model, fmt)
-            return model, {"name": fmt, **({} if fmt == "none" else {"activations": "int8 per token (dynamic)"})}
-        if backend != "onnxruntime":
-            return self.model_and_tokenizer()[0], {"name": fmt}
-        # ONNX: the exact kernel's attention, as on ExecuTorch (SS == plain decoding exactly)
-        if fmt == "q4-native":  # LoRA unmerged beside the GGUF's own codes
-            model, details = self._q4_native_model()
-            if self.config.onnx_linear == "streamfuse":
-                from streamfuse.export.q4_kernel import use_kernel_linears
-
-                details = {**details, **use_kernel_linears(model, head=True)}
-            return span_model(model), {**details, **LOW_BIT_ACTIVATIONS}
-        model = span_model(self.model_and_tokenizer()[0])
-        if fmt == "int8":
-            from streamfuse.export.low_bit import quantize_int8
-
-            return model, {"name": fmt, **quantize_int8(model), **LOW_BIT_ACTIVATIONS}
-        return model, {"name": fmt}
-
-    def _q4_native_model(self) -> tuple[torch.nn.Module, dict]:
-        """The checkpoint (LoRA unmerged) on the base GGUF's own codes, and the format's details."""
-        from streamfuse.adapters.base_model import base_gguf
-        from streamfuse.adapters.gguf_codes import read_base_codes
-        from streamfuse.export.low_bit import use_base_codes
-
-        model, _, checkpoint = load_checkpoint(self.checkpoint)
-        self._keep_head(model)
-        parts = model.requires_grad_(False).parts
-        codes = read_base_codes(base_gguf(checkpoint["base_model"]), parts.num_heads, parts.num_kv_heads)
-        return model, {"name": "q4-native", **use_base_codes(model, codes)}
-
-    def _export(self, backend: str) -> dict:
-        model, fmt = self.export_model(backend)
-        if fmt["name"] != self.config.quantize:
-            print(f"[export] {backend}: --quantize {self.config.quantize} is not built for {backend}; exporting it "
-                  f"unquantized", flush=True)
-        shapes = self.shapes(span=backend in SPAN)
-        modules = self.modules(model, span=shapes.span)
-        inputs = graph.example_inputs(model, shapes)
-        input_names, output_names = graph.names_of(modules, shapes)
-        task_inputs = self.config.task_inputs
-        if task_inputs:  # the trained tensors become inputs: the graphs hold the base alone
-            modules, inputs = with_task_inputs(modules, inputs, model)
-            input_names = {method: [*names, *task_input_names(model)] for method, names in input_names.items()}
-            fmt = {**fmt, "task_inputs": len(task_input_names(model))}
-        if backend in PTE_FILES:
-            from streamfuse.export.to_executorch import export_pte
-
-            name, delegate = PTE_FILES[backend]
-            target = self.staging / name
-            export_pte(modules, inputs, target.with_suffix(".tmp"), delegate, dynamic_linears=task_inputs)
-            target.with_suffix(".tmp").replace(target)
-            return {"files": {"program": self._entry(target)}, "format": fmt}
-        if backend == "onnxruntime":
-            from streamfuse.export.to_onnx import export_onnx
-
-            folder = self.staging / "onnx"
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            model, weights = export_onnx(modules, inputs, input_names, output_names, folder)
-            files = {"model": self._entry(folder / model), "weights": self._entry(folder / weights)}
-            return {"files": files, "format": fmt}
-        from streamfuse.export.to_coreml import export_mlpackage, spec_signature
-
-        target = self.staging / "model.mlpackage"
-        export_mlpackage(modules, inputs, input_names, output_names, target, self.config.coreml_precision)
-        return {"files": {"package": self._entry(target)}, "spec": spec_signature(target), "format": fmt}
-
-    def _task_file(self, backend: str) -> dict:
-        """The task's tensors for `backend`'s graphs (export/task_inputs.py), from the model it exports."""
-        model, _ = self.export_model(backend)
-        target = self.task_folder / f"{backend}.safetensors"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        save_task_tensors(model, target.with_suffix(".tmp"))
-        target.with_suffix(".tmp").replace(target)
-        return {"file": {"path": f"{TASKS}/{self.task}/{target.name}", **file_digest(target)}}
-
-    def graph_file(self, entry: dict) -> Path:
-        """A backend's file (a manifest entry) as this build reads it: staged, or the artifact's a task joins."""
-        return (self.graphs_in or self.staging) / entry["path"]
-
-    def _parity(self, backend: str, files: dict) -> dict:
-        from safetensors.numpy import load_file
-
-        from streamfuse.runtime.backends.sessions import open_session
-
-        session = open_session(backend, {name: self.graph_file(entry) for name, entry in files.items()})
-        if self.config.task_inputs:  # the task's tensors, written first where parity runs right after the export
-            self._stage(tensors_stage(backend, self.key), lambda: self._task_file(backend))
-            session.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
-        model, _, _ = self.model_and_tokenizer()
-        if backend in SPAN:  # the span graphs need the kernel's attention
-            from streamfuse.export.span_attention import span_model
-
-            model = span_model(model)
-        # the fp32 model, same layout: a low-bit format's error is measured against it
-        reference = EagerSession(self.modules(model, span=backend in SPAN))
-        fmt = self.format(backend)
-        if fmt == "none":
-            result = backend_parity(session, reference, self.graph_spec(backend), self.trees, self.prompts,
-                                    self.expected_tokens(), self.rules())
-        else:  # lossless against its own plain decoding on every prompt; tokens may differ from fp32 eager
-            result = backend_parity(session, reference, self.graph_spec(backend), self.trees, self.prompts,
-                                    self.expected_tokens(), self.rules(), plain_prompts=len(self.prompts),
-                                    relative_tolerance=None)
-            result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
-        others = result["other_trees"]
-        print(f"[verify] {backend} ({fmt}): SS == torch eager fp32 on {result['ss_equals_torch_eager']}/"
-              f"{result['prompts']} prompts; SS == own plain on {result['ss_equals_own_plain']}/"
-              f"{result['plain_prompts']}; other trees SS == own plain: {sorted(others['ss_equals_own_plain'].values())}"
-              f"/{others['prompts']}{medusa_line(result['medusa'])}; step outputs within tolerance: "
-              f"{result['within_tolerance']}", flush=True)
-        return result
 
     # --- shared state -----------------------------------------------------------------------
     def model_and_tokenizer(self):
@@ -530,154 +400,25 @@ class ArtifactBuilder:
         return [graph.greedy_schedule(rows, self.config.greedy_schedule) for rows in self.config.buckets]
 
     def modules(self, model, span: bool = False) -> dict:
-        return graph.graph_modules(model, self.shapes(span), self.draft.ids if self.draft else None,
-                                   self.greedy_schedules(), self.medusa_heads())
+        return graph.graph_modules(
+            model,
+            self.shapes(span),
+            self.draft.ids if self.draft else None,
+            self.greedy_schedules(),
+            self.medusa_heads(),
+        )
 
     def medusa_heads(self) -> torch.nn.Module | None:
         """The Medusa heads the graphs rank (fp32 whatever the format: about 1M weights), or None."""
         return None if self.heads is None else load_heads(self.heads).eval().requires_grad_(False)
 
     def graph_spec(self, backend: str) -> GraphSpec:
-        return graph.graph_spec(self.model_and_tokenizer()[0], self.shapes(span=backend in SPAN), self.greedy_schedules(),
-                                self.num_heads)
-
-    def rules(self) -> StopRules:
-        return StopRules(self.max_new_tokens, (self.model_and_tokenizer()[1].eos_token_id,))
-
-    def expected_tokens(self) -> list[list[int]]:
-        """Torch eager's greedy SS tokens on the parity prompts, computed once per staging folder
-        by whichever export process checks parity first (the worker usually), then read."""
-        if self._expected is None:
-            self._expected = self._stage("expected-tokens", self._eager_tokens)["tokens"]
-        return self._expected
-
-    def _eager_tokens(self) -> dict:
-        # kernels="eager": the oracle is plain PyTorch, and the same model object is exported later.
-        eager = TorchBackend(self.model_and_tokenizer()[0], stream_schedule="deferred", kernels="eager")
-        return {"tokens": eager_tokens(eager, self.trees[0], self.prompts, self.rules())}
-
-    def adapter_entry(self, root: Path, path: str) -> dict:
-        """The manifest's record of the checkpoint copied to root / `path` (`path` relative to the artifact)."""
-        trained = read_manifest(self.checkpoint)
-        return {"path": path, "lora": trained["lora"], "training_key": trained["info"].get("training_key"),
-                "weights_sha256": weights_digest(self.checkpoint), **file_digest(root / path)}
+        return graph.graph_spec(
+            self.model_and_tokenizer()[0], self.shapes(span=backend in SPAN), self.greedy_schedules(), self.num_heads
+        )
 
     def _entry(self, path: Path) -> dict:
         return {"path": str(path.relative_to(self.staging)), **file_digest(path)}
-
-    def _manifest(self, files: dict, parity: dict, seconds: dict, formats: dict, task_files: dict,
-                  lending: dict | None) -> dict:
-        model, tokenizer, checkpoint = self.model_and_tokenizer()
-        # "methods" describes the graphs this runtime runs: the span graphs where any were built (Core ML's
-        # package records its own signature, "spec").
-        parts, shapes = model.parts, self.shapes(span=any(backend in SPAN for backend in files))
-        modules = self.modules(model, span=shapes.span)
-        return {
-            "schema": SCHEMA,
-            "build_key": self.key,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "task": checkpoint["info"].get("task"),
-            "prompt": checkpoint["info"].get("prompt"),
-            "model": {"base_model": checkpoint["base_model"], "num_layers": parts.num_layers,
-                      "hidden_size": parts.hidden_size, "num_kv_heads": parts.num_kv_heads, "head_dim": parts.head_dim,
-                      "vocab_size": parts.vocab_size, "max_positions": parts.max_positions,
-                      "num_parameters": sum(p.numel() for p in model.parameters()),
-                      "head_vocab": None if self.head is None else {
-                          "path": HEAD_VOCAB, **self.head.to_dict(), **file_digest(self.staging / HEAD_VOCAB)}},
-            "streams": checkpoint["streams"],
-            "trees": [tree.to_dict() for tree in self.trees],
-            "calibration": {"acceptance": None, "backends": {}},
-            "graphs": {"key": self.graph_key, "capacity": shapes.capacity, "prefill_chunk": shapes.prefill_chunk, "buckets": list(shapes.buckets),
-                       "dtype": "float32",
-                       "stream_schedule": "deferred", "quantize": {b: f["name"] for b, f in formats.items()},
-                       "formats": formats,
-                       "coreml_precision": self.config.coreml_precision,
-                       "greedy_step": {"schedules": self.greedy_schedules(), "width": shapes.width,
-                                       "draft_vocab": None if self.draft is None else {
-                                           "path": DRAFT_VOCAB, **self.draft.to_dict(),
-                                           **file_digest(self.staging / DRAFT_VOCAB)}},
-                       "heads": {"count": self.num_heads, "training_key": self.heads_key},
-                       "methods": graph.signature(modules, graph.example_inputs(model, shapes), shapes)},
-            "kv_layout": {"axes": ["layer", "kv_head", "position", "head_dim"],
-                          "shape": [parts.num_layers, parts.num_kv_heads, shapes.capacity, parts.head_dim],
-                          "capacity": shapes.capacity, "dtype": "float32",
-                          # who writes the cache (runtime/backends/static_graph.py): the engine (the span graphs)
-                          # or the host, per backend
-                          "owner": {backend: "engine" if backend in SPAN else "host" for backend in files}},
-            "tokenizer": {"path": "tokenizer", "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                          "files": folder_digests(self.staging / "tokenizer")},
-            "adapter": self.adapter_entry(self.staging, "adapter"),
-            "task_files": task_files,  # backend -> this task's tensors, where its graphs take them as inputs
-            # other tasks on these graphs (runtime/artifact.py TASK_FIELDS each), kept while the graphs are the same
-            TASKS: {} if lending is None else lending[TASKS],
-            "drafters": {},  # other methods' drafters, added by install_drafter (their own build stages)
-            "files": files,
-            "export_seconds": seconds,
-            "parity": parity,
-            "info": self.info,
-            "profile": None,
-            "versions": versions(),
-        }
-
-
-class TaskAdder:
-    """A task joins an artifact whose graphs another task's build made (the same base, streams and LoRA shape, in a
-    format whose graphs take the task's tensors): only its tensor files, its adapter and its parity are new. They are
-    staged in <artifact>/tasks/.<task>.partial-<key> and renamed into tasks/<task> once parity passed; the manifest
-    then records the task (runtime/artifact.py TASK_FIELDS)."""
-
-    def __init__(self, builder: ArtifactBuilder):
-        self.builder = builder
-        self.artifact = Artifact.open(builder.out)
-        builder.staging = builder.task_folder = builder.out / TASKS / f".{builder.task}.partial-{builder.key}"
-        self.target = builder.out / TASKS / builder.task
-
-    def add(self) -> dict:
-        builder, stored = self.builder, self.artifact.manifest
-        if builder.task in stored[TASKS] and stored[TASKS][builder.task]["build_key"] == builder.key:
-            print(f"[export] reusing task {builder.task} in {builder.out} (same checkpoint and settings)", flush=True)
-            return self.artifact.for_task(builder.task).manifest
-        unbuilt = {b for b in builder.config.backends if b != "torch"} - set(stored["files"])
-        if unbuilt:
-            raise ArtifactError(f"{builder.out} has no {', '.join(sorted(unbuilt))} graphs to add task {builder.task} "
-                                f"to; build its own task with those backends first, or leave them out of --backends")
-        print(f"[export] adding task {builder.task} to {builder.out} (its graphs, task {stored['task']}'s build)",
-              flush=True)
-        (builder.staging / "done").mkdir(parents=True, exist_ok=True)
-        builder.graphs_in = builder.out
-        builder._stage("common", self._copy_adapter)
-        backends = list(stored["files"])
-        files = {b: builder._stage(tensors_stage(b, builder.key), lambda b=b: builder._task_file(b))["file"]
-                 for b in backends}
-        parity = {b: builder._parity_stage(b, stored["files"][b]) for b in backends if b in RUNS_HERE}
-        builder._gate(parity)
-        shutil.rmtree(builder.staging / "done")
-        with lock(builder.out):  # the folder and its record change together
-            replace_folder(builder.staging, self.target)
-            self.artifact.add_task(self._fields(files, parity))
-        return self.artifact.for_task(builder.task).manifest
-
-    def _copy_adapter(self) -> dict:
-        shutil.rmtree(self.builder.task_folder / "adapter", ignore_errors=True)
-        shutil.copytree(self.builder.checkpoint, self.builder.task_folder / "adapter",
-                        ignore=shutil.ignore_patterns("*.snapshot", "eval", "*.tmp"))
-        return {}
-
-    def _fields(self, files: dict, parity: dict) -> dict:
-        builder = self.builder
-        checkpoint = read_manifest(builder.checkpoint)
-        if checkpoint["streams"] != self.artifact.manifest["streams"]:  # the graph key holds them: a broken artifact
-            raise ArtifactError(f"task {builder.task}'s streams differ from those of {builder.out}'s graphs")
-        return {"task": builder.task, "prompt": checkpoint["info"].get("prompt"),
-                "adapter": builder.adapter_entry(builder.out, f"{TASKS}/{builder.task}/adapter"),
-                "task_files": files, "trees": [tree.to_dict() for tree in builder.trees],
-                "calibration": {"acceptance": None, "backends": {}}, "drafters": {}, "parity": parity,
-                "build_key": builder.key, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "info": builder.info, "profile": None}
-
-
-def medusa_line(medusa: dict | None) -> str:
-    return "" if medusa is None else f"; Medusa == own plain: {medusa['medusa_equals_own_plain']}/{medusa['prompts']}"
 
 
 def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) -> None:
@@ -698,29 +439,6 @@ def install_drafter(artifact: Path, method: str, checkpoint: Path, entry: dict) 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def folder_digests(folder: Path) -> dict[str, dict]:
-    """Each file of a folder by its relative name: bytes + sha256 (the tokenizer's: each changes behaviour)."""
-    return {file.relative_to(folder).as_posix(): file_digest(file) for file in folder_files(folder)}
-
-
-def model_shape(trained: dict) -> dict:
-    """What a checkpoint's graphs with task inputs depend on (adapters/checkpoint.py streamfuse.json): the base, the
-    streams, where the LoRA sits and its rank; not its values."""
-    lora = trained["lora"]
-    return {"base_model": trained["base_model"], "base_layers": trained["base_layers"], "streams": trained["streams"],
-            "lora": {name: lora[name] for name in ("rank", "target_modules", "top_layers")}}
-
-
-def tensors_stage(backend: str, key: str) -> str:
-    """A task's tensor file: it depends on the trained weights, which the staging folder's key may leave out."""
-    return f"tensors-{backend}-{key}"
-
-
-def parity_stage(backend: str, key: str) -> str:
-    """A parity check's stage: it depends on the trees and prompts, which the staging folder's key leaves out."""
-    return f"parity-{backend}-{key}"
-
-
 def start_lowering(arguments: tuple, backends: Sequence[str]) -> dict[str, Future]:
     """Lower `backends`' files in a worker process now, for the ArtifactBuilder of these arguments (any
     trees: the graphs take them as inputs), while the build evaluates and calibrates; pass the result
@@ -732,7 +450,7 @@ def start_lowering(arguments: tuple, backends: Sequence[str]) -> dict[str, Futur
         return {}
     print(f"[export] lowering {', '.join(todo)} in a worker process while the build goes on", flush=True)
     job = worker.start(lower_stages, arguments, todo)
-    return {backend: job for backend in todo}
+    return dict.fromkeys(todo, job)
 
 
 def lower_stages(arguments: tuple, backends: list[str]) -> None:
@@ -757,4 +475,3 @@ def export_stages(arguments: tuple, backends: list[str]) -> None:
     for backend in backends:
         result = builder._stage(backend, lambda b=backend: builder._export(b))
         builder._parity_stage(backend, result["files"])
-

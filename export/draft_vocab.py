@@ -46,8 +46,9 @@ def coverage(ids: Sequence[int], answers: Iterable[Sequence[int]]) -> float:
     return hits / total if total else 1.0
 
 
-def draft_vocab(train: Iterable[Sequence[int]], held_out_answers: Iterable[Sequence[int]], size: int,
-                vocab_size: int) -> DraftVocab | None:
+def draft_vocab(
+    train: Iterable[Sequence[int]], held_out_answers: Iterable[Sequence[int]], size: int, vocab_size: int
+) -> DraftVocab | None:
     """None when size is 0 or covers the vocabulary: streams then rank all V tokens."""
     if size == 0 or size >= vocab_size:
         return None

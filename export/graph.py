@@ -1,25 +1,14 @@
 """Static-shape graphs of a Speculative Streaming model: what ExecuTorch, ONNX and Core ML compile.
 
-Every method is a function of explicit tensors; the host allocates the KV cache and hands it to every call:
-
-    prefill(ids [1,P], cache_len [1], last [1], keys, values) -> logits [1,V], anchor [1,H], hidden [1,H],
-                                                                  new_keys, new_values
-    decode (ids [1,1], cache_len [1], keys, values)            -> logits [1,V], anchor [1,H], hidden [1,H],
-                                                                  new_keys, new_values
-    step_T (ids [1,T], cache_len [1], tree [T,T], depths [T], keys, values)
-                                                               -> logits [T,V], anchor [T,H], hidden [T,H],
-                                                                  new_keys, new_values
-    streams(anchor [1,H], cache_len [1], keys, values)         -> stream_logits [gamma,V], stream_states
-    greedy_step_T(ids [1,T], cache_len [1], tree [T,T], depths [T], parents [T], keys, values)
-                                                               -> targets [T], accepted [1], drafts [gamma,K],
-                                                                  new_keys, new_values, stream_states
-    heads  (anchor [1,H], cache_len [1], keys, values)         -> head_logits [heads,V]   (Medusa heads only)
+Every method is a function of explicit tensors, its inputs, outputs and shapes the contract's
+(runtime/contract.py: INPUT_NAMES, OUTPUT_NAMES, and the table there); the host allocates the KV cache and hands it
+to every call.
 
 The draft tree is data: step_T and greedy_step_T exist for each size bucket T (GraphShapes.buckets)
 and take the tree as inputs: `tree` row i is 1 at node i's ancestors and itself, `depths` gives each
 node's position past cache_len, `parents` each node's parent (the root its own). Any tree of up to T
 nodes runs in the bucket; the host pads the rest with rows that see only themselves at depth -1
-(runtime/backends/static_graph.py tree_inputs), which no real row sees and greedy_step never accepts.
+(runtime/contract.py tree_inputs), which no real row sees and greedy_step never accepts.
 Calibration may pick any tree up to the largest bucket with no re-export, and a method may change its
 tree every step.
 
@@ -29,7 +18,7 @@ ones into its cache. On ExecuTorch and ONNX Runtime (GraphShapes.span) the engin
 attention kernel reads only rows < cache_len, in place, and writes the call's rows into slots cache_len.. of the
 given buffers; every method takes one more input, commit [max_nodes] (the nodes of the previous call the host
 accepted, ascending, then -1), and first moves those rows into place; no method returns new_keys/new_values
-(runtime/backends/static_graph.py COMMIT_INPUT). prefill is a causal chunk of P tokens (a constant chain), decode a
+(runtime/contract.py COMMIT_INPUT). prefill is a causal chunk of P tokens (a constant chain), decode a
 chain of 1.
 anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
@@ -43,14 +32,14 @@ heads and the shared LM head: the step graphs stay as they are, at one extra cal
 greedy_step is step + streams in one call for greedy decoding: the graph takes each node's
 argmax (targets), finds the accepted node by the greedy rule, and returns the top-K token ids
 (K: GraphShapes.width, the widest level the artifact's trees may have, so the next step may take any
-of them; a wider tree runs step + streams) of that node's streams, run beside every node (fused) or for that node alone after verifying
-(deferred); see GreedyStepPass. One call per step, and no [T, V]
-logits leave the graph. The host still decides acceptance from `targets`; `accepted` only says
-whose streams the drafts are. streams and greedy_step also return the streams' final-normed states
-[gamma, H] (stream_states): method ss-adaptive's acceptance head reads them on the host.
+of them; a wider tree runs step + streams) of that node's streams, run beside every node (fused) or for that
+node alone after verifying (deferred); see GreedyStepPass. One call per step, and no [T, V] logits leave the
+graph. The host still decides acceptance from `targets`; `accepted` only says whose streams the drafts are.
+streams and greedy_step also return the streams' final-normed states [gamma, H] (stream_states): method
+ss-adaptive's acceptance head reads them on the host.
 
-The methods' modules are runtime/backends/graph_passes.py's (the torch backend runs the same ones
-eagerly); this module fixes their static shapes and layout for export.
+The methods' modules are export/passes.py's (the torch backend runs the same ones eagerly); this module fixes
+their static shapes and layout for export.
 """
 
 from __future__ import annotations
@@ -62,7 +51,7 @@ import torch
 from torch import nn
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.graph_passes import (
+from streamfuse.export.passes import (
     APPEND,
     SPAN,
     GreedyStepPass,
@@ -72,14 +61,14 @@ from streamfuse.runtime.backends.graph_passes import (
     StepPass,
     StreamsPass,
 )
-from streamfuse.runtime.backends.static_graph import (
+from streamfuse.runtime.contract import (
+    STREAM_SCHEDULES,
     GraphSpec,
     bucket_method,
     input_names,
     output_names,
     tree_inputs,
 )
-from streamfuse.runtime.options import STREAM_SCHEDULES
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -102,11 +91,15 @@ class GraphShapes:
 
     def __post_init__(self):
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 2:
-            raise ValueError(f"step graph buckets must be distinct row counts >= 2 (a root and one draft), "
-                             f"ascending; got {list(self.buckets)}")
+            raise ValueError(
+                f"step graph buckets must be distinct row counts >= 2 (a root and one draft), "
+                f"ascending; got {list(self.buckets)}"
+            )
         if self.prefill_chunk < 1 or self.capacity < self.prefill_chunk + self.max_nodes:
-            raise ValueError(f"capacity {self.capacity} must hold at least one prefill chunk ({self.prefill_chunk}) "
-                             f"plus the largest step ({self.max_nodes} rows)")
+            raise ValueError(
+                f"capacity {self.capacity} must hold at least one prefill chunk ({self.prefill_chunk}) "
+                f"plus the largest step ({self.max_nodes} rows)"
+            )
 
     @property
     def max_nodes(self) -> int:
@@ -119,20 +112,20 @@ class GraphShapes:
 
     @property
     def layout(self) -> str:
-        """Where a call's new rows sit for attention (runtime/backends/graph_passes.py)."""
+        """Where a call's new rows sit for attention (export/passes.py)."""
         return SPAN if self.span else APPEND
 
 
 # Largest bucket whose greedy_step runs streams beside every row under "auto". On the 2-core CPU
-# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; tools/graph_latency.py) fused/deferred took
-# 47.7/52.3 ms for the 4-node chain and 81.6/69.2 ms for 15 nodes (a 6-node tree was about even in
-# an exploratory run): extra rows cost compute, re-reading the MSA layers' weights costs bandwidth.
+# (ONNX Runtime, SmolLM2-135M, N_s 8, gamma 3; tools/graph_latency.py) fused/deferred take
+# 47.7/52.3 ms for the 4-node chain and 81.6/69.2 ms for 15 nodes (a 6-node tree is about even):
+# extra rows cost compute, re-reading the MSA layers' weights costs bandwidth.
 FUSED_MAX_NODES = 7
 GREEDY_SCHEDULES = ("auto", *STREAM_SCHEDULES)
 
 
 def greedy_schedule(rows: int, choice: str) -> str:
-    """"fused" or "deferred" for the greedy_step of `rows` rows; "auto" picks by size (FUSED_MAX_NODES)."""
+    """ "fused" or "deferred" for the greedy_step of `rows` rows; "auto" picks by size (FUSED_MAX_NODES)."""
     if choice not in GREEDY_SCHEDULES:
         raise ValueError(f"greedy_step schedule must be one of {', '.join(GREEDY_SCHEDULES)}, got {choice!r}")
     if choice != "auto":
@@ -140,10 +133,14 @@ def greedy_schedule(rows: int, choice: str) -> str:
     return "fused" if rows <= FUSED_MAX_NODES else "deferred"
 
 
-
-def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids: Sequence[int] | None = None,
-                  schedules: Sequence[str] | None = None, heads: nn.Module | None = None) -> dict[str, nn.Module]:
-    """method name -> module, in static_graph.method_names order; the same model weights are shared by
+def graph_modules(
+    model: SpeculativeStreamingLM,
+    shapes: GraphShapes,
+    draft_ids: Sequence[int] | None = None,
+    schedules: Sequence[str] | None = None,
+    heads: nn.Module | None = None,
+) -> dict[str, nn.Module]:
+    """method name -> module, in contract.method_names order; the same model weights are shared by
     all of them. draft_ids and schedules (one per bucket; default deferred) shape greedy_step only;
     heads (Medusa's) add the heads method."""
     layout = shapes.layout
@@ -155,20 +152,34 @@ def graph_modules(model: SpeculativeStreamingLM, shapes: GraphShapes, draft_ids:
     }
     for rows, schedule in zip(shapes.buckets, schedules, strict=True):
         modules[bucket_method("step", rows)] = StepPass(model, layout)
-        modules[bucket_method("greedy_step", rows)] = GreedyStepPass(model, rows, shapes.width, draft_ids, schedule,
-                                                                     layout)
+        modules[bucket_method("greedy_step", rows)] = GreedyStepPass(
+            model, rows, shapes.width, draft_ids, schedule, layout
+        )
     if heads is not None:
         modules["heads"] = HeadsPass(model, heads, layout)
     return modules
 
 
-def graph_spec(model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Sequence[str],
-               heads: int = 0) -> GraphSpec:
+def graph_spec(
+    model: SpeculativeStreamingLM, shapes: GraphShapes, schedules: Sequence[str], heads: int = 0
+) -> GraphSpec:
     """What the host must know to run graph_modules(model, shapes, ..., schedules) (and `heads` Medusa heads)."""
     parts = model.parts
-    return GraphSpec(parts.num_layers, parts.num_kv_heads, parts.head_dim, parts.vocab_size, model.num_streams,
-                     shapes.capacity, shapes.prefill_chunk, shapes.buckets, tuple(schedules), shapes.width, heads,
-                     head_ids=model.kept_vocab(), engine_cache=shapes.span)
+    return GraphSpec(
+        parts.num_layers,
+        parts.num_kv_heads,
+        parts.head_dim,
+        parts.vocab_size,
+        model.num_streams,
+        shapes.capacity,
+        shapes.prefill_chunk,
+        shapes.buckets,
+        tuple(schedules),
+        shapes.width,
+        heads,
+        head_ids=model.kept_vocab(),
+        engine_cache=shapes.span,
+    )
 
 
 def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[str, tuple[torch.Tensor, ...]]:

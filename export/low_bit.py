@@ -35,8 +35,9 @@ MATCH_TOLERANCE = 1e-6
 
 
 @torch.library.custom_op("streamfuse::q4_matmul", mutates_args=())
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
-              out_features: int) -> torch.Tensor:
+def q4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, out_features: int
+) -> torch.Tensor:
     """x [.., K]; packed [N, K/32, 16] uint8; scales [N·K/32]; zero_points [N·ceil(K/64)] uint8, two per
     byte -> x · (d·(q - zero point))^T [.., N] (Q4Linear adds the offsets)."""
     zeros = block_zero_points(zero_points, out_features, packed.shape[1])[..., None]
@@ -145,7 +146,8 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matmul(x, self.packed, self.scales, self.zero_points, self.out_features) + low_rank(
-            x, self.left, self.right, self.task_input)
+            x, self.left, self.right, self.task_input
+        )
 
     @property
     def offsets_t(self) -> torch.Tensor:
@@ -182,14 +184,16 @@ class Q8Linear(nn.Module):
         self.register_buffer("scales", scales)  # [N·K/32] fp32
 
     @classmethod
-    def from_codes(cls, codes: BlockCodes) -> "Q8Linear":
+    def from_codes(cls, codes: BlockCodes) -> Q8Linear:
         if codes.kind != "q8_0":
             raise GGUFError(f"Q8Linear takes Q8_0 codes, got {codes.kind}")
         rows = codes.shape[0]
-        return cls(torch.from_numpy(codes.codes.reshape(rows, -1, BLOCK).copy()),
-                   torch.from_numpy(codes.scales.reshape(-1).copy()))
+        return cls(
+            torch.from_numpy(codes.codes.reshape(rows, -1, BLOCK).copy()),
+            torch.from_numpy(codes.scales.reshape(-1).copy()),
+        )
 
-    def rows(self, ids: torch.Tensor) -> "Q8Linear":
+    def rows(self, ids: torch.Tensor) -> Q8Linear:
         """The layer restricted to output rows `ids` (same codes, exact)."""
         scales = self.scales.reshape(self.out_features, -1)[ids].reshape(-1)
         return Q8Linear(self.codes[ids].clone(), scales.clone())
@@ -230,9 +234,13 @@ def use_base_codes(model, codes: BaseCodes) -> dict:
         for path, block in layer.items():
             _use_q4(parts.layers[index], path, block, f"layer {index} {path}")
     _use_head(model, Q8Linear.from_codes(codes.embedding))
-    return {"linear": "q4_1 (GGUF codes, exact)", "embedding": "q8_0 (GGUF codes, exact)",
-            "lm_head": "q8_0, tied to the embedding", "lora": "float32, unmerged",
-            "gguf_bytes": codes.bytes()}
+    return {
+        "linear": "q4_1 (GGUF codes, exact)",
+        "embedding": "q8_0 (GGUF codes, exact)",
+        "lm_head": "q8_0, tied to the embedding",
+        "lora": "float32, unmerged",
+        "gguf_bytes": codes.bytes(),
+    }
 
 
 def quantize_int8(model) -> dict:
@@ -244,8 +252,12 @@ def quantize_int8(model) -> dict:
             if isinstance(module, nn.Linear):
                 _replace(layer, path, Q8Linear.from_codes(int8_codes(_bias_free(path, module).weight)))
     _use_head(model, Q8Linear.from_codes(int8_codes(_tied_weight(parts))))
-    return {"linear": "int8 per block of 32 (symmetric)", "embedding": "int8 per block of 32",
-            "lm_head": "int8, tied to the embedding", "lora": "merged"}
+    return {
+        "linear": "int8 per block of 32 (symmetric)",
+        "embedding": "int8 per block of 32",
+        "lm_head": "int8, tied to the embedding",
+        "lora": "merged",
+    }
 
 
 def int8_codes(weight: torch.Tensor) -> BlockCodes:
@@ -295,17 +307,23 @@ def _lora_update(owner, name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(A, B, scaling) of a peft LoRA layer's one active adapter (plain LoRA: no DoRA)."""
     adapters = list(owner.active_adapters)
     if len(adapters) != 1 or owner.use_dora.get(adapters[0], False):
-        raise GGUFError(f"{name}: q4-native takes one plain LoRA adapter per layer, found {adapters} "
-                        f"(DoRA: {owner.use_dora}); export with --quantize none or int8")
+        raise GGUFError(
+            f"{name}: q4-native takes one plain LoRA adapter per layer, found {adapters} "
+            f"(DoRA: {owner.use_dora}); export with --quantize none or int8"
+        )
     adapter = adapters[0]
     return owner.lora_A[adapter].weight, owner.lora_B[adapter].weight, float(owner.scaling[adapter])
 
 
 def _check(name: str, codes: BlockCodes, weight: torch.Tensor) -> None:
     if codes.shape != tuple(weight.shape):
-        raise GGUFError(f"{name}: the GGUF holds a {codes.shape} weight, the model {tuple(weight.shape)}: the GGUF is "
-                        f"not this model's base: export with --quantize none or int8")
+        raise GGUFError(
+            f"{name}: the GGUF holds a {codes.shape} weight, the model {tuple(weight.shape)}: the GGUF is "
+            f"not this model's base: export with --quantize none or int8"
+        )
     error = float(np.abs(codes.dequantize() - weight.detach().float().numpy()).max())
     if error > MATCH_TOLERANCE:
-        raise GGUFError(f"{name}: the GGUF's codes differ from the model's weights by up to {error:.3g}; the GGUF is "
-                        f"not this model's base: export with --quantize none or int8")
+        raise GGUFError(
+            f"{name}: the GGUF's codes differ from the model's weights by up to {error:.3g}; the GGUF is "
+            f"not this model's base: export with --quantize none or int8"
+        )

@@ -3,8 +3,8 @@
 ONNX has one entry point per model, and a session per method graph prepacks its own copy of every
 weight (5 graphs: 811 MiB of RSS for a 132 MiB q4 artifact). Here each method's graph becomes the
 then-branch of an If at the top of one model; the input `method` (its index in the model's method
-list, kept in its metadata under METHODS_METADATA) picks the branch, every weight is an initializer of the top graph, and each method's outputs are
-<method>.<name> (runtime/backends/static_graph.py owns these names). Measured with ONNX Runtime
+list, kept in its metadata under METHODS_METADATA) picks the branch, every weight is an initializer of the top
+graph, and each method's outputs are <method>.<name> (runtime/contract.py owns these names). Measured with ONNX Runtime
 1.31.1 on SmolLM2's layers: one session prepacks the weights once for all the If branches that
 read them from the enclosing graph (docs/export.md; an If nested in another If's branch would not
 find them there and run unpacked, so the Ifs sit side by side). An If whose condition is false
@@ -21,7 +21,7 @@ import copy
 import hashlib
 import json
 
-from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS_METADATA, method_output
+from streamfuse.runtime.contract import METHOD_INPUT, METHODS_METADATA, method_output
 
 
 def strip_debug_info(model, keep_shapes: bool = False) -> None:
@@ -50,18 +50,36 @@ def combine_methods(models: dict):
     nodes, outputs = [], []
     for position, (method, model) in enumerate(models.items()):
         then_branch, names = _branch(method, model.graph, shared)
-        empties = [helper.make_node("Constant", [], [f"{method}/skip/{name}"],
-                                    value=helper.make_tensor(f"{method}/skip/{name}", dtype, [0], []))
-                   for name, dtype in names]
-        else_branch = helper.make_graph(empties, f"{method}/skip", [],
-                                        [helper.make_tensor_value_info(e.output[0], d, None) for e, (_, d) in
-                                         zip(empties, names)])
+        empties = [
+            helper.make_node(
+                "Constant",
+                [],
+                [f"{method}/skip/{name}"],
+                value=helper.make_tensor(f"{method}/skip/{name}", dtype, [0], []),
+            )
+            for name, dtype in names
+        ]
+        else_branch = helper.make_graph(
+            empties,
+            f"{method}/skip",
+            [],
+            [helper.make_tensor_value_info(e.output[0], d, None) for e, (_, d) in zip(empties, names)],
+        )
         index, chosen = f"{method}/index", f"{method}/chosen"
-        nodes += [helper.make_node("Constant", [], [index],
-                                   value=helper.make_tensor(index, TensorProto.INT64, [], [position])),
-                  helper.make_node("Equal", [METHOD_INPUT, index], [chosen]),
-                  helper.make_node("If", [chosen], [method_output(method, name) for name, _ in names],
-                                   then_branch=then_branch, else_branch=else_branch, name=method)]
+        nodes += [
+            helper.make_node(
+                "Constant", [], [index], value=helper.make_tensor(index, TensorProto.INT64, [], [position])
+            ),
+            helper.make_node("Equal", [METHOD_INPUT, index], [chosen]),
+            helper.make_node(
+                "If",
+                [chosen],
+                [method_output(method, name) for name, _ in names],
+                then_branch=then_branch,
+                else_branch=else_branch,
+                name=method,
+            ),
+        ]
         outputs += [helper.make_tensor_value_info(method_output(method, name), dtype, None) for name, dtype in names]
     inputs = [helper.make_tensor_value_info(METHOD_INPUT, TensorProto.INT64, [])] + _union_inputs(models)
     top = helper.make_graph(nodes, "streamfuse", inputs, outputs, initializer=list(shared.values()))
@@ -142,9 +160,12 @@ def _union_inputs(models: dict) -> list:
             if len(known) != len(dims):
                 raise ValueError(f"input {value.name} has rank {len(dims)} in one method and {len(known)} in another")
             shapes[value.name] = (dtype, [a if a == b else None for a, b in zip(known, dims)])
-    return [helper.make_tensor_value_info(name, dtype, [d if d is not None else f"{name}_{axis}"
-                                                        for axis, d in enumerate(dims)])
-            for name, (dtype, dims) in shapes.items()]
+    return [
+        helper.make_tensor_value_info(
+            name, dtype, [d if d is not None else f"{name}_{axis}" for axis, d in enumerate(dims)]
+        )
+        for name, (dtype, dims) in shapes.items()
+    ]
 
 
 def _union_opsets(models: dict) -> list:

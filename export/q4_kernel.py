@@ -72,7 +72,7 @@ class KernelQ8Head(nn.Module):
         self.register_buffer("scales", torch.from_numpy(flat_scales))
 
     @classmethod
-    def from_q8(cls, head: Q8Linear) -> "KernelQ8Head":
+    def from_q8(cls, head: Q8Linear) -> KernelQ8Head:
         rows = head.out_features
         codes = (head.codes.reshape(rows, -1).numpy().astype(np.int16) - 128).astype(np.int8)  # stored as q + 128
         return cls(codes, head.scales.reshape(rows, -1).numpy())
@@ -81,7 +81,7 @@ class KernelQ8Head(nn.Module):
         """(codes [N, K] int8, scales [N, K/32] float32)."""
         return q8_linear.unpack(self.codes.numpy(), self.scales.numpy(), self.out_features, self.in_features)
 
-    def rows(self, ids: torch.Tensor) -> "KernelQ8Head":
+    def rows(self, ids: torch.Tensor) -> KernelQ8Head:
         """The head restricted to output rows `ids` (the same codes, exact): graph_passes.head_rows."""
         codes, scales = self.weights()
         return KernelQ8Head(codes[ids.numpy()], scales[ids.numpy()])
@@ -129,8 +129,10 @@ def use_kernel_linears(model: nn.Module, head: bool = False) -> dict:
     if count == 0:
         raise ValueError("use_kernel_linears takes a q4-native model (low_bit.use_base_codes): it has no Q4Linear")
     model.replace_modules(lambda m: isinstance(m, Q4Linear), convert)
-    details = {"linear": "q4_1 codes in streamfuse's own op (runtime/q4_linear.py), LoRA unmerged in fp32",
-               "max_weight_error": {"linear": error}}
+    details = {
+        "linear": "q4_1 codes in streamfuse's own op (runtime/q4_linear.py), LoRA unmerged in fp32",
+        "max_weight_error": {"linear": error},
+    }
     if head:
         details = {**details, **_use_kernel_head(model)}
         details["max_weight_error"] = {"linear": error, "lm_head": details.pop("head_error")}
@@ -145,5 +147,7 @@ def _use_kernel_head(model: nn.Module) -> dict:
     head_error = float((kernel.dequantized().double() - heads[0].dequantized().double()).abs().max())
     model.replace_modules(lambda m: isinstance(m, Q8Embedding), lambda _: KernelQ8Embedding(kernel))
     model.replace_modules(lambda m: m is heads[0], lambda _: kernel)
-    return {"lm_head": "q8_0 codes in streamfuse's own op (runtime/q8_linear.py), tied to the embedding",
-            "head_error": head_error}
+    return {
+        "lm_head": "q8_0 codes in streamfuse's own op (runtime/q8_linear.py), tied to the embedding",
+        "head_error": head_error,
+    }

@@ -1,5 +1,5 @@
-"""Attention over the used span of the cache, for the exported graphs (ExecuTorch, ONNX Runtime): HF's attention interface
-backed by the exact kernel (runtime/tree_attention.py). The layer's cache and `start` come from the
+"""Attention over the used span of the cache, for the exported graphs (ExecuTorch, ONNX Runtime): HF's attention
+interface backed by the exact kernel (runtime/tree_attention.py). The layer's cache and `start` come from the
 SpanKeyValues provider (adapters/msa.py); the keys HF hands over are the call's own rows, and the mask
 [1, 1, rows, those rows] says which each row sees. The kernel writes the provider's `stored` first rows into the
 cache at slots start.. (the engine keeps the cache). A row's result is bit-identical whatever the call's size
@@ -25,12 +25,15 @@ def span_attention(module, query, key, value, attention_mask, scaling, dropout=0
     [1, 1, rows, X] -> ([1, rows, heads, d], None)."""
     provider = KeyValues.take_active(module.layer_idx)
     if not isinstance(provider, SpanKeyValues):
-        raise RuntimeError(f"span attention of layer {module.layer_idx} without its SpanKeyValues update: the graphs "
-                           f"of a model with span attention need GraphShapes(span=True)")
+        raise RuntimeError(
+            f"span attention of layer {module.layer_idx} without its SpanKeyValues update: the graphs "
+            f"of a model with span attention need GraphShapes(span=True)"
+        )
     k_cache, v_cache = provider.cache
     visible = provider.visible(attention_mask, GRAPH_MASKED)
-    return torch_op()(query, k_cache, v_cache, module.layer_idx, provider.start, key, value, visible, float(scaling),
-                      provider.stored), None
+    return torch_op()(
+        query, k_cache, v_cache, module.layer_idx, provider.start, key, value, visible, float(scaling), provider.stored
+    ), None
 
 
 def span_model(model: SpeculativeStreamingLM) -> SpeculativeStreamingLM:

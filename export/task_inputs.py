@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamfuse.runtime.backends.static_graph import TASK_PREFIX  # graph input names: task.<name in the model>
+from streamfuse.runtime.contract import TASK_PREFIX  # graph input names: task.<name in the model>
 
 TRAINED_MODULES = ("stream_init", "pruning_head")  # adapters/checkpoint.py extra_state: the non-LoRA trained parts
 
@@ -36,8 +36,10 @@ def task_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             if trained or name.split(".")[0] in ("left", "right"):
                 found[f"{path}.{name}"] = tensor
     if not any(getattr(m, "adapted", False) for m in model.modules()):
-        raise ValueError("the model has no adapted low-bit layer: task inputs need the q4-native format's unmerged "
-                         "LoRA (export/low_bit.py use_base_codes)")
+        raise ValueError(
+            "the model has no adapted low-bit layer: task inputs need the q4-native format's unmerged "
+            "LoRA (export/low_bit.py use_base_codes)"
+        )
     return dict(sorted(found.items()))
 
 
@@ -51,8 +53,13 @@ class TaskInputs(nn.Module):
     def __init__(self, method: nn.Module, model: nn.Module):
         super().__init__()
         self.method = method
-        where = {id(t): n for n, t in [*method.named_parameters(remove_duplicate=False),
-                                       *method.named_buffers(remove_duplicate=False)]}
+        where = {
+            id(t): n
+            for n, t in [
+                *method.named_parameters(remove_duplicate=False),
+                *method.named_buffers(remove_duplicate=False),
+            ]
+        }
         self.names = [where[id(tensor)] for tensor in task_tensors(model).values()]  # as the method calls them
 
     def forward(self, *args):
@@ -61,16 +68,19 @@ class TaskInputs(nn.Module):
         return torch.func.functional_call(self.method, swapped, args[:count], strict=False, tie_weights=False)
 
 
-def with_task_inputs(modules: dict[str, nn.Module], inputs: dict[str, tuple], model: nn.Module
-                     ) -> tuple[dict[str, nn.Module], dict[str, tuple]]:
+def with_task_inputs(
+    modules: dict[str, nn.Module], inputs: dict[str, tuple], model: nn.Module
+) -> tuple[dict[str, nn.Module], dict[str, tuple]]:
     """Every method wrapped, its example inputs followed by the model's task tensors (copies: distinct inputs). The
     adapted layers switch to the form of their low-rank term that stays exact with input weights (low_bit.low_rank)."""
     for module in model.modules():
         if getattr(module, "adapted", False) and hasattr(module, "task_input"):
             module.task_input = True
     tensors = [t.detach().clone() for t in task_tensors(model).values()]
-    return ({name: TaskInputs(module, model) for name, module in modules.items()},
-            {name: (*inputs[name], *tensors) for name in modules})
+    return (
+        {name: TaskInputs(module, model) for name, module in modules.items()},
+        {name: (*inputs[name], *tensors) for name in modules},
+    )
 
 
 def save_task_tensors(model: nn.Module, path) -> None:

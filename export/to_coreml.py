@@ -24,8 +24,14 @@ DEFAULT_FUNCTION = "decode"  # every artifact has it
 SCRATCH_PREFIX = "coreml-"  # one package per method, beside the target, merged into it at the end
 
 
-def export_mlpackage(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_names: dict[str, list[str]],
-                     output_names: dict[str, list[str]], path: Path, precision: str = "float16") -> None:
+def export_mlpackage(
+    modules: dict[str, nn.Module],
+    inputs: dict[str, tuple],
+    input_names: dict[str, list[str]],
+    output_names: dict[str, list[str]],
+    path: Path,
+    precision: str = "float16",
+) -> None:
     import coremltools as ct
 
     seams.register_coreml_alias()
@@ -34,11 +40,18 @@ def export_mlpackage(modules: dict[str, nn.Module], inputs: dict[str, tuple], in
         descriptor = ct.utils.MultiFunctionDescriptor()
         for name, module in modules.items():
             program = torch.export.export(module, inputs[name], strict=False).run_decompositions({})
-            types = [ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == torch.long else np.float32)
-                     for n, t in zip(input_names[name], inputs[name])]
-            model = ct.convert(program, inputs=types, outputs=[ct.TensorType(name=n) for n in output_names[name]],
-                               convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
-                               compute_precision=compute)
+            types = [
+                ct.TensorType(name=n, shape=t.shape, dtype=np.int32 if t.dtype == torch.long else np.float32)
+                for n, t in zip(input_names[name], inputs[name])
+            ]
+            model = ct.convert(
+                program,
+                inputs=types,
+                outputs=[ct.TensorType(name=n) for n in output_names[name]],
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.iOS17,
+                compute_precision=compute,
+            )
             single = Path(scratch) / f"{name}.mlpackage"
             model.save(str(single))
             descriptor.add_function(str(single), src_function_name="main", target_function_name=name)
@@ -55,8 +68,10 @@ def spec_signature(path: Path) -> dict[str, dict]:
     result = {}
     for function in spec.description.functions:
         result[function.name] = {
-            "inputs": [(i.name, list(i.type.multiArrayType.shape), _dtype_name(i.type.multiArrayType.dataType))
-                       for i in function.input],
+            "inputs": [
+                (i.name, list(i.type.multiArrayType.shape), _dtype_name(i.type.multiArrayType.dataType))
+                for i in function.input
+            ],
             "outputs": [o.name for o in function.output],
         }
     return result

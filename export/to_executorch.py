@@ -33,8 +33,11 @@ def quantize_weights(model: nn.Module, scheme: str) -> None:
 
     # Group-wise int4 needs in_features divisible by the group; the rank-8 pruning head is not
     # (and is not in the exported graphs anyway), so only such linears are quantized.
-    quantize_(model, torchao_config(scheme),
-              filter_fn=lambda module, _: isinstance(module, nn.Linear) and module.in_features % GROUP == 0)
+    quantize_(
+        model,
+        torchao_config(scheme),
+        filter_fn=lambda module, _: isinstance(module, nn.Linear) and module.in_features % GROUP == 0,
+    )
 
 
 def torchao_config(scheme: str):
@@ -67,14 +70,20 @@ def partitioner(delegate: str, dynamic_linears: bool = False):
         from executorch.backends.apple.coreml.compiler import CoreMLBackend
         from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
-        specs = CoreMLBackend.generate_compile_specs(minimum_deployment_target=ct.target.iOS17,
-                                                     compute_precision=ct.precision.FLOAT16)
+        specs = CoreMLBackend.generate_compile_specs(
+            minimum_deployment_target=ct.target.iOS17, compute_precision=ct.precision.FLOAT16
+        )
         return CoreMLPartitioner(compile_specs=specs)
     raise ValueError(f"ExecuTorch delegate {delegate!r} is not one of {DELEGATES}")
 
 
-def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Path, delegate: str = "xnnpack",
-               dynamic_linears: bool = False) -> None:
+def export_pte(
+    modules: dict[str, nn.Module],
+    inputs: dict[str, tuple],
+    path: Path,
+    delegate: str = "xnnpack",
+    dynamic_linears: bool = False,
+) -> None:
     """Lower all methods into one .pte at `path` (the caller writes into a staging folder).
     Programs are exported afresh per call: the Core ML partitioner mutates what it is given."""
     from executorch.exir import to_edge_transform_and_lower
@@ -86,8 +95,9 @@ def export_pte(modules: dict[str, nn.Module], inputs: dict[str, tuple], path: Pa
         programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
     config = seams.edge_config_without_ir_check()  # the build checks each program against eager itself
     with seams.lowering_shares_weights(), seams.shallow_provenance():
-        lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner(delegate, dynamic_linears)],
-                                              compile_config=config)
+        lowered = to_edge_transform_and_lower(
+            programs, partitioner=[partitioner(delegate, dynamic_linears)], compile_config=config
+        )
         Path(path).write_bytes(lowered.to_executorch(host_inputs()).buffer)
 
 

@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from streamfuse.export.onnx_methods import combine_methods, strip_debug_info
-from streamfuse.export.onnx_passes import (drop_unused_initializers, fuse_rms_norm, fuse_rotary, fuse_skip_norm,
-                                           lift_embedding, pack_linears)
+from streamfuse.export.onnx_pack import pack_linears
+from streamfuse.export.onnx_passes import (
+    drop_unused_initializers,
+    fuse_rms_norm,
+    fuse_rotary,
+    fuse_skip_norm,
+    lift_embedding,
+)
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -30,8 +36,13 @@ ALIGNMENT = 4096  # page-aligned offsets so onnxruntime can map the weights
 INLINE_BYTES = 1024  # small tensors stay inside the graph
 
 
-def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_names: dict[str, list[str]],
-                output_names: dict[str, list[str]], folder: Path) -> tuple[str, str]:
+def export_onnx(
+    modules: dict[str, nn.Module],
+    inputs: dict[str, tuple],
+    input_names: dict[str, list[str]],
+    output_names: dict[str, list[str]],
+    folder: Path,
+) -> tuple[str, str]:
     """Write model.onnx (the methods of `modules`) and weights.bin into `folder`; returns their names."""
     import onnx
 
@@ -40,9 +51,16 @@ def export_onnx(modules: dict[str, nn.Module], inputs: dict[str, tuple], input_n
     with tempfile.TemporaryDirectory(prefix="onnx-", dir=folder) as scratch:
         for name, module in modules.items():
             program = torch.export.export(module, inputs[name], strict=False)
-            exported = torch.onnx.export(program, (), dynamo=True, input_names=input_names[name],
-                                         output_names=output_names[name], optimize=True, verbose=False,
-                                         custom_translation_table=custom_translations())
+            exported = torch.onnx.export(
+                program,
+                (),
+                dynamo=True,
+                input_names=input_names[name],
+                output_names=output_names[name],
+                optimize=True,
+                verbose=False,
+                custom_translation_table=custom_translations(),
+            )
             exported.save(str(Path(scratch) / f"{name}.onnx"), external_data=True)
             models[name] = onnx.load(str(Path(scratch) / f"{name}.onnx"), load_external_data=True)
             strip_debug_info(models[name], keep_shapes=True)
@@ -103,17 +121,34 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     commit = getattr(Opset(ONNX_DOMAIN, 1), ONNX_COMMIT_OP)
 
     def q4_matmul(x, packed, scales, zero_points, out_features: int):
-        return matmul_nbits(x, packed, scales, zero_points, K=packed.shape[1] * 32, N=out_features, bits=4,
-                            block_size=32, accuracy_level=accuracy_level)
+        return matmul_nbits(
+            x,
+            packed,
+            scales,
+            zero_points,
+            K=packed.shape[1] * 32,
+            N=out_features,
+            bits=4,
+            block_size=32,
+            accuracy_level=accuracy_level,
+        )
 
     def q8_linear(x, codes, scales, out_features: int):
-        return matmul_nbits(x, codes, scales, K=codes.shape[1] * 32, N=out_features, bits=8, block_size=32,
-                            accuracy_level=accuracy_level)
+        return matmul_nbits(
+            x,
+            codes,
+            scales,
+            K=codes.shape[1] * 32,
+            N=out_features,
+            bits=8,
+            block_size=32,
+            accuracy_level=accuracy_level,
+        )
 
-    def tree_attention(query, k_cache, v_cache, layer: int, start, k_extra, v_extra, visible, scale: float,
-                       store: int):
-        return attention(query, k_cache, v_cache, start, k_extra, v_extra, visible, layer=layer, scale=scale,
-                         store=store)
+    def tree_attention(query, k_cache, v_cache, layer: int, start, k_extra, v_extra, visible, scale: float, store: int):
+        return attention(
+            query, k_cache, v_cache, start, k_extra, v_extra, visible, layer=layer, scale=scale, store=store
+        )
 
     def commit_rows(k_cache, v_cache, start, accepted):
         return commit(k_cache, v_cache, start, accepted)
@@ -124,9 +159,14 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     def head_q8(x, codes, scales, out_features: int):
         return own_head(x, codes, scales, out_features=out_features)
 
-    return {torch.ops.streamfuse.q4_matmul.default: q4_matmul, torch.ops.streamfuse.q8_linear.default: q8_linear,
-            torch_op(): tree_attention, commit_op(): commit_rows, q4_linear.torch_op(): linear_q4,
-            q8_tiles.torch_op(): head_q8}
+    return {
+        torch.ops.streamfuse.q4_matmul.default: q4_matmul,
+        torch.ops.streamfuse.q8_linear.default: q8_linear,
+        torch_op(): tree_attention,
+        commit_op(): commit_rows,
+        q4_linear.torch_op(): linear_q4,
+        q8_tiles.torch_op(): head_q8,
+    }
 
 
 def _register_schemas() -> None:
@@ -142,47 +182,90 @@ def _register_schemas() -> None:
     schema = defs.OpSchema
     types = [("T1", ["tensor(float)"], ""), ("T2", ["tensor(int64)"], "")]
     if not defs.has(ONNX_OP, ONNX_DOMAIN):
-        defs.register_schema(schema(
-            ONNX_OP, ONNX_DOMAIN, 1,
-            inputs=[schema.FormalParameter(name, "T2" if name == "start" else "T1") for name in (
-                "query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible")],
-            outputs=[schema.FormalParameter("out", "T1")], type_constraints=types,
-            attributes=[schema.Attribute("layer", schema.AttrType.INT, "", required=True),
-                        schema.Attribute("scale", schema.AttrType.FLOAT, "", required=True),
-                        schema.Attribute("store", schema.AttrType.INT, "", required=True)],
-        ))
+        defs.register_schema(
+            schema(
+                ONNX_OP,
+                ONNX_DOMAIN,
+                1,
+                inputs=[
+                    schema.FormalParameter(name, "T2" if name == "start" else "T1")
+                    for name in ("query", "k_cache", "v_cache", "start", "k_extra", "v_extra", "visible")
+                ],
+                outputs=[schema.FormalParameter("out", "T1")],
+                type_constraints=types,
+                attributes=[
+                    schema.Attribute("layer", schema.AttrType.INT, "", required=True),
+                    schema.Attribute("scale", schema.AttrType.FLOAT, "", required=True),
+                    schema.Attribute("store", schema.AttrType.INT, "", required=True),
+                ],
+            )
+        )
     if not defs.has(ONNX_COMMIT_OP, ONNX_DOMAIN):
-        defs.register_schema(schema(
-            ONNX_COMMIT_OP, ONNX_DOMAIN, 1,
-            inputs=[schema.FormalParameter(name, "T1" if name.endswith("cache") else "T2") for name in (
-                "k_cache", "v_cache", "start", "accepted")],
-            outputs=[schema.FormalParameter("out", "T2")], type_constraints=types,
-        ))
+        defs.register_schema(
+            schema(
+                ONNX_COMMIT_OP,
+                ONNX_DOMAIN,
+                1,
+                inputs=[
+                    schema.FormalParameter(name, "T1" if name.endswith("cache") else "T2")
+                    for name in ("k_cache", "v_cache", "start", "accepted")
+                ],
+                outputs=[schema.FormalParameter("out", "T2")],
+                type_constraints=types,
+            )
+        )
     if not defs.has(Q4_OP, ONNX_DOMAIN):
-        defs.register_schema(schema(
-            Q4_OP, ONNX_DOMAIN, 1,
-            inputs=[schema.FormalParameter(name, "T3" if name == "weights" else "T1") for name in (
-                "x", "weights", "lora_a", "lora_up")],
-            outputs=[schema.FormalParameter("out", "T1")], type_constraints=[*types[:1], ("T3", ["tensor(uint8)"], "")],
-            attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
-        ))
+        defs.register_schema(
+            schema(
+                Q4_OP,
+                ONNX_DOMAIN,
+                1,
+                inputs=[
+                    schema.FormalParameter(name, "T3" if name == "weights" else "T1")
+                    for name in ("x", "weights", "lora_a", "lora_up")
+                ],
+                outputs=[schema.FormalParameter("out", "T1")],
+                type_constraints=[*types[:1], ("T3", ["tensor(uint8)"], "")],
+                attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
+            )
+        )
     if not defs.has(Q8_OP, ONNX_DOMAIN):
-        defs.register_schema(schema(
-            Q8_OP, ONNX_DOMAIN, 1,
-            inputs=[schema.FormalParameter(name, "T4" if name == "codes" else "T1") for name in ("x", "codes", "scales")],
-            outputs=[schema.FormalParameter("out", "T1")], type_constraints=[*types[:1], ("T4", ["tensor(int8)"], "")],
-            attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
-        ))
+        defs.register_schema(
+            schema(
+                Q8_OP,
+                ONNX_DOMAIN,
+                1,
+                inputs=[
+                    schema.FormalParameter(name, "T4" if name == "codes" else "T1") for name in ("x", "codes", "scales")
+                ],
+                outputs=[schema.FormalParameter("out", "T1")],
+                type_constraints=[*types[:1], ("T4", ["tensor(int8)"], "")],
+                attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
+            )
+        )
     if defs.has("MatMulNBits", "com.microsoft"):
         return
     optional = schema.FormalParameterOption.Optional
-    defs.register_schema(schema(
-        "MatMulNBits", "com.microsoft", 1,
-        inputs=[schema.FormalParameter("A", "T1"), schema.FormalParameter("B", "T2"),
-                schema.FormalParameter("scales", "T1"), schema.FormalParameter("zero_points", "T3", param_option=optional)],
-        outputs=[schema.FormalParameter("Y", "T1")],
-        type_constraints=[("T1", ["tensor(float)"], ""), ("T2", ["tensor(uint8)"], ""),
-                          ("T3", ["tensor(uint8)", "tensor(float)"], "")],
-        attributes=[schema.Attribute(name, schema.AttrType.INT, "", required=name in ("K", "N", "block_size"))
-                    for name in ("K", "N", "bits", "block_size", "accuracy_level")],
-    ))
+    defs.register_schema(
+        schema(
+            "MatMulNBits",
+            "com.microsoft",
+            1,
+            inputs=[
+                schema.FormalParameter("A", "T1"),
+                schema.FormalParameter("B", "T2"),
+                schema.FormalParameter("scales", "T1"),
+                schema.FormalParameter("zero_points", "T3", param_option=optional),
+            ],
+            outputs=[schema.FormalParameter("Y", "T1")],
+            type_constraints=[
+                ("T1", ["tensor(float)"], ""),
+                ("T2", ["tensor(uint8)"], ""),
+                ("T3", ["tensor(uint8)", "tensor(float)"], ""),
+            ],
+            attributes=[
+                schema.Attribute(name, schema.AttrType.INT, "", required=name in ("K", "N", "block_size"))
+                for name in ("K", "N", "bits", "block_size", "accuracy_level")
+            ],
+        )
+    )

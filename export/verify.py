@@ -13,8 +13,8 @@ greedy_step. The artifact's other draft trees decode the first `plain_prompts` p
 against the backend's own plain decoding (lossless on every tree calibration may pick). A chain
 deeper than the streams (the draft-model methods' verification graphs) is drafted from the known
 answer instead, its last draft spoiled every other step, so its graph both commits whole chains and
-rejects. With Medusa heads in the graphs (a heads method), Medusa decodes the first `plain_prompts`
-prompts too, against the backend's own plain decoding, the first of them through the replay.
+rejects. A method that adds to the graphs (Medusa's heads method) checks its part too (its graph
+module's main_graph_parity), recorded under its name.
 Every differing prompt is recorded with its first differing token; `check_parity` refuses the
 artifact on any (a low-bit format: on any against its own plain decoding; docs/export.md).
 """
@@ -27,20 +27,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from streamfuse.runtime.backends.pytorch import TorchBackend
-from streamfuse.runtime.backends.static_graph import (
-    CACHE_INPUTS,
-    GraphSpec,
-    Session,
-    StaticGraphBackend,
-    input_names,
-    output_names,
-)
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods import registry
+from streamfuse.methods.ar import METHOD as PLAIN
+from streamfuse.methods.sd import METHOD as CHAIN  # a chain drafted beside the streams: the draft-model methods'
+from streamfuse.methods.ss import METHOD as SS
+from streamfuse.runtime.backends.static_graph import Session, StaticGraphBackend
+from streamfuse.runtime.contract import CACHE_INPUTS, GraphSpec, input_names, output_names
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.drafter import Draft
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import HeadDrafter, heads_tree
 from streamfuse.runtime.tree import TreeSpec
 
 # Absolute tolerance per output, relative to the output's largest magnitude (fp32 graphs).
@@ -97,7 +94,7 @@ class ReplaySession:
 
 def eager_tokens(eager: TorchBackend, tree, prompts: Sequence[Sequence[int]], rules: StopRules) -> list[list[int]]:
     """Greedy SS tokens of the torch eager model: the reference of every backend's token parity."""
-    return [generate(eager, ids, DecodeSettings("ss", rules, tree=tree)).token_ids for ids in prompts]
+    return [generate(eager, ids, DecodeSettings(SS.name, rules, tree=tree)).token_ids for ids in prompts]
 
 
 def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
@@ -105,8 +102,11 @@ def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
     filling each bucket none of them fills, and the chain filling the largest bucket where it is deeper
     than the streams (the draft-model methods verify such chains)."""
     extra = list(trees[1:])
-    extra += [TreeSpec.filling(rows, spec.num_streams) for rows in spec.buckets
-              if not any(tree.num_nodes == rows for tree in trees)]
+    extra += [
+        TreeSpec.filling(rows, spec.num_streams)
+        for rows in spec.buckets
+        if not any(tree.num_nodes == rows for tree in trees)
+    ]
     chain = TreeSpec.chain(spec.max_nodes - 1)
     if chain.depth > spec.num_streams:
         extra.append(chain)
@@ -116,10 +116,18 @@ def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
     return list(unique.values())
 
 
-def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, trees: Sequence[TreeSpec],
-                   prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]], rules: StopRules,
-                   numeric_prompts: int = 2,
-                   plain_prompts: int = 5, relative_tolerance: float | None = RELATIVE_TOLERANCE) -> dict:
+def backend_parity(
+    session: Session,
+    reference: EagerSession,
+    spec: GraphSpec,
+    trees: Sequence[TreeSpec],
+    prompts: Sequence[Sequence[int]],
+    expected: Sequence[Sequence[int]],
+    rules: StopRules,
+    numeric_prompts: int = 2,
+    plain_prompts: int = 5,
+    relative_tolerance: float | None = RELATIVE_TOLERANCE,
+) -> dict:
     """Greedy token parity of `session` with the default tree (trees[0]) on all prompts against `expected`
     (eager_tokens), its own plain decoding on the first `plain_prompts` (every parity_trees tree too),
     and step-output differences on the first
@@ -140,50 +148,79 @@ def backend_parity(session: Session, reference: EagerSession, spec: GraphSpec, t
     plain = []
     for index, (ids, want) in enumerate(zip(prompts, expected)):
         backend = checked[min(index, 1)] if index < numeric_prompts else fast
-        tokens = generate(backend, ids, DecodeSettings("ss", rules, tree=trees[0])).token_ids
+        tokens = generate(backend, ids, DecodeSettings(SS.name, rules, tree=trees[0])).token_ids
         same_as_eager += same(EAGER, index, tokens, want)
         if index < plain_prompts:
-            plain.append(generate(fast, ids, DecodeSettings("ar", rules)).token_ids)
+            plain.append(generate(fast, ids, DecodeSettings(PLAIN.name, rules)).token_ids)
             same_as_plain += same(OWN_PLAIN, index, tokens, plain[-1])
     others = {}
     for tree in parity_trees(spec, trees):
         streams = tree.depth <= spec.num_streams
-        settings = DecodeSettings("ss" if streams else "sd", rules, tree=tree)
-        others[tree.hash()] = sum(same(f"{OWN_PLAIN}, tree {tree.hash()}", index,
-                                       generate(fast, ids, settings, drafter=None if streams else
-                                                KnownAnswerDrafter(tree, want)).token_ids, want)
-                                  for index, (ids, want) in enumerate(zip(prompts, plain)))
-    medusa = medusa_parity(checked[1], fast, spec, trees[0], prompts, plain, rules, same)
-    tolerance = {} if relative_tolerance is None else {
-        k: 0.0 if ref is None else relative_tolerance * max(1.0, ref) for k, ref in replay.max_ref.items()
-        if not k.endswith(".drafts")}
-    return {"prompts": len(prompts), "ss_equals_torch_eager": same_as_eager,
-            "plain_prompts": min(plain_prompts, len(prompts)), "ss_equals_own_plain": same_as_plain,
-            "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others}, "medusa": medusa,
-            "numeric_prompts": min(numeric_prompts, len(prompts)), "tolerance": tolerance,
-            "max_abs_diff": replay.max_diff, "mismatches": mismatches,
-            "within_tolerance": None if relative_tolerance is None else
-            all(replay.max_diff[k] <= tolerance[k] for k in tolerance)}
+        settings = DecodeSettings(SS.name if streams else CHAIN.name, rules, tree=tree)
+        others[tree.hash()] = sum(
+            same(
+                f"{OWN_PLAIN}, tree {tree.hash()}",
+                index,
+                generate(fast, ids, settings, drafter=None if streams else KnownAnswerDrafter(tree, want)).token_ids,
+                want,
+            )
+            for index, (ids, want) in enumerate(zip(prompts, plain))
+        )
+    extra = main_graph_parity(checked[1], fast, spec, trees[0], prompts, plain, rules, same)
+    tolerance = (
+        {}
+        if relative_tolerance is None
+        else {
+            k: 0.0 if ref is None else relative_tolerance * max(1.0, ref)
+            for k, ref in replay.max_ref.items()
+            if not k.endswith(".drafts")
+        }
+    )
+    return {
+        "prompts": len(prompts),
+        "ss_equals_torch_eager": same_as_eager,
+        "plain_prompts": min(plain_prompts, len(prompts)),
+        "ss_equals_own_plain": same_as_plain,
+        "other_trees": {"prompts": len(plain), "ss_equals_own_plain": others},
+        **extra,
+        "numeric_prompts": min(numeric_prompts, len(prompts)),
+        "tolerance": tolerance,
+        "max_abs_diff": replay.max_diff,
+        "mismatches": mismatches,
+        "within_tolerance": None
+        if relative_tolerance is None
+        else all(replay.max_diff[k] <= tolerance[k] for k in tolerance),
+    }
 
 
-def medusa_parity(replayed, fast, spec: GraphSpec, default: TreeSpec, prompts, plain, rules: StopRules,
-                  same) -> dict | None:
-    """Medusa on the heads method, SS's tree cut to the heads' depth: equal to own plain decoding on
-    each prompt of `plain` (the first replayed, so the heads' logits join the step outputs checked)."""
-    if not spec.heads:
-        return None
-    tree = heads_tree(default, spec.heads)
-    equal = sum(same(f"{OWN_PLAIN}, medusa", index, generate(replayed if index == 0 else fast, ids,
-                                                              DecodeSettings("medusa", rules, tree=tree),
-                                                              drafter=HeadDrafter(tree, spec.heads)).token_ids, want)
-                for index, (ids, want) in enumerate(zip(prompts, plain)))
-    return {"tree": tree.to_dict(), "prompts": len(plain), "medusa_equals_own_plain": equal}
+def main_graph_parity(
+    replayed, fast, spec: GraphSpec, default: TreeSpec, prompts, plain, rules: StopRules, same
+) -> dict:
+    """Each method's check on what it adds to the main graphs (its graph module's `main_graph_parity`, Medusa's
+    heads method): {method: its result, None where the graphs lack its part}."""
+    results = {}
+    for name in registry.names():
+        module = registry.part(name, "graph")
+        if module is not None and hasattr(module, "main_graph_parity"):
+            results[name] = module.main_graph_parity(replayed, fast, spec, default, prompts, plain, rules, same)
+    return results
+
+
+def main_graph_lines(result: dict) -> str:
+    """The log's words on each method's main-graph check in a backend_parity result."""
+    lines = []
+    for name in registry.names():
+        module = registry.part(name, "graph")
+        if module is not None and hasattr(module, "main_graph_line") and result.get(name) is not None:
+            lines.append(module.main_graph_line(result[name]))
+    return "".join(lines)
 
 
 class KnownAnswerDrafter:
     """Drafts a chain from the answer plain decoding gave, spoiling its last draft every other step."""
 
-    name, uses_streams = "sd", False
+    uses_streams = False
+    name = CHAIN.name
 
     def __init__(self, tree: TreeSpec, answer: Sequence[int]):
         self.tree, self.answer, self.position, self.steps = tree, list(answer), 0, 0
@@ -193,7 +230,8 @@ class KnownAnswerDrafter:
         return 0
 
     def propose(self, root: int) -> Draft:
-        drafts = (self.answer[self.position : self.position + self.tree.depth] + [0] * self.tree.depth)[: self.tree.depth]
+        depth = self.tree.depth
+        drafts = (self.answer[self.position : self.position + depth] + [0] * depth)[:depth]
         self.steps += 1
         if self.steps % 2 == 0:
             drafts[-1] = drafts[-1] - 1 if drafts[-1] else 1
@@ -220,10 +258,15 @@ def check_parity(backend: str, result: dict, against_eager: bool, names: Sequenc
     if failed:
         first = failed[0]
         prompt = names[first["prompt"]] if first["prompt"] < len(names) else f"parity prompt {first['prompt']}"
-        raise ParityError(f"parity failed on {backend}: {first['check']} differs on {prompt} from generated token "
-                          f"{first['position']} ({len(failed)} mismatches in all); the artifact was not installed")
+        raise ParityError(
+            f"parity failed on {backend}: {first['check']} differs on {prompt} from generated token "
+            f"{first['position']} ({len(failed)} mismatches in all); the artifact was not installed"
+        )
     if against_eager and result["within_tolerance"] is False:
-        over = sorted(k for k,
-                      diff in result["max_abs_diff"].items() if diff > result["tolerance"].get(k, float("inf")))
-        raise ParityError(f"parity failed on {backend}: step outputs {', '.join(over)} differ from torch eager beyond "
-                          f"tolerance ({RELATIVE_TOLERANCE:g} relative); the artifact was not installed")
+        over = sorted(
+            k for k, diff in result["max_abs_diff"].items() if diff > result["tolerance"].get(k, float("inf"))
+        )
+        raise ParityError(
+            f"parity failed on {backend}: step outputs {', '.join(over)} differ from torch eager beyond "
+            f"tolerance ({RELATIVE_TOLERANCE:g} relative); the artifact was not installed"
+        )

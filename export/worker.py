@@ -6,15 +6,16 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from streamfuse.runtime import cli
+from streamfuse.runtime import errors
 
 
 def start(function, *args) -> Future:
     """function(*args) in a spawned process; its result (or error) comes back through the future.
     Found needed: a Core ML worker beside the ExecuTorch export sat idle on 5 GB for 10 minutes of
     lowering until the export ended."""
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=cli.quiet_unless_debugging)
+    pool = ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn"), initializer=errors.quiet_unless_debugging
+    )
     future = pool.submit(function, *args)
     future.add_done_callback(lambda _: pool.shutdown(wait=False))
     return future

@@ -86,14 +86,14 @@ class XnnpackQ8Head(nn.Module):
         self.base = _quantize(linear, torchao_config("int8"))
 
     @classmethod
-    def from_q8(cls, head: Q8Linear) -> "XnnpackQ8Head":
+    def from_q8(cls, head: Q8Linear) -> XnnpackQ8Head:
         return cls(head.dequantized())
 
     @property
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
-    def rows(self, ids: torch.Tensor) -> "XnnpackQ8Head":
+    def rows(self, ids: torch.Tensor) -> XnnpackQ8Head:
         """The head restricted to output rows `ids` (the draft vocabulary): the same codes and scales
         (torchao would derive its own from the dequantized rows: put the head's back)."""
         part = XnnpackQ8Head(self.weight.dequantize()[ids])
@@ -141,7 +141,9 @@ def use_xnnpack_codes(model) -> dict:
     head_error = float((head.weight.dequantize().double() - heads[0].dequantized().double()).abs().max())
     model.replace_modules(lambda m: isinstance(m, Q8Embedding), lambda _: XnnpackQ8Embedding(head))
     model.replace_modules(lambda m: m is heads[0], lambda _: head)
-    return {"linear": "q4_1 codes as q - 8 with bf16 scales (XNNPACK qb4w) + fp32 min term",
-            "embedding": "int8 per row (re-quantized from q8_0)", "lm_head": "int8 per channel (re-quantized from q8_0)",
-            "max_weight_error": {"linear": linear_error, "lm_head": head_error}}
-
+    return {
+        "linear": "q4_1 codes as q - 8 with bf16 scales (XNNPACK qb4w) + fp32 min term",
+        "embedding": "int8 per row (re-quantized from q8_0)",
+        "lm_head": "int8 per channel (re-quantized from q8_0)",
+        "max_weight_error": {"linear": linear_error, "lm_head": head_error},
+    }

@@ -23,7 +23,7 @@ def split_sentences(text: str) -> list[str]:
     for line in text.splitlines():
         start = 0
         for match in _SENTENCE_END.finditer(line):
-            candidate = line[start:match.end()].strip()
+            candidate = line[start : match.end()].strip()
             if candidate.split()[-1].rstrip(".").lower() in _ABBREVIATIONS:
                 continue
             sentences.append(candidate)

@@ -32,8 +32,9 @@ class Acceptance:
     correction: int  # the target's token after the last accepted node (next root)
 
 
-def accept(tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], int],
-           kept: Sequence[bool] | None = None) -> Acceptance:
+def accept(
+    tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], int], kept: Sequence[bool] | None = None
+) -> Acceptance:
     """tokens [T] of the tree nodes; next_token(n) is the target's token after node n (called
     once per visited node, in order, so a sampler draws exactly as plain decoding would);
     kept [T] marks nodes not pruned (None: all)."""
@@ -47,8 +48,13 @@ def accept(tree: TreeSpec, tokens: Sequence[int], next_token: Callable[[int], in
         node = child
 
 
-def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: np.ndarray, target: Callable[[int], np.ndarray],
-                   generator: np.random.Generator) -> Acceptance:
+def accept_sampled(
+    tree: TreeSpec,
+    tokens: Sequence[int],
+    probs: np.ndarray,
+    target: Callable[[int], np.ndarray],
+    generator: np.random.Generator,
+) -> Acceptance:
     """tokens [T] of the nodes; the children of a node were drawn without replacement from one q, its rows
     probs[child] [V] (row 0, the root, unused); target(n): [V] target probabilities after node n.
 
@@ -68,8 +74,9 @@ def accept_sampled(tree: TreeSpec, tokens: Sequence[int], probs: np.ndarray, tar
         node = child
 
 
-def _sampled_child(children: Sequence[int], tokens: Sequence[int], probs: np.ndarray, p: np.ndarray,
-                   generator: np.random.Generator) -> int | Acceptance | None:
+def _sampled_child(
+    children: Sequence[int], tokens: Sequence[int], probs: np.ndarray, p: np.ndarray, generator: np.random.Generator
+) -> int | Acceptance | None:
     """The kept child, or (every child rejected) an Acceptance carrying the correction drawn from the residual,
     or None (a leaf: the caller draws from p)."""
     q = None

@@ -1,9 +1,10 @@
-"""SpecDec++'s acceptance head on the host, in numpy: the runtime's reader of what
-adapters/acceptance.py trains and saves (the format: streamfuse/head_format.py).
+"""An acceptance head on the host, in numpy: the runtime's reader of what adapters/acceptance.py
+trains and saves (the format: streamfuse/head_format.py).
 
-The head is D residual blocks h + SiLU(W h + b), then a linear layer to one logit; it reads a
-draft model's final state (method specdec++) or the streams' states (method ss-adaptive). A few
-H x H products per step: numpy does them without torch.
+The head is D residual blocks h + SiLU(W h + b), then a linear layer to one logit: P(the target
+accepts the token drafted from a state). The methods that stop or shape drafts by it read a draft
+model's final state or the streams' states. A few H x H products per step: numpy does them
+without torch.
 
     <dir>/acceptance.json      format_version, depth, hidden_size, info
     <dir>/heads.safetensors    blocks.<i>.weight / .bias, out.weight / .bias
@@ -42,8 +43,8 @@ class AcceptancePredictor:
         return 1.0 / (1.0 + np.exp(-self.logits(hidden)))
 
 
-def load_acceptance_predictor(directory: Path, option: str = "specdec") -> AcceptancePredictor:
-    """option: the build's config section that trains the head (specdec, adaptive), for the error's fix."""
+def load_acceptance_predictor(directory: Path, option: str) -> AcceptancePredictor:
+    """option: the build's config section that trains the head, for the error's fix."""
     from safetensors.numpy import load_file
 
     read_head_manifest(directory, ACCEPTANCE_MANIFEST, ACCEPTANCE_VERSION, "acceptance head", option)

@@ -41,8 +41,8 @@ import numpy as np
 
 from streamfuse.runtime import manifest_schema
 from streamfuse.runtime.artifact_files import ArtifactError, file_digest, folder_files, inside, mismatch, read_checked
-from streamfuse.runtime.backends.static_graph import GraphSpec
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.contract import ENGINE_CACHE, GraphSpec
 from streamfuse.runtime.durable import locked, write_atomic
 from streamfuse.runtime.tree import TreeSpec
 
@@ -57,8 +57,8 @@ DRAFT_VOCAB = "draft_vocab.safetensors"  # "ids": greedy_step's draft vocabulary
 TASKS = "tasks"  # <artifact>/tasks/<task>/: a task's tensor files (and an added task's adapter/)
 # What each task has of its own; the rest (graphs, files, model, tokenizer, streams' shape) is the base's.
 TASK_FIELDS = tuple(manifest_schema.TASK.fields)
-REBUILD = "rebuild the artifact with this streamfuse (export/build.py)"
-COPY_AGAIN = "copy the artifact again or rebuild it with export/build.py"
+REBUILD = "rebuild the artifact with this streamfuse (streamfuse build)"
+COPY_AGAIN = "copy the artifact again or rebuild it with streamfuse build"
 
 
 def save_vocab(path: Path, ids) -> None:
@@ -75,8 +75,9 @@ def parse_manifest(data: bytes, file: Path) -> dict:
     """The manifest in `data` (read from `file`), checked against the schema: an ArtifactError otherwise, one line
     naming the key and the fix. Nothing else escapes, whatever the bytes (tests/fuzz/manifest)."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{file} has {len(data)} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES}); "
-                            f"{REBUILD}")
+        raise ArtifactError(
+            f"{file} has {len(data)} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES}); {REBUILD}"
+        )
     try:
         manifest = json.loads(data.decode("utf-8"))
         json.dumps(manifest, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\\ud800) anywhere
@@ -94,8 +95,10 @@ def check_manifest(manifest: object, file: Path) -> None:
     """ArtifactError unless `manifest` has this streamfuse's schema and every key it declares, well typed."""
     schema = manifest.get("schema") if isinstance(manifest, dict) else None
     if schema != SCHEMA:
-        raise ArtifactError(f"{file} has schema {manifest_schema.show(schema)}; this streamfuse reads {SCHEMA!r}: "
-                            f"rebuild the artifact with this version (export/build.py)")
+        raise ArtifactError(
+            f"{file} has schema {manifest_schema.show(schema)}; this streamfuse reads {SCHEMA!r}: "
+            f"rebuild the artifact with this version (streamfuse build)"
+        )
     try:
         manifest_schema.check(manifest)
     except manifest_schema.SchemaError as error:
@@ -115,21 +118,27 @@ def _check_task_data(task: dict, where: str, file: Path) -> None:
     if acceptance is not None:
         positions = sum(len(rows) for rows in acceptance["answers"])
         if positions == 0 or positions != acceptance["positions"]:
-            raise ArtifactError(f"{file}: {where}calibration.acceptance.positions is {acceptance['positions']}, its "
-                                f"answers hold {positions} (at least 1); {REBUILD}")
+            raise ArtifactError(
+                f"{file}: {where}calibration.acceptance.positions is {acceptance['positions']}, its "
+                f"answers hold {positions} (at least 1); {REBUILD}"
+            )
 
 
 def read_manifest(folder: Path) -> dict:
     file = Path(folder) / MANIFEST
     if not file.is_file():
-        raise ArtifactError(f"{file} not found: {folder} is not an exported artifact (build one with "
-                            f"`python export/build.py --task dialogsum`)")
+        raise ArtifactError(
+            f"{file} not found: {folder} is not an exported artifact (build one with "
+            f"`streamfuse build --task dialogsum`)"
+        )
     inside(folder, MANIFEST)
     try:
         data = file.read_bytes()
     except OSError as error:
-        raise ArtifactError(f"{file} cannot be read ({error.strerror or error.__class__.__name__}); check its "
-                            f"permissions or copy the artifact again") from None
+        raise ArtifactError(
+            f"{file} cannot be read ({error.strerror or error.__class__.__name__}); check its "
+            f"permissions or copy the artifact again"
+        ) from None
     return parse_manifest(data, file)
 
 
@@ -159,18 +168,20 @@ class Artifact:
         self.built = (self.stored or self.manifest)["build_key"]
 
     @classmethod
-    def open(cls, path: Path, task: str | None = None) -> "Artifact":
+    def open(cls, path: Path, task: str | None = None) -> Artifact:
         """task: one of `tasks` (default: the artifact's own)."""
         path = Path(path)
         return cls.view(path, read_manifest(path), task)
 
     @classmethod
-    def view(cls, path: Path, manifest: dict, task: str | None) -> "Artifact":
+    def view(cls, path: Path, manifest: dict, task: str | None) -> Artifact:
         if task is None or task == manifest["task"]:
             return cls(path, manifest)
         if task not in manifest[TASKS]:
-            raise ArtifactError(f"{path} has no task {task!r} (its tasks: {', '.join(task_names(manifest))}); add it "
-                                f"with export/build.py --task {task} --out {path}")
+            raise ArtifactError(
+                f"{path} has no task {task!r} (its tasks: {', '.join(task_names(manifest))}); add it "
+                f"with streamfuse build --task {task} --out {path}"
+            )
         return cls(path, {**manifest, **manifest[TASKS][task]}, manifest)
 
     @property
@@ -182,7 +193,7 @@ class Artifact:
     def task(self) -> str:
         return self.manifest["task"]
 
-    def for_task(self, task: str) -> "Artifact":
+    def for_task(self, task: str) -> Artifact:
         return Artifact.open(self.path, task)
 
     def file(self, relative: str) -> Path:
@@ -218,12 +229,13 @@ class Artifact:
         from safetensors.numpy import load
 
         path = self.file(entry["path"])
-        fix = f"copy the artifact again or rebuild the task with export/build.py --task {self.task} --out {self.path}"
+        fix = f"copy the artifact again or rebuild the task with streamfuse build --task {self.task} --out {self.path}"
         try:
             data = read_checked(path, entry, fix)
         except ArtifactError:
-            raise ArtifactError(f"{path}: task {self.task}'s tensors for {backend} are missing or differ from the "
-                                f"manifest; {fix}") from None
+            raise ArtifactError(
+                f"{path}: task {self.task}'s tensors for {backend} are missing or differ from the manifest; {fix}"
+            ) from None
         return load(data)
 
     def draft_ids(self) -> np.ndarray | None:
@@ -253,9 +265,11 @@ class Artifact:
                 manifest_schema.BACKEND_CALIBRATION.check(data, f"calibration.backends.{backend}")
             return BackendCalibration.from_dict(data) if data else None
         except ValueError:  # SchemaError, or a tree that is none
-            raise ArtifactError(f"{self.path / MANIFEST}: the calibration recorded for {backend} is not one this "
-                                f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
-                                f"{self.path} --backend {backend}") from None
+            raise ArtifactError(
+                f"{self.path / MANIFEST}: the calibration recorded for {backend} is not one this "
+                f"streamfuse reads; calibrate again: python -m streamfuse.tools.calibrate --artifact "
+                f"{self.path} --backend {backend}"
+            ) from None
 
     @property
     def drafters(self) -> dict[str, dict]:
@@ -266,13 +280,17 @@ class Artifact:
         """The checked folder of a method's drafter. Raises if the artifact has none or it was altered."""
         entry = self.drafters.get(method)
         if entry is None:
-            raise ArtifactError(f"{self.path} has no drafter for method {method} (it has: "
-                                f"{', '.join(sorted(self.drafters)) or 'none'}); add one with export/build.py "
-                                f"--set {method}.enabled=true (it reuses the SS stages)")
+            raise ArtifactError(
+                f"{self.path} has no drafter for method {method} (it has: "
+                f"{', '.join(sorted(self.drafters)) or 'none'}); add one with streamfuse build "
+                f"--set {method}.enabled=true (it reuses the SS stages)"
+            )
         folder = self.file(entry["path"])
         if not folder.is_dir() or mismatch(folder, entry, self.path) is not None:
-            raise ArtifactError(f"{folder} is missing or differs from the manifest: copy the artifact again or rebuild "
-                                f"it with export/build.py --set {method}.enabled=true")
+            raise ArtifactError(
+                f"{folder} is missing or differs from the manifest: copy the artifact again or rebuild "
+                f"it with streamfuse build --set {method}.enabled=true"
+            )
         return folder
 
     def adapter_path(self) -> Path:
@@ -287,11 +305,15 @@ class Artifact:
         with lock(self.path):
             stored = read_manifest(self.path)
             if stored["build_key"] != self.built:
-                raise ArtifactError(f"{self.path} was rebuilt (build {stored['build_key']}) since this process opened "
-                                    f"build {self.built}; run it again on the new artifact")
+                raise ArtifactError(
+                    f"{self.path} was rebuilt (build {stored['build_key']}) since this process opened "
+                    f"build {self.built}; run it again on the new artifact"
+                )
             if self.task != stored["task"] and self.task not in stored[TASKS]:
-                raise ArtifactError(f"{self.path} no longer has task {self.task}; add it again with export/build.py "
-                                    f"--task {self.task} --out {self.path}")
+                raise ArtifactError(
+                    f"{self.path} no longer has task {self.task}; add it again with streamfuse build "
+                    f"--task {self.task} --out {self.path}"
+                )
             change(stored, stored if self.task == stored["task"] else stored[TASKS][self.task])
             write_manifest(self.path, stored)
         fresh = Artifact.view(self.path, stored, self.task if self.stored is not None else None)
@@ -310,6 +332,7 @@ class Artifact:
     def save_acceptance(self, acceptance: AcceptanceModel) -> None:
         """Record the acceptance model; another one than recorded drops the backends' calibrations,
         whose expected tokens came from it."""
+
         def change(_, record: dict) -> None:
             recorded = record["calibration"]["acceptance"]
             if recorded is None or AcceptanceModel.from_dict(recorded) != acceptance:
@@ -323,9 +346,11 @@ class Artifact:
 
         def change(_, record: dict) -> None:
             if record["calibration"]["acceptance"] != measured_with:
-                raise ArtifactError(f"{self.path}: the acceptance model changed while {backend} was calibrated; "
-                                    f"calibrate again: python -m streamfuse.tools.calibrate --artifact {self.path} "
-                                    f"--backend {backend}")
+                raise ArtifactError(
+                    f"{self.path}: the acceptance model changed while {backend} was calibrated; "
+                    f"calibrate again: python -m streamfuse.tools.calibrate --artifact {self.path} "
+                    f"--backend {backend}"
+                )
             record["calibration"]["backends"][backend] = calibration.to_dict()
 
         self._change(change)
@@ -341,12 +366,25 @@ class Artifact:
         model, graphs = self.manifest["model"], self.manifest["graphs"]
         owner = self.manifest["kv_layout"]["owner"]
         if backend not in owner:
-            raise ArtifactError(f"{self.path} has no {backend} graphs (it has {', '.join(owner)}); rebuild it with "
-                                f"export/build.py --backends {backend}")
-        return GraphSpec(model["num_layers"], model["num_kv_heads"], model["head_dim"], model["vocab_size"],
-                         self.manifest["streams"]["num_streams"], graphs["capacity"], graphs["prefill_chunk"],
-                         tuple(graphs["buckets"]), tuple(graphs["greedy_step"]["schedules"]), graphs["greedy_step"]["width"],
-                         graphs["heads"]["count"], head_ids=self.head_ids(), engine_cache=owner[backend] == "engine")
+            raise ArtifactError(
+                f"{self.path} has no {backend} graphs (it has {', '.join(owner)}); rebuild it with "
+                f"streamfuse build --backends {backend}"
+            )
+        return GraphSpec(
+            model["num_layers"],
+            model["num_kv_heads"],
+            model["head_dim"],
+            model["vocab_size"],
+            self.manifest["streams"]["num_streams"],
+            graphs["capacity"],
+            graphs["prefill_chunk"],
+            tuple(graphs["buckets"]),
+            tuple(graphs["greedy_step"]["schedules"]),
+            graphs["greedy_step"]["width"],
+            graphs["heads"]["count"],
+            head_ids=self.head_ids(),
+            engine_cache=owner[backend] == ENGINE_CACHE,
+        )
 
     def head_ids(self) -> np.ndarray | None:
         """The token ids the LM head keeps (model.head_vocab: a draft model's pruned vocabulary), checked; None:
@@ -359,17 +397,20 @@ class Artifact:
         entries = self.manifest["files"].get(backend)
         if entries is None:
             built = ", ".join(sorted(self.manifest["files"])) or "none"
-            raise ArtifactError(f"{self.path} has no {backend} model (built: {built}); rebuild with "
-                                f"export/build.py --backends ...,{backend}")
+            raise ArtifactError(
+                f"{self.path} has no {backend} model (built: {built}); rebuild with "
+                f"streamfuse build --backends ...,{backend}"
+            )
         paths = {}
         for name, entry in entries.items():
             file = self.file(entry["path"])
             problem = mismatch(file, entry, self.path)
             if problem == "is missing":
-                raise ArtifactError(f"{file} is missing: the artifact is incomplete; rebuild it with export/build.py")
+                raise ArtifactError(f"{file} is missing: the artifact is incomplete; rebuild it with streamfuse build")
             if problem is not None and problem.startswith("has "):
-                raise ArtifactError(f"{file} {problem}: the file is truncated or replaced; copy the artifact again or "
-                                    f"rebuild it")
+                raise ArtifactError(
+                    f"{file} {problem}: the file is truncated or replaced; copy the artifact again or rebuild it"
+                )
             if problem is not None:
                 raise ArtifactError(f"{file} {problem}: the file is corrupted; copy the artifact again or rebuild it")
             paths[name] = file
@@ -378,8 +419,9 @@ class Artifact:
 
             unlisted = check_external_data(paths["model"]) - set(paths.values())
             if unlisted:
-                raise ArtifactError(f"{paths['model']} reads {sorted(unlisted)[0]}, which the manifest does not list; "
-                                    f"{REBUILD}")
+                raise ArtifactError(
+                    f"{paths['model']} reads {sorted(unlisted)[0]}, which the manifest does not list; {REBUILD}"
+                )
         return paths
 
     def load_tokenizer(self):
@@ -393,8 +435,10 @@ class Artifact:
         tokenizer = Tokenizer(folder, files)
         vocab = self.manifest["model"]["vocab_size"]
         if len(tokenizer) > vocab:
-            raise ArtifactError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                                f"{vocab}: this tokenizer belongs to another model; restore the artifact's tokenizer/")
+            raise ArtifactError(
+                f"{folder}: tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                f"{vocab}: this tokenizer belongs to another model; restore the artifact's tokenizer/"
+            )
         return tokenizer
 
     def _tokenizer_files(self, folder: Path, listed: dict) -> dict[str, bytes]:
@@ -405,14 +449,15 @@ class Artifact:
         if found != set(listed):
             extra, missing = sorted(found - set(listed)), sorted(set(listed) - found)
             problems = ([f"has files the manifest does not list: {', '.join(extra)}"] if extra else []) + (
-                [f"lacks {', '.join(missing)}"] if missing else [])
+                [f"lacks {', '.join(missing)}"] if missing else []
+            )
             raise ArtifactError(f"{folder} {' and '.join(problems)} (each changes how text becomes ids); {fix}")
         files = {}
         for name, entry in listed.items():
             try:
                 files[name] = read_checked(folder / name, entry, fix)
             except ArtifactError:
-                raise ArtifactError(f"{folder / name} differs from the tokenizer the model was exported with; "
-                                    f"{fix}") from None
+                raise ArtifactError(
+                    f"{folder / name} differs from the tokenizer the model was exported with; {fix}"
+                ) from None
         return files
-

@@ -20,19 +20,30 @@ def inside(root: Path, relative: str, what: str = "a path in the manifest") -> P
     """root / relative, refused unless it stays in `root` once resolved (symbolic links followed)."""
     root = Path(root)
     parts = str(relative).split("/")
-    if (not relative or PurePosixPath(relative).is_absolute() or PureWindowsPath(relative).drive or "\\" in relative
-            or "\0" in relative or ".." in parts):
-        raise ArtifactError(f"{root}: {what} {relative!r} is not a relative path inside the folder; rebuild the "
-                            f"artifact with export/build.py")
+    if (
+        not relative
+        or PurePosixPath(relative).is_absolute()
+        or PureWindowsPath(relative).drive
+        or "\\" in relative
+        or "\0" in relative
+        or ".." in parts
+    ):
+        raise ArtifactError(
+            f"{root}: {what} {relative!r} is not a relative path inside the folder; rebuild the "
+            f"artifact with streamfuse build"
+        )
     path = root / relative
     try:
         resolved, base = path.resolve(), root.resolve()
     except (OSError, RuntimeError) as error:  # a symlink loop
-        raise ArtifactError(f"{path}: cannot be resolved ({error.__class__.__name__}); copy the artifact "
-                            f"again") from None
+        raise ArtifactError(
+            f"{path}: cannot be resolved ({error.__class__.__name__}); copy the artifact again"
+        ) from None
     if not resolved.is_relative_to(base):
-        raise ArtifactError(f"{path} leads outside {root} (to {resolved}): a symbolic link or path out of the artifact "
-                            f"is refused; copy the artifact with its files inside it (cp -rL) or rebuild it")
+        raise ArtifactError(
+            f"{path} leads outside {root} (to {resolved}): a symbolic link or path out of the artifact "
+            f"is refused; copy the artifact with its files inside it (cp -rL) or rebuild it"
+        )
     return path
 
 
@@ -43,8 +54,10 @@ def folder_files(folder: Path, root: Path | None = None) -> list[Path]:
     for base, folders, names in os.walk(folder):
         for name in folders:
             if os.path.islink(os.path.join(base, name)):
-                raise ArtifactError(f"{Path(base) / name} is a symbolic link to a folder; copy the artifact with "
-                                    f"its files inside it (cp -rL) or rebuild it")
+                raise ArtifactError(
+                    f"{Path(base) / name} is a symbolic link to a folder; copy the artifact with "
+                    f"its files inside it (cp -rL) or rebuild it"
+                )
         files += [Path(base) / name for name in names]
     if root is not None:
         for file in files:
@@ -93,6 +106,8 @@ def read_checked(path: Path, entry: dict, fix: str) -> bytes:
     except OSError as error:
         raise ArtifactError(f"{path} cannot be read ({error.strerror or error.__class__.__name__}); {fix}") from None
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise ArtifactError(f"{path} differs from the manifest ({len(data)} bytes, the manifest says {entry['bytes']} "
-                            f"and another sha256); {fix}")
+        raise ArtifactError(
+            f"{path} differs from the manifest ({len(data)} bytes, the manifest says {entry['bytes']} "
+            f"and another sha256); {fix}"
+        )
     return data

@@ -39,14 +39,17 @@ class AcceptanceModel:
     answers: tuple[tuple[Row, ...], ...]  # per validation answer, a row per position, in order
 
     @classmethod
-    def from_answers(cls, answers: Iterable[tuple[Sequence[Sequence[int]], Sequence[int]]], max_rank: int,
-                     depth: int) -> "AcceptanceModel":
+    def from_answers(
+        cls, answers: Iterable[tuple[Sequence[Sequence[int]], Sequence[int]]], max_rank: int, depth: int
+    ) -> AcceptanceModel:
         """answers: per answer, (each position's rank at depth 1, 2, ...; each position's lookup matches).
         A rank >= max_rank, or < 0, is a miss: it ends the path."""
         kept = []
         for ranks, lookups in answers:
-            rows = tuple((cls._path(position, max_rank, depth), min(int(lookup), depth))
-                         for position, lookup in zip(ranks, lookups, strict=True))
+            rows = tuple(
+                (cls._path(position, max_rank, depth), min(int(lookup), depth))
+                for position, lookup in zip(ranks, lookups, strict=True)
+            )
             if rows:
                 kept.append(rows)
         if not kept:
@@ -122,11 +125,15 @@ class AcceptanceModel:
         return {nodes: tree for nodes, (_, tree) in sorted(best.items())}
 
     def to_dict(self) -> dict:
-        return {"max_rank": self.max_rank, "depth": self.depth, "positions": self.positions,
-                "answers": [[[list(ranks), lookup] for ranks, lookup in rows] for rows in self.answers]}
+        return {
+            "max_rank": self.max_rank,
+            "depth": self.depth,
+            "positions": self.positions,
+            "answers": [[[list(ranks), lookup] for ranks, lookup in rows] for rows in self.answers],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "AcceptanceModel":
+    def from_dict(cls, data: dict) -> AcceptanceModel:
         answers = tuple(tuple((tuple(ranks), int(lookup)) for ranks, lookup in rows) for rows in data["answers"])
         return cls(int(data["max_rank"]), int(data["depth"]), answers)
 
@@ -161,8 +168,10 @@ class BackendCalibration:
     def request_seconds(self, new_tokens: float) -> float:
         """A request of the timed inputs' mean prompt length writing `new_tokens` with the chosen tree."""
         best = self.best
-        return (self.prompt_tokens * self.prefill_seconds_per_token
-                + max(new_tokens - 1, 0) / best.expected_tokens * best.step_seconds)
+        return (
+            self.prompt_tokens * self.prefill_seconds_per_token
+            + max(new_tokens - 1, 0) / best.expected_tokens * best.step_seconds
+        )
 
     @property
     def best(self) -> TreeCost:
@@ -178,22 +187,43 @@ class BackendCalibration:
         return found[0].step_seconds / self.plain_seconds if found else None
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "threads": self.threads, "plain_ms": round(1e3 * self.plain_seconds, 3),
-                "prefill_ms_per_token": round(1e3 * self.prefill_seconds_per_token, 4),
-                "prompt_tokens": round(self.prompt_tokens, 1),
-                "choice": self.tree.to_dict(), "expected_speedup": round(self.best.speedup(self.plain_seconds), 4),
-                "trees": [{"tree": cost.tree.to_dict(), "step_ms": round(1e3 * cost.step_seconds, 3),
-                           "step_cost": round(cost.step_seconds / self.plain_seconds, 4),
-                           "expected_tokens": round(cost.expected_tokens, 4),
-                           "realised_tokens": round(cost.realised_tokens, 4),
-                           "expected_speedup": round(cost.speedup(self.plain_seconds), 4)} for cost in self.trees]}
+        return {
+            "device": self.device,
+            "threads": self.threads,
+            "plain_ms": round(1e3 * self.plain_seconds, 3),
+            "prefill_ms_per_token": round(1e3 * self.prefill_seconds_per_token, 4),
+            "prompt_tokens": round(self.prompt_tokens, 1),
+            "choice": self.tree.to_dict(),
+            "expected_speedup": round(self.best.speedup(self.plain_seconds), 4),
+            "trees": [
+                {
+                    "tree": cost.tree.to_dict(),
+                    "step_ms": round(1e3 * cost.step_seconds, 3),
+                    "step_cost": round(cost.step_seconds / self.plain_seconds, 4),
+                    "expected_tokens": round(cost.expected_tokens, 4),
+                    "realised_tokens": round(cost.realised_tokens, 4),
+                    "expected_speedup": round(cost.speedup(self.plain_seconds), 4),
+                }
+                for cost in self.trees
+            ],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "BackendCalibration":
-        trees = tuple(TreeCost(TreeSpec.from_dict(row["tree"]), row["step_ms"] / 1e3, row["expected_tokens"],
-                               row["realised_tokens"]) for row in data["trees"])
-        return cls(data["device"], int(data["threads"]), data["plain_ms"] / 1e3, trees,
-                   data["prefill_ms_per_token"] / 1e3, data["prompt_tokens"])
+    def from_dict(cls, data: dict) -> BackendCalibration:
+        trees = tuple(
+            TreeCost(
+                TreeSpec.from_dict(row["tree"]), row["step_ms"] / 1e3, row["expected_tokens"], row["realised_tokens"]
+            )
+            for row in data["trees"]
+        )
+        return cls(
+            data["device"],
+            int(data["threads"]),
+            data["plain_ms"] / 1e3,
+            trees,
+            data["prefill_ms_per_token"] / 1e3,
+            data["prompt_tokens"],
+        )
 
 
 @dataclass(frozen=True)
@@ -212,7 +242,15 @@ def calibrate(model: AcceptanceModel, timings: Timings, device: str, threads: in
     """Timings (medians of each) and the acceptance model -> the calibration."""
     if not timings.plain or not timings.steps or not all(timings.steps.values()) or not timings.prefill:
         raise ValueError("calibration needs timed plain steps, prefills and steps of every candidate tree")
-    costs = tuple(TreeCost(tree, statistics.median(times), model.expected_tokens(tree), timings.realised[tree])
-                  for tree, times in timings.steps.items())
-    return BackendCalibration(device, threads, statistics.median(timings.plain), costs,
-                              statistics.median(timings.prefill), timings.prompt_tokens)
+    costs = tuple(
+        TreeCost(tree, statistics.median(times), model.expected_tokens(tree), timings.realised[tree])
+        for tree, times in timings.steps.items()
+    )
+    return BackendCalibration(
+        device,
+        threads,
+        statistics.median(timings.plain),
+        costs,
+        statistics.median(timings.prefill),
+        timings.prompt_tokens,
+    )

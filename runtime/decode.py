@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from streamfuse.methods import registry
 from streamfuse.runtime.accept import Acceptance, accept, accept_sampled
 from streamfuse.runtime.backends.base import Backend, PruneConfig, StepOutput
-from streamfuse.runtime.drafter import Draft, Drafter, PlainDrafter
+from streamfuse.runtime.drafter import Draft, Drafter, top_chain
 from streamfuse.runtime.emitter import Emitter, StopRules
 from streamfuse.runtime.fallback import Fallback
 from streamfuse.runtime.sampling import SamplingConfig, choose, target_probs
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import StreamDrafter, top_chain
 from streamfuse.runtime.trace import RunRecord, StepRecord, Switch, Trace
 from streamfuse.runtime.tree import TreeSpec
 
@@ -60,10 +60,12 @@ def required_capacity(prompt_len: int, rules: StopRules, step_rows: int, max_pos
     graph's size bucket). Checked before any work, so a run never stops half-way for lack of context."""
     needed = prompt_len + rules.max_new_tokens + step_rows
     if needed > max_positions:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + a step's "
-                         f"{step_rows} rows exceeds the model's context of {max_positions} positions; shorten the "
-                         f"prompt, lower max_new_tokens, or (an exported artifact) rebuild it with a larger "
-                         f"--set export.capacity=N")
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + a step's "
+            f"{step_rows} rows exceeds the model's context of {max_positions} positions; shorten the "
+            f"prompt, lower max_new_tokens, or (an exported artifact) rebuild it with a larger "
+            f"--set export.capacity=N"
+        )
     return needed
 
 
@@ -80,18 +82,33 @@ class DecodeRun:
     capacity: int  # KV positions the run may touch
 
     @classmethod
-    def begin(cls, backend: Backend, prompt_ids: Sequence[int], settings: DecodeSettings, drafter: Drafter,
-              trace: Trace | None, run_id: str, decode) -> "DecodeRun":
+    def begin(
+        cls,
+        backend: Backend,
+        prompt_ids: Sequence[int],
+        settings: DecodeSettings,
+        drafter: Drafter,
+        trace: Trace | None,
+        run_id: str,
+        decode,
+    ) -> DecodeRun:
         """Validate the request, then reset the backend; nothing runs before the checks pass. The reset is what
         makes a generation independent of the last one, even one that raised mid-step (a pending commit, a
         failed call: runtime/backends/static_graph.py), whoever calls."""
         check_prompt(prompt_ids, backend.vocab_size)
-        capacity = required_capacity(len(prompt_ids), settings.rules, backend.step_rows(drafter.tree),
-                                     backend.max_positions)
+        capacity = required_capacity(
+            len(prompt_ids), settings.rules, backend.step_rows(drafter.tree), backend.max_positions
+        )
         trace = trace or Trace(enabled=False)
-        run = cls(backend, trace, trace.start_run(run_id, len(prompt_ids), drafter.name),
-                  np.random.default_rng(settings.seed), Emitter(settings.rules, decode), time.perf_counter(),
-                  capacity)
+        run = cls(
+            backend,
+            trace,
+            trace.start_run(run_id, len(prompt_ids), drafter.name),
+            np.random.default_rng(settings.seed),
+            Emitter(settings.rules, decode),
+            time.perf_counter(),
+            capacity,
+        )
         backend.reset(capacity)
         return run
 
@@ -118,9 +135,9 @@ def generate(
     on_step: Callable[[StepEvent], None] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> GenerationResult:
-    """Decode with settings.method's drafter (plain and ss are built here; other methods pass theirs).
-    decode: token ids -> text, for stop strings."""
-    drafter = drafter or default_drafter(settings, backend)
+    """Decode with settings.method's drafter (one built from the engine alone, the method's engine_drafter, unless
+    given; a method with a model of its own is given its drafter). decode: token ids -> text, for stop strings."""
+    drafter = drafter or engine_drafter(settings, backend)
     if drafter.name != settings.method:
         raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
     run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode)
@@ -146,23 +163,38 @@ def generate(
     return run.finish()
 
 
-def default_drafter(settings: DecodeSettings, backend: Backend) -> Drafter:
-    if settings.method == "ar":
-        return PlainDrafter()
-    if settings.method == "ss":
-        return StreamDrafter(settings.tree, backend.num_streams)
-    raise ValueError(f"method {settings.method!r} drafts with its own model: pass its drafter (the artifact's "
-                     f"Loaded.drafter(settings))")
+def engine_drafter(settings: DecodeSettings, backend: Backend) -> Drafter:
+    """settings.method's drafter from the target's engine alone (Method.engine_drafter)."""
+    make = registry.get(settings.method).engine_drafter
+    if make is not None:
+        return make(settings, backend)
+    raise ValueError(
+        f"method {settings.method!r} drafts with its own model: pass its drafter (the artifact's "
+        f"Loaded.drafter(settings))"
+    )
 
 
-def step(run: DecodeRun, drafter: Drafter, draft: Draft, streams: bool, verify: "Verifier", prune: PruneConfig | None,
-         drafted: float, on_step) -> tuple[int, int]:
+def step(
+    run: DecodeRun,
+    drafter: Drafter,
+    draft: Draft,
+    streams: bool,
+    verify: Verifier,
+    prune: PruneConfig | None,
+    drafted: float,
+    on_step,
+) -> tuple[int, int]:
     """One target call over `draft`: accept, commit, let the drafter observe, emit. Returns the next
     root and how many tokens the step made (the emitter may stop early)."""
     backend = run.backend
     with run.span("forward"):
-        out = backend.step(draft.tokens, draft.tree, with_streams=streams,
-                           prune=prune if draft.speculative else None, greedy=verify.greedy)
+        out = backend.step(
+            draft.tokens,
+            draft.tree,
+            with_streams=streams,
+            prune=prune if draft.speculative else None,
+            greedy=verify.greedy,
+        )
     with run.span("accept"):
         result = verify(draft, out)
     with run.span("cache"):
@@ -189,15 +221,16 @@ def _record(record: RunRecord, draft: Draft, out: StepOutput, result: Acceptance
     kept = sum(out.kept) if out.kept is not None else tree.num_nodes
     from_lookup = len(set(result.path) & set(tree.lookup_nodes[: draft.from_lookup]))
     record.draft_calls += draft.calls
-    record.steps.append(StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup,
-                                   draft.calls, drafted))
+    record.steps.append(
+        StepRecord(tree.num_nodes, kept, len(result.path) - 1, len(result.path), from_lookup, draft.calls, drafted)
+    )
 
 
 def _fallback(run: DecodeRun, switch: Fallback, speculating: bool, tokens: int, tree: TreeSpec | None) -> None:
     """Tell the switch how the step went (at its tree's cost); record its switches in the trace."""
     if not speculating:
         if switch.after_plain_token():
-            run.record.switches.append(Switch(len(run.emitter.tokens), "ss"))
+            run.record.switches.append(Switch(len(run.emitter.tokens), run.record.method))
         return
     rate = switch.after_step(tokens, switch.config.cost(tree.paths))
     if rate is not None:
@@ -222,8 +255,9 @@ class Verifier:
         tree = draft.tree or ROOT_ONLY
         if draft.probs is None or self.greedy:
             return accept(tree, draft.tokens, lambda n: out.next_token(n, self.choose), out.kept)
-        return accept_sampled(tree, draft.tokens, draft.probs, lambda n: target_probs(out.main_logits[n], self.sampling),
-                              self.generator)
+        return accept_sampled(
+            tree, draft.tokens, draft.probs, lambda n: target_probs(out.main_logits[n], self.sampling), self.generator
+        )
 
 
 def notify(on_step, tokens: list[int], accepted: int, drafted: list[int], plain: bool = False) -> None:

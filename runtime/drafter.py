@@ -3,12 +3,12 @@
     context ─► drafter.propose(root) ─► Draft(tree, tokens, probs) ─► target.step: one call
             ─► accept (runtime/accept.py) ─► target.commit ─► drafter.observe(draft, out, path, correction)
 
-Every decoding method is a drafter. Plain decoding proposes the root alone. Speculative
-Streaming fills a static tree from the target's own stream outputs at the last accepted node
-(runtime/stream_drafter.py). A draft model proposes a chain from its own KV cache
-(runtime/model_drafter.py). Acceptance, the target's KV commit, stop rules, the fallback and the
-trace belong to the loop (runtime/decode.py), the same for every method, so every method emits
-exactly the tokens plain decoding would (greedy) or draws from the same target (sampling).
+Every decoding method is a drafter (methods/<name>/drafter.py): plain decoding proposes the root
+alone; others fill a tree from the target's own outputs at the last accepted node, or from a model
+of their own (a chain from a draft model's KV cache, the depths of a fused drafter). Acceptance,
+the target's KV commit, stop rules, the fallback and the trace belong to the loop
+(runtime/decode.py), the same for every method, so every method emits exactly the tokens plain
+decoding would (greedy) or draws from the same target (sampling).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Draft:
     calls: int = 0  # draft-model calls this draft cost (drafts from the target's own pass cost none)
 
     @classmethod
-    def plain(cls, root: int) -> "Draft":
+    def plain(cls, root: int) -> Draft:
         return cls(None, [root])
 
     @property
@@ -42,7 +42,7 @@ class Draft:
 
 
 class Drafter(Protocol):
-    name: str  # the method: "ar", "ss", "sd", ...
+    name: str  # the method's (methods/registry.py)
     uses_streams: bool  # its drafts come out of the target's verify pass (StepOutput.stream_top)
     tree: TreeSpec | None  # the largest tree it proposes (sizes the KV scratch rows); None: plain
 
@@ -58,18 +58,12 @@ class Drafter(Protocol):
         Plain steps of a speculative run (its fallback) arrive as Draft.plain(root), path [0]."""
 
 
-class PlainDrafter:
-    """Plain decoding: every step verifies the root alone and emits the target's next token."""
-
-    name = "ar"
-    uses_streams = False
-    tree = None
-
-    def start(self, prompt_ids, prefill, root, capacity) -> int:
-        return 0
-
-    def propose(self, root: int) -> Draft:
-        return Draft.plain(root)
-
-    def observe(self, draft, out, path, correction) -> None:
-        pass
+def top_chain(tree: TreeSpec, tokens: Sequence[int]) -> list[int]:
+    """Tokens of the all-rank-0 path below the root (what a chain draft would have proposed)."""
+    chain, node = [], 0
+    while True:
+        child = next((c for c in tree.children[node] if tree.ranks[c] == 0), None)
+        if child is None:
+            return chain
+        chain.append(tokens[child])
+        node = child

@@ -41,12 +41,13 @@ MANIFEST = "kernels.json"
 FORMAT = 1
 # -ffp-contract=off: no fused multiply-add, the NumPy reference's arithmetic exactly. The attention's 8 lanes are
 # one AVX2 register where the building CPU has it (the lanes are independent, so the sums do not change;
-# -march=native's AVX-512 was slower on a Zen 4); q4 / q8 pick AVX2 / AVX-512 at run time, whatever the flags.
+# -march=native's AVX-512 is slower on a Zen 4); q4 / q8 pick AVX2 / AVX-512 at run time, whatever the flags.
 FLAGS = ["-std=c++20", "-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"]
 FEATURE_FLAGS = {"avx2": "-mavx2"}  # CPU feature (as /proc/cpuinfo names it) -> the flag that requires it
 PORTABLE = "STREAMFUSE_PORTABLE_KERNELS"  # set to 1 at build time: no -mavx2 (a wheel for any x86-64 CPU)
-REINSTALL = ("reinstall streamfuse (pip install --force-reinstall <its wheel or checkout>) or, in a checkout, "
-             "run `make kernels`")
+REINSTALL = (
+    "reinstall streamfuse (pip install --force-reinstall <its wheel or checkout>) or, in a checkout, run `make kernels`"
+)
 
 
 class KernelUnavailable(OSError):
@@ -61,8 +62,9 @@ class Library(NamedTuple):
 
 
 LIBRARY = {
-    "c": Library("libstreamfuse_attention.so", ("tree_attention_c.cpp", "q4_linear_c.cpp", "q8_linear_c.cpp"),
-                 ("-pthread",)),
+    "c": Library(
+        "libstreamfuse_attention.so", ("tree_attention_c.cpp", "q4_linear_c.cpp", "q8_linear_c.cpp"), ("-pthread",)
+    ),
     "onnxruntime": Library("libstreamfuse_attention_ort.so", ("tree_attention_ort.cpp",)),
     "executorch": Library("libstreamfuse_attention_et.so", ("tree_attention_et.cpp",)),
 }
@@ -123,13 +125,16 @@ def compiler() -> str:
     if os.environ.get("CXX"):
         found = shutil.which(os.environ["CXX"])
         if not found:
-            raise KernelUnavailable(f"CXX={os.environ['CXX']} is not an executable compiler: set CXX to one, or unset "
-                                    f"it to use g++")
+            raise KernelUnavailable(
+                f"CXX={os.environ['CXX']} is not an executable compiler: set CXX to one, or unset it to use g++"
+            )
         return found
     found = shutil.which("g++") or shutil.which("c++")
     if not found:
-        raise KernelUnavailable("building streamfuse's kernels needs a C++ compiler and none is on PATH: install g++ "
-                                "(Debian: apt-get install g++), or install a streamfuse wheel built elsewhere")
+        raise KernelUnavailable(
+            "building streamfuse's kernels needs a C++ compiler and none is on PATH: install g++ "
+            "(Debian: apt-get install g++), or install a streamfuse wheel built elsewhere"
+        )
     return found
 
 
@@ -137,8 +142,9 @@ def _identity(command: str) -> str:
     try:
         done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as error:
-        raise KernelUnavailable(f"the compiler {command} does not run ({type(error).__name__}): install g++ or set "
-                                f"CXX") from None
+        raise KernelUnavailable(
+            f"the compiler {command} does not run ({type(error).__name__}): install g++ or set CXX"
+        ) from None
     return (done.stdout.splitlines() or [command])[0].strip()
 
 
@@ -150,13 +156,22 @@ def _executorch_build(runtime_of: Callable[[Path], Path] | None) -> tuple[list[s
     root = Path(list(spec.submodule_search_locations)[0]).resolve()
     runtime, include = runtime_of(root), root / "include"
     if not include.is_dir() or not runtime.is_file():
-        raise KernelUnavailable(f"the executorch wheel at {root} lacks its headers or runtime library; reinstall it: "
-                                f"pip install --force-reinstall 'streamfuse[executorch]'")
+        raise KernelUnavailable(
+            f"the executorch wheel at {root} lacks its headers or runtime library; reinstall it: "
+            f"pip install --force-reinstall 'streamfuse[executorch]'"
+        )
     # The runtime is loaded by executorch's bindings before this library (load_executorch_kernels): the paths
     # only matter if it is not, the build's venv and, installed, site-packages relative to this library.
-    arguments = ["-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_USE_THREADPOOL", "-DNDEBUG", f"-I{include}",
-                 f"-I{include / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}", str(runtime),
-                 f"-Wl,-rpath,{runtime.parent}", "-Wl,-rpath,$ORIGIN/../../../../executorch/extension/pybindings"]
+    arguments = [
+        "-DC10_USING_CUSTOM_GENERATED_MACROS",
+        "-DET_USE_THREADPOOL",
+        "-DNDEBUG",
+        f"-I{include}",
+        f"-I{include / 'executorch' / 'runtime' / 'core' / 'portable_type' / 'c10'}",
+        str(runtime),
+        f"-Wl,-rpath,{runtime.parent}",
+        "-Wl,-rpath,$ORIGIN/../../../../executorch/extension/pybindings",
+    ]
     return arguments, {"executorch": installed_version("executorch"), "torch": installed_version("torch")}
 
 
@@ -212,8 +227,12 @@ def _write_manifest(directory: Path, manifest: dict) -> None:
         Path(partial).unlink(missing_ok=True)
 
 
-def build(directory: Path | None = None, executorch_runtime: Callable[[Path], Path] | None = None,
-          log: Callable[[str], None] = print, only_these: bool = False) -> dict[str, Path]:
+def build(
+    directory: Path | None = None,
+    executorch_runtime: Callable[[Path], Path] | None = None,
+    log: Callable[[str], None] = print,
+    only_these: bool = False,
+) -> dict[str, Path]:
     """Compile every library this environment can build into `directory` (LIBRARIES by default) unless it is
     there and up to date; executorch_runtime(package root) -> the runtime library to link (seams'), None: skip
     ExecuTorch. A library this run cannot build (ExecuTorch without executorch) keeps its earlier entry, unless
@@ -244,11 +263,27 @@ def build(directory: Path | None = None, executorch_runtime: Callable[[Path], Pa
     return built
 
 
-def _build_one(command: str, name: str, flags: list[str], extra: list[str], built_for: dict, identity: str,
-               directory: Path, old: dict | None, log: Callable[[str], None]) -> dict:
+def _build_one(
+    command: str,
+    name: str,
+    flags: list[str],
+    extra: list[str],
+    built_for: dict,
+    identity: str,
+    directory: Path,
+    old: dict | None,
+    log: Callable[[str], None],
+) -> dict:
     """The library's manifest entry, compiled first unless the one there was built against the same."""
-    key = {"file": LIBRARY[name].file, "sources": source_hash(name), "compiler": identity, "flags": flags + extra,
-           "cpu_features": _required_features(), "built_for": built_for, "machine": platform.machine()}
+    key = {
+        "file": LIBRARY[name].file,
+        "sources": source_hash(name),
+        "compiler": identity,
+        "flags": flags + extra,
+        "cpu_features": _required_features(),
+        "built_for": built_for,
+        "machine": platform.machine(),
+    }
     target, old = directory / LIBRARY[name].file, old or {}
     if {k: old.get(k) for k in key} == key and target.is_file() and old.get("sha256") == _sha256(target):
         log(f"[kernels] up to date: {target}")
@@ -267,23 +302,41 @@ def _read_manifest(directory: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise KernelUnavailable(f"streamfuse's kernel manifest {path} is unreadable ({type(error).__name__}): "
-                                f"{REINSTALL}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
-            manifest.get("libraries"), dict) or not all(_well_formed(n, e) for n, e in manifest["libraries"].items()):
+        raise KernelUnavailable(
+            f"streamfuse's kernel manifest {path} is unreadable ({type(error).__name__}): {REINSTALL}"
+        ) from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("libraries"), dict)
+        or not all(_well_formed(n, e) for n, e in manifest["libraries"].items())
+    ):
         raise KernelUnavailable(f"streamfuse's kernel manifest {path} is not of format {FORMAT}: {REINSTALL}")
     return manifest
 
 
 # an entry's key -> the type its value must have (build() writes them all)
-ENTRY = {"file": str, "sources": str, "compiler": str, "flags": list, "cpu_features": list, "built_for": dict,
-         "machine": str, "sha256": str}
+ENTRY = {
+    "file": str,
+    "sources": str,
+    "compiler": str,
+    "flags": list,
+    "cpu_features": list,
+    "built_for": dict,
+    "machine": str,
+    "sha256": str,
+}
 
 
 def _well_formed(name: str, entry) -> bool:
-    return (name in LIBRARY and isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in ENTRY.items())
-            and entry["file"] == LIBRARY[name].file and all(isinstance(f, str) for f in entry["cpu_features"])
-            and all(isinstance(v, int if k == "onnxruntime_api" else str) for k, v in entry["built_for"].items()))
+    return (
+        name in LIBRARY
+        and isinstance(entry, dict)
+        and all(isinstance(entry.get(k), t) for k, t in ENTRY.items())
+        and entry["file"] == LIBRARY[name].file
+        and all(isinstance(f, str) for f in entry["cpu_features"])
+        and all(isinstance(v, int if k == "onnxruntime_api" else str) for k, v in entry["built_for"].items())
+    )
 
 
 def _mismatch(name: str, entry: dict, directory: Path) -> tuple[str, str] | None:
@@ -292,9 +345,12 @@ def _mismatch(name: str, entry: dict, directory: Path) -> tuple[str, str] | None
         return f"was built for {entry.get('machine')}, this machine is {platform.machine()}", REINSTALL
     lacking = sorted(set(entry.get("cpu_features") or []) - cpu_features())
     if lacking:
-        return (f"was compiled for CPUs with {', '.join(lacking)} and this CPU lacks it", "build streamfuse on "
-                f"this machine (pip install --force-reinstall <checkout>, or make kernels), or with {PORTABLE}=1 "
-                f"where it is built")
+        return (
+            f"was compiled for CPUs with {', '.join(lacking)} and this CPU lacks it",
+            "build streamfuse on "
+            f"this machine (pip install --force-reinstall <checkout>, or make kernels), or with {PORTABLE}=1 "
+            f"where it is built",
+        )
     present = all((SOURCES / source).is_file() for source in LIBRARY[name].sources)  # a wheel carries them
     if present and entry.get("sources") != source_hash(name):
         return f"was built from other sources than {SOURCES} (edited since)", REINSTALL
@@ -302,8 +358,10 @@ def _mismatch(name: str, entry: dict, directory: Path) -> tuple[str, str] | None
         if package == "onnxruntime_api":
             found = installed_version("onnxruntime")
             if found and tuple(int(p) for p in found.split(".")[:2] if p.isdigit()) < (1, int(version)):
-                return (f"needs ONNX Runtime 1.{version} or later (C API {version}), {found} is installed",
-                        "pip install 'streamfuse[onnxruntime]'")
+                return (
+                    f"needs ONNX Runtime 1.{version} or later (C API {version}), {found} is installed",
+                    "pip install 'streamfuse[onnxruntime]'",
+                )
         elif installed_version(package) != version:
             return f"was built for {package} {version}, {installed_version(package) or 'none'} is installed", REINSTALL
     target = directory / LIBRARY[name].file
@@ -319,10 +377,13 @@ def library_path(name: str) -> Path:
     if entry is None:
         fix = REINSTALL
         if name == "executorch":
-            fix = ("with executorch installed, run `make kernels` in a checkout or reinstall streamfuse with it "
-                   "visible to the build (pip install --no-build-isolation --force-reinstall <checkout>)")
-        raise KernelUnavailable(f"streamfuse's {name} kernel library is not built (no entry in "
-                                f"{LIBRARIES / MANIFEST}): {fix}")
+            fix = (
+                "with executorch installed, run `make kernels` in a checkout or reinstall streamfuse with it "
+                "visible to the build (pip install --no-build-isolation --force-reinstall <checkout>)"
+            )
+        raise KernelUnavailable(
+            f"streamfuse's {name} kernel library is not built (no entry in {LIBRARIES / MANIFEST}): {fix}"
+        )
     problem = _mismatch(name, entry, LIBRARIES)
     if problem:
         raise KernelUnavailable(f"streamfuse's {name} kernel library {problem[0]}: {problem[1]}")
@@ -349,8 +410,9 @@ def onnxruntime_library_path() -> Path:
 
 def executorch_library_path() -> Path:
     if importlib.util.find_spec("executorch") is None:
-        raise KernelUnavailable("the ExecuTorch tree attention kernel needs executorch: "
-                                "pip install 'streamfuse[executorch]'")
+        raise KernelUnavailable(
+            "the ExecuTorch tree attention kernel needs executorch: pip install 'streamfuse[executorch]'"
+        )
     return library_path("executorch")
 
 

@@ -1,7 +1,7 @@
 """Artifact folder -> backend, tokenizer and what the runtime must know about the model.
 
 Two kinds of folder load:
-- an exported artifact (manifest.json; export/build.py --backends ...): any backend it was built
+- an exported artifact (manifest.json; streamfuse build --backends ...): any backend it was built
   for, plus torch from its adapter/ folder;
 - a fine-tuned checkpoint (streamfuse.json; the train stage's output): the torch backend.
 """
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from streamfuse.runtime import methods
+from streamfuse.methods import registry as methods
 from streamfuse.runtime.artifact import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.backends.base import Backend
+from streamfuse.runtime.backends.sessions import MissingBackend, open_session
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.calibration import BackendCalibration
 from streamfuse.runtime.drafter import Drafter
 from streamfuse.runtime.fallback import FallbackConfig
@@ -27,6 +30,7 @@ from streamfuse.runtime.tree_choice import TreeChoice
 # Without calibrations, the order measured on CPUs (docs/benchmarks.md): XNNPACK, then ONNX Runtime, then torch.
 PREFERENCE = ("coreml", "executorch", "onnxruntime", "torch")
 TYPICAL_ANSWER_TOKENS = 64  # a request's length where the artifact has no acceptance model to say
+BACKEND_ENTRY_POINTS = "streamfuse.backends"  # pyproject.toml's group: backend name -> its opener
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Loaded:
             return (self.info.get("task"),)
         return (self.artifact.task, *(t for t in self.artifact.tasks if t != self.artifact.task))
 
-    def with_task(self, task: str) -> "Loaded":
+    def with_task(self, task: str) -> Loaded:
         """The same engine serving another of the artifact's tasks, nothing loaded again: on graphs that take the
         task's tensors, its tensors are bound in place of the loaded task's; on torch, its peft adapter and streams
         are made active (TaskSet). Use the returned model: the engine now runs `task`, this one's task no longer."""
@@ -64,13 +68,33 @@ class Loaded:
         else:
             tensors = view.task_tensors(self.engine)
             if tensors is None:
-                raise ValueError(f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so "
-                                 f"they cannot run {task}; build the tasks together (export/build.py --task "
-                                 f"{self.artifact.task},{task})")
+                raise ValueError(
+                    f"{view.path}: the {self.engine} graphs hold task {self.artifact.task}'s weights, so "
+                    f"they cannot run {task}; build the tasks together (streamfuse build --task "
+                    f"{self.artifact.task},{task})"
+                )
             self.backend.session.bind_task(tensors)
-        return Loaded(self.backend, self.tokenizer, {"task": task, **view.manifest.get("info", {})},
-                      _prompt(view.manifest.get("prompt")), self.engine, view,
-                      view.calibration(self.engine) if self.calibration is not None else None, self.threads)
+        return Loaded(
+            self.backend,
+            self.tokenizer,
+            {"task": task, **view.manifest.get("info", {})},
+            _prompt(view.manifest.get("prompt")),
+            self.engine,
+            view,
+            view.calibration(self.engine) if self.calibration is not None else None,
+            self.threads,
+        )
+
+    @property
+    def loader(self) -> Callable[..., Loaded]:
+        """This module's `load` (module-level, so a worker process can be handed it): a method opens its drafter's
+        folder with it."""
+        return load
+
+    def engine_for(self, folder: Path) -> str:
+        """The engine a drafter folder's model runs on: the target's, where the build exported it for that engine
+        and it runs here, else torch."""
+        return self.engine if self.engine in runnable_backends(folder) else "torch"
 
     def cached(self, key: str, make: Callable[[], object]):
         """A method's resource (a draft engine, a head), made on first use and kept with this model."""
@@ -114,23 +138,27 @@ class Loaded:
     def methods(self) -> tuple[str, ...]:
         """The registered methods this model can decode with: those whose drafters it carries."""
         drafters = self.artifact.drafters if self.artifact is not None else {}
-        return tuple(name for name in methods.names()
-                     if all(entry in drafters for entry in methods.get(name).artifact_entries))
+        return tuple(
+            name for name in methods.names() if all(entry in drafters for entry in methods.get(name).artifact_entries)
+        )
 
     def method_tree(self, method: str) -> TreeSpec | None:
         """The draft shape a method uses unless told otherwise (ss: the calibrated tree; sd: the chain the build
         recorded; ...; None for plain decoding)."""
-        self._check_method(method)
+        self.check_method(method)
         return methods.get(method).default_tree(self)
 
     def tree_choice(self, max_nodes: int | None = None) -> TreeChoice:
         """ss-adaptive's candidates: the trees calibrated on this backend that it runs, up to max_nodes."""
+
         def make() -> TreeChoice:
             acceptance = self.artifact.acceptance
             if self.calibration is None or acceptance is None:
-                raise ValueError(f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
-                                 f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
-                                 f"{self.artifact.path} --backend {self.engine}")
+                raise ValueError(
+                    f"method ss-adaptive chooses among calibrated trees, and {self.artifact.path} has no "
+                    f"calibration for {self.engine}: run python -m streamfuse.tools.calibrate --artifact "
+                    f"{self.artifact.path} --backend {self.engine}"
+                )
             limit = min((n for n in (max_nodes, self.max_nodes) if n is not None), default=None)
             return TreeChoice.from_calibration(acceptance, self.calibration, max_nodes=limit)
 
@@ -138,15 +166,18 @@ class Loaded:
 
     def drafter(self, settings: DecodeSettings) -> Drafter:
         """settings.method's drafter for the decode loop, built by its registry entry (runtime/methods)."""
-        self._check_method(settings.method)
+        self.check_method(settings.method)
         return methods.get(settings.method).drafter(self, settings)
 
-    def _check_method(self, method: str) -> None:
+    def check_method(self, method: str) -> None:
+        """ValueError naming the build flags that add `method`, unless this model carries its drafters."""
         if method not in self.methods:
             where = "a bare checkpoint" if self.artifact is None else str(self.artifact.path)
             flags = methods.get(method).build_flags
-            raise ValueError(f"method {method}: {where} has no drafter for it (methods here: {', '.join(self.methods)}); "
-                             f"add it with export/build.py {flags} and load the artifact")
+            raise ValueError(
+                f"method {method}: {where} has no drafter for it (methods here: "
+                f"{', '.join(self.methods)}); add it with streamfuse build {flags} and load the artifact"
+            )
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration; every
@@ -165,8 +196,7 @@ def runnable_backends(artifact: Path) -> list[str]:
     if not (Path(artifact) / MANIFEST).is_file():
         return ["torch"]
     files = Artifact.open(artifact).manifest["files"]
-    return [b for b in BACKENDS if b == "torch" or (b in files and
-                                                    (b != "coreml" or platform.system() == "Darwin"))]
+    return [b for b in BACKENDS if b == "torch" or (b in files and (b != "coreml" or platform.system() == "Darwin"))]
 
 
 def artifact_tasks(folder: Path) -> tuple[str, ...]:
@@ -198,81 +228,95 @@ def fastest_backend(artifact: Path, task: str | None = None) -> str:
     return next(b for b in PREFERENCE if b in runnable)
 
 
-def load(artifact: Path, backend: str = "torch", device: str = "cpu", stream_schedule: str = "fused",
-         threads: int | None = None, calibrated: bool = True, task: str | None = None) -> Loaded:
+def load(
+    artifact: Path,
+    backend: str = "torch",
+    device: str = "cpu",
+    stream_schedule: str = "fused",
+    threads: int | None = None,
+    calibrated: bool = True,
+    task: str | None = None,
+) -> Loaded:
     """calibrated False: leave the artifact's calibration out (tools/calibrate.py measures afresh). task: one of the
     artifact's tasks (default: its own; Loaded.with_task switches later)."""
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available; choose one of {', '.join(BACKENDS)}")
     if not artifact.is_dir():
-        raise FileNotFoundError(f"{artifact} is not a folder: pass an artifact or checkpoint made by export/build.py "
-                                f"(e.g. artifacts/dialogsum or checkpoints/dialogsum-cpu/ss)")
+        raise FileNotFoundError(
+            f"{artifact} is not a folder: pass an artifact or checkpoint made by streamfuse build "
+            f"(e.g. artifacts/dialogsum or checkpoints/dialogsum-cpu/ss)"
+        )
     if (artifact / MANIFEST).is_file():
         return _load_artifact(Artifact.open(artifact, task), backend, device, stream_schedule, threads, calibrated)
     if not (artifact / "streamfuse.json").is_file():
-        raise FileNotFoundError(f"{artifact} has neither manifest.json (an exported artifact) nor streamfuse.json (a "
-                                f"checkpoint): build one with `python export/build.py --task dialogsum`")
+        raise FileNotFoundError(
+            f"{artifact} has neither manifest.json (an exported artifact) nor streamfuse.json (a "
+            f"checkpoint): build one with `streamfuse build --task dialogsum`"
+        )
     if backend != "torch":
-        raise ValueError(f"{artifact} is a checkpoint, which only the torch backend runs; export it for {backend} "
-                         f"with `python export/build.py --backends {backend}` and pass the artifact")
+        raise ValueError(
+            f"{artifact} is a checkpoint, which only the torch backend runs; export it for {backend} "
+            f"with `streamfuse build --backends {backend}` and pass the artifact"
+        )
     loaded = _load_checkpoint(artifact, device, stream_schedule)
     if task is not None and task != loaded.info.get("task"):
         raise ValueError(f"{artifact} is a checkpoint of task {loaded.info.get('task')}, not {task}")
     return loaded
 
 
-def _load_checkpoint(folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None,
-                     calibrated: bool = True) -> Loaded:
-    import torch
-
-    from streamfuse.adapters.checkpoint import load_checkpoint
-    from streamfuse.runtime.backends.pytorch import TorchBackend
-
-    several = artifact is not None and len(artifact.tasks) > 1
-    # One task: the LoRA merged (fastest). Several: each task's adapter beside the others on the unmerged base.
-    model, tokenizer, manifest = load_checkpoint(folder, merge_lora=not several,
-                                                 adapter_name=artifact.task if several else "default")
-    kept = artifact.head_ids() if artifact is not None else None
-    if kept is not None:  # a draft model exported with a pruned head runs with the same head on torch
-        model.keep_vocab(torch.from_numpy(kept))
-    tasks = _task_set(model, manifest, artifact) if several else None
-    backend = TorchBackend(model, device, stream_schedule)
-    backend.tasks = tasks
+def _load_checkpoint(
+    folder: Path, device: str, stream_schedule: str, artifact: Artifact | None = None, calibrated: bool = True
+) -> Loaded:
+    backend, tokenizer, manifest = open_backend("torch")(folder, device, stream_schedule, artifact)
     calibration = artifact.calibration("torch") if artifact is not None and calibrated else None
-    return Loaded(backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact,
-                  calibration)
+    return Loaded(
+        backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact, calibration
+    )
 
 
-def _task_set(model, manifest: dict, artifact: Artifact):
-    """Every task of the artifact on `model` (loaded with the artifact's task), that task active."""
-    from streamfuse.adapters.task_set import TaskSet
-
-    tasks = TaskSet(model, manifest, artifact.task)
-    for task in artifact.tasks:
-        if task != artifact.task:
-            view = artifact.for_task(task)
-            tasks.add(task, view.adapter_path())
-    return tasks
+def open_backend(name: str) -> Callable:
+    """The opener an installed package registers for backend `name` (an entry point of group BACKEND_ENTRY_POINTS:
+    the torch backend is export/eager.py's open_checkpoint), so the runtime reaches torch code by no import
+    statement. MissingBackend (one line) where it is not registered or its packages are not installed."""
+    found = entry_points(group=BACKEND_ENTRY_POINTS, name=name)
+    if not found:
+        raise MissingBackend(
+            f"the {name} backend is not registered (no entry point {name!r} in group "
+            f"{BACKEND_ENTRY_POINTS}): install it with `pip install 'streamfuse[{name}]'` (in a "
+            f"checkout: `pip install -e '.[{name}]'`)"
+        )
+    entry = next(iter(found))
+    try:
+        return entry.load()
+    except ImportError as error:
+        raise MissingBackend(
+            f"the {name} backend ({entry.value}) cannot be imported ({error}); install it with "
+            f"`pip install 'streamfuse[{name}]'`"
+        ) from None
 
 
 def _prompt(data: dict | None) -> PromptFormat | None:
     return PromptFormat.from_dict(data) if data else None
 
 
-def _load_artifact(artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None,
-                   calibrated: bool) -> Loaded:
+def _load_artifact(
+    artifact: Artifact, backend: str, device: str, stream_schedule: str, threads: int | None, calibrated: bool
+) -> Loaded:
     if backend == "torch":
-        return _load_checkpoint(artifact.adapter_path(), device, stream_schedule, artifact,
-                                calibrated)
-    from streamfuse.runtime.backends.sessions import open_session
-    from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-
+        return _load_checkpoint(artifact.adapter_path(), device, stream_schedule, artifact, calibrated)
     session = open_session(backend, artifact.backend_files(backend), threads)
     tensors = artifact.task_tensors(backend)
     if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
         session.bind_task(tensors)
     manifest = artifact.manifest
-    return Loaded(StaticGraphBackend.checked(session, artifact.graph_spec(backend), device), artifact.load_tokenizer(),
-                  {"task": manifest.get("task"), **manifest.get("info", {})}, _prompt(manifest.get("prompt")), backend,
-                  artifact, artifact.calibration(backend) if calibrated else None, threads)
+    return Loaded(
+        StaticGraphBackend.checked(session, artifact.graph_spec(backend), device),
+        artifact.load_tokenizer(),
+        {"task": manifest.get("task"), **manifest.get("info", {})},
+        _prompt(manifest.get("prompt")),
+        backend,
+        artifact,
+        artifact.calibration(backend) if calibrated else None,
+        threads,
+    )

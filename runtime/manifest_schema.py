@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath, PureWindowsPath
 
+from streamfuse.methods import registry
+from streamfuse.runtime.contract import CACHE_OWNERS
+
 NAME = r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}"  # a task, backend, method or file key: also a path part, so no '/'
 SHA256 = r"[0-9a-f]{64}"
 MAX_BYTES = 1 << 44  # a file's size: larger than any model this runtime runs
@@ -36,8 +39,15 @@ def show(value: object) -> str:
 
 
 def kind(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def child(key: str, name: object) -> str:
@@ -107,10 +117,17 @@ class RelPath(Spec):
     def check(self, value, key):
         Str(max_len=1024).check(value, key)
         parts = value.split("/")
-        if (not value or PurePosixPath(value).is_absolute() or PureWindowsPath(value).drive or "\\" in value
-                or "\0" in value or any(part in ("", ".", "..") for part in parts)):
-            raise SchemaError(key, f"must be a relative path inside the artifact (no '/' first, no '..'), got "
-                                   f"{show(value)}")
+        if (
+            not value
+            or PurePosixPath(value).is_absolute()
+            or PureWindowsPath(value).drive
+            or "\\" in value
+            or "\0" in value
+            or any(part in ("", ".", "..") for part in parts)
+        ):
+            raise SchemaError(
+                key, f"must be a relative path inside the artifact (no '/' first, no '..'), got {show(value)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -145,8 +162,11 @@ class Tuple(Spec):
 
     def check(self, value, key):
         if not isinstance(value, list) or len(value) != len(self.items):
-            raise SchemaError(key, f"must be a list of {len(self.items)} items, got {kind(value)}"
-                                   f"{f' of {len(value)}' if isinstance(value, list) else ''}")
+            raise SchemaError(
+                key,
+                f"must be a list of {len(self.items)} items, got {kind(value)}"
+                f"{f' of {len(value)}' if isinstance(value, list) else ''}",
+            )
         for index, (spec, item) in enumerate(zip(self.items, value)):
             spec.check(item, child(key, index))
 
@@ -203,66 +223,174 @@ FILE = Record({"path": RelPath(), **FILE_DIGEST.fields})  # ... and where the fi
 VOCAB_FILE = Record({**FILE.fields, "size": Int(1, 1 << 24), "coverage": Num(0, 1)})  # export/draft_vocab.py
 COUNT, DIM, RANK = Int(1, 1 << 24), Int(1, 1 << 16), Int(-1, 1 << 16)  # rank -1: no draft there
 KEY = Str(max_len=256)
-TREE = Record({"paths": ListOf(ListOf(Int(0, 1 << 16), 1, 64), 0, 4096), "lookup": ListOf(Int(0, 1 << 16), 0, 64)},
-              {"num_nodes": Int(1, 4097), "depth": Int(0, 64), "hash": Str(r"[0-9a-f]{16}")})
-ACCEPTANCE = Record({"max_rank": DIM, "depth": Int(1, 64), "positions": Int(0, 1 << 40),
-                     "answers": ListOf(ListOf(Tuple((ListOf(RANK, 0, 64), RANK))), 1)})
+TREE = Record(
+    {"paths": ListOf(ListOf(Int(0, 1 << 16), 1, 64), 0, 4096), "lookup": ListOf(Int(0, 1 << 16), 0, 64)},
+    {"num_nodes": Int(1, 4097), "depth": Int(0, 64), "hash": Str(r"[0-9a-f]{16}")},
+)
+ACCEPTANCE = Record(
+    {
+        "max_rank": DIM,
+        "depth": Int(1, 64),
+        "positions": Int(0, 1 << 40),
+        "answers": ListOf(ListOf(Tuple((ListOf(RANK, 0, 64), RANK))), 1),
+    }
+)
 PROMPT = Record({"instruction_template": Str(), "source_template": Str(), "max_source_tokens": COUNT})
 # the checkpoint the torch backend loads (its whole folder's digest) and what training recorded of it
-ADAPTER = Record({"path": RelPath(), "lora": Dict(), "training_key": Maybe(KEY), "weights_sha256": KEY,
-                  **FILE_DIGEST.fields})
+ADAPTER = Record(
+    {"path": RelPath(), "lora": Dict(), "training_key": Maybe(KEY), "weights_sha256": KEY, **FILE_DIGEST.fields}
+)
 # A backend's own record is checked when that backend loads it (Artifact.calibration): calibrating again
 # replaces one this streamfuse cannot read, so it must not stop the artifact from opening.
 CALIBRATION = Record({"acceptance": Maybe(ACCEPTANCE), "backends": MapOf(Dict())})
-BACKEND_CALIBRATION = Record({  # runtime/calibration.py BackendCalibration.to_dict; the plain step's cost divides
-    "device": KEY, "threads": Int(1, 1 << 12), "plain_ms": Num(1e-3, 1e9), "prefill_ms_per_token": Num(0, 1e9),
-    "prompt_tokens": Num(0, 1e9),
-    "trees": ListOf(Record({"tree": TREE, "step_ms": Num(1e-3, 1e9), "expected_tokens": Num(0, 1e4),
-                            "realised_tokens": Num(0, 1e4)}, open=True), 1, 4096)}, open=True)
-# Every drafter's folder (drafters/<method>, digest of the whole folder) and what its method reads of the entry.
-DRAFTER = Record({**FILE.fields}, {
-    "tree": TREE, "training_key": Maybe(KEY), "threshold": Num(0, 1), "draft": Str(NAME), "heads": Int(1, 64),
-    "layers": Int(1, 4096), "graphs": MapOf(RelPath()), "embedding": RelPath(), "vocab_file": RelPath(),
-    "block": DIM, "rows": DIM, "slots": COUNT, "masks": DIM, "capacity": COUNT, "max_passes": DIM,
-    "cache": Tuple((DIM, DIM))}, open=True)
-DRAFTER_NEEDS = {"sd": ("tree",), "medusa": ("tree", "training_key"), "specdec++": ("tree", "threshold"),
-                 "falcon": ("tree", "graphs", "embedding", "vocab_file", "block", "rows", "slots", "cache",
-                            "max_passes"),
-                 "parallelspec": ("tree", "graphs", "embedding", "vocab_file", "masks", "rows", "capacity", "cache")}
+BACKEND_CALIBRATION = Record(
+    {  # runtime/calibration.py BackendCalibration.to_dict; the plain step's cost divides
+        "device": KEY,
+        "threads": Int(1, 1 << 12),
+        "plain_ms": Num(1e-3, 1e9),
+        "prefill_ms_per_token": Num(0, 1e9),
+        "prompt_tokens": Num(0, 1e9),
+        "trees": ListOf(
+            Record(
+                {
+                    "tree": TREE,
+                    "step_ms": Num(1e-3, 1e9),
+                    "expected_tokens": Num(0, 1e4),
+                    "realised_tokens": Num(0, 1e4),
+                },
+                open=True,
+            ),
+            1,
+            4096,
+        ),
+    },
+    open=True,
+)
+# Every drafter's folder (drafters/<method>, digest of the whole folder) and what its method reads of the entry
+# (each method declares the fields it needs: Method.entry_needs).
+DRAFTER = Record(
+    {**FILE.fields},
+    {
+        "tree": TREE,
+        "training_key": Maybe(KEY),
+        "threshold": Num(0, 1),
+        "draft": Str(NAME),
+        "heads": Int(1, 64),
+        "layers": Int(1, 4096),
+        "graphs": MapOf(RelPath()),
+        "embedding": RelPath(),
+        "vocab_file": RelPath(),
+        "block": DIM,
+        "rows": DIM,
+        "slots": COUNT,
+        "masks": DIM,
+        "capacity": COUNT,
+        "max_passes": DIM,
+        "cache": Tuple((DIM, DIM)),
+    },
+    open=True,
+)
+
+
+def entry_needs(entry: str) -> tuple[str, ...]:
+    """What drafters/<entry> must hold: the fields its method (the registered one of that name) reads of it."""
+    return registry.get(entry).entry_needs if entry in registry.names() else ()
 
 
 class Drafters(Spec):
     def check(self, value, key):
         MapOf(DRAFTER).check(value, key)
         for method, entry in value.items():
-            for name in DRAFTER_NEEDS.get(method, ()):
+            for name in entry_needs(method):
                 if name not in entry:
                     raise SchemaError(child(child(key, method), name), f"is missing (method {method} reads it)")
 
 
 # What each task of an artifact has of its own (runtime/artifact.py TASK_FIELDS).
-TASK = Record({
-    "task": Str(NAME), "prompt": Maybe(PROMPT), "adapter": ADAPTER, "task_files": MapOf(FILE),
-    "trees": ListOf(TREE, 1, 64), "calibration": CALIBRATION, "drafters": Drafters(),
-    "parity": MapOf(Maybe(Dict())), "build_key": KEY, "created": KEY, "info": Dict(), "profile": Maybe(Dict())})
-MODEL = Record({"base_model": KEY, "num_layers": DIM, "hidden_size": COUNT, "num_kv_heads": DIM, "head_dim": DIM,
-                "vocab_size": COUNT, "max_positions": COUNT, "num_parameters": Int(0, 1 << 48),
-                "head_vocab": Maybe(VOCAB_FILE)})
-GRAPHS = Record({
-    "key": KEY, "capacity": COUNT, "prefill_chunk": COUNT, "buckets": ListOf(Int(2, 1 << 12), 1, 64), "dtype": KEY,
-    "stream_schedule": KEY, "quantize": MapOf(KEY), "formats": MapOf(Dict()), "coreml_precision": KEY,
-    "greedy_step": Record({"schedules": ListOf(Str(choices=("fused", "deferred")), 1, 64), "width": COUNT,
-                           "draft_vocab": Maybe(VOCAB_FILE)}),
-    "heads": Record({"count": Int(0, 64), "training_key": Maybe(KEY)}), "methods": MapOf(Dict())})
-KV_LAYOUT = Record({"axes": ListOf(KEY, 4, 4), "shape": ListOf(COUNT, 4, 4), "capacity": COUNT, "dtype": KEY,
-                    "owner": MapOf(Str(choices=("engine", "host")))})
+TASK = Record(
+    {
+        "task": Str(NAME),
+        "prompt": Maybe(PROMPT),
+        "adapter": ADAPTER,
+        "task_files": MapOf(FILE),
+        "trees": ListOf(TREE, 1, 64),
+        "calibration": CALIBRATION,
+        "drafters": Drafters(),
+        "parity": MapOf(Maybe(Dict())),
+        "build_key": KEY,
+        "created": KEY,
+        "info": Dict(),
+        "profile": Maybe(Dict()),
+    }
+)
+MODEL = Record(
+    {
+        "base_model": KEY,
+        "num_layers": DIM,
+        "hidden_size": COUNT,
+        "num_kv_heads": DIM,
+        "head_dim": DIM,
+        "vocab_size": COUNT,
+        "max_positions": COUNT,
+        "num_parameters": Int(0, 1 << 48),
+        "head_vocab": Maybe(VOCAB_FILE),
+    }
+)
+GRAPHS = Record(
+    {
+        "key": KEY,
+        "capacity": COUNT,
+        "prefill_chunk": COUNT,
+        "buckets": ListOf(Int(2, 1 << 12), 1, 64),
+        "dtype": KEY,
+        "stream_schedule": KEY,
+        "quantize": MapOf(KEY),
+        "formats": MapOf(Dict()),
+        "coreml_precision": KEY,
+        "greedy_step": Record(
+            {
+                "schedules": ListOf(Str(choices=("fused", "deferred")), 1, 64),
+                "width": COUNT,
+                "draft_vocab": Maybe(VOCAB_FILE),
+            }
+        ),
+        "heads": Record({"count": Int(0, 64), "training_key": Maybe(KEY)}),
+        "methods": MapOf(Dict()),
+    }
+)
+KV_LAYOUT = Record(
+    {
+        "axes": ListOf(KEY, 4, 4),
+        "shape": ListOf(COUNT, 4, 4),
+        "capacity": COUNT,
+        "dtype": KEY,
+        "owner": MapOf(Str(choices=CACHE_OWNERS)),
+    }
+)
 # Every file of the tokenizer folder by name: each changes how text becomes ids (the chat template, the eos).
-TOKENIZER = Record({"path": RelPath(), "vocab_size": COUNT, "eos_token_id": Maybe(Int(0, 1 << 24)),
-                    "files": MapOf(FILE_DIGEST, high=64)})
-MANIFEST = Record({
-    "schema": KEY, **TASK.fields, "model": MODEL, "streams": Record({"num_streams": Int(1, 64)}, open=True),
-    "graphs": GRAPHS, "kv_layout": KV_LAYOUT, "tokenizer": TOKENIZER, "tasks": MapOf(TASK),
-    "files": MapOf(MapOf(FILE, high=16)), "export_seconds": MapOf(Num()), "versions": MapOf(KEY)})
+TOKENIZER = Record(
+    {
+        "path": RelPath(),
+        "vocab_size": COUNT,
+        "eos_token_id": Maybe(Int(0, 1 << 24)),
+        "files": MapOf(FILE_DIGEST, high=64),
+    }
+)
+MANIFEST = Record(
+    {
+        "schema": KEY,
+        **TASK.fields,
+        "model": MODEL,
+        "streams": Record({"num_streams": Int(1, 64)}, open=True),
+        "graphs": GRAPHS,
+        "kv_layout": KV_LAYOUT,
+        "tokenizer": TOKENIZER,
+        "tasks": MapOf(TASK),
+        "files": MapOf(MapOf(FILE, high=16)),
+        "export_seconds": MapOf(Num()),
+        "versions": MapOf(KEY),
+    }
+)
 TOKENIZER_NEEDS = ("tokenizer.json", "tokenizer_config.json")  # what runtime/tokenizer.py reads
 
 
@@ -272,11 +400,13 @@ def check(manifest: object) -> None:
     graphs, files = manifest["graphs"], manifest["files"]
     schedules, buckets = graphs["greedy_step"]["schedules"], graphs["buckets"]
     if len(schedules) != len(buckets):
-        raise SchemaError("graphs.greedy_step.schedules", f"must have one schedule per bucket ({len(buckets)}), got "
-                                                          f"{len(schedules)}")
+        raise SchemaError(
+            "graphs.greedy_step.schedules", f"must have one schedule per bucket ({len(buckets)}), got {len(schedules)}"
+        )
     if set(manifest["kv_layout"]["owner"]) != set(files):
-        raise SchemaError("kv_layout.owner", f"must name the backends of `files` "
-                                             f"({', '.join(sorted(files)) or 'none'})")
+        raise SchemaError(
+            "kv_layout.owner", f"must name the backends of `files` ({', '.join(sorted(files)) or 'none'})"
+        )
     if manifest["task"] in manifest["tasks"]:
         raise SchemaError(child("tasks", manifest["task"]), "is the artifact's own task, which the top level holds")
     for name in TOKENIZER_NEEDS:

@@ -17,8 +17,8 @@ from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration, Timings, calibrate
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import prompt_ids, run
 from streamfuse.runtime.loader import Loaded, load
+from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, Input, prompt_ids, run
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
 from streamfuse.runtime.trace import RunRecord, Trace
@@ -61,8 +61,9 @@ def seconds_per_call(run: RunRecord) -> float | None:
     return (run.seconds - run.spans["prefill"]) / calls if calls > 0 else None
 
 
-def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequence[int]], rules: StopRules,
-               rounds: int = 1) -> Timings:
+def time_trees(
+    loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequence[int]], rules: StopRules, rounds: int = 1
+) -> Timings:
     """Per run (prompt x round): plain decoding's seconds per step, and each tree's, interleaved per
     prompt (the order rotating) so background load touches every candidate alike; each tree's tokens
     per step over all its runs; every run's prefill seconds per prompt token."""
@@ -79,9 +80,9 @@ def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequ
         for job in jobs[shift:] + jobs[:shift]:
             trace = Trace()
             if job is None:
-                generate(loaded.backend, ids, DecodeSettings("ar", rules), trace=trace)
+                generate(loaded.backend, ids, DecodeSettings(BASELINE_METHOD, rules), trace=trace)
             else:
-                generate(loaded.backend, ids, DecodeSettings("ss", rules, tree=job), trace=trace)
+                generate(loaded.backend, ids, DecodeSettings(DEFAULT_METHOD, rules, tree=job), trace=trace)
             seconds = seconds_per_call(trace.runs[0])
             prefill.append(trace.runs[0].spans["prefill"] / len(ids))
             if seconds is not None:
@@ -92,20 +93,36 @@ def time_trees(loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequ
     return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts))
 
 
-def calibrate_backend(loaded: Loaded, acceptance: AcceptanceModel, prompts: Sequence[Sequence[int]],
-                      rules: StopRules, device: str, threads: int, max_nodes: int = MAX_TREE_NODES,
-                      rounds: int = 1) -> BackendCalibration:
+def calibrate_backend(
+    loaded: Loaded,
+    acceptance: AcceptanceModel,
+    prompts: Sequence[Sequence[int]],
+    rules: StopRules,
+    device: str,
+    threads: int,
+    max_nodes: int = MAX_TREE_NODES,
+    rounds: int = 1,
+) -> BackendCalibration:
     trees = candidates(loaded, acceptance, max_nodes)
     if not trees:
-        raise ValueError(f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams")
+        raise ValueError(
+            f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams"
+        )
     warm = prompts[0][:8]
     for tree in trees:  # engines may prepare a method on its first call
-        generate(loaded.backend, warm, DecodeSettings("ss", StopRules(2, rules.stop_token_ids), tree=tree))
+        generate(loaded.backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
     return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
 
 
-def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], threads: int | None, max_new_tokens: int,
-                      acceptance: dict | None = None, task: str | None = None) -> dict:
+def calibrate_sources(
+    folder: Path,
+    backend: str,
+    sources: Sequence[str],
+    threads: int | None,
+    max_new_tokens: int,
+    acceptance: dict | None = None,
+    task: str | None = None,
+) -> dict:
     """The build's call (in a fresh process): calibrate `backend` of an artifact for `task` (default: its own; or,
     with `acceptance` given, of a checkpoint: torch) on task source texts; returns the calibration as the manifest
     keeps it."""
@@ -114,44 +131,51 @@ def calibrate_sources(folder: Path, backend: str, sources: Sequence[str], thread
     loaded = load(folder, backend, threads=threads, calibrated=False, task=task)
     prompts = [prompt_ids(loaded, text, True) for text in sources]
     # again: the torch backend brings torch with its model
-    calibration = calibrate_backend(loaded, model, prompts, StopRules(max_new_tokens, loaded.stop_token_ids), "cpu",
-                                    use_threads(threads))
+    calibration = calibrate_backend(
+        loaded, model, prompts, StopRules(max_new_tokens, loaded.stop_token_ids), "cpu", use_threads(threads)
+    )
     print(report(calibration), flush=True)
     return calibration.to_dict()
 
 
 def report(calibration: BackendCalibration) -> str:
-    lines = [f"plain step: {1e3 * calibration.plain_seconds:.2f} ms on {calibration.device}, "
-             f"{calibration.threads} threads; prefill {1e3 * calibration.prefill_seconds_per_token:.2f} ms per prompt token",
-             "nodes  tokens/step (model, timed runs)  step ms  x plain  expected speed-up  tree"]
+    lines = [
+        f"plain step: {1e3 * calibration.plain_seconds:.2f} ms on {calibration.device}, "
+        f"{calibration.threads} threads; prefill {1e3 * calibration.prefill_seconds_per_token:.2f} ms per "
+        f"prompt token",
+        "nodes  tokens/step (model, timed runs)  step ms  x plain  expected speed-up  tree",
+    ]
     for cost in sorted(calibration.trees, key=lambda c: c.tree.num_nodes):
         mark = " <- chosen" if cost.tree == calibration.tree else ""
         tree = cost.tree.to_dict()
-        lines.append(f"{cost.tree.num_nodes:5d}  {cost.expected_tokens:11.3f}  {cost.realised_tokens:11.3f}  "
-                     f"{1e3 * cost.step_seconds:13.2f}  "
-                     f"{cost.step_seconds / calibration.plain_seconds:7.3f}  "
-                     f"{cost.speedup(calibration.plain_seconds):17.3f}  {tree['paths']} lookup {tree['lookup']}{mark}")
+        lines.append(
+            f"{cost.tree.num_nodes:5d}  {cost.expected_tokens:11.3f}  {cost.realised_tokens:11.3f}  "
+            f"{1e3 * cost.step_seconds:13.2f}  "
+            f"{cost.step_seconds / calibration.plain_seconds:7.3f}  "
+            f"{cost.speedup(calibration.plain_seconds):17.3f}  {tree['paths']} lookup {tree['lookup']}{mark}"
+        )
     return "\n".join(lines)
 
 
 def summarise(rows: list[dict]) -> dict:
     """SS vs AR on one backend (rows of `interleaved`): the build's profile stage uses this shape."""
-    ar_s = sum(r["ar"]["seconds"] for r in rows)
-    ss_s = sum(r["ss"]["seconds"] for r in rows)
-    tokens = sum(r["ss"]["new_tokens"] for r in rows)
+    ar, ss = BASELINE_METHOD, DEFAULT_METHOD
+    ar_s = sum(r[ar]["seconds"] for r in rows)
+    ss_s = sum(r[ss]["seconds"] for r in rows)
+    tokens = sum(r[ss]["new_tokens"] for r in rows)
     return {
         "inputs": len(rows),
         "parity_mismatches": sum(not r["same_tokens"] for r in rows),
         "new_tokens": tokens,
-        "call_reduction": tokens / sum(r["ss"]["model_calls"] for r in rows),
+        "call_reduction": tokens / sum(r[ss]["model_calls"] for r in rows),
         "speedup_total_time": ar_s / ss_s,
-        "speedup_median_per_input": statistics.median(r["ar"]["seconds"] / r["ss"]["seconds"] for r in rows),
-        "ar_tokens_per_s_median": statistics.median(r["ar"]["new_tokens"] / r["ar"]["seconds"] for r in rows),
-        "ss_tokens_per_s_median": statistics.median(r["ss"]["new_tokens"] / r["ss"]["seconds"] for r in rows),
-        "ar_ttft_s_median": statistics.median(r["ar"]["prefill_s"] for r in rows),
-        "ss_ttft_s_median": statistics.median(r["ss"]["prefill_s"] for r in rows),
-        "ss_mean_tokens_per_step": statistics.mean(t for r in rows for t in r["ss"]["step_tokens"]) if tokens else 0.0,
-        "peak_memory_bytes": max((r["ss"]["peak_memory_bytes"] or 0) for r in rows),
+        "speedup_median_per_input": statistics.median(r[ar]["seconds"] / r[ss]["seconds"] for r in rows),
+        f"{ar}_tokens_per_s_median": statistics.median(r[ar]["new_tokens"] / r[ar]["seconds"] for r in rows),
+        f"{ss}_tokens_per_s_median": statistics.median(r[ss]["new_tokens"] / r[ss]["seconds"] for r in rows),
+        f"{ar}_ttft_s_median": statistics.median(r[ar]["prefill_s"] for r in rows),
+        f"{ss}_ttft_s_median": statistics.median(r[ss]["prefill_s"] for r in rows),
+        f"{ss}_mean_tokens_per_step": statistics.mean(t for r in rows for t in r[ss]["step_tokens"]) if tokens else 0.0,
+        "peak_memory_bytes": max((r[ss]["peak_memory_bytes"] or 0) for r in rows),
     }
 
 
@@ -161,19 +185,28 @@ def timed_run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: T
     trace = trace if trace is not None and trace.enabled else Trace()
     result = run(loaded, ids, settings, trace, run_id)
     record = result.run
-    return {"seconds": record.seconds, "new_tokens": record.new_tokens, "model_calls": record.model_calls,
-            "draft_calls": record.draft_calls,
-            "prefill_s": record.spans["prefill"], "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
-            "step_tokens": [s.tokens for s in record.steps], "step_drafts": [s.tree_nodes - 1 for s in record.steps],
-            "step_draft_s": [s.draft_seconds for s in record.steps],
-            "peak_memory_bytes": record.peak_memory_bytes, "token_ids": result.token_ids}
+    return {
+        "seconds": record.seconds,
+        "new_tokens": record.new_tokens,
+        "model_calls": record.model_calls,
+        "draft_calls": record.draft_calls,
+        "prefill_s": record.spans["prefill"],
+        "ttft_s": record.spans["prefill"],  # TTFT = the prefill span
+        "step_tokens": [s.tokens for s in record.steps],
+        "step_drafts": [s.tree_nodes - 1 for s in record.steps],
+        "step_draft_s": [s.draft_seconds for s in record.steps],
+        "peak_memory_bytes": record.peak_memory_bytes,
+        "token_ids": result.token_ids,
+    }
 
 
-def interleaved(loaded, requests, ss: DecodeSettings, ar: DecodeSettings, traces: dict, warmup: int) -> list[dict]:
+def interleaved(
+    loaded: Loaded, requests: Sequence[Input], ss: DecodeSettings, ar: DecodeSettings, traces: dict, warmup: int
+) -> list[dict]:
     """SS and AR per input on one backend, back to back, order alternating; the first `warmup` inputs untimed."""
     from tqdm.auto import tqdm
 
-    settings = {"ar": ar, "ss": ss}
+    settings = {BASELINE_METHOD: ar, DEFAULT_METHOD: ss}
     rows = []
     for index, request in enumerate(tqdm(requests, desc="bench", unit="input", dynamic_ncols=True)):
         ids = prompt_ids(loaded, request.text, True)
@@ -181,6 +214,12 @@ def interleaved(loaded, requests, ss: DecodeSettings, ar: DecodeSettings, traces
         order = list(settings)[::-1] if index % 2 == 1 else list(settings)
         results = {m: timed_run(loaded, ids, settings[m], None if warm else traces.get(m), request.id) for m in order}
         if not warm:
-            rows.append({"id": request.id, "prompt_tokens": len(ids), **results,
-                         "same_tokens": results["ss"]["token_ids"] == results["ar"]["token_ids"]})
+            rows.append(
+                {
+                    "id": request.id,
+                    "prompt_tokens": len(ids),
+                    **results,
+                    "same_tokens": results[DEFAULT_METHOD]["token_ids"] == results[BASELINE_METHOD]["token_ids"],
+                }
+            )
     return rows

@@ -59,7 +59,7 @@ def fields(data: bytes) -> Iterator[tuple[int, bytes | None]]:
             size, at = _varint(data, at)
             if at + size > len(data):
                 raise MalformedModel("a field runs past the end")
-            yield number, data[at:at + size]
+            yield number, data[at : at + size]
             at += size
         elif wire in (1, 5):
             at += 8 if wire == 1 else 4
@@ -91,6 +91,7 @@ def check_external_data(model: Path) -> set[Path]:
     try:
         locations = set(external_locations(model.read_bytes()))
     except MalformedModel as error:
-        raise ArtifactError(f"{model} is not a readable ONNX model ({error}); copy the artifact again or rebuild "
-                            f"it") from None
+        raise ArtifactError(
+            f"{model} is not a readable ONNX model ({error}); copy the artifact again or rebuild it"
+        ) from None
     return {inside(model.parent, location, "the ONNX external-data location") for location in locations}

@@ -8,54 +8,81 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# runtime/loader.py loads each; the same names key an artifact's files (export/build.py --backends)
+from streamfuse.runtime.contract import STREAM_SCHEDULES  # --stream-schedule's choices
+
+# runtime/loader.py loads each; the same names key an artifact's files (streamfuse build --backends)
 BACKENDS = ("torch", "executorch", "onnxruntime", "coreml")
 EXPORTED_BACKENDS = BACKENDS[1:]  # those that run an artifact's exported graphs
-# When streams run: "fused" in the verify pass at every tree node (the paper; memory-bound devices),
-# "deferred" after the commit for the last accepted node only (same outputs; compute-bound CPUs).
-STREAM_SCHEDULES = ("fused", "deferred")
 FASTEST = None  # --backend's default where a tool takes the fastest the artifact has here (runtime/loader.py)
 
 
-def add_model_options(parser: argparse.ArgumentParser, *, artifact: str = "required", backend: str | None = FASTEST,
-                      backend_required: bool = False, backends: str | None = None, threads: int | None = None,
-                      device: bool = True, schedule: bool = True, tree: str | None = None) -> None:
+def add_model_options(
+    parser: argparse.ArgumentParser,
+    *,
+    artifact: str = "required",
+    backend: str | None = FASTEST,
+    backend_required: bool = False,
+    backends: str | None = None,
+    threads: int | None = None,
+    device: bool = True,
+    schedule: bool = True,
+    tree: str | None = None,
+) -> None:
     """artifact: "required", or "optional: <what no --artifact means>". backend: --backend's default (FASTEST: the
     fastest the artifact has here); backends: a default for --backends (comma-separated, several engines in one
     run) instead of --backend. threads: --threads' default (None: each engine's own). tree: --tree's help for
     what no --tree means (None: the tool has no --tree)."""
     group = parser.add_argument_group("model and engine")
     what = "an exported artifact (artifacts/<task>, any backend it was built for) or a fine-tuned checkpoint folder "
-    what += "(torch only), made by export/build.py"
+    what += "(torch only), made by streamfuse build"
     if artifact == "required":
         group.add_argument("--artifact", type=Path, required=True, help=what)
     else:
-        group.add_argument("--artifact", type=Path, default=None, help=f"{what} ({artifact.removeprefix('optional: ')})")
+        absent = artifact.removeprefix("optional: ")
+        group.add_argument("--artifact", type=Path, default=None, help=f"{what} ({absent})")
     if backends is not None:
-        group.add_argument("--backends", default=backends, help=f"engines, comma-separated among {', '.join(BACKENDS)} "
-                           f"(default: {backends or 'the fastest the artifact has here'})")
+        group.add_argument(
+            "--backends",
+            default=backends,
+            help=f"engines, comma-separated among {', '.join(BACKENDS)} "
+            f"(default: {backends or 'the fastest the artifact has here'})",
+        )
     elif backend_required:
         group.add_argument("--backend", choices=BACKENDS, required=True, help="the engine")
     else:
-        group.add_argument("--backend", choices=BACKENDS, default=backend,
-                           help="the engine (default: " + (backend or "the fastest the artifact has here, by its "
-                                                                      "calibrations") + ")")
-    group.add_argument("--threads", type=int, default=threads,
-                       help=f"CPU threads of every engine (default: {threads or 'each engine its own'})")
+        group.add_argument(
+            "--backend",
+            choices=BACKENDS,
+            default=backend,
+            help="the engine (default: " + (backend or "the fastest the artifact has here, by its calibrations") + ")",
+        )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=threads,
+        help=f"CPU threads of every engine (default: {threads or 'each engine its own'})",
+    )
     if device:
         group.add_argument("--device", default="cpu", help="the torch backend's device (cpu, cuda, cuda:1, ...)")
     if schedule:
-        group.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="fused",
-                           help="the torch backend's streams: fused, at every tree node in the verify pass "
-                                "(memory-bound devices); deferred, for the last accepted node only, after it (CPUs)")
+        group.add_argument(
+            "--stream-schedule",
+            choices=STREAM_SCHEDULES,
+            default="fused",
+            help="the torch backend's streams: fused, at every tree node in the verify pass "
+            "(memory-bound devices); deferred, for the last accepted node only, after it (CPUs)",
+        )
     if tree is not None:
-        group.add_argument("--tree", default=None, help="draft tree: 'gamma=G,k=K', a JSON list of paths or a JSON file "
-                           f"(default: {tree})")
+        group.add_argument(
+            "--tree",
+            default=None,
+            help=f"draft tree: 'gamma=G,k=K', a JSON list of paths or a JSON file (default: {tree})",
+        )
 
 
 def check_model_options(args: argparse.Namespace) -> None:
     """The shared options' values, before any (slow) model load: a bad one is the user's to fix (exit 2)."""
-    from streamfuse.runtime.cli import usage
+    from streamfuse.runtime.errors import usage
     from streamfuse.runtime.threads import check_threads
 
     usage(lambda: check_threads(args.threads))

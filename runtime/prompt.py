@@ -21,9 +21,11 @@ def check_text(text: object, where: str = "the input") -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise TextError(f"{where} is not valid Unicode text: {text[error.start]!r} at character {error.start} is a "
-                        f"lone surrogate (undecodable bytes, or a JSON \\u escape of half a pair); pass UTF-8 "
-                        f"text") from None
+        raise TextError(
+            f"{where} is not valid Unicode text: {text[error.start]!r} at character {error.start} is a "
+            f"lone surrogate (undecodable bytes, or a JSON \\u escape of half a pair); pass UTF-8 "
+            f"text"
+        ) from None
     return text
 
 
@@ -40,8 +42,10 @@ class PromptFormat:
         try:
             return check_text(self.source_template.format(**row), f"{where}: the source")
         except (KeyError, IndexError) as missing:
-            raise ValueError(f"{where}: lacks field {missing}; this task's rows need "
-                             f"{self.source_template!r} fields or a 'source' field") from None
+            raise ValueError(
+                f"{where}: lacks field {missing}; this task's rows need "
+                f"{self.source_template!r} fields or a 'source' field"
+            ) from None
 
     def overflow(self, tokenizer, source: str) -> int:
         """Tokens of the source past max_source_tokens, which render(cut=True) cuts off."""
@@ -55,12 +59,13 @@ class PromptFormat:
         if cut and len(ids) > self.max_source_tokens:
             source = tokenizer.decode(ids[: self.max_source_tokens])
         message = self.instruction_template.replace("{source}", source)
-        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PromptFormat":
+    def from_dict(cls, data: dict) -> PromptFormat:
         return cls(**data)

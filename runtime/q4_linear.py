@@ -25,8 +25,10 @@ from streamfuse.runtime import tree_attention as kernels
 BLOCK, TILE, TILE_BYTES, SCALES_AT, MINS_AT = 32, 16, 320, 256, 288  # q4_linear.h's constants
 PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512_vnni": 3}
 SCHEMA = "q4_linear(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, int out_features) -> Tensor"
-OUT_SCHEMA = ("q4_linear.out(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, int out_features, *, "
-              "Tensor(a!) out) -> Tensor(a!)")
+OUT_SCHEMA = (
+    "q4_linear.out(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, int out_features, *, "
+    "Tensor(a!) out) -> Tensor(a!)"
+)
 # The ONNX Runtime custom op (runtime/kernels/tree_attention_ort.cpp): the torch op's inputs, out_features an
 # attribute; x [B, M, K]. In the domain of runtime/tree_attention.py's ops, one library for all.
 ONNX_OP = "Q4Linear"
@@ -46,13 +48,17 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     of runtime/kernels/q4_linear.h. Columns past N (the last tile's padding) get zero codes, scales and mins."""
     rows, depth = codes.shape
     if depth % BLOCK or scales.shape != (rows, depth // BLOCK) or mins.shape != scales.shape:
-        raise Q4LinearError(f"pack: codes [N, K] with K a multiple of 32 and scales / mins [N, K/32], got "
-                            f"{codes.shape}, {scales.shape}, {mins.shape}")
+        raise Q4LinearError(
+            f"pack: codes [N, K] with K a multiple of 32 and scales / mins [N, K/32], got "
+            f"{codes.shape}, {scales.shape}, {mins.shape}"
+        )
     if codes.max(initial=0) > 15:
         raise Q4LinearError("pack: Q4_1 codes must be in 0..15")
     halves = [np.asarray(v, dtype=np.float32).astype(np.float16) for v in (scales, mins)]
-    if any(not np.array_equal(h.astype(np.float32), np.asarray(v, np.float32), equal_nan=True)
-           for h, v in zip(halves, (scales, mins))):
+    if any(
+        not np.array_equal(h.astype(np.float32), np.asarray(v, np.float32), equal_nan=True)
+        for h, v in zip(halves, (scales, mins))
+    ):
         raise Q4LinearError("pack: scales and mins must be fp16 values (the GGUF's): packing does not round")
     tiles, blocks = tiles_of(rows), depth // BLOCK
     padded = np.zeros((tiles * TILE, depth), dtype=np.uint8)
@@ -70,8 +76,9 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     return out
 
 
-def pack_lora(down: np.ndarray | None, up: np.ndarray | None, scaling: float, out_features: int,
-              in_features: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_lora(
+    down: np.ndarray | None, up: np.ndarray | None, scaling: float, out_features: int, in_features: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A LoRA update (down = A [r, K], up = B [N, r], scaling s) -> (A^T [K, r], s·B^T by tile [tiles, r, 16]),
     float32; (None, None) -> rank 0."""
     tiles = tiles_of(out_features)
@@ -79,12 +86,15 @@ def pack_lora(down: np.ndarray | None, up: np.ndarray | None, scaling: float, ou
         return np.zeros((in_features, 0), np.float32), np.zeros((tiles, 0, TILE), np.float32)
     rank = down.shape[0]
     if down.shape != (rank, in_features) or up.shape != (out_features, rank):
-        raise Q4LinearError(f"pack_lora: A must be [r, {in_features}] and B [{out_features}, r], got {down.shape} "
-                            f"and {up.shape}")
+        raise Q4LinearError(
+            f"pack_lora: A must be [r, {in_features}] and B [{out_features}, r], got {down.shape} and {up.shape}"
+        )
     scaled = np.zeros((tiles * TILE, rank), np.float32)
     scaled[:out_features] = np.asarray(up, np.float32) * np.float32(scaling)
-    return (np.ascontiguousarray(np.asarray(down, np.float32).T),
-            np.ascontiguousarray(scaled.reshape(tiles, TILE, rank).transpose(0, 2, 1)))
+    return (
+        np.ascontiguousarray(np.asarray(down, np.float32).T),
+        np.ascontiguousarray(scaled.reshape(tiles, TILE, rank).transpose(0, 2, 1)),
+    )
 
 
 def unpack(weights: np.ndarray, out_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,8 +124,9 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, d, (d * q.sum(axis=-1).astype(np.float32)).astype(np.float32)
 
 
-def reference(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.ndarray,
-              out_features: int) -> np.ndarray:
+def reference(
+    x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.ndarray, out_features: int
+) -> np.ndarray:
     """The kernel's arithmetic in NumPy, operation by operation (float32, each a rounding): x [M, K] -> [M, N]."""
     x = np.asarray(x, np.float32)
     codes, scales, mins = unpack(weights, out_features)
@@ -125,8 +136,9 @@ def reference(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: n
     acc = np.zeros((x.shape[0], out_features), np.float32)
     for b in range(blocks.shape[1]):
         product = (scales[None, :, b] * xd[:, b, None]).astype(np.float32) * sums[:, :, b].astype(np.float32)
-        acc = (acc + (product.astype(np.float32) + (mins[None, :, b] * xs[:, b, None]).astype(np.float32))
-               ).astype(np.float32)
+        acc = (acc + (product.astype(np.float32) + (mins[None, :, b] * xs[:, b, None]).astype(np.float32))).astype(
+            np.float32
+        )
     rank = lora_a.shape[1]
     if rank == 0:
         return acc + np.float32(0)
@@ -164,8 +176,16 @@ def output(op: str, x: np.ndarray, out_features: int) -> np.ndarray:
     return np.empty((*x.shape[:-1], out_features if 0 < out_features <= 1 << 24 else 0), np.float32)
 
 
-def linear(x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.ndarray, out_features: int,
-           path: str = "auto", threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+def linear(
+    x: np.ndarray,
+    weights: np.ndarray,
+    lora_a: np.ndarray,
+    lora_up: np.ndarray,
+    out_features: int,
+    path: str = "auto",
+    threads: int = 1,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """The kernel on NumPy arrays: x [.., K] float32 (rank 1 to 4) -> [.., N] float32, into `out` if given (which
     must be exactly that). x is made a dense float32 copy if it is not one; the other arrays must be of their types
     (the kernel's validator, q4_linear.h, checks every array)."""
@@ -209,15 +229,20 @@ def define_torch_op(name: str, schema: str, out_schema: str, kernel):
 
     library.impl(name, run, "CPU")
     library.impl(f"{name}.out", lambda *args, out: run(*args, out=out), "CPU")
-    torch.library.register_fake(f"streamfuse::{name}", lambda x, *args: x.new_empty(*x.shape[:-1], args[-1]),
-                                lib=library)
+    torch.library.register_fake(
+        f"streamfuse::{name}", lambda x, *args: x.new_empty(*x.shape[:-1], args[-1]), lib=library
+    )
     return library
 
 
 @functools.cache
 def _torch_library():
-    return define_torch_op("q4_linear", SCHEMA, OUT_SCHEMA,
-                           lambda x, w, a, u, n, threads, out: linear(x, w, a, u, n, threads=threads, out=out))
+    return define_torch_op(
+        "q4_linear",
+        SCHEMA,
+        OUT_SCHEMA,
+        lambda x, w, a, u, n, threads, out: linear(x, w, a, u, n, threads=threads, out=out),
+    )
 
 
 def torch_op():

@@ -32,8 +32,10 @@ def pack(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     header's layout; columns past N are zeros."""
     rows, depth = codes.shape
     if depth % BLOCK or scales.shape != (rows, depth // BLOCK) or codes.dtype != np.int8:
-        raise Q4LinearError(f"q8 pack: codes [N, K] int8 with K a multiple of 32 and scales [N, K/32], got "
-                            f"{codes.shape} {codes.dtype} and {scales.shape}")
+        raise Q4LinearError(
+            f"q8 pack: codes [N, K] int8 with K a multiple of 32 and scales [N, K/32], got "
+            f"{codes.shape} {codes.dtype} and {scales.shape}"
+        )
     tiles, blocks = tiles_of(rows), depth // BLOCK
     padded = np.zeros((tiles * TILE, depth), np.int8)
     padded[:rows] = codes
@@ -41,8 +43,10 @@ def pack(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     laid = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     table = np.zeros((tiles * TILE, blocks), np.float32)
     table[:rows] = scales
-    return (np.ascontiguousarray(laid).reshape(-1),
-            np.ascontiguousarray(table.reshape(tiles, TILE, blocks).transpose(0, 2, 1)).reshape(-1))
+    return (
+        np.ascontiguousarray(laid).reshape(-1),
+        np.ascontiguousarray(table.reshape(tiles, TILE, blocks).transpose(0, 2, 1)).reshape(-1),
+    )
 
 
 def embedding_index(out_features: int, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -85,8 +89,15 @@ def c_library() -> ctypes.CDLL:
     return library
 
 
-def linear(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: int, path: str = "auto",
-           threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+def linear(
+    x: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    out_features: int,
+    path: str = "auto",
+    threads: int = 1,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """The kernel on NumPy arrays: x [.., K] float32 (rank 1 to 4) -> [.., N] float32, into `out` if given (which
     must be exactly that); x is made a dense float32 copy if it is not one, codes and scales must be of their
     types (the kernel's validator, q8_linear.h, checks every array)."""
@@ -102,9 +113,12 @@ def linear(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, out_features: i
 
 @functools.cache
 def _torch_library():
-    return q4_linear.define_torch_op("q8_tiles", SCHEMA, OUT_SCHEMA,
-                                     lambda x, codes, scales, n, threads, out: linear(x, codes, scales, n,
-                                                                                      threads=threads, out=out))
+    return q4_linear.define_torch_op(
+        "q8_tiles",
+        SCHEMA,
+        OUT_SCHEMA,
+        lambda x, codes, scales, n, threads, out: linear(x, codes, scales, n, threads=threads, out=out),
+    )
 
 
 def torch_op():

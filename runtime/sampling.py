@@ -31,7 +31,7 @@ def target_probs(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
     logits = np.asarray(logits, dtype=np.float32) / np.float32(config.temperature)
     if config.top_k:
         k = min(config.top_k, logits.shape[-1])
-        kth = np.partition(logits, logits.shape[-1] - k, axis=-1)[..., -k:-k + 1 or None]
+        kth = np.partition(logits, logits.shape[-1] - k, axis=-1)[..., -k : -k + 1 or None]
         logits = np.where(logits < kth, np.float32(-np.inf), logits)
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from streamfuse.methods import registry
 from streamfuse.runtime.backends.base import PruneConfig
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.fallback import FallbackConfig
@@ -18,23 +19,27 @@ from streamfuse.runtime.tree import TreeSpec
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    method: str  # a registered method's name (runtime/methods)
+    method: str  # a registered method's name (methods/registry.py)
     rules: StopRules
-    tree: TreeSpec | None = None  # ss: the draft tree; sd: a chain, its draft length; specdec++: its longest chain;
-    #                               ss-adaptive: the largest tree it may choose
+    # the draft shape: a tree; a chain (Method.chain), its drafts; the largest a method may choose or stop within
+    tree: TreeSpec | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prune: PruneConfig | None = None  # ss on torch: drop unlikely tree nodes before the call
+    prune: PruneConfig | None = None  # the target's own streams on torch: drop unlikely tree nodes before the call
     seed: int = 0  # the sampling generator's seed: equal seeds give equal tokens in both methods
-    fallback: FallbackConfig | None = None  # ss, ss-adaptive: plain decoding where speculation does not pay
-    threshold: float | None = None  # specdec++: stop drafting once P(a rejection) passes it (None: the artifact's)
+    fallback: FallbackConfig | None = None  # plain decoding where speculation does not pay (Method.streams)
+    # stop drafting once P(a rejection) passes it (Method.threshold; None: the artifact's)
+    threshold: float | None = None
 
     def __post_init__(self):
-        from streamfuse.runtime import methods  # the registry's methods build drafters from settings
-
-        method = methods.get(self.method)
+        method = registry.get(self.method)
         if method.speculative and (self.tree is None or not self.tree.paths):
             raise ValueError(f"method {self.method} needs a draft tree with at least one path below the root")
         if method.chain and any(len(kids) > 1 for kids in self.tree.children):
-            raise ValueError(f"method {self.method} drafts a chain: give --tree gamma=G,k=1")
+            raise ValueError(f"method {self.method} drafts a chain: give it a chain tree (gamma=G,k=1)")
         if self.threshold is not None and not method.threshold:
-            raise ValueError(f"a stop threshold is SpecDec++'s, not method {self.method}'s: drop --threshold")
+            takers = [
+                registry.get(name).label.partition(":")[0] for name in registry.names() if registry.get(name).threshold
+            ]  # the method's name as its label writes it
+            raise ValueError(
+                f"a stop threshold is {' and '.join(takers)}'s, not method {self.method}'s: leave the threshold unset"
+            )

@@ -18,8 +18,18 @@ from datetime import datetime
 from pathlib import Path
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
-CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # Transformers' clean_up_tokenization
+CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)  # Transformers' clean_up_tokenization
 
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -61,12 +71,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False):
         if self.chat_template is None:
-            raise ValueError("the tokenizer has no chat template (tokenizer_config.json's chat_template or "
-                             "chat_template.jinja): restore the artifact's tokenizer/ folder")
+            raise ValueError(
+                "the tokenizer has no chat template (tokenizer_config.json's chat_template or "
+                "chat_template.jinja): restore the artifact's tokenizer/ folder"
+            )
         if self._template is None:
             self._template = _compile(self.chat_template)
-        text = self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special)
+        text = self._template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special
+        )
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
 
 

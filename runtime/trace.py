@@ -4,25 +4,26 @@ Schema "streamfuse.trace/3" (JSON):
     {"schema": "streamfuse.trace/3",
      "meta": {"backend": str, "device": str, "method": str, "num_streams": int,
               "tree": {...TreeSpec.to_dict()} | null, "threads": int, ...free-form...},
-     "runs": [{"id": str, "method": "ar"|"ss"|"sd"|..., "prompt_tokens": int, "new_tokens": int,
+     "runs": [{"id": str, "method": str (a registered method), "prompt_tokens": int, "new_tokens": int,
                "model_calls": int, "draft_calls": int, "seconds": float, "stop_reason": str,
                "peak_memory_bytes": int | null, "plain_calls": int,
                "spans": {"prefill": s, "draft": s, "forward": s, "accept": s, "cache": s, "streams": s, "host": s},
                "steps": [{"tree_nodes": int, "kept_nodes": int, "accepted_depth": int,
                           "tokens": int, "lookup_accepted": int, "draft_calls": int, "draft_seconds": float}],
-               "switches": [{"at_token": int, "to": "plain"|"ss", "tokens_per_step": float | null}]}]}
+               "switches": [{"at_token": int, "to": "plain"|the run's method, "tokens_per_step": float | null}]}]}
 model_calls counts the target's calls with the prefill: plain decoding of n tokens makes n calls
 (prefill + n - 1). draft_calls counts a draft model's calls (its prefill included); drafts that come
-out of the target's own pass (SS streams, Medusa heads) cost none.
+out of the target's own pass (its streams, heads on its last state) cost none.
 steps are the drafted steps only; plain_calls counts the calls that verified the root alone: all
 of plain decoding's after the prefill, and those a speculative run made while its fallback had
 switched speculation off (runtime/fallback.py); switches says when: at_token is how many tokens
-had been emitted, tokens_per_step the failed block's rate.
+had been emitted, tokens_per_step the failed block's rate; "to" is "plain", or the run's method when it
+went back to speculating.
 accepted_depth d means draft nodes at depths 1..d were accepted (stream j drafts depth j);
 tokens = d + 1 (the accepted drafts plus the target's correction token).
 lookup_accepted: how many of the accepted drafts were prompt-lookup tokens (a lookup branch).
-Spans: "draft" is the drafter's proposal (SS: filling the tree; a draft model: its calls);
-"streams" the drafter's update after the commit (SS: the stream logits of the last accepted node,
+Spans: "draft" is the drafter's proposal (streams: filling the tree; a draft model: its calls);
+"streams" the drafter's update after the commit (streams: the stream logits of the last accepted node,
 with deferred streams their own pass through the MSA layers; a draft model: its rollback);
 "host" is emitting. A disabled Trace costs one attribute check per span.
 """
@@ -53,7 +54,7 @@ class StepRecord:
 @dataclass
 class Switch:
     at_token: int
-    to: str  # "plain" | "ss"
+    to: str  # "plain" | the run's method (back to speculating)
     tokens_per_step: float | None = None  # the failed block's rate (switches to plain)
 
 
@@ -113,5 +114,7 @@ class Trace:
 def load_trace(path: Path) -> dict:
     data = json.loads(Path(path).read_text())
     if data.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not a {SCHEMA} trace (schema: {data.get('schema')!r}); regenerate it with this streamfuse")
+        raise ValueError(
+            f"{path} is not a {SCHEMA} trace (schema: {data.get('schema')!r}); regenerate it with this streamfuse"
+        )
     return data

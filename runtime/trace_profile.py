@@ -21,34 +21,34 @@ PLOTS = {"acceptance": "acceptance.png", "tokens_per_call": "tokens_per_call.png
 
 LEGEND = {
     "model_calls": "forward calls summed over runs, prefill included (+1 convention: plain decoding of "
-                   "n tokens makes n calls, the prefill producing the first token)",
+    "n tokens makes n calls, the prefill producing the first token)",
     "call_reduction": "CR = calls plain decoding would need / calls made = sum(new_tokens) / sum(model_calls); "
-                      "CR(plain decoding) = 1 exactly",
+    "CR(plain decoding) = 1 exactly",
     "tokens_per_s": "sum(new_tokens) / sum(seconds)",
     "mean_tokens_per_step": "mean of step.tokens: tokens per verify call, prefill excluded",
     "mean_accepted_depth": "mean of step.accepted_depth (accepted draft tokens per verify call)",
     "acceptance": "acceptance at depth d (= stream d, which drafts depth d): fraction of steps with "
-                  "accepted_depth >= d",
+    "accepted_depth >= d",
     "conditional_acceptance": "P(accepted_depth >= d | accepted_depth >= d-1)",
     "tree_utilisation": "mean(accepted_depth + 1) / mean(tree_nodes)",
     "mean_step_utilisation": "per-step mean of (accepted_depth + 1) / tree_nodes",
     "lookup_share": "sum(step.lookup_accepted) / sum(step.accepted_depth): accepted drafts that came "
-                    "from the tree's prompt-lookup branch rather than the streams (0 without one)",
+    "from the tree's prompt-lookup branch rather than the streams (0 without one)",
     "mean_pruned_nodes": "mean of tree_nodes - kept_nodes per step",
     "pruned_fraction": "sum(tree_nodes - kept_nodes) / sum(tree_nodes)",
     "time_split": "each span summed over runs; fraction of total = max(sum(seconds), sum(spans)); "
-                  "'other' = time no span covered",
+    "'other' = time no span covered",
     "plain_calls": "calls that verified the root alone: plain decoding's after the prefill, and a speculative "
-                   "run's while its fallback had switched speculation off (runtime/fallback.py)",
+    "run's while its fallback had switched speculation off (runtime/fallback.py)",
     "draft_calls": "a draft model's calls summed over runs, its prefill included (0 where drafts come out "
-                   "of the target's own pass: SS streams, Medusa heads); not in model_calls",
+    "of the target's own pass: SS streams, Medusa heads); not in model_calls",
     "draft_latency_s": "draft span / drafted steps: proposing a draft (a draft model's calls, or filling a tree)",
     "switches_to_plain": "times a run's fallback switched to plain decoding (a block of steps yielded fewer "
-                         "tokens than it cost)",
+    "tokens than it cost)",
     "switches_to_ss": "times a run went back to speculating (a probe) after a plain stretch",
     "forward_latency_s": "forward span / calls after the prefill (steps + plain_calls)",
     "streams_latency_s": "streams span / verify calls: getting the next draft's stream logits (a pass of "
-                         "their own with deferred streams)",
+    "their own with deferred streams)",
     "prefill_per_run_s": "prefill span / runs",
     "peak_memory_bytes": "max peak_memory_bytes over runs (null if no run recorded it)",
     "tokens_per_call_histogram": "count of steps per step.tokens value",
@@ -71,9 +71,15 @@ def _per_depth(steps: list[dict], max_depth: int) -> list[dict]:
     reached_before = len(steps)  # every step reaches depth 0 (the root is always kept)
     for depth in range(1, max_depth + 1):
         reached = sum(step["accepted_depth"] >= depth for step in steps)
-        rows.append({"depth": depth, "stream": depth, "steps_reaching": reached,
-                     "acceptance": _ratio(reached, len(steps)),
-                     "conditional_acceptance": _ratio(reached, reached_before)})
+        rows.append(
+            {
+                "depth": depth,
+                "stream": depth,
+                "steps_reaching": reached,
+                "acceptance": _ratio(reached, len(steps)),
+                "conditional_acceptance": _ratio(reached, reached_before),
+            }
+        )
         reached_before = reached
     return rows
 
@@ -93,8 +99,9 @@ def _step_metrics(steps: list[dict], tree_depth: int) -> dict:
         "tree_utilisation": _ratio(sum(accepted_nodes), sum(nodes)),
         # Steps with no tree (tree_nodes 0) have no utilisation to average.
         "mean_step_utilisation": _mean([used / n for used, n in zip(accepted_nodes, nodes) if n]),
-        "lookup_share": _ratio(sum(step["lookup_accepted"] for step in steps),
-                               sum(step["accepted_depth"] for step in steps)),
+        "lookup_share": _ratio(
+            sum(step["lookup_accepted"] for step in steps), sum(step["accepted_depth"] for step in steps)
+        ),
         "mean_pruned_nodes": _mean(pruned),
         "pruned_fraction": _ratio(sum(pruned), sum(nodes)),
         # String keys: what JSON keeps, so profile.json and the returned dict agree.
@@ -109,8 +116,10 @@ def _time_split(runs: list[dict]) -> dict:
     # Spans may not cover the whole run (tokenising, sampling); 'other' keeps fractions summing to 1.
     total = max(sum(run["seconds"] for run in runs), covered)
     spans["other"] = total - covered
-    return {"total_seconds": total,
-            "spans": {name: {"seconds": s, "fraction": _ratio(s, total)} for name, s in spans.items()}}
+    return {
+        "total_seconds": total,
+        "spans": {name: {"seconds": s, "fraction": _ratio(s, total)} for name, s in spans.items()},
+    }
 
 
 def _totals_by_id(trace: dict) -> dict[str, tuple[int, float]]:
@@ -130,11 +139,18 @@ def compare(trace: dict, baseline: dict) -> dict:
     base_calls = sum(theirs[i][0] for i in matched)
     seconds = sum(ours[i][1] for i in matched)
     base_seconds = sum(theirs[i][1] for i in matched)
-    return {"matched_runs": len(matched), "runs": len(ours), "baseline_runs": len(theirs),
-            "baseline_method": baseline.get("meta", {}).get("method"),
-            "model_calls": calls, "baseline_model_calls": base_calls,
-            "measured_call_ratio": _ratio(base_calls, calls),
-            "seconds": seconds, "baseline_seconds": base_seconds, "speedup": _ratio(base_seconds, seconds)}
+    return {
+        "matched_runs": len(matched),
+        "runs": len(ours),
+        "baseline_runs": len(theirs),
+        "baseline_method": baseline.get("meta", {}).get("method"),
+        "model_calls": calls,
+        "baseline_model_calls": base_calls,
+        "measured_call_ratio": _ratio(base_calls, calls),
+        "seconds": seconds,
+        "baseline_seconds": base_seconds,
+        "speedup": _ratio(base_seconds, seconds),
+    }
 
 
 def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
@@ -150,13 +166,20 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
     split = _time_split(runs)
     peaks = [run["peak_memory_bytes"] for run in runs if run["peak_memory_bytes"] is not None]
     return {
-        "schema": SCHEMA, "meta": meta,
-        "runs": len(runs), "model_calls": calls, "new_tokens": tokens, "seconds": seconds,
-        "tokens_per_s": _ratio(tokens, seconds), "call_reduction": _ratio(tokens, calls),
+        "schema": SCHEMA,
+        "meta": meta,
+        "runs": len(runs),
+        "model_calls": calls,
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": _ratio(tokens, seconds),
+        "call_reduction": _ratio(tokens, calls),
         **_step_metrics(steps, ((meta.get("tree") or {}).get("depth") or 0)),
         "plain_calls": sum(run["plain_calls"] for run in runs),
         "draft_calls": sum(run["draft_calls"] for run in runs),
-        "switches_to_plain": switches["plain"], "switches_to_ss": switches["ss"],
+        # "to" is "plain" or the run's method: every other switch goes back to speculating
+        "switches_to_plain": switches["plain"],
+        "switches_to_ss": sum(switches.values()) - switches["plain"],
         "time_split": split,
         "forward_latency_s": _ratio(split["spans"]["forward"]["seconds"], verify_calls),
         "streams_latency_s": _ratio(split["spans"]["streams"]["seconds"], verify_calls),
@@ -169,6 +192,7 @@ def profile_trace(trace: dict, baseline: dict | None = None) -> dict:
 
 def profile_files(trace_path: Path, baseline_path: Path | None = None) -> dict:
     """Load and profile; ValueError naming the file for a wrong schema or invalid JSON."""
+
     def load(path: Path) -> dict:
         try:
             return load_trace(path)
@@ -191,33 +215,72 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return lines + ["| " + " | ".join(fmt(cell) for cell in row) + " |" for row in rows]
 
 
-HEADLINE = ("runs", "model_calls", "new_tokens", "seconds", "tokens_per_s", "call_reduction", "steps",
-            "mean_tokens_per_step", "mean_accepted_depth", "tree_utilisation", "mean_step_utilisation",
-            "lookup_share", "mean_pruned_nodes", "pruned_fraction", "plain_calls", "draft_calls", "switches_to_plain",
-            "switches_to_ss", "forward_latency_s", "streams_latency_s", "draft_latency_s", "prefill_per_run_s",
-            "peak_memory_bytes")
+HEADLINE = (
+    "runs",
+    "model_calls",
+    "new_tokens",
+    "seconds",
+    "tokens_per_s",
+    "call_reduction",
+    "steps",
+    "mean_tokens_per_step",
+    "mean_accepted_depth",
+    "tree_utilisation",
+    "mean_step_utilisation",
+    "lookup_share",
+    "mean_pruned_nodes",
+    "pruned_fraction",
+    "plain_calls",
+    "draft_calls",
+    "switches_to_plain",
+    "switches_to_ss",
+    "forward_latency_s",
+    "streams_latency_s",
+    "draft_latency_s",
+    "prefill_per_run_s",
+    "peak_memory_bytes",
+)
 
 
 def render_markdown(metrics: dict) -> str:
     meta = metrics["meta"]
-    lines = [f"# Decode profile: {meta.get('method', '?')} on {meta.get('backend', '?')} / {meta.get('device', '?')}",
-             "", *_table(["metric", "value"], [[key, metrics[key]] for key in HEADLINE])]
+    lines = [
+        f"# Decode profile: {meta.get('method', '?')} on {meta.get('backend', '?')} / {meta.get('device', '?')}",
+        "",
+        *_table(["metric", "value"], [[key, metrics[key]] for key in HEADLINE]),
+    ]
     if metrics["baseline"] is not None:
         base = metrics["baseline"]
-        lines += ["", f"Baseline ({base['baseline_method']}): {base['matched_runs']} run ids matched "
-                      f"(of {base['runs']} here, {base['baseline_runs']} in the baseline).", "",
-                  *_table(["metric", "value"], [[k, base[k]] for k in ("measured_call_ratio", "speedup")])]
+        lines += [
+            "",
+            f"Baseline ({base['baseline_method']}): {base['matched_runs']} run ids matched "
+            f"(of {base['runs']} here, {base['baseline_runs']} in the baseline).",
+            "",
+            *_table(["metric", "value"], [[k, base[k]] for k in ("measured_call_ratio", "speedup")]),
+        ]
     lines += ["", "## Acceptance per depth (= per stream)", ""]
     if metrics["acceptance_per_depth"]:
-        lines += _table(["depth d / stream d", "steps reaching", "acceptance", "P(>= d \\| >= d-1)"],
-                        [[r["depth"], r["steps_reaching"], r["acceptance"], r["conditional_acceptance"]]
-                         for r in metrics["acceptance_per_depth"]])
+        lines += _table(
+            ["depth d / stream d", "steps reaching", "acceptance", "P(>= d \\| >= d-1)"],
+            [
+                [r["depth"], r["steps_reaching"], r["acceptance"], r["conditional_acceptance"]]
+                for r in metrics["acceptance_per_depth"]
+            ],
+        )
     else:
         lines.append("No draft depths: the trace has no speculative steps.")
-    lines += ["", "## Time split", "",
-              *_table(["span", "seconds", "fraction"],
-                      [[name, s["seconds"], s["fraction"]] for name, s in metrics["time_split"]["spans"].items()]),
-              "", "## Plots", ""]
+    lines += [
+        "",
+        "## Time split",
+        "",
+        *_table(
+            ["span", "seconds", "fraction"],
+            [[name, s["seconds"], s["fraction"]] for name, s in metrics["time_split"]["spans"].items()],
+        ),
+        "",
+        "## Plots",
+        "",
+    ]
     lines += [f"![{name}]({file})" for name, file in PLOTS.items()]
     lines += ["", "## Legend", ""] + [f"- **{key}**: {text}" for key, text in LEGEND.items()]
     return "\n".join(lines) + "\n"
@@ -243,10 +306,16 @@ def _plots(metrics: dict) -> dict:
     rows = metrics["acceptance_per_depth"]
     if rows:
         ax.bar([r["depth"] for r in rows], [r["acceptance"] or 0.0 for r in rows], label="P(depth >= d)")
-        ax.plot([r["depth"] for r in rows], [r["conditional_acceptance"] or 0.0 for r in rows], "o-",
-                color="C1", label="P(>= d | >= d-1)")
-        ax.set(xlabel="tree depth d (= stream d)", ylabel="acceptance", ylim=(0, 1.05),
-               xticks=[r["depth"] for r in rows])
+        ax.plot(
+            [r["depth"] for r in rows],
+            [r["conditional_acceptance"] or 0.0 for r in rows],
+            "o-",
+            color="C1",
+            label="P(>= d | >= d-1)",
+        )
+        ax.set(
+            xlabel="tree depth d (= stream d)", ylabel="acceptance", ylim=(0, 1.05), xticks=[r["depth"] for r in rows]
+        )
         ax.legend(loc="upper right")  # deep depths have the low bars
     else:
         _no_data(ax, "no speculative steps")
@@ -289,4 +358,3 @@ def write_report(metrics: dict, out_dir: Path) -> list[Path]:
         os.replace(tmp, path)
         written.append(path)
     return written
-

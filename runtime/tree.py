@@ -54,17 +54,20 @@ class TreeSpec:
         nodes = set(ordered)
         for path in ordered:
             if len(path) > 1 and path[:-1] not in nodes:
-                raise TreeSpecError(f"tree path {_brief(list(path))} has no parent {_brief(list(path[:-1]))}: every "
-                                    f"prefix must be a node too")
+                raise TreeSpecError(
+                    f"tree path {_brief(list(path))} has no parent {_brief(list(path[:-1]))}: every "
+                    f"prefix must be a node too"
+                )
         object.__setattr__(self, "paths", ordered)
         lookup = _path(self.lookup, "lookup branch", empty=True)
         if lookup and lookup not in nodes:
-            raise TreeSpecError(f"lookup branch {list(lookup)} is not a node of the tree: give the path of one of its "
-                                f"nodes")
+            raise TreeSpecError(
+                f"lookup branch {list(lookup)} is not a node of the tree: give the path of one of its nodes"
+            )
         object.__setattr__(self, "lookup", lookup)
 
     @classmethod
-    def full(cls, gamma: int, k: int, max_nodes: int = MAX_NODES) -> "TreeSpec":
+    def full(cls, gamma: int, k: int, max_nodes: int = MAX_NODES) -> TreeSpec:
         """The paper's tree: top-k of each of gamma streams, every combination (its size checked first)."""
         if gamma < 1 or k < 1:
             raise TreeSpecError(f"gamma and k must be >= 1, got gamma={gamma}, k={k}")
@@ -79,17 +82,19 @@ class TreeSpec:
         return cls(tuple(paths))
 
     @classmethod
-    def chain(cls, gamma: int) -> "TreeSpec":
+    def chain(cls, gamma: int) -> TreeSpec:
         """A single path of the top-1 token of each stream (k = 1)."""
         return cls.full(gamma, 1)
 
     @classmethod
-    def filling(cls, nodes: int, gamma: int) -> "TreeSpec":
+    def filling(cls, nodes: int, gamma: int) -> TreeSpec:
         """A tree of exactly `nodes` nodes, at most gamma deep: the first nodes of the narrowest full tree
         that has as many (nodes are ordered by depth, so every parent is among them)."""
         if not 2 <= nodes <= MAX_NODES or not 1 <= gamma <= MAX_DEPTH:
-            raise TreeSpecError(f"a filling tree needs 2 <= nodes <= {MAX_NODES} and 1 <= gamma <= {MAX_DEPTH}, got "
-                                f"nodes={nodes}, gamma={gamma}")
+            raise TreeSpecError(
+                f"a filling tree needs 2 <= nodes <= {MAX_NODES} and 1 <= gamma <= {MAX_DEPTH}, got "
+                f"nodes={nodes}, gamma={gamma}"
+            )
         k = 1
         while full_size(gamma, k) < nodes:
             k += 1
@@ -99,7 +104,7 @@ class TreeSpec:
             paths.extend(level)
         return cls(tuple(paths[: nodes - 1]))
 
-    def with_lookup(self, length: int) -> "TreeSpec":
+    def with_lookup(self, length: int) -> TreeSpec:
         """This tree plus a lookup branch of `length` nodes below the root: stream 1's next unused
         rank, then rank 0 of each deeper stream (its tokens when lookup finds nothing)."""
         if not 1 <= length <= self.depth:
@@ -109,7 +114,7 @@ class TreeSpec:
         return TreeSpec(self.paths + branch, branch[-1])
 
     @classmethod
-    def parse(cls, text: str, max_nodes: int | None = None, bound: str = "the most a tree may have") -> "TreeSpec":
+    def parse(cls, text: str, max_nodes: int | None = None, bound: str = "the most a tree may have") -> TreeSpec:
         """'gamma=3,k=2' (',lookup=N' adds a lookup branch of N nodes), a JSON list of paths
         ('[[0],[1],[0,0]]'), a JSON object {"paths": [...], "lookup": [1, 0]}, or a file holding JSON.
         At most max_nodes nodes (default and cap MAX_NODES; `bound` says what sets it), checked before any is
@@ -128,7 +133,7 @@ class TreeSpec:
         return tree
 
     @classmethod
-    def _parse(cls, text: str, limit: int, bound: str) -> "TreeSpec":
+    def _parse(cls, text: str, limit: int, bound: str) -> TreeSpec:
         if len(text) > MAX_SPEC_CHARS:
             raise TreeSpecError(f"longer than {MAX_SPEC_CHARS} characters, which no tree within the bounds needs")
         text = text.strip()
@@ -139,7 +144,7 @@ class TreeSpec:
         return cls._from_json(_json(_spec_file(text)))
 
     @classmethod
-    def _from_fields(cls, text: str, limit: int, bound: str) -> "TreeSpec":
+    def _from_fields(cls, text: str, limit: int, bound: str) -> TreeSpec:
         """'gamma=G,k=K[,lookup=N]'."""
         fields: dict[str, int] = {}
         for item in text.split(","):
@@ -157,12 +162,14 @@ class TreeSpec:
         return tree.with_lookup(fields["lookup"]) if "lookup" in fields else tree
 
     @classmethod
-    def _from_json(cls, data) -> "TreeSpec":
+    def _from_json(cls, data) -> TreeSpec:
         if isinstance(data, dict):
             unknown = sorted(map(str, set(data) - {"paths", "lookup", "num_nodes", "depth", "hash"}))
             if "paths" not in data or unknown:
-                raise TreeSpecError(f"a tree object needs \"paths\" (and may have \"lookup\"); "
-                                    f"{'unknown keys ' + _shown(', '.join(unknown)) if unknown else 'it has none'}")
+                raise TreeSpecError(
+                    f'a tree object needs "paths" (and may have "lookup"); '
+                    f"{'unknown keys ' + _shown(', '.join(unknown)) if unknown else 'it has none'}"
+                )
             lookup = data.get("lookup")
             return cls(_paths(data["paths"]), () if lookup is None else lookup)
         return cls(_paths(data))
@@ -225,17 +232,23 @@ class TreeSpec:
 
     # --- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"paths": [list(p) for p in self.paths], "lookup": list(self.lookup), "num_nodes": self.num_nodes,
-                "depth": self.depth, "hash": self.hash()}
+        return {
+            "paths": [list(p) for p in self.paths],
+            "lookup": list(self.lookup),
+            "num_nodes": self.num_nodes,
+            "depth": self.depth,
+            "hash": self.hash(),
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TreeSpec":
+    def from_dict(cls, data: dict) -> TreeSpec:
         if not isinstance(data, dict):
-            raise TreeSpecError(f"a tree record is a JSON object with \"paths\", got {type(data).__name__}")
+            raise TreeSpecError(f'a tree record is a JSON object with "paths", got {type(data).__name__}')
         tree = cls._from_json(data)
         if "hash" in data and data["hash"] != tree.hash():
-            raise TreeSpecError(f"tree hash {_brief(data['hash'])} does not match its paths ({tree.hash()}): the "
-                                f"manifest was edited")
+            raise TreeSpecError(
+                f"tree hash {_brief(data['hash'])} does not match its paths ({tree.hash()}): the manifest was edited"
+            )
         return tree
 
     def hash(self) -> str:
@@ -245,8 +258,10 @@ class TreeSpec:
     def check_streams(self, num_streams: int) -> None:
         """A tree deeper than the model's stream count has no drafts for its deep nodes."""
         if self.depth > num_streams:
-            raise ValueError(f"tree depth {self.depth} needs {self.depth} streams but the model has {num_streams}; "
-                             f"use a tree with gamma <= {num_streams}")
+            raise ValueError(
+                f"tree depth {self.depth} needs {self.depth} streams but the model has {num_streams}; "
+                f"use a tree with gamma <= {num_streams}"
+            )
 
 
 def full_size(gamma: int, k: int) -> int:
@@ -278,16 +293,18 @@ def _path(value, what: str, empty: bool = False) -> Path:
         raise TreeSpecError(f"{what} has {len(value)} ranks: a path holds 1..{MAX_DEPTH} of them")
     for rank in value:
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < MAX_NODES:
-            raise TreeSpecError(f"{what} {_brief(list(value))} must hold whole ranks >= 0 and < {MAX_NODES}, got "
-                                f"{_brief(rank)}")
+            raise TreeSpecError(
+                f"{what} {_brief(list(value))} must hold whole ranks >= 0 and < {MAX_NODES}, got {_brief(rank)}"
+            )
     return tuple(int(rank) for rank in value)
 
 
 def _paths(value) -> tuple[Path, ...]:
     """The non-root nodes' paths, checked: a list (or tuple) of at most MAX_NODES - 1 rank paths."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise TreeSpecError(f"tree paths must be a list of rank paths such as [[0], [1], [0, 0]], got "
-                            f"{type(value).__name__}")
+        raise TreeSpecError(
+            f"tree paths must be a list of rank paths such as [[0], [1], [0, 0]], got {type(value).__name__}"
+        )
     if len(value) > MAX_NODES - 1:
         raise TreeSpecError(f"{len(value)} paths: a tree has at most {MAX_NODES} nodes, the root included")
     return tuple(_path(path, "tree path") for path in value)
@@ -320,5 +337,6 @@ def _spec_file(text: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise TreeSpecError(f"the file is not UTF-8 text ({error.reason} at byte {error.start}): save it as "
-                            f"UTF-8 JSON") from None
+        raise TreeSpecError(
+            f"the file is not UTF-8 text ({error.reason} at byte {error.start}): save it as UTF-8 JSON"
+        ) from None

@@ -30,14 +30,19 @@ import numpy as np
 from streamfuse.runtime import kernel_library
 
 # The caches are written (store, commit) but not declared so (no `(a!)`): see the module docstring.
-SCHEMA = ("tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "
-          "Tensor v_extra, Tensor visible, float scale, int store) -> Tensor")
-OUT_SCHEMA = ("tree_attention.out(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, "
-              "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, int store, *, Tensor(a!) out) "
-              "-> Tensor(a!)")
+SCHEMA = (
+    "tree_attention(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, Tensor k_extra, "
+    "Tensor v_extra, Tensor visible, float scale, int store) -> Tensor"
+)
+OUT_SCHEMA = (
+    "tree_attention.out(Tensor query, Tensor k_cache, Tensor v_cache, int layer, Tensor start, "
+    "Tensor k_extra, Tensor v_extra, Tensor visible, float scale, int store, *, Tensor(a!) out) "
+    "-> Tensor(a!)"
+)
 COMMIT_SCHEMA = "commit_rows(Tensor k_cache, Tensor v_cache, Tensor start, Tensor accepted) -> Tensor"
-COMMIT_OUT_SCHEMA = ("commit_rows.out(Tensor k_cache, Tensor v_cache, Tensor start, Tensor accepted, *, "
-                     "Tensor(a!) out) -> Tensor(a!)")
+COMMIT_OUT_SCHEMA = (
+    "commit_rows.out(Tensor k_cache, Tensor v_cache, Tensor start, Tensor accepted, *, Tensor(a!) out) -> Tensor(a!)"
+)
 
 
 # The ONNX Runtime custom ops (runtime/kernels/tree_attention_ort.cpp): inputs in the torch ops' order, but
@@ -56,8 +61,15 @@ def c_library() -> ctypes.CDLL:
     library = kernel_library.load_c_library()
     attention, commit = library.streamfuse_tree_attention, library.streamfuse_commit_rows  # tree_attention_c.cpp
     attention.restype = commit.restype = ctypes.c_int
-    attention.argtypes = [ctypes.POINTER(View), ctypes.c_int64, ctypes.c_double, ctypes.c_int64, ctypes.c_int64,
-                          ctypes.c_char_p, ctypes.c_int64]
+    attention.argtypes = [
+        ctypes.POINTER(View),
+        ctypes.c_int64,
+        ctypes.c_double,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+    ]
     commit.argtypes = [ctypes.POINTER(View), ctypes.c_char_p, ctypes.c_int64]
     return library
 
@@ -98,13 +110,27 @@ class KernelCallError(ValueError):
 class View(ctypes.Structure):
     """runtime/kernels/boundary.h's View: all that the C ABI's validators know of a tensor."""
 
-    _fields_ = [("data", ctypes.c_void_p), ("sizes", ctypes.c_int64 * 8), ("strides", ctypes.c_int64 * 8),
-                ("rank", ctypes.c_int32), ("dtype", ctypes.c_int32)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("sizes", ctypes.c_int64 * 8),
+        ("strides", ctypes.c_int64 * 8),
+        ("rank", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+    ]
 
 
 # boundary.h's DType codes by NumPy / torch dtype name (those past int8 only name the type in an error).
-DTYPES = {"float32": 0, "int64": 1, "uint8": 2, "int8": 3, "int32": 5, "float16": 6, "bfloat16": 7, "float64": 8,
-          "bool": 9}
+DTYPES = {
+    "float32": 0,
+    "int64": 1,
+    "uint8": 2,
+    "int8": 3,
+    "int32": 5,
+    "float16": 6,
+    "bfloat16": 7,
+    "float64": 8,
+    "bool": 9,
+}
 OTHER_DTYPE, MESSAGE_SIZE = 4, 400
 
 
@@ -118,8 +144,10 @@ def view(array) -> View:
         import torch
 
         if array.device.type != "cpu" or array.layout != torch.strided:
-            raise KernelCallError(f"streamfuse's kernels take dense CPU tensors, got a {array.layout} tensor on "
-                                  f"{array.device}: pass tensor.cpu() / .to_dense()")
+            raise KernelCallError(
+                f"streamfuse's kernels take dense CPU tensors, got a {array.layout} tensor on "
+                f"{array.device}: pass tensor.cpu() / .to_dense()"
+            )
         data, shape, strides = array.data_ptr(), tuple(array.shape), array.stride()
         name = str(array.dtype).removeprefix("torch.")
     result = View(data=data or None, rank=len(shape), dtype=DTYPES.get(name, OTHER_DTYPE))
@@ -167,8 +195,19 @@ def _define_attention(library) -> None:
 
     def functional(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
         shape = (query.shape[2], query.shape[1], query.shape[3]) if query.dim() == 4 else (0, 0, 0)
-        return run(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store,
-                   torch.empty(1, *shape, dtype=torch.float32))
+        return run(
+            query,
+            k_cache,
+            v_cache,
+            layer,
+            start,
+            k_extra,
+            v_extra,
+            visible,
+            scale,
+            store,
+            torch.empty(1, *shape, dtype=torch.float32),
+        )
 
     def fake(query, k_cache, v_cache, layer, start, k_extra, v_extra, visible, scale, store):
         _, heads, rows, dim = query.shape
@@ -192,8 +231,9 @@ def _define_commit(library) -> None:
 
     library.impl("commit_rows", lambda k, v, start, accepted: run(k, v, start, accepted, start.new_empty(1)), "CPU")
     library.impl("commit_rows.out", run, "CPU")
-    torch.library.register_fake("streamfuse::commit_rows", lambda k, v, start, accepted: start.new_empty(1),
-                                lib=library)
+    torch.library.register_fake(
+        "streamfuse::commit_rows", lambda k, v, start, accepted: start.new_empty(1), lib=library
+    )
 
 
 # --- the oracle ----------------------------------------------------------------------------------
@@ -205,18 +245,21 @@ EXP_POLY = [np.float32(c) for c in (1.0, 1.0, 0.5, 0.166666672, 0.0416666716, 0.
 
 def reference(query, k_cache, v_cache, start: int, k_extra, v_extra, visible, scale: float) -> np.ndarray:
     """The kernel's arithmetic in NumPy float32, key by key (the test oracle; slow); k_cache [1, kv, C, d]."""
-    query, k_cache, v_cache, k_extra, v_extra, visible = (np.asarray(a, dtype=np.float32) for a in (
-        query, k_cache, v_cache, k_extra, v_extra, visible))
+    query, k_cache, v_cache, k_extra, v_extra, visible = (
+        np.asarray(a, dtype=np.float32) for a in (query, k_cache, v_cache, k_extra, v_extra, visible)
+    )
     _, heads, rows, dim = query.shape
     group = heads // k_cache.shape[1]
     out = np.zeros((1, rows, heads, dim), dtype=np.float32)
     for t in range(rows):
         for h in range(heads):
             g = h // group
-            keys = [k_cache[0, g, j] for j in range(start)] + [k_extra[0, g, x] for x in range(k_extra.shape[2])
-                                                               if visible[t, x] != 0]
-            values = [v_cache[0, g, j] for j in range(start)] + [v_extra[0, g, x] for x in range(k_extra.shape[2])
-                                                                 if visible[t, x] != 0]
+            keys = [k_cache[0, g, j] for j in range(start)] + [
+                k_extra[0, g, x] for x in range(k_extra.shape[2]) if visible[t, x] != 0
+            ]
+            values = [v_cache[0, g, j] for j in range(start)] + [
+                v_extra[0, g, x] for x in range(k_extra.shape[2]) if visible[t, x] != 0
+            ]
             scores = [np.float32(_dot(query[0, h, t], key) * np.float32(scale)) for key in keys]
             top = max(scores)
             total, acc = np.float32(0), np.zeros(dim, dtype=np.float32)
@@ -252,8 +295,10 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
     tail = len(a) - full
     lanes[:tail] = lanes[:tail] + a[full:] * b[full:]
     s = lanes
-    return np.float32(np.float32(np.float32(s[0] + s[1]) + np.float32(s[2] + s[3]))
-                      + np.float32(np.float32(s[4] + s[5]) + np.float32(s[6] + s[7])))
+    return np.float32(
+        np.float32(np.float32(s[0] + s[1]) + np.float32(s[2] + s[3]))
+        + np.float32(np.float32(s[4] + s[5]) + np.float32(s[6] + s[7]))
+    )
 
 
 def _exp(x: np.float32) -> np.float32:

@@ -41,17 +41,31 @@ class TreeChoice:
     top: tuple[float, ...]  # p_d: P(rank 0 at depth d | rank 0 at every depth above)
 
     @classmethod
-    def from_calibration(cls, acceptance: AcceptanceModel, calibration: BackendCalibration,
-                         runnable=lambda tree: True, max_nodes: int | None = None) -> "TreeChoice":
+    def from_calibration(
+        cls,
+        acceptance: AcceptanceModel,
+        calibration: BackendCalibration,
+        runnable=lambda tree: True,
+        max_nodes: int | None = None,
+    ) -> TreeChoice:
         """The calibrated stream trees this backend runs (runnable(tree)), up to max_nodes nodes."""
-        trees = [c for c in calibration.trees if c.tree.depth <= acceptance.depth and runnable(c.tree)
-                 and (max_nodes is None or c.tree.num_nodes <= max_nodes)]
+        trees = [
+            c
+            for c in calibration.trees
+            if c.tree.depth <= acceptance.depth
+            and runnable(c.tree)
+            and (max_nodes is None or c.tree.num_nodes <= max_nodes)
+        ]
         if not trees:
-            raise ValueError("method ss-adaptive: no calibrated tree runs on this backend within the node limit; "
-                             "recalibrate with python -m streamfuse.tools.calibrate, or raise --tree's size")
+            raise ValueError(
+                "method ss-adaptive: no calibrated tree runs on this backend within the node limit; "
+                "recalibrate with python -m streamfuse.tools.calibrate, or raise --tree's size"
+            )
         probability = acceptance.path_probabilities()
-        candidates = tuple(Candidate(c.tree, c.step_seconds / calibration.plain_seconds, lookup_gain(acceptance, c.tree))
-                           for c in trees)
+        candidates = tuple(
+            Candidate(c.tree, c.step_seconds / calibration.plain_seconds, lookup_gain(acceptance, c.tree))
+            for c in trees
+        )
         return cls(candidates, probability, top_probabilities(probability, acceptance.depth))
 
     @property

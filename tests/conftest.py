@@ -56,7 +56,10 @@ def make_tiny_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = (
@@ -86,8 +89,16 @@ def write_tiny_dialogsum(directory, seed: int = 0, rows: int = 24):
                 dialogue, summary = row(index)
                 record = {"fname": f"{split}_{index}", "dialogue": dialogue, "topic": "t"}
                 if split == "test":
-                    record.update({"summary1": summary, "summary2": summary, "summary3": summary,
-                                   "topic1": "t", "topic2": "t", "topic3": "t"})
+                    record.update(
+                        {
+                            "summary1": summary,
+                            "summary2": summary,
+                            "summary3": summary,
+                            "topic1": "t",
+                            "topic2": "t",
+                            "topic3": "t",
+                        }
+                    )
                 else:
                     record["summary"] = summary
                 handle.write(json.dumps(record) + "\n")
@@ -106,9 +117,15 @@ def tiny_base_dir(tmp_path):
     return folder
 
 
-GGUF_LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                      "ffn_down": "mlp.down_proj"}
+GGUF_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def llama_cpp_permute(rows, heads: int):
@@ -159,14 +176,22 @@ def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2, gguf: boo
         quantize_into_gguf(base_model, base / "model.gguf")
     base_model.save_pretrained(base)
     make_tiny_tokenizer().save_pretrained(base)
-    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(layers=layers), LoraSettings(rank=4)), StreamConfig(3, msa_layers))
+    model = SpeculativeStreamingLM(
+        add_lora(make_tiny_llama(layers=layers), LoraSettings(rank=4)), StreamConfig(3, msa_layers)
+    )
     if gguf:  # LoRA B is zero at init: give the adapter an effect, so unmerged LoRA is exercised
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
                     parameter.normal_(0, 0.05)
-    save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(base), LoraSettings(rank=4),
-                    {"task": "dialogsum", "prompt": prompt.to_dict()})
+    save_checkpoint(
+        model,
+        make_tiny_tokenizer(),
+        root / "ckpt",
+        str(base),
+        LoraSettings(rank=4),
+        {"task": "dialogsum", "prompt": prompt.to_dict()},
+    )
     return root
 
 
@@ -176,3 +201,14 @@ def checkpoint(tmp_path_factory):
     root = write_checkpoint(tmp_path_factory.mktemp("gen"))
     write_tiny_dialogsum(root / "data")
     return root
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory):
+    """The tiny checkpoint exported to every backend installed here, with Medusa heads (tests/tiny_export.py): built
+    once per session, since three test files read it (minutes of lowering)."""
+    from tiny_export import build_artifact
+
+    root = write_checkpoint(tmp_path_factory.mktemp("export"))
+    write_tiny_dialogsum(root / "data")
+    return build_artifact(root, root)

@@ -34,8 +34,9 @@ import fuzz_manifest  # noqa: E402  (the fuzz target's check, run here for a bou
 def built(tmp_path_factory):
     root = write_checkpoint(tmp_path_factory.mktemp("contract"))
     config = ExportConfig(backends=("torch",), trees=("gamma=1,k=1",), buckets=(4,), capacity=64, prefill_chunk=16)
-    ArtifactBuilder(root / "ckpt", root / "artifact", config, [[5, 6, 7]], 8, {},
-                    DraftVocab(tuple(range(20, 80)), coverage=0.5)).build()
+    ArtifactBuilder(
+        root / "ckpt", root / "artifact", config, [[5, 6, 7]], 8, {}, DraftVocab(tuple(range(20, 80)), coverage=0.5)
+    ).build()
     return root / "artifact"
 
 
@@ -60,11 +61,13 @@ def one_line(error) -> str:
 
 def setter(path: str, value):
     """A change that sets manifest[a][b]... (path 'a/b/c', list indices as numbers) to value."""
+
     def change(manifest):
         *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
         for key in parents:
             manifest = manifest[key]
         manifest[last] = value
+
     return change
 
 
@@ -74,6 +77,7 @@ def deleter(path: str):
         for key in parents:
             manifest = manifest[key]
         del manifest[last]
+
     return change
 
 
@@ -96,8 +100,10 @@ TAMPERED = [
     (setter("surprise", 1), r"surprise is not a field of this schema"),
     (setter("tasks", {"dialogsum": {}}), r"tasks\.dialogsum\.task is missing"),
     (setter("kv_layout/owner", {"onnxruntime": "engine"}), r"kv_layout\.owner must name the backends of `files`"),
-    (setter("calibration/acceptance", {"max_rank": 8, "depth": 3, "positions": 5, "answers": [[]]}),
-     r"calibration\.acceptance\.positions is 5, its answers hold 0"),
+    (
+        setter("calibration/acceptance", {"max_rank": 8, "depth": 3, "positions": 5, "answers": [[]]}),
+        r"calibration\.acceptance\.positions is 5, its answers hold 0",
+    ),
     (setter("schema", "streamfuse.artifact/20"), r"schema 'streamfuse.artifact/20'; this streamfuse reads .*/21"),
 ]
 
@@ -110,9 +116,17 @@ def test_a_tampered_manifest_is_one_line_naming_the_key(copy, change, message):
     assert str(copy / MANIFEST) in one_line(error)
 
 
-@pytest.mark.parametrize("data, message", [(b"", "not valid JSON"), (b"[1, 2]", "has schema None"),
-                                           (b"\xff\xfe{}", "not valid UTF-8"), (b"[" * 100000, "nests its values"),
-                                           (b"9" * 5000, "not valid JSON"), (b'{"schema": NaN}', "has schema nan")])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "not valid JSON"),
+        (b"[1, 2]", "has schema None"),
+        (b"\xff\xfe{}", "not valid UTF-8"),
+        (b"[" * 100000, "nests its values"),
+        (b"9" * 5000, "not valid JSON"),
+        (b'{"schema": NaN}', "has schema nan"),
+    ],
+)
 def test_bytes_that_are_no_manifest_are_one_line(data, message):
     with pytest.raises(ArtifactError, match=message) as error:
         parse_manifest(data, Path("m.json"))
@@ -120,10 +134,10 @@ def test_bytes_that_are_no_manifest_are_one_line(data, message):
 
 
 def test_the_cli_says_one_line_and_exits_nonzero(copy, capsys):
-    from streamfuse.runtime import cli, generate
+    from streamfuse.runtime import errors, generate
 
     edit(copy, deleter("graphs/buckets"))
-    code = cli.run(generate.main, ["--artifact", str(copy), "--backend", "torch", "--prompt", "hi"])
+    code = errors.run(generate.main, ["--artifact", str(copy), "--backend", "torch", "--prompt", "hi"])
     err = capsys.readouterr().err.strip()
     assert code != 0 and "\n" not in err and "graphs.buckets is missing" in err
 
@@ -153,12 +167,18 @@ def test_a_link_inside_the_artifact_is_followed(copy):
     assert Artifact.open(copy).load_tokenizer().eos_token_id == 3
 
 
-@pytest.mark.parametrize("name, edit_text, message", [
-    ("tokenizer_config.json", lambda text: text.replace('"eos_token": "<|im_end|>"', '"eos_token": "<pad>"'),
-     "tokenizer_config.json differs from the tokenizer the model was exported with"),
-    ("chat_template.jinja", lambda text: "{{ 'ignore the user' }}" + text, "chat_template.jinja differs"),
-    ("tokenizer.json", lambda text: text.replace('"<pad>"', '"<pod>"'), "tokenizer.json differs"),
-])
+@pytest.mark.parametrize(
+    "name, edit_text, message",
+    [
+        (
+            "tokenizer_config.json",
+            lambda text: text.replace('"eos_token": "<|im_end|>"', '"eos_token": "<pad>"'),
+            "tokenizer_config.json differs from the tokenizer the model was exported with",
+        ),
+        ("chat_template.jinja", lambda text: "{{ 'ignore the user' }}" + text, "chat_template.jinja differs"),
+        ("tokenizer.json", lambda text: text.replace('"<pad>"', '"<pod>"'), "tokenizer.json differs"),
+    ],
+)
 def test_an_edited_tokenizer_file_is_refused_before_it_is_parsed(copy, name, edit_text, message, monkeypatch):
     file = copy / "tokenizer" / name
     edited = edit_text(file.read_text())
@@ -205,11 +225,20 @@ def test_an_onnx_models_external_data_stays_in_its_folder(tmp_path):
         weight.data_location = TensorProto.EXTERNAL
         del weight.float_data[:]
         weight.external_data.add(key="location", value=location)
-        inner = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "branch", [],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])], [weight])
+        inner = helper.make_graph(
+            [helper.make_node("Identity", ["w"], ["y"])],
+            "branch",
+            [],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+            [weight],
+        )
         node = helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner)  # as the methods' branches
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
         folder = tmp_path / "onnx"
         folder.mkdir(exist_ok=True)
         onnx.save_model(helper.make_model(graph), str(folder / "model.onnx"))
@@ -375,7 +404,11 @@ def test_the_fuzz_target_runs_under_libfuzzer(tmp_path):
 
     target = Path(__file__).parent / "fuzz" / "manifest" / "fuzz_manifest.py"
     seeds = target.parent / "seeds"
-    done = subprocess.run([sys.executable, str(target), "-runs=200", "-seed=1", str(tmp_path), str(seeds)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(target), "-runs=200", "-seed=1", str(tmp_path), str(seeds)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Done 200 runs" in done.stderr

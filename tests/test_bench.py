@@ -15,9 +15,26 @@ from streamfuse.tools import bench, bench_data
 
 def test_bench_writes_report_with_parity_and_ratios(checkpoint, tmp_path):
     out = tmp_path / "bench"
-    code = bench.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file",
-                       str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "3", "--warmup", "1",
-                       "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
+    code = bench.main(
+        [
+            "--artifact",
+            str(checkpoint / "ckpt"),
+            "--task",
+            "dialogsum",
+            "--input-file",
+            str(checkpoint / "data" / "dialogsum.test.jsonl"),
+            "--limit",
+            "3",
+            "--warmup",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     summary = report["summary"]
@@ -41,12 +58,19 @@ BENCH_PROBES = [
 
 @pytest.mark.parametrize("argv, status, message", BENCH_PROBES, ids=[p[2] for p in BENCH_PROBES])
 def test_bench_bad_input_is_one_line(checkpoint, tmp_path, capsys, argv, status, message):
-    from streamfuse.runtime import cli
+    from streamfuse.runtime import errors
 
-    argv = ["--artifact", str(checkpoint / "ckpt"), "--data-dir", str(checkpoint / "data"), "--out", str(tmp_path),
-            *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]]
+    argv = [
+        "--artifact",
+        str(checkpoint / "ckpt"),
+        "--data-dir",
+        str(checkpoint / "data"),
+        "--out",
+        str(tmp_path),
+        *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv],
+    ]
     argv = [str(checkpoint / "data" / "dialogsum.test.jsonl") if a == "TEST" else a for a in argv]
-    assert cli.run(bench.main, argv, prog="bench") == status
+    assert errors.run(bench.main, argv, prog="bench") == status
     err = capsys.readouterr().err
     last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]
     assert last.startswith("bench: error: ") and message in last and "Traceback" not in err, err
@@ -56,16 +80,43 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_bench(checkpoint, out, *extra):
-    return bench.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--limit", "2", "--warmup", "1",
-                       "--max-new-tokens", "6", "--threads", "1", "--out", str(out), *extra])
+    return bench.main(
+        [
+            "--artifact",
+            str(checkpoint / "ckpt"),
+            "--task",
+            "dialogsum",
+            "--limit",
+            "2",
+            "--warmup",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatch):
     real = importlib.util.find_spec  # llama-cpp-python "not installed": its peer is skipped, not fatal
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     out = tmp_path / "bench"
-    code = run_bench(checkpoint, out, "--split", "test", "--data-dir", str(checkpoint / "data"),
-                     "--methods", "ar,ss", "--peers", "hf,llamacpp_f32")
+    code = run_bench(
+        checkpoint,
+        out,
+        "--split",
+        "test",
+        "--data-dir",
+        str(checkpoint / "data"),
+        "--methods",
+        "ar,ss",
+        "--peers",
+        "hf,llamacpp_f32",
+    )
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in report["table"]}
@@ -82,8 +133,10 @@ def test_split_methods_and_peers_give_the_table(checkpoint, tmp_path, monkeypatc
     assert hf["call_reduction"] is None and hf["precision"] == "fp32" and hf["model"] == "fine-tuned"
     for row in rows.values():
         assert row["inputs"] == 2 and row["tokens_per_s_median"] > 0 and 0 < row["ttft_s_median"] < 10
-        runs = [r[row["method"]] if row["kind"] == "streamfuse" else r["results"][row["name"]]
-                for r in (report["rows"] if row["kind"] == "streamfuse" else report["peer_rows"])]
+        runs = [
+            r[row["method"]] if row["kind"] == "streamfuse" else r["results"][row["name"]]
+            for r in (report["rows"] if row["kind"] == "streamfuse" else report["peer_rows"])
+        ]
         after = sum(r["new_tokens"] - 1 for r in runs) / sum(r["seconds"] - r["ttft_s"] for r in runs)
         assert row["decode_tokens_per_s"] == pytest.approx(after)  # prompt time left out
         assert row["prompt_ms_per_token_median"] > 0
@@ -115,15 +168,39 @@ def onnx_artifact(checkpoint, tmp_path_factory):
 
 def test_backends_each_against_their_own_ar(checkpoint, onnx_artifact, tmp_path):
     out = tmp_path / "bench"
-    code = bench.main(["--artifact", str(onnx_artifact), "--task", "dialogsum", "--input-file",
-                       str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "1",
-                       "--max-new-tokens", "8", "--threads", "1", "--backends", "torch,onnxruntime",
-                       "--repeats", "2", "--out", str(out)])
+    code = bench.main(
+        [
+            "--artifact",
+            str(onnx_artifact),
+            "--task",
+            "dialogsum",
+            "--input-file",
+            str(checkpoint / "data" / "dialogsum.test.jsonl"),
+            "--limit",
+            "2",
+            "--warmup",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--backends",
+            "torch,onnxruntime",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert [r["name"] for r in report["table"]] == ["ar/torch", "ss/torch", "ar/onnxruntime", "ss/onnxruntime"]
     assert [(r["id"], r["backend"]) for r in report["rows"]] == [
-        ("test_0", "torch"), ("test_0", "onnxruntime"), ("test_1", "torch"), ("test_1", "onnxruntime")]
+        ("test_0", "torch"),
+        ("test_0", "onnxruntime"),
+        ("test_1", "torch"),
+        ("test_1", "onnxruntime"),
+    ]
     assert all(r["same_tokens"] and len(r["ss"]["seconds_repeats"]) == 2 for r in report["rows"])
     onnx = {r["name"]: r for r in report["table"]}["ss/onnxruntime"]
     assert onnx["baseline"] == "ar/onnxruntime" and onnx["precision"] == "fp32" and onnx["speedup_total_time"] > 0
@@ -139,16 +216,21 @@ def test_task_files_and_e2e_csv_grouping(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMFUSE_DATA_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="dialogsum.test.jsonl not found"):
         bench_data.task_file("dialogsum", "test")
-    assert bench_data.task_file("dialogsum", "test", checkpoint / "data") == checkpoint / "data" / "dialogsum.test.jsonl"
+    assert (
+        bench_data.task_file("dialogsum", "test", checkpoint / "data") == checkpoint / "data" / "dialogsum.test.jsonl"
+    )
     with pytest.raises(FileNotFoundError, match="known: dialogsum/train"):
         bench_data.task_file("sqlcontext", "test")
     (tmp_path / "e2e_nlg").mkdir()
-    (tmp_path / "e2e_nlg" / "testset_w_refs.csv").write_text('mr,ref\n"name[A], food[B]",A serves B.\n'
-                                                             'other,Other.\n"name[A], food[B]",B at A.\n')
+    (tmp_path / "e2e_nlg" / "testset_w_refs.csv").write_text(
+        'mr,ref\n"name[A], food[B]",A serves B.\nother,Other.\n"name[A], food[B]",B at A.\n'
+    )
     path = bench_data.task_file("e2e_nlg", "test")
     inputs = bench_data.read_inputs(path, PromptFormat("{source}", "{mr}", 64), None)
-    assert inputs == [bench_data.BenchInput("e2e-test-0", "name[A], food[B]", ("A serves B.", "B at A.")),
-                      bench_data.BenchInput("e2e-test-1", "other", ("Other.",))]
+    assert inputs == [
+        bench_data.BenchInput("e2e-test-0", "name[A], food[B]", ("A serves B.", "B at A.")),
+        bench_data.BenchInput("e2e-test-1", "other", ("Other.",)),
+    ]
 
 
 def test_rouge_takes_the_best_reference_and_splits_sentences():
@@ -163,16 +245,16 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     from dataclasses import replace
 
     from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.generate import DEFAULT_TREE, Request
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.measure import interleaved, summarise
+    from streamfuse.runtime.session import DEFAULT_TREE, Input
     from streamfuse.runtime.trace import Trace
     from streamfuse.runtime.tree import TreeSpec
 
     loaded = load(checkpoint / "ckpt")
     ss = DecodeSettings("ss", StopRules(6, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))
     traces = {"ss": Trace(method="ss"), "ar": Trace(method="ar")}
-    requests = [Request(str(i), "a b c") for i in range(3)]
+    requests = [Input(str(i), "a b c") for i in range(3)]
     rows = interleaved(loaded, requests, ss, replace(ss, method="ar"), traces, warmup=1)
     assert [r["id"] for r in rows] == ["1", "2"] and all(r["same_tokens"] for r in rows)
     assert len(traces["ss"].runs) == len(traces["ar"].runs) == 2
@@ -189,7 +271,9 @@ def test_artifact_and_backends_default_to_the_build_output(onnx_artifact, checkp
     monkeypatch.chdir(tmp_path)
     args = bench.parse_args(["--task", "dialogsum", "--split", "test"])
     assert args.artifact == Path("artifacts/dialogsum") and args.backends == ["onnxruntime", "torch"]
-    assert bench.parse_args(["--task", "dialogsum", "--split", "test", "--artifact", str(checkpoint / "ckpt")]).backends == ["torch"]
+    assert bench.parse_args(
+        ["--task", "dialogsum", "--split", "test", "--artifact", str(checkpoint / "ckpt")]
+    ).backends == ["torch"]
 
 
 def test_speed_up_after_the_first_token_leaves_prompt_time_out():
@@ -217,17 +301,37 @@ def test_speed_up_per_fifth_of_the_inputs_is_each_fifths_time_ratio():
 
 
 def _row(kind, name, precision, tokens_per_s, method="ss", model="fine-tuned"):
-    return {"kind": kind, "name": name, "method": method, "precision": precision, "model": model,
-            "tokens_per_s_median": tokens_per_s, "decode_tokens_per_s": 2 * tokens_per_s}
+    return {
+        "kind": kind,
+        "name": name,
+        "method": method,
+        "precision": precision,
+        "model": model,
+        "tokens_per_s_median": tokens_per_s,
+        "decode_tokens_per_s": 2 * tokens_per_s,
+    }
 
 
 def test_peers_are_matched_by_bits_per_weight_not_by_layout():
     from streamfuse.tools.bench_summary import matched_precision
 
-    rows = [_row("streamfuse", "ss/executorch", "q4-native", 40.0), _row("streamfuse", "ss/onnxruntime", "q4-native", 30.0),
-            _row("streamfuse", "ar/executorch", "q4-native", 35.0, method="ar"),
-            _row("peer", "llamacpp_q4_1_lora", "q4_1", 20.0), _row("peer", "llamacpp_base_q4_1", "q4_1", 60.0, model="base"),
-            _row("peer", "optimum_executorch_8da4w", "8da4w", 25.0), _row("peer", "llamacpp_q8_0", "q8_0", 30.0)]
-    assert matched_precision(rows) == [{
-        "precision": "4-bit", "streamfuse": "ss/executorch", "peer": "optimum_executorch_8da4w",
-        "streamfuse_tokens_per_s": 40.0, "peer_tokens_per_s": 25.0, "ratio": 1.6, "decode_ratio": 1.6}]
+    rows = [
+        _row("streamfuse", "ss/executorch", "q4-native", 40.0),
+        _row("streamfuse", "ss/onnxruntime", "q4-native", 30.0),
+        _row("streamfuse", "ar/executorch", "q4-native", 35.0, method="ar"),
+        _row("peer", "llamacpp_q4_1_lora", "q4_1", 20.0),
+        _row("peer", "llamacpp_base_q4_1", "q4_1", 60.0, model="base"),
+        _row("peer", "optimum_executorch_8da4w", "8da4w", 25.0),
+        _row("peer", "llamacpp_q8_0", "q8_0", 30.0),
+    ]
+    assert matched_precision(rows) == [
+        {
+            "precision": "4-bit",
+            "streamfuse": "ss/executorch",
+            "peer": "optimum_executorch_8da4w",
+            "streamfuse_tokens_per_s": 40.0,
+            "peer_tokens_per_s": 25.0,
+            "ratio": 1.6,
+            "decode_ratio": 1.6,
+        }
+    ]

@@ -29,8 +29,10 @@ EXPECTED = [
 
 
 def test_rows_keep_each_path_up_to_its_first_miss():
-    assert MODEL.answers == ((((0, 0, 0), -1), ((0,), -1), ((0,), -1), ((0,), -1), ((1,), 0), ((), 3)),
-                             (((0, 1), 2), ((), -1), ((0,), 1), ((), -1)))
+    assert MODEL.answers == (
+        (((0, 0, 0), -1), ((0,), -1), ((0,), -1), ((0,), -1), ((1,), 0), ((), 3)),
+        (((0, 1), 2), ((), -1), ((0,), 1), ((), -1)),
+    )
     assert MODEL.positions == 10
     assert AcceptanceModel.from_dict(MODEL.to_dict()) == MODEL
 
@@ -41,12 +43,16 @@ def test_expected_tokens_replay_decoding_along_each_answer(tree, tokens):
 
 
 def test_path_probabilities_and_nested_greedy_trees():
-    assert MODEL.path_probabilities() == pytest.approx(
-        {(0,): 0.6, (0, 0): 0.1, (0, 0, 0): 0.1, (0, 1): 0.1, (1,): 0.1})
+    assert MODEL.path_probabilities() == pytest.approx({(0,): 0.6, (0, 0): 0.1, (0, 0, 0): 0.1, (0, 1): 0.1, (1,): 0.1})
     trees = [tree.paths for tree in MODEL.stream_trees(max_nodes=16)]
     # the most probable paths first; ties go to the shallower path, so every prefix is present
-    assert trees == [((0,),), ((0,), (1,)), ((0,), (1,), (0, 0)), ((0,), (1,), (0, 0), (0, 1)),
-                     ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))]
+    assert trees == [
+        ((0,),),
+        ((0,), (1,)),
+        ((0,), (1,), (0, 0)),
+        ((0,), (1,), (0, 0), (0, 1)),
+        ((0,), (1,), (0, 0), (0, 1), (0, 0, 0)),
+    ]
     assert len(MODEL.stream_trees(max_nodes=3)) == 2
 
 
@@ -58,8 +64,11 @@ def test_best_tree_per_size_weighs_a_lookup_branch_against_more_stream_nodes():
     # lookup proposes wrongly, so the node no longer holds stream 1's rank 1, which was right)
     assert best[3] == TreeSpec(((0,), (1,))) and MODEL.expected_tokens(best[3]) == pytest.approx(2.0)
     assert MODEL.expected_tokens(TreeSpec(((0,),)).with_lookup(1)) == pytest.approx(11 / 6)
-    assert all(MODEL.expected_tokens(best[n]) >= MODEL.expected_tokens(tree)
-               for tree in MODEL.stream_trees(7) for n in [tree.num_nodes])
+    assert all(
+        MODEL.expected_tokens(best[n]) >= MODEL.expected_tokens(tree)
+        for tree in MODEL.stream_trees(7)
+        for n in [tree.num_nodes]
+    )
 
 
 @pytest.mark.parametrize("chain_ms, choice", [(20.0, CHAIN), (40.0, CHAIN.with_lookup(3))])

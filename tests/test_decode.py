@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.eager import TorchBackend
 from streamfuse.runtime.backends.base import PruneConfig, StepOutput
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig, target_probs
@@ -22,7 +22,9 @@ from streamfuse.runtime.tree import TreeSpec
 from conftest import make_tiny_llama
 
 
-def backend_for(seed: int, vocab: int = 97, gamma: int = 3, msa_layers: int = 2, schedule: str = "fused") -> TorchBackend:
+def backend_for(
+    seed: int, vocab: int = 97, gamma: int = 3, msa_layers: int = 2, schedule: str = "fused"
+) -> TorchBackend:
     model = SpeculativeStreamingLM(make_tiny_llama(seed, vocab=vocab), StreamConfig(gamma, msa_layers))
     return TorchBackend(model, stream_schedule=schedule)
 
@@ -73,19 +75,34 @@ class OracleDrafts:
 
 trees = st.one_of(
     st.builds(TreeSpec.full, gamma=st.integers(1, 3), k=st.integers(1, 3)),
-    st.builds(lambda g, k, n: TreeSpec.full(g, k).with_lookup(min(n, g)), st.integers(1, 3), st.integers(1, 2),
-              st.integers(1, 3)),
+    st.builds(
+        lambda g, k, n: TreeSpec.full(g, k).with_lookup(min(n, g)),
+        st.integers(1, 3),
+        st.integers(1, 2),
+        st.integers(1, 3),
+    ),
     st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3), min_size=1, max_size=8).map(
-        lambda paths: TreeSpec(tuple({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}))),
+        lambda paths: TreeSpec(tuple({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}))
+    ),
 )
 
 
 # No shrinking phase: a failure prints its example at once instead of minutes of shrinking in CI.
-@settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), tree=trees, noise=st.sampled_from([0.0, 0.3, 1.0]),
-       prompt_len=st.integers(1, 12), prune=st.sampled_from([None, PruneConfig(budget=3), PruneConfig(threshold=0.02)]),
-       schedule=st.sampled_from(["fused", "deferred"]))
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 10_000),
+    tree=trees,
+    noise=st.sampled_from([0.0, 0.3, 1.0]),
+    prompt_len=st.integers(1, 12),
+    prune=st.sampled_from([None, PruneConfig(budget=3), PruneConfig(threshold=0.02)]),
+    schedule=st.sampled_from(["fused", "deferred"]),
+)
 def test_speculative_greedy_equals_plain_greedy(seed, tree, noise, prompt_len, prune, schedule):
     backend = backend_for(seed % 7, schedule=schedule)
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -139,8 +156,9 @@ def test_seeded_sampling_matches_plain_sampling_token_for_token(schedule):
     for seed in range(4):
         plain = generate(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
         oracle = OracleDrafts(backend, plain.token_ids, 0.2, seed)
-        fast = generate(oracle, [4, 5, 6], DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2),
-                                                                      sampling=sampling, seed=seed))
+        fast = generate(
+            oracle, [4, 5, 6], DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2), sampling=sampling, seed=seed)
+        )
         assert fast.token_ids == plain.token_ids
         assert fast.run.model_calls < plain.run.model_calls
 
@@ -183,7 +201,9 @@ def chi_square_p(counts, probs):
 
     expected = probs.flatten() * counts.sum()
     keep = expected > 0
-    return chisquare(counts.flatten()[keep].numpy(), expected[keep].numpy() * counts.sum().item() / expected[keep].sum().item()).pvalue
+    return chisquare(
+        counts.flatten()[keep].numpy(), expected[keep].numpy() * counts.sum().item() / expected[keep].sum().item()
+    ).pvalue
 
 
 def test_speculative_sampling_matches_the_target_distribution():
@@ -240,7 +260,10 @@ def test_real_stream_drafts_are_identical_under_both_schedules():
     """Not only the output: the drafted trees (hence acceptance and call counts) match too."""
     runs = []
     for schedule in ("fused", "deferred"):
-        result = generate(backend_for(4, schedule=schedule), [3, 1, 4, 1, 5],
-                                      DecodeSettings("ss", StopRules(30), tree=TreeSpec.full(3, 2)))
+        result = generate(
+            backend_for(4, schedule=schedule),
+            [3, 1, 4, 1, 5],
+            DecodeSettings("ss", StopRules(30), tree=TreeSpec.full(3, 2)),
+        )
         runs.append((result.token_ids, [(s.accepted_depth, s.tokens) for s in result.run.steps]))
     assert runs[0] == runs[1]

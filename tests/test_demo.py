@@ -17,7 +17,7 @@ from streamfuse.apps.examples import read_examples
 from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
 from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
 from streamfuse.apps.stats import RunStats, comparison, stat_fields
-from streamfuse.runtime import methods
+from streamfuse.methods import registry as methods
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.loader import BACKENDS
 from streamfuse.runtime.trace import RunRecord
@@ -35,7 +35,10 @@ def test_segments_mark_accepted_rejected_and_correction():
     assert builder.add(StepEvent([1], 0, [])) == [Segment(PLAIN, "one")]  # prefill: no draft yet
     # drafted 2 3 9, target agreed on 2 3 then said 4: "9" was rejected, "4" is the correction
     assert builder.add(StepEvent([2, 3, 4], 2, [2, 3, 9])) == [
-        Segment(ACCEPTED, " two three"), Segment(REJECTED, " nine"), Segment(CORRECTION, " four")]
+        Segment(ACCEPTED, " two three"),
+        Segment(REJECTED, " nine"),
+        Segment(CORRECTION, " four"),
+    ]
     assert builder.add(StepEvent([5], 0, [7, 8])) == [Segment(REJECTED, " seven eight"), Segment(CORRECTION, " five")]
     # a stop rule inside the accepted drafts: no correction, so nothing was rejected either
     assert builder.add(StepEvent([6], 1, [6, 10])) == [Segment(ACCEPTED, " six")]
@@ -50,8 +53,16 @@ def test_output_text_drops_rejected_drafts():
 def test_stats_call_reduction_and_mean_accepted_length():
     stats = RunStats("ss")
     assert stats.call_reduction is None and stats.mean_accepted is None and stats.tokens_per_second is None
-    assert dict(stat_fields(stats)) == {"tokens": "0", "tokens/s": "-", "model calls": "0", "CR": "-",
-                                        "mean accepted": "-", "fallback": "-", "time": "-", "stop": "-"}
+    assert dict(stat_fields(stats)) == {
+        "tokens": "0",
+        "tokens/s": "-",
+        "model calls": "0",
+        "CR": "-",
+        "mean accepted": "-",
+        "fallback": "-",
+        "time": "-",
+        "stop": "-",
+    }
     stats.add(StepEvent([1], 0, []), 0.5)  # prefill: a call, not a verify step
     stats.add(StepEvent([2, 3, 4], 2, [2, 3, 9]), 1.0)
     stats.add(StepEvent([5], 0, [7, 8]), 2.0)
@@ -69,9 +80,14 @@ def test_stats_call_reduction_and_mean_accepted_length():
 
 
 def test_comparison_line():
-    ar, ss = RunStats("ar", 10, 10, seconds=2.0, stop_reason="eos"), RunStats("ss", 10, 5, seconds=1.0, stop_reason="eos")
+    ar, ss = (
+        RunStats("ar", 10, 10, seconds=2.0, stop_reason="eos"),
+        RunStats("ss", 10, 5, seconds=1.0, stop_reason="eos"),
+    )
     assert comparison(ar, ss, True) == "SS vs AR: speed 2.00x, model calls 5 vs 10, same output"
-    assert comparison(ar, RunStats("ss", stop_reason="stopped"), False).endswith("outputs differ (expected only when sampling)")
+    assert comparison(ar, RunStats("ss", stop_reason="stopped"), False).endswith(
+        "outputs differ (expected only when sampling)"
+    )
 
 
 def test_examples_read_dialogsum_rows(checkpoint):
@@ -95,8 +111,11 @@ def test_session_streams_segments_and_speculation_is_lossless(session, checkpoin
     outputs = {}
     for method in ("ar", "ss"):
         segments = []
-        stats = session.generate(GenerationRequest(method, dialogue(checkpoint), max_new_tokens=16),
-                                 lambda new, _stats: segments.extend(new), threading.Event())
+        stats = session.generate(
+            GenerationRequest(method, dialogue(checkpoint), max_new_tokens=16),
+            lambda new, _stats: segments.extend(new),
+            threading.Event(),
+        )
         outputs[method] = (output_text(segments), stats)
     (ar_text, ar), (ss_text, ss) = outputs["ar"], outputs["ss"]
     assert ar_text and ss_text == ar_text  # same tokens: speculative decoding is exact
@@ -106,8 +125,9 @@ def test_session_streams_segments_and_speculation_is_lossless(session, checkpoin
 
 def test_session_stop_ends_after_the_current_step(session, checkpoint):
     stop = threading.Event()
-    stats = session.generate(GenerationRequest("ss", dialogue(checkpoint), max_new_tokens=16),
-                             lambda _new, _stats: stop.set(), stop)
+    stats = session.generate(
+        GenerationRequest("ss", dialogue(checkpoint), max_new_tokens=16), lambda _new, _stats: stop.set(), stop
+    )
     assert stats.stop_reason == "stopped" and stats.model_calls == 1
 
 
@@ -125,6 +145,7 @@ def test_session_reports_bad_requests(session, tmp_path):
 
 
 # --- the window, off screen ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def qapp():
@@ -186,14 +207,17 @@ def test_window_runs_both_panes_through_the_worker(qapp, checkpoint):
         assert ss_pane.stat_values["model calls"].text() == str(ss.model_calls)
         assert ss_pane.stat_values["stop"].text() == dict(stat_fields(ss))["stop"] != "running"
         assert window.both_button.isEnabled() and not window.stop_button.isEnabled()
-        assert window.comparison.text().startswith("SS vs AR: speed") and window.comparison.text().endswith("same output")
+        assert window.comparison.text().startswith("SS vs AR: speed") and window.comparison.text().endswith(
+            "same output"
+        )
     finally:
         window.close()
 
 
 def test_window_stop_cancels_the_running_and_the_queued_generation(qapp, checkpoint):
-    window = open_window(checkpoint / "ckpt", read_examples(checkpoint / "data" / "dialogsum.test.jsonl"),
-                         max_new_tokens=200)
+    window = open_window(
+        checkpoint / "ckpt", read_examples(checkpoint / "data" / "dialogsum.test.jsonl"), max_new_tokens=200
+    )
     try:
         wait_for(qapp, lambda: not window.loading)
         window.both_button.click()
@@ -213,7 +237,7 @@ def test_window_without_artifact_says_how_to_build_one(qapp):
         assert "make build" in window.panes[0].output.toPlainText()
         assert [window.backend_box.itemText(i) for i in range(window.backend_box.count())] == list(BACKENDS)
         window.both_button.click()  # nothing loaded: an explanation, not a crash
-        assert window.banner.isVisibleTo(window) and "export/build.py" in window.banner.text()
+        assert window.banner.isVisibleTo(window) and "streamfuse build" in window.banner.text()
     finally:
         window.close()
 
@@ -231,12 +255,17 @@ def test_window_shows_load_errors(qapp, tmp_path):
 
 # --- the real app under a virtual X server -----------------------------------------------------
 
+
 def start_xvfb() -> tuple[subprocess.Popen, str]:
     """Xvfb on a free display number: it writes the number it took, then a newline, to
     -displayfd once it accepts connections (closing the pipe before the newline kills it)."""
     read_end, write_end = os.pipe()
-    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x1024x24", "-nolisten", "tcp"],
-                              pass_fds=(write_end,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        ["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x1024x24", "-nolisten", "tcp"],
+        pass_fds=(write_end,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(write_end)
     answer, deadline = b"", time.monotonic() + 15
     while not answer.endswith(b"\n") and time.monotonic() < deadline:
@@ -262,15 +291,28 @@ def test_app_under_xvfb_saves_a_screenshot(qapp, checkpoint, tmp_path):
         env = {**os.environ, "DISPLAY": display}
         env.pop("QT_QPA_PLATFORM")  # the real xcb platform this time
         shot = tmp_path / "demo.png"
-        command = [sys.executable, str(ROOT / "apps" / "demo.py"), "--artifact", str(checkpoint / "ckpt"),
-                   "--examples", str(checkpoint / "data" / "dialogsum.test.jsonl"), "--max-new-tokens", "16",
-                   "--autorun", "--screenshot", str(shot), "--quit-after"]
+        command = [
+            sys.executable,
+            str(ROOT / "apps" / "demo.py"),
+            "--artifact",
+            str(checkpoint / "ckpt"),
+            "--examples",
+            str(checkpoint / "data" / "dialogsum.test.jsonl"),
+            "--max-new-tokens",
+            "16",
+            "--autorun",
+            "--screenshot",
+            str(shot),
+            "--quit-after",
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     finally:
         server.terminate()
         server.wait(10)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "demo: platform xcb" in done.stdout and "demo: ar: tokens" in done.stdout and "demo: ss: tokens" in done.stdout
+    assert (
+        "demo: platform xcb" in done.stdout and "demo: ar: tokens" in done.stdout and "demo: ss: tokens" in done.stdout
+    )
     image = Image.open(shot).convert("RGB")
     assert image.width >= 800 and image.height >= 600
     colours = image.getcolors(maxcolors=1 << 20)

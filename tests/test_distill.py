@@ -10,9 +10,11 @@ from streamfuse.training.data import Encoded
 
 from conftest import make_tiny_llama, make_tiny_tokenizer
 
-PROMPTS = ["<|im_start|> user the time of day <|im_end|> <|im_start|> assistant",
-           "<|im_start|> user people and words <|im_end|> <|im_start|> assistant",
-           "<|im_start|> user one <|im_end|> <|im_start|> assistant"]
+PROMPTS = [
+    "<|im_start|> user the time of day <|im_end|> <|im_start|> assistant",
+    "<|im_start|> user people and words <|im_end|> <|im_start|> assistant",
+    "<|im_start|> user one <|im_end|> <|im_start|> assistant",
+]
 IDS = ["a", "b", "c"]
 
 
@@ -61,8 +63,10 @@ def test_cached_answers_are_reused_and_a_torn_line_is_regenerated(tmp_path, monk
     assert len(cache.read_text().splitlines()) == 3
 
 
-@pytest.mark.parametrize("targets, rows, main_loss", [("own", 2, [True, True]), ("frozen", 2, [False, False]),
-                                                      ("references", 3, [True, False, False])])
+@pytest.mark.parametrize(
+    "targets, rows, main_loss",
+    [("own", 2, [True, True]), ("frozen", 2, [False, False]), ("references", 3, [True, False, False])],
+)
 def test_distill_rows_by_main_targets(targets, rows, main_loss):
     """Unfinished own answers are dropped; the main stream trains on what main_targets names."""
     answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1), Encoded("c", [5, 2], 1)]
@@ -73,7 +77,9 @@ def test_distill_rows_by_main_targets(targets, rows, main_loss):
 
 def test_frozen_with_references_trains_the_streams_on_both():
     answers = [Encoded("a", [5, 9, 2], 1), Encoded("b", [5, 9, 9], 1)]
-    items, finished = distill.distill_rows(answers, [Encoded("ref", [5, 6, 7], 2)], 2, "frozen", 3, with_references=True)
+    items, finished = distill.distill_rows(
+        answers, [Encoded("ref", [5, 6, 7], 2)], 2, "frozen", 3, with_references=True
+    )
     assert finished == 1 and [item.id for item in items] == ["ref", "a"]
     assert [item.main_loss for item in items] == [False, False]
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from streamfuse.adapters.config import LoraSettings
-from streamfuse.adapters.draft_model import draft_model
 from streamfuse.adapters.hf import decoder_parts, keep_first_layers
-from streamfuse.runtime.backends.pytorch import TorchBackend
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods.sd.drafter import ModelDrafter
+from streamfuse.methods.sd.model import draft_model
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.model_drafter import ModelDrafter
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.training.config import TrainConfig

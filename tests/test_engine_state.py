@@ -10,11 +10,11 @@ import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.eager import TorchBackend
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
 from streamfuse.export.span_attention import span_model
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.backends.base import EngineError
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.sessions import MissingBackend, OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.decode import generate
@@ -27,9 +27,11 @@ from conftest import make_tiny_llama
 
 TREE = TreeSpec.full(3, 2)  # node 2 is stream 1's second rank: a path through it moves rows
 PROMPT = [5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33]
-SETTINGS = [DecodeSettings("ss", StopRules(12), tree=TREE),
-            DecodeSettings("ss", StopRules(12), tree=TREE, sampling=SamplingConfig(temperature=1.0), seed=3),
-            DecodeSettings("ar", StopRules(12))]
+SETTINGS = [
+    DecodeSettings("ss", StopRules(12), tree=TREE),
+    DecodeSettings("ss", StopRules(12), tree=TREE, sampling=SamplingConfig(temperature=1.0), seed=3),
+    DecodeSettings("ar", StopRules(12)),
+]
 # Where a generation's call fails: (call number, whether the engine ran it first); calls 1-2 are the prefill's.
 FAILURES = [(1, False), (2, True), (3, True), (5, False), (6, True)]
 
@@ -91,8 +93,11 @@ def check_recovery(backend, fresh) -> None:
     expected = [tokens(fresh, settings) for settings in SETTINGS]
     for ran in (True, False):
         fail_with_moves_pending(backend, ran)
-        with pytest.raises(EngineError, match=r"last call \(step_15\) raised InjectedFailure, so its KV cache is "
-                                              r"unknown; reset the backend"):
+        with pytest.raises(
+            EngineError,
+            match=r"last call \(step_15\) raised InjectedFailure, so its KV cache is "
+            r"unknown; reset the backend",
+        ):
             backend.step([45], None, with_streams=False)
         with pytest.raises(EngineError, match="reset the backend"):
             backend.commit([0])
@@ -151,8 +156,11 @@ def test_the_load_check_passes_an_engine_that_writes_in_place_and_leaves_no_trac
 @torch.no_grad()
 def test_an_engine_that_copies_its_inputs_is_refused_at_load_in_one_line(model):
     session, spec = engine_graphs(model)
-    with pytest.raises(EngineError, match=r"^copying did not write the KV cache in place \(a one-token call at load "
-                                          r"left the host's keys unchanged\): it copies its inputs") as caught:
+    with pytest.raises(
+        EngineError,
+        match=r"^copying did not write the KV cache in place \(a one-token call at load "
+        r"left the host's keys unchanged\): it copies its inputs",
+    ) as caught:
         StaticGraphBackend.checked(Copying(session), spec)
     assert "\n" not in str(caught.value)
     unchecked = StaticGraphBackend(Copying(session), spec)  # what the check prevents: wrong tokens, no error
@@ -168,6 +176,9 @@ def test_host_cache_graphs_need_no_load_check(model):
 
 @pytest.mark.parametrize("provider", ["CUDAExecutionProvider", "TensorrtExecutionProvider", "AzureExecutionProvider"])
 def test_onnxruntime_stays_on_the_providers_that_run_our_ops(provider, tmp_path):
-    with pytest.raises(MissingBackend, match=rf"^onnxruntime provider {provider} cannot run this model: streamfuse's "
-                                             r"ops in it have kernels for CPUExecutionProvider only"):
+    with pytest.raises(
+        MissingBackend,
+        match=rf"^onnxruntime provider {provider} cannot run this model: streamfuse's "
+        r"ops in it have kernels for CPUExecutionProvider only",
+    ):
         OnnxRuntimeSession(tmp_path / "model.onnx", provider=provider)

@@ -16,7 +16,7 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 
 from conftest import write_checkpoint
-from test_export import DRAFT, prompts
+from tiny_export import DRAFT, prompts
 
 pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
 
@@ -25,8 +25,16 @@ FORMATS = ("q4-native", "int8")
 
 def config(fmt: str) -> ExportConfig:
     # the default 4-node chain (streams beside every node): a chain step's rows are exactly plain decoding's
-    return ExportConfig(backends=("onnxruntime",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
-                        quantize=fmt, parity_prompts=4, greedy_schedule="fused")
+    return ExportConfig(
+        backends=("onnxruntime",),
+        trees=("gamma=3,k=1",),
+        buckets=(4,),
+        capacity=128,
+        prefill_chunk=16,
+        quantize=fmt,
+        parity_prompts=4,
+        greedy_schedule="fused",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +45,11 @@ def gguf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifacts(gguf_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("low-bit")
-    return {fmt: ArtifactBuilder(gguf_checkpoint / "ckpt", out / fmt, config(fmt), prompts(4), 24, {}, DRAFT).build()
-            and out / fmt for fmt in FORMATS}
+    return {
+        fmt: ArtifactBuilder(gguf_checkpoint / "ckpt", out / fmt, config(fmt), prompts(4), 24, {}, DRAFT).build()
+        and out / fmt
+        for fmt in FORMATS
+    }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -63,8 +74,10 @@ def assert_lossless(loaded, prompt_list, rules: StopRules) -> None:
     """SS equals the backend's own plain decoding on every prompt, greedy and sampled (one seed each)."""
     sampling = SamplingConfig(temperature=0.9, top_k=20)
     for seed, ids in enumerate(prompt_list):
-        for settings in (DecodeSettings("ss", rules, tree=loaded.tree),
-                         DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed)):
+        for settings in (
+            DecodeSettings("ss", rules, tree=loaded.tree),
+            DecodeSettings("ss", rules, tree=loaded.tree, sampling=sampling, seed=seed),
+        ):
             plain = generate(loaded.backend, ids, settings).token_ids
             assert generate(loaded.backend, ids, settings).token_ids == plain
 
@@ -101,7 +114,7 @@ def test_every_norm_of_every_method_runs_one_kernel_and_projections_are_packed(a
     one streamfuse.Q4Linear with the LoRA inside, no MatMul left), the head one streamfuse.Q8Linear in q4-native."""
     import onnx
 
-    from streamfuse.runtime.backends.static_graph import method_names
+    from streamfuse.runtime.contract import method_names
 
     model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
     for method in method_names((4,)):
@@ -114,22 +127,36 @@ def test_every_norm_of_every_method_runs_one_kernel_and_projections_are_packed(a
             assert ops.count("Q8Linear") == 1 and "MatMulNBits" not in ops and "MatMul" not in ops, method
 
 
-LAYOUT_OPS = ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Slice", "Concat", "Identity")
+LAYOUT_OPS = (
+    "Reshape",
+    "Transpose",
+    "Cast",
+    "Unsqueeze",
+    "Squeeze",
+    "Flatten",
+    "Expand",
+    "Slice",
+    "Concat",
+    "Identity",
+)
 
 
 def test_no_method_folds_a_copy_of_a_weight(artifacts):
     """ONNX Runtime constant-folds a layout op on an initializer into a new tensor, in each method's
-    branch: a Reshape of the LM head's scales was a 3.5 MB copy per method on SmolLM2."""
+    branch: a Reshape of the LM head's scales would be a 3.5 MB copy per method on SmolLM2."""
     import onnx
 
-    from streamfuse.runtime.backends.static_graph import method_names
+    from streamfuse.runtime.contract import method_names
 
     for fmt in ("q4-native", "int8"):
         model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
         stored = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
         for method in method_names((4,)):
-            folded = [(n.op_type, n.input[0]) for n in method_graph(model, method).node
-                      if n.op_type in LAYOUT_OPS and n.input and n.input[0] in stored]
+            folded = [
+                (n.op_type, n.input[0])
+                for n in method_graph(model, method).node
+                if n.op_type in LAYOUT_OPS and n.input and n.input[0] in stored
+            ]
             assert not folded, (fmt, method, folded)
 
 
@@ -161,8 +188,11 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
             heads = 4 if ".attn_q." in tensor.name else 2
             weight = weight.reshape(heads, -1, 2, weight.shape[1]).swapaxes(2, 1).reshape(weight.shape)
         rows = len(weight)
-        assert any(np.array_equal(matrix[start:start + rows], weight.astype(np.float32)) for matrix in exported
-                   for start in range(0, len(matrix) - rows + 1, rows)), tensor.name
+        assert any(
+            np.array_equal(matrix[start : start + rows], weight.astype(np.float32))
+            for matrix in exported
+            for start in range(0, len(matrix) - rows + 1, rows)
+        ), tensor.name
 
 
 def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoint, tmp_path):
@@ -178,9 +208,20 @@ def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp
     weights: the manifest says what it is and how far its weights are from the GGUF's; SS == its own plain
     decoding, greedy and sampled."""
     pytest.importorskip("executorch", reason="the executorch extra is not installed")
-    shallow = write_checkpoint(tmp_path / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
-    fmt_config = ExportConfig(backends=("executorch",), trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
-                              quantize="q4-native", parity_prompts=3, greedy_schedule="fused", pte_linear=linear)
+    shallow = write_checkpoint(
+        tmp_path / "shallow", layers=2, msa_layers=1, gguf=True
+    )  # lowering time grows with depth
+    fmt_config = ExportConfig(
+        backends=("executorch",),
+        trees=("gamma=3,k=1",),
+        buckets=(4,),
+        capacity=128,
+        prefill_chunk=16,
+        quantize="q4-native",
+        parity_prompts=3,
+        greedy_schedule="fused",
+        pte_linear=linear,
+    )
     out = tmp_path / "q4-executorch"
     manifest = ArtifactBuilder(shallow / "ckpt", out, fmt_config, prompts(3), 24, {}, DRAFT).build()
     details = manifest["graphs"]["formats"]["executorch"]
@@ -216,9 +257,28 @@ def test_bench_runs_several_artifacts_in_one_interleaved_run(artifacts, gguf_che
 
     data = write_tiny_dialogsum(tmp_path / "data")
     entries = [f"onnxruntime@{artifacts[fmt]}" for fmt in FORMATS]
-    code = bench.main(["--artifact", str(artifacts["q4-native"]), "--task", "dialogsum", "--input-file",
-                       str(data / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "0", "--max-new-tokens", "8",
-                       "--threads", "1", "--backends", ",".join(entries), "--out", str(tmp_path / "bench")])
+    code = bench.main(
+        [
+            "--artifact",
+            str(artifacts["q4-native"]),
+            "--task",
+            "dialogsum",
+            "--input-file",
+            str(data / "dialogsum.test.jsonl"),
+            "--limit",
+            "2",
+            "--warmup",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--backends",
+            ",".join(entries),
+            "--out",
+            str(tmp_path / "bench"),
+        ]
+    )
     assert code == 0
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = {r["name"]: r for r in report["table"]}

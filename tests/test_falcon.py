@@ -7,21 +7,28 @@ import numpy as np
 import pytest
 import torch
 
-from streamfuse.adapters.falcon import FalconModel, load_drafter, save_drafter
-from streamfuse.export.falcon_graph import FalconPassModule, export_drafter, max_difference
-from streamfuse.export.parallel_graph import EagerSession
-from streamfuse.runtime.backends.falcon_graph import GraphFalconPass
-from streamfuse.runtime.backends.falcon_torch import TorchFalconPass
+from streamfuse.methods.falcon.drafter import FalconDrafter, block_visibility, top_path
+from streamfuse.methods.falcon.graph import FalconPassModule, export_drafter, max_difference
+from streamfuse.methods.falcon.graph_pass import GraphFalconPass
+from streamfuse.methods.falcon.heldout import replay, tree_accepted
+from streamfuse.methods.falcon.model import FalconModel, load_drafter, save_drafter
+from streamfuse.methods.falcon.torch_pass import TorchFalconPass
+from streamfuse.methods.falcon.train import (
+    FalconTraining,
+    _rank_in_group,
+    falcon_layout,
+    forward,
+    glanced_inputs,
+    pack,
+    train_falcon,
+)
+from streamfuse.methods.fused.graph import EagerSession
+from streamfuse.methods.fused.train import IGNORE, answer_states
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.falcon_drafter import FalconDrafter, block_visibility, top_path
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training.falcon import (FalconTraining, _rank_in_group, falcon_layout, forward, glanced_inputs, pack,
-                                        train_falcon)
-from streamfuse.training.falcon_heldout import replay, tree_accepted
-from streamfuse.training.parallelspec import IGNORE, answer_states
 
 from test_decode import backend_for, chi_square_p, exact_joint
 from test_parallelspec import own_answers
@@ -33,24 +40,28 @@ LAYOUT = (
     [0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3],
     [IGNORE] * 4 + [2, 3, IGNORE, IGNORE, 3, IGNORE, IGNORE],
     [-1] * 4 + [-1, -1, 4, 5, -1, -1, 8],
-    [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],   # r0..r3: causal
-     [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-     [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
-     [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
-     [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],   # t=1 block 1: the real rows up to t (its own block's keys)
-     [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-     [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0],   # t=1 block 2: those and all of block 2
-     [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0],
-     [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],   # t=2 block 1
-     [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
-     [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1]],  # t=2 block 2 (cut short by the answer's end)
+    [
+        [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # r0..r3: causal
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # t=1 block 1: the real rows up to t (its own block's keys)
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0],  # t=1 block 2: those and all of block 2
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],  # t=2 block 1
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1],
+    ],  # t=2 block 2 (cut short by the answer's end)
 )
 
 # block_visibility(slot 1 of 2 slots, 3 real of 4 rows, k = 2): slots s0 s1 | r0 r1 r2 pad.
-BLOCK = [[1, 0, 1, 0, 0, 0],  # r0: slots below 1, itself
-         [1, 0, 1, 1, 1, 0],  # r1, r2: the block, each sees the other
-         [1, 0, 1, 1, 1, 0],
-         [0, 0, 0, 0, 0, 1]]  # pad: itself only
+BLOCK = [
+    [1, 0, 1, 0, 0, 0],  # r0: slots below 1, itself
+    [1, 0, 1, 1, 1, 0],  # r1, r2: the block, each sees the other
+    [1, 0, 1, 1, 1, 0],
+    [0, 0, 0, 0, 0, 1],
+]  # pad: itself only
 
 
 def test_falcon_layout_table():
@@ -94,8 +105,15 @@ def test_the_training_layout_gives_the_runtime_passes_outputs():
         engine.reset()
         features, out = engine.run(states[: t + 1].numpy(), answer[: t + 1], 40, 0)
         for block in (1, 2, 3):
-            rows = ((layout.group == t) & (layout.inputs >= t - 1 + 2 * (block - 1))
-                    & (layout.inputs <= t + 2 * (block - 1))).nonzero().flatten()
+            rows = (
+                (
+                    (layout.group == t)
+                    & (layout.inputs >= t - 1 + 2 * (block - 1))
+                    & (layout.inputs <= t + 2 * (block - 1))
+                )
+                .nonzero()
+                .flatten()
+            )
             np.testing.assert_allclose(out[: len(rows)], logits[rows].detach().numpy(), atol=1e-4)
             np.testing.assert_allclose(features[: len(rows)], predicted[rows].detach().numpy(), atol=1e-4)
             top = drafter.vocab_ids[torch.as_tensor(out).argmax(-1)].tolist()
@@ -128,8 +146,15 @@ def test_a_tree_without_its_top_path_or_deeper_than_the_graphs_scratch_is_a_one_
         FalconDrafter(engine, TreeSpec.chain(5), SamplingConfig(), 0, max_passes=2)
 
 
-@pytest.mark.parametrize("block,tree", [(2, TreeSpec.chain(4)), (2, TreeSpec.full(3, 2)), (1, TreeSpec.full(2, 2)),
-                                        (3, TreeSpec.parse("[[0],[1],[0,0],[0,0,0],[0,0,0,0]]"))])
+@pytest.mark.parametrize(
+    "block,tree",
+    [
+        (2, TreeSpec.chain(4)),
+        (2, TreeSpec.full(3, 2)),
+        (1, TreeSpec.full(2, 2)),
+        (3, TreeSpec.parse("[[0],[1],[0,0],[0,0,0],[0,0,0,0]]")),
+    ],
+)
 @pytest.mark.parametrize("noise", [0.0, 0.5])
 def test_greedy_falcon_equals_plain_greedy(block, tree, noise):
     backend = backend_for(3, schedule="deferred")
@@ -147,8 +172,16 @@ def test_greedy_falcon_equals_plain_greedy(block, tree, noise):
 
 def eager_graph(backend, drafter, rows: int = 4, slots: int = 64, embedding=None) -> GraphFalconPass:
     table = backend.model.parts.embed.weight.detach().numpy() if embedding is None else embedding
-    return GraphFalconPass(EagerSession(FalconPassModule(drafter.eval(), rows)), table, drafter.vocab_ids.numpy(),
-                           drafter.block, rows, slots, (2, 8), backend.vocab_size)
+    return GraphFalconPass(
+        EagerSession(FalconPassModule(drafter.eval(), rows)),
+        table,
+        drafter.vocab_ids.numpy(),
+        drafter.block,
+        rows,
+        slots,
+        (2, 8),
+        backend.vocab_size,
+    )
 
 
 def test_the_static_pass_with_pad_rows_and_chunks_equals_the_torch_pass():
@@ -167,14 +200,17 @@ def test_greedy_falcon_on_the_static_pass_equals_plain_greedy():
     for prompt in ([4, 8, 15, 16], [23, 42]):
         plain = generate(backend, prompt, DecodeSettings("ar", rules))
         settings = DecodeSettings("falcon", rules, tree=tree)
-        assert generate(backend, prompt, settings, drafter=FalconDrafter(engine, tree, settings.sampling, 0)).token_ids == \
-            plain.token_ids
+        assert (
+            generate(backend, prompt, settings, drafter=FalconDrafter(engine, tree, settings.sampling, 0)).token_ids
+            == plain.token_ids
+        )
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "executorch"])
 def test_the_exported_pass_matches_eager_and_decodes_plain_greedy(engine, tmp_path):
-    pytest.importorskip({"onnxruntime": "onnxruntime", "executorch": "executorch.runtime"}[engine],
-                        reason=f"{engine} is not installed")
+    pytest.importorskip(
+        {"onnxruntime": "onnxruntime", "executorch": "executorch.runtime"}[engine], reason=f"{engine} is not installed"
+    )
     backend = backend_for(3, schedule="deferred")
     drafter = drafter_for(backend, noise=0.5, vocab=list(range(0, 97, 2)))
     entry = export_drafter(drafter, backend.model.parts.embed, 4, 64, 3, [engine], tmp_path)
@@ -191,10 +227,12 @@ def test_the_exported_pass_matches_eager_and_decodes_plain_greedy(engine, tmp_pa
 def joint_counts(backend, engine, runs):
     counts = torch.zeros(8, 8)
     for seed in range(runs):
-        settings = DecodeSettings("falcon", StopRules(2), tree=TreeSpec.full(2, 2), sampling=SamplingConfig(1.0),
-                                  seed=seed)
-        tokens = generate(backend, [1, 2], settings, drafter=FalconDrafter(engine, settings.tree, settings.sampling,
-                                                                           seed)).token_ids
+        settings = DecodeSettings(
+            "falcon", StopRules(2), tree=TreeSpec.full(2, 2), sampling=SamplingConfig(1.0), seed=seed
+        )
+        tokens = generate(
+            backend, [1, 2], settings, drafter=FalconDrafter(engine, settings.tree, settings.sampling, seed)
+        ).token_ids
         counts[tokens[0], tokens[1]] += 1
     return counts
 
@@ -227,8 +265,13 @@ def test_training_on_the_targets_own_answers_raises_tokens_per_step(tmp_path):
     states = answer_states(backend.model, items, tmp_path / "states.safetensors")
     drafter, tree = drafter_for(backend), TreeSpec.chain(4)
     before = tokens_per_step(backend, torch_pass(backend, drafter), prompts[:8], tree)
-    result = train_falcon(drafter, backend.model.parts.embed, items, states,
-                          FalconTraining(epochs=30, learning_rate=3e-3, items=4, distill_weight=1.0))
+    result = train_falcon(
+        drafter,
+        backend.model.parts.embed,
+        items,
+        states,
+        FalconTraining(epochs=30, learning_rate=3e-3, items=4, distill_weight=1.0),
+    )
     save_drafter(drafter, tmp_path / "drafter", {"training_key": "t"})
     loaded = load_drafter(tmp_path / "drafter", backend.model.model)
     after = tokens_per_step(backend, torch_pass(backend, loaded), prompts[:8], tree)
@@ -238,12 +281,12 @@ def test_training_on_the_targets_own_answers_raises_tokens_per_step(tmp_path):
 
 # tree_accepted: drafted tokens per depth (best first), the target's tokens, the tree's widths -> accepted tokens.
 ACCEPTED = [
-    ({1: [5, 6], 2: [7, 8]}, [5, 7], [1, 1], 2),      # the chain matches to its end
-    ({1: [5, 6], 2: [7, 8]}, [6, 9], [2, 1], 1),      # depth 1's sibling matches: it has no children
-    ({1: [5, 6], 2: [7, 8]}, [6, 9], [1, 1], 0),      # a chain has no sibling to take
-    ({1: [5, 6], 2: [7, 8]}, [5, 8], [1, 2], 2),      # depth 2's sibling
-    ({1: [5, 6], 2: [7, 8]}, [5], [1, 1], 1),         # the answer ends first
-    ({1: [5, 6]}, [5, 7], [1, 1], 1),                 # nothing drafted at depth 2
+    ({1: [5, 6], 2: [7, 8]}, [5, 7], [1, 1], 2),  # the chain matches to its end
+    ({1: [5, 6], 2: [7, 8]}, [6, 9], [2, 1], 1),  # depth 1's sibling matches: it has no children
+    ({1: [5, 6], 2: [7, 8]}, [6, 9], [1, 1], 0),  # a chain has no sibling to take
+    ({1: [5, 6], 2: [7, 8]}, [5, 8], [1, 2], 2),  # depth 2's sibling
+    ({1: [5, 6], 2: [7, 8]}, [5], [1, 1], 1),  # the answer ends first
+    ({1: [5, 6]}, [5, 7], [1, 1], 1),  # nothing drafted at depth 2
 ]
 
 

@@ -64,13 +64,16 @@ def test_plain_stretches_double_after_each_failed_probe_and_reset_after_one_that
     assert stretches == [4, 8, 8, 0, 4]  # doubled up to max_pause; a probe that pays resets it
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"step_cost": 0.0}, "step_cost must be > 0"),
-    ({"step_cost": 1.2, "block": 0}, "block and probe must be >= 1"),
-    ({"step_cost": 1.2, "pause": 0}, "pause must be in"),
-    ({"step_cost": 1.2, "pause": 600}, "pause must be in"),
-    ({"step_cost": 1.2, "tree_costs": (("a", 0.0),)}, "tree_costs must be > 0"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"step_cost": 0.0}, "step_cost must be > 0"),
+        ({"step_cost": 1.2, "block": 0}, "block and probe must be >= 1"),
+        ({"step_cost": 1.2, "pause": 0}, "pause must be in"),
+        ({"step_cost": 1.2, "pause": 600}, "pause must be in"),
+        ({"step_cost": 1.2, "tree_costs": (("a", 0.0),)}, "tree_costs must be > 0"),
+    ],
+)
 def test_bad_fallback_settings_are_clear_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         FallbackConfig(**fields)
@@ -90,8 +93,7 @@ def test_useless_drafts_fall_back_to_within_five_percent_of_plain(schedule):
     useless = OracleDrafts(backend, plain.token_ids, noise=1.0, seed=0)  # random drafts, never the oracle
     config = FallbackConfig(step_cost=1.4)
     trace = Trace()
-    fast = generate(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=config),
-                                trace=trace)
+    fast = generate(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3), fallback=config), trace=trace)
     without = generate(useless, prompt, DecodeSettings("ss", rules, tree=TreeSpec.chain(3)))
     assert fast.token_ids == plain.token_ids == without.token_ids
     run = trace.runs[0]
@@ -121,8 +123,14 @@ def test_sampling_through_switches_matches_plain_sampling_token_for_token():
         plain = generate(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
         drafter = OracleDrafts(backend, plain.token_ids, 0.7, seed)  # some steps pay, some do not
         trace = Trace()
-        settings = DecodeSettings("ss", rules, tree=TreeSpec.full(3, 2), sampling=sampling, seed=seed,
-                                  fallback=FallbackConfig(step_cost=2.0, block=2, probe=1, pause=3))
+        settings = DecodeSettings(
+            "ss",
+            rules,
+            tree=TreeSpec.full(3, 2),
+            sampling=sampling,
+            seed=seed,
+            fallback=FallbackConfig(step_cost=2.0, block=2, probe=1, pause=3),
+        )
         fast = generate(drafter, [4, 5, 6], settings, trace=trace)
         assert fast.token_ids == plain.token_ids
         assert trace.runs[0].switches  # the run did switch

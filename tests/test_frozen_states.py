@@ -31,8 +31,9 @@ def items(tmp_path):
     return [encode(task, tokenizer, ex, 48, 16) for ex in examples]
 
 
-@pytest.mark.parametrize("top_layers, pruning_layer, depth", [(None, None, 0), (3, None, 1), (2, None, 2),
-                                                               (1, None, 2), (1, 1, 1)])
+@pytest.mark.parametrize(
+    "top_layers, pruning_layer, depth", [(None, None, 0), (3, None, 1), (2, None, 2), (1, None, 2), (1, 1, 1)]
+)
 def test_frozen_depth_stops_at_trainable_layers_and_at_what_heads_read(top_layers, pruning_layer, depth):
     streams = dataclasses.replace(STREAMS, pruning_layer=pruning_layer)
     assert model_with_lora(top_layers, streams=streams).frozen_depth() == depth

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from streamfuse.runtime import cli, generate
+from streamfuse.runtime import errors, generate
 
 
 def run_cli(capsys, *argv):
@@ -13,8 +13,19 @@ def run_cli(capsys, *argv):
 
 
 def test_json_records_and_speculative_equals_plain(checkpoint, capsys, tmp_path):
-    common = ["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file",
-              str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "3", "--max-new-tokens", "12", "--json"]
+    common = [
+        "--artifact",
+        str(checkpoint / "ckpt"),
+        "--task",
+        "dialogsum",
+        "--input-file",
+        str(checkpoint / "data" / "dialogsum.test.jsonl"),
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     ss = run_cli(capsys, *common, "--method", "ss", "--trace", str(tmp_path / "ss.json"))
     ar = run_cli(capsys, *common, "--method", "ar")
     assert [r["id"] for r in ss] == ["test_0", "test_1", "test_2"]
@@ -29,7 +40,9 @@ def test_json_records_and_speculative_equals_plain(checkpoint, capsys, tmp_path)
 
 
 def test_plain_prompt(checkpoint, capsys):
-    records = run_cli(capsys, "--artifact", str(checkpoint / "ckpt"), "--prompt", "the water", "--max-new-tokens", "5", "--json")
+    records = run_cli(
+        capsys, "--artifact", str(checkpoint / "ckpt"), "--prompt", "the water", "--max-new-tokens", "5", "--json"
+    )
     assert len(records) == 1 and records[0]["new_tokens"] <= 5 and records[0]["source_truncated"] is False
 
 
@@ -42,21 +55,25 @@ INPUT_FILES = {  # name -> bytes of an --input-file
     "too_long": ('{"dialogue": "' + "the water " * 150 + '"}\n').encode(),  # ~300 tokens, kept whole by default
 }
 
-# The issue's probes: argv (ARTIFACT = the tiny checkpoint, FILE = a file above) -> exit status, stderr's line
+# Probes: argv (ARTIFACT = the tiny checkpoint, FILE = a file above) -> exit status, stderr's line
 PROBES = [
     (["--artifact", "missing", "--prompt", "x"], 1, "missing is not a folder"),
     (["--task", "dialogsum", "--input-file", "FILE:malformed"], 1, "malformed.jsonl:2: not valid JSON"),
     (["--task", "dialogsum", "--input-file", "FILE:no_dialogue"], 1, "no_dialogue.jsonl:2: lacks field 'dialogue'"),
     (["--task", "dialogsum", "--input-file", "FILE:latin1"], 1, "latin1.jsonl:1: not UTF-8 text"),
     (["--task", "dialogsum", "--input-file", "FILE:empty"], 1, "empty.jsonl: no inputs"),
-    (["--task", "dialogsum", "--input-file", "FILE:not_object"], 1, "not_object.jsonl:1: a line must be one JSON object"),
+    (
+        ["--task", "dialogsum", "--input-file", "FILE:not_object"],
+        1,
+        "not_object.jsonl:1: a line must be one JSON object",
+    ),
     (["--input-file", "nowhere.jsonl"], 2, "nowhere.jsonl: no such file"),
     (["--prompt", "x", "--tree", "gamma=x"], 2, "gamma=x"),
     (["--prompt", "x", "--max-new-tokens", "-5"], 2, "max_new_tokens must be > 0, got -5"),
     (["--prompt", "x", "--temperature", "-1"], 2, "need temperature >= 0"),
     (["--prompt", "x", "--top-p", "1.5"], 2, "0 < top_p <= 1"),
     (["--prompt", "x", "--threads", "0"], 2, "--threads must be >= 1, got 0"),
-    (["--prompt", "x", "--threshold", "1.5"], 2, "--threshold is a probability in [0, 1], got 1.5"),
+    (["--prompt", "x", "--threshold", "1.5"], 2, "threshold is a probability in [0, 1], got 1.5"),
     (["--prompt", "x", "--method", "specdec++"], 2, "--set sd.enabled=true --set specdec.enabled=true"),
     (["--prompt", "x", "--method", "ss", "--threshold", "0.3"], 2, "SpecDec++'s, not method ss's"),
     (["--prompt", "x", "--limit", "0"], 2, "--limit must be >= 1"),
@@ -78,7 +95,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(checkpoint, tmp_path, capsys, 
     argv = [resolve(a) for a in argv]
     if "--artifact" not in argv:
         argv = ["--artifact", str(checkpoint / "ckpt"), *argv]
-    assert cli.run(generate.main, argv, prog="generate") == status
+    assert errors.run(generate.main, argv, prog="generate") == status
     err = capsys.readouterr().err
     last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # after any progress bar of the model load
     assert last.startswith("generate: error: ") and message in last and "Traceback" not in err, err
@@ -88,16 +105,31 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(checkpoint, tmp_path, capsys, 
 
 def test_a_source_longer_than_training_is_kept_whole_or_cut_on_request(checkpoint, tmp_path, capsys):
     rows = tmp_path / "long.jsonl"
-    rows.write_text(json.dumps({"id": "long", "dialogue": " ".join(["the water"] * 60)}) + "\n" +
-                    json.dumps({"id": "short", "dialogue": "the water"}) + "\n")
-    argv = ["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file", str(rows),
-            "--max-new-tokens", "3", "--json"]
+    rows.write_text(
+        json.dumps({"id": "long", "dialogue": " ".join(["the water"] * 60)})
+        + "\n"
+        + json.dumps({"id": "short", "dialogue": "the water"})
+        + "\n"
+    )
+    argv = [
+        "--artifact",
+        str(checkpoint / "ckpt"),
+        "--task",
+        "dialogsum",
+        "--input-file",
+        str(rows),
+        "--max-new-tokens",
+        "3",
+        "--json",
+    ]
     whole = run_cli(capsys, *argv)
     cut = run_cli(capsys, *argv, "--cut-source")
     assert [r["source_truncated"] for r in whole] == [False, False]
     assert [r["source_truncated"] for r in cut] == [True, False]
     generate.main(argv[:-1] + ["--limit", "1"])
-    assert "warning: input long: the source is 56 tokens over the 64 the model was fine-tuned on; kept whole" \
+    assert (
+        "warning: input long: the source is 56 tokens over the 64 the model was fine-tuned on; kept whole"
         in capsys.readouterr().err
+    )
     generate.main(argv[:-1] + ["--limit", "1", "--cut-source"])
     assert "the source is 56 tokens over the 64 the model was fine-tuned on; its end is cut" in capsys.readouterr().err

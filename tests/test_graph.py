@@ -14,17 +14,12 @@ from hypothesis import strategies as st
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec, greedy_schedule
+from streamfuse.export.passes import accepted_node
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.accept import accept
 from streamfuse.runtime.backends.base import STREAM_STATES
-from streamfuse.runtime.backends.graph_passes import accepted_node
-from streamfuse.runtime.backends.static_graph import (
-    StaticGraphBackend,
-    base_method,
-    lazy_zeros,
-    method_names,
-    tree_inputs,
-)
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend, lazy_zeros
+from streamfuse.runtime.contract import base_method, method_names, tree_inputs
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import ranked
@@ -85,8 +80,13 @@ def test_greedy_step_equals_step_then_accept_commit_and_streams(tree, draft_ids,
     root = 17
     for _ in range(6):
         tokens = draft_the_targets(session, backend, tree, root, rng)
-        inputs = [np.array([tokens]), np.array([backend.length]), *tree_inputs(tree, tree.num_nodes),
-                  backend.keys.copy(), backend.values.copy()]
+        inputs = [
+            np.array([tokens]),
+            np.array([backend.length]),
+            *tree_inputs(tree, tree.num_nodes),
+            backend.keys.copy(),
+            backend.values.copy(),
+        ]
         targets, accepted, drafts, new_keys, new_values, states = session.run(f"greedy_step_{tree.num_nodes}", inputs)
         reference = backend.step(tokens, tree, with_streams=True)  # the separate step + streams calls
         assert targets.tolist() == reference.main_logits.argmax(-1).tolist()
@@ -137,8 +137,13 @@ def test_auto_schedule_fuses_small_buckets_only():
 TREE_INPUTS = [
     (TreeSpec.chain(2), 3, [[1, 0, 0], [1, 1, 0], [1, 1, 1]], [0, 1, 2], [0, 0, 1]),
     (TreeSpec.chain(1), 4, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], [0, 1, -1, -1], [0, 0, 0, 0]),
-    (TreeSpec(((0,), (1,), (1, 0))), 4, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], [0, 1, 1, 2],
-     [0, 0, 0, 2]),
+    (
+        TreeSpec(((0,), (1,), (1, 0))),
+        4,
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]],
+        [0, 1, 1, 2],
+        [0, 0, 0, 2],
+    ),
 ]
 
 
@@ -151,8 +156,13 @@ def test_a_tree_is_data_padded_to_its_bucket(tree, rows, visible, depths, parent
 
 
 # method name -> the method whose tensors it has
-BASE_METHODS = [("prefill", "prefill"), ("step_4", "step"), ("greedy_step_12", "greedy_step"), ("streams", "streams"),
-                ("decode_1", "decode_1")]
+BASE_METHODS = [
+    ("prefill", "prefill"),
+    ("step_4", "step"),
+    ("greedy_step_12", "greedy_step"),
+    ("streams", "streams"),
+    ("decode_1", "decode_1"),
+]
 
 
 @pytest.mark.parametrize("name, base", BASE_METHODS)
@@ -164,7 +174,7 @@ def test_bucket_methods_are_named_by_their_rows(name, base):
 def test_the_host_cache_holds_the_pages_of_the_rows_written_not_its_capacity():
     """SmolLM2's cache at 2,048 slots (47 MiB): 16 rows written in each (layer, KV head) block fill one page
     of each, not the blocks (NumPy's own large arrays take huge pages: a 2 MiB page per first write)."""
-    from streamfuse.tools.memory import resident_bytes
+    from streamfuse.tools.process_memory import resident_bytes
 
     keys = lazy_zeros((30, 3, 2048, 64))
     assert keys.dtype == np.float32 and keys.flags.writeable and resident_bytes(keys) == 0
@@ -207,13 +217,19 @@ def test_each_tree_runs_in_the_smallest_bucket_holding_it_and_a_larger_one_is_a_
     backend = StaticGraphBackend(session, graph_spec(model, shapes, ["fused", "deferred"]))
     backend.reset(64)
     backend.prefill([1, 2, 3], with_streams=False)
-    for tree, rows in ((TreeSpec.chain(1), 4), (TreeSpec.chain(3), 4), (TreeSpec.full(2, 2), 8),
-                       (TreeSpec(((0,), (1,), (0, 0), (1, 0))), 8)):
+    for tree, rows in (
+        (TreeSpec.chain(1), 4),
+        (TreeSpec.chain(3), 4),
+        (TreeSpec.full(2, 2), 8),
+        (TreeSpec(((0,), (1,), (0, 0), (1, 0))), 8),
+    ):
         backend.step([4] * tree.num_nodes, tree, with_streams=True, greedy=True)
         backend.step([4] * tree.num_nodes, tree, with_streams=True)
         assert session.calls[-2:] == [f"greedy_step_{rows}", f"step_{rows}"]
         assert backend.stream_schedule(tree) == ("fused" if rows == 4 else "deferred")
-    with pytest.raises(ValueError, match="a tree of 9 nodes is larger than the artifact's largest step graph \\(8 rows"):
+    with pytest.raises(
+        ValueError, match="a tree of 9 nodes is larger than the artifact's largest step graph \\(8 rows"
+    ):
         backend.step([4] * 9, TreeSpec.chain(8), with_streams=True)
     wide = TreeSpec(((0,), (11,)))  # rank 11: wider than greedy_step's 9 drafts, so step + streams
     assert backend.stream_schedule(wide) == "deferred"
@@ -227,8 +243,9 @@ def test_a_run_reserves_its_trees_bucket_rows_so_it_never_stops_half_way():
     before any work, not stopped by a full cache at its last step."""
     model = tiny_model()
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(4,))
-    backend = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["fused"])),
-                                 graph_spec(model, shapes, ["fused"]))
+    backend = StaticGraphBackend(
+        EagerSession(graph_modules(model, shapes, None, ["fused"])), graph_spec(model, shapes, ["fused"])
+    )
     tree = TreeSpec.chain(2)
     assert backend.step_rows(tree) == 4 and backend.step_rows(None) == 1
     ss = DecodeSettings("ss", StopRules(10), tree=tree)
@@ -290,10 +307,13 @@ def test_the_engine_keeps_the_cache_as_the_host_would():
 
     model, tree = tiny_model(), TREES[2]
     host_shapes, engine_shapes = (GraphShapes(64, 8, (tree.num_nodes,), span=span) for span in (False, True))
-    host = StaticGraphBackend(EagerSession(graph_modules(model, host_shapes)), graph_spec(model, host_shapes, ["deferred"]))
+    host = StaticGraphBackend(
+        EagerSession(graph_modules(model, host_shapes)), graph_spec(model, host_shapes, ["deferred"])
+    )
     span = span_model(model)
-    engine = StaticGraphBackend(EagerSession(graph_modules(span, engine_shapes)),
-                                graph_spec(span, engine_shapes, ["deferred"]))
+    engine = StaticGraphBackend(
+        EagerSession(graph_modules(span, engine_shapes)), graph_spec(span, engine_shapes, ["deferred"])
+    )
     assert engine.spec.engine_cache and not host.spec.engine_cache
     rng = np.random.default_rng(0)
     for backend in (host, engine):

@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import cli
+from streamfuse.runtime import errors
 from streamfuse.runtime.generate import main as generate_main
-from streamfuse.runtime.generate import prompt_ids, read_requests
 from streamfuse.runtime.prompt import PromptFormat, TextError, check_text
+from streamfuse.runtime.session import prompt_ids
+from streamfuse.runtime.session import read_input_file as read_requests
 from streamfuse.runtime.threads import MOST_THREADS, check_threads, max_threads
 from streamfuse.runtime.tree import MAX_NODES, TreeSpec, TreeSpecError
 
@@ -31,7 +32,7 @@ BAD_TREES = [
     ("gamma=64,k=1000", "over 10^15 nodes is larger than"),
     ("gamma=65,k=1", "give gamma <= 64"),
     ("[1]", "tree path 1 is not a list of ranks"),
-    ('{"x":1}', "a tree object needs \"paths\" (and may have \"lookup\"); unknown keys 'x'"),
+    ('{"x":1}', 'a tree object needs "paths" (and may have "lookup"); unknown keys \'x\''),
     ('{"paths": [[0]], "lookup": 3}', "lookup branch 3 is not a list of ranks"),
     ("[]", "a draft tree needs at least one path below the root"),
     ('{"paths": []}', "a draft tree needs at least one path below the root"),
@@ -90,9 +91,11 @@ def test_tree_files_are_read_bounded_and_as_utf8(tmp_path):
     good = tmp_path / "tree.json"
     good.write_text(json.dumps({"paths": [[0], [1], [0, 0]], "lookup": [1]}))
     assert TreeSpec.parse(str(good)).lookup_nodes == [2]
-    for content, message in [(b"\xff[[0]]", "not UTF-8 text (invalid start byte at byte 0)"),
-                             (b"[[0]]" + b" " * (1 << 20), "larger than 1048576 bytes"),
-                             (b"gamma=3,k=2", "not valid JSON")]:
+    for content, message in [
+        (b"\xff[[0]]", "not UTF-8 text (invalid start byte at byte 0)"),
+        (b"[[0]]" + b" " * (1 << 20), "larger than 1048576 bytes"),
+        (b"gamma=3,k=2", "not valid JSON"),
+    ]:
         bad = tmp_path / "bad.json"
         bad.write_bytes(content)
         with pytest.raises(TreeSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -101,14 +104,17 @@ def test_tree_files_are_read_bounded_and_as_utf8(tmp_path):
         TreeSpec.parse(str(tmp_path))  # a folder
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TreeSpec([[0], 1]), "tree path 1 is not a list of ranks"),
-    (lambda: TreeSpec("[[0]]"), "tree paths must be a list of rank paths"),
-    (lambda: TreeSpec.full(3, 20), "8,421 nodes is larger than the most a tree may have here"),
-    (lambda: TreeSpec.filling(MAX_NODES + 1, 3), "a filling tree needs 2 <= nodes <= 1024"),
-    (lambda: TreeSpec.from_dict([[0]]), "a tree record is a JSON object"),
-    (lambda: TreeSpec.from_dict({"paths": [[0]], "hash": "0" * 100}), "tree hash '00000"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TreeSpec([[0], 1]), "tree path 1 is not a list of ranks"),
+        (lambda: TreeSpec("[[0]]"), "tree paths must be a list of rank paths"),
+        (lambda: TreeSpec.full(3, 20), "8,421 nodes is larger than the most a tree may have here"),
+        (lambda: TreeSpec.filling(MAX_NODES + 1, 3), "a filling tree needs 2 <= nodes <= 1024"),
+        (lambda: TreeSpec.from_dict([[0]]), "a tree record is a JSON object"),
+        (lambda: TreeSpec.from_dict({"paths": [[0]], "hash": "0" * 100}), "tree hash '00000"),
+    ],
+)
 def test_trees_made_in_code_are_checked_too(make, message):
     with pytest.raises(TreeSpecError, match=message):
         make()
@@ -119,14 +125,17 @@ def test_filling_a_deep_tree_makes_only_its_nodes():
     assert tree.num_nodes == 1000 and tree.paths[:3] == ((0,), (1,), (0, 0))
 
 
-@pytest.mark.parametrize("threads, message", [
-    (0, "--threads must be >= 1, got 0"),
-    (-3, "--threads must be >= 1, got -3"),
-    (10**12, f"--threads must be <= {max_threads()}"),
-    (True, "--threads must be a whole number of threads, got True"),
-    (2.0, "got 2.0"),
-    ("4", "got '4'"),
-])
+@pytest.mark.parametrize(
+    "threads, message",
+    [
+        (0, "--threads must be >= 1, got 0"),
+        (-3, "--threads must be >= 1, got -3"),
+        (10**12, f"--threads must be <= {max_threads()}"),
+        (True, "--threads must be a whole number of threads, got True"),
+        (2.0, "got 2.0"),
+        ("4", "got '4'"),
+    ],
+)
 def test_bad_thread_counts_are_one_line(threads, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         check_threads(threads)
@@ -156,8 +165,10 @@ CLI_CASES = [
     (["--tree", "gamma=3,k=-2"], "k must be a whole number, got '-2'"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--threads", "100000"], f"--threads must be <= {max_threads()}"),
-    (["--prompt", "the \udcff water"], "--prompt is not valid Unicode text: '\\udcff' at character 4 is a lone "
-                                       "surrogate"),
+    (
+        ["--prompt", "the \udcff water"],
+        "--prompt is not valid Unicode text: '\\udcff' at character 4 is a lone surrogate",
+    ),
     (["--stop", "\ud800"], "--stop is not valid Unicode text"),
 ]
 
@@ -165,25 +176,41 @@ CLI_CASES = [
 @pytest.mark.parametrize("argv, message", CLI_CASES, ids=[" ".join(a)[:24] for a, _ in CLI_CASES])
 def test_bad_flags_end_generate_in_one_line_before_loading(argv, message, tmp_path, capsys):
     prompt = [] if "--prompt" in argv else ["--prompt", "x"]
-    status = cli.run(generate_main, ["--artifact", str(tmp_path / "none"), *prompt, *argv], prog="generate")
+    status = errors.run(generate_main, ["--artifact", str(tmp_path / "none"), *prompt, *argv], prog="generate")
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and err.startswith("generate: error: ") and message in err, err
 
 
 def test_undecodable_bytes_on_the_command_line_are_one_line(tmp_path):
     """As a shell passes them: argv bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
-    run = subprocess.run([sys.executable, "-m", "streamfuse.runtime.generate", "--artifact", str(tmp_path),
-                          "--prompt", b"the \xff\xfe water"], capture_output=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamfuse.runtime.generate",
+            "--artifact",
+            str(tmp_path),
+            "--prompt",
+            b"the \xff\xfe water",
+        ],
+        capture_output=True,
+        timeout=120,
+    )
     err = run.stderr.decode("utf-8", "replace")
     assert run.returncode == 2 and ": error: --prompt is not valid Unicode text" in err.strip().split("\n")[-1], err
 
 
-@pytest.mark.parametrize("line, message", [
-    (b'{"prompt": "the \\ud800 water"}\n', "rows.jsonl:1: the prompt is not valid Unicode text: '\\ud800' at "
-                                           "character 4"),
-    (b'{"prompt": "ok"}\n{"prompt": "\\udfff"}\n', "rows.jsonl:2: the prompt is not valid Unicode text"),
-    (b'{"prompt": "the \xff water"}\n', "rows.jsonl:1: not UTF-8 text (invalid start byte at byte 16)"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            b'{"prompt": "the \\ud800 water"}\n',
+            "rows.jsonl:1: the prompt is not valid Unicode text: '\\ud800' at character 4",
+        ),
+        (b'{"prompt": "ok"}\n{"prompt": "\\udfff"}\n', "rows.jsonl:2: the prompt is not valid Unicode text"),
+        (b'{"prompt": "the \xff water"}\n', "rows.jsonl:1: not UTF-8 text (invalid start byte at byte 16)"),
+    ],
+)
 def test_text_in_an_input_file_that_is_not_unicode_is_one_line(tmp_path, line, message):
     rows = tmp_path / "rows.jsonl"
     rows.write_bytes(line)
@@ -194,16 +221,19 @@ def test_text_in_an_input_file_that_is_not_unicode_is_one_line(tmp_path, line, m
 
 def test_text_through_the_python_entry_points_is_checked_before_the_tokenizer():
     loaded = SimpleNamespace(tokenizer=None, prompt=None)  # never reached: the check comes first
-    for call in (lambda: prompt_ids(loaded, "a \ud83d b", as_task=False),
-                 lambda: PromptFormat("s {source}", "{dialogue}", 8).render(None, "\udc80"),
-                 lambda: PromptFormat("s {source}", "{dialogue}", 8).fill_source({"dialogue": "x \ud800"}),
-                 lambda: check_text(b"bytes", "the prompt")):
+    for call in (
+        lambda: prompt_ids(loaded, "a \ud83d b", as_task=False),
+        lambda: PromptFormat("s {source}", "{dialogue}", 8).render(None, "\udc80"),
+        lambda: PromptFormat("s {source}", "{dialogue}", 8).fill_source({"dialogue": "x \ud800"}),
+        lambda: check_text(b"bytes", "the prompt"),
+    ):
         with pytest.raises(TextError):
             call()
     assert check_text("emoji \U0001f600 and accents é", "the prompt").startswith("emoji")
 
 
 # --- the tree parser's fuzz target -------------------------------------------------------------------------------
+
 
 def test_the_fuzz_target_holds_on_its_seed_corpus():
     seeds = sorted((FUZZ / "seeds").iterdir())
@@ -214,12 +244,19 @@ def test_the_fuzz_target_holds_on_its_seed_corpus():
 
 TREE_TEXT = st.one_of(
     st.text(max_size=60),
-    st.builds(lambda g, k, rest: f"gamma={g},k={k}{rest}", st.integers(-2, 70), st.integers(-2, 2000),
-              st.sampled_from(["", ",lookup=1", ",lookup=9", ",k=1", ",x=1"])),
-    st.recursive(st.integers(-3, 1100) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=3) | st.none(),
-                 lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.sampled_from(["paths", "lookup", "x"]),
-                                                                             inner, max_size=3),
-                 max_leaves=30).map(json.dumps),
+    st.builds(
+        lambda g, k, rest: f"gamma={g},k={k}{rest}",
+        st.integers(-2, 70),
+        st.integers(-2, 2000),
+        st.sampled_from(["", ",lookup=1", ",lookup=9", ",k=1", ",x=1"]),
+    ),
+    st.recursive(
+        st.integers(-3, 1100) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=3) | st.none(),
+        lambda inner: (
+            st.lists(inner, max_size=6) | st.dictionaries(st.sampled_from(["paths", "lookup", "x"]), inner, max_size=3)
+        ),
+        max_leaves=30,
+    ).map(json.dumps),
 )
 
 
@@ -236,7 +273,18 @@ NO_ATHERIS = importlib.util.find_spec("atheris") is None
 def test_the_fuzz_target_runs_under_libfuzzer_without_a_finding(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    run = subprocess.run([sys.executable, str(FUZZ / "fuzz_tree.py"), "-max_total_time=4", "-timeout=5",
-                          "-rss_limit_mb=2048", str(corpus), str(FUZZ / "seeds")],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(FUZZ / "fuzz_tree.py"),
+            "-max_total_time=4",
+            "-timeout=5",
+            "-rss_limit_mb=2048",
+            str(corpus),
+            str(FUZZ / "seeds"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and "Done" in run.stderr, run.stderr[-2000:]

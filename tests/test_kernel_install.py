@@ -12,11 +12,11 @@ import stat
 import subprocess
 import sys
 import threading
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from streamfuse import seams
 from streamfuse.runtime import kernel_library as kl
@@ -137,8 +137,9 @@ def test_a_portable_build_requires_no_cpu_feature(fake, monkeypatch):
     fake.build()
     fake.compiled()
     native = fake.manifest()["libraries"]["c"]
-    assert native["cpu_features"] == (["avx2"] if "avx2" in kl.cpu_features() and kl.platform.machine() in (
-        "x86_64", "AMD64") else [])
+    assert native["cpu_features"] == (
+        ["avx2"] if "avx2" in kl.cpu_features() and kl.platform.machine() in ("x86_64", "AMD64") else []
+    )
     monkeypatch.setenv(kl.PORTABLE, "1")
     fake.build()
     portable = fake.manifest()["libraries"]["c"]
@@ -187,8 +188,10 @@ def test_concurrent_builds_of_one_folder_take_turns(fake, monkeypatch):
         thread.join()
     lines = fake.log.read_text().splitlines()
     assert not errors and len(lines) == 2 * len(NAMES)  # one build compiled everything, the other found it current
-    assert all(a.split()[1:] == b.split()[1:] and a.startswith("start") and b.startswith("end")
-               for a, b in zip(lines[::2], lines[1::2]))  # never two compiles at once
+    assert all(
+        a.split()[1:] == b.split()[1:] and a.startswith("start") and b.startswith("end")
+        for a, b in zip(lines[::2], lines[1::2])
+    )  # never two compiles at once
     assert all(kl.library_path(name) for name in NAMES)
 
 
@@ -232,34 +235,79 @@ def _cpu_without(fake, monkeypatch):
 TAMPERED = [
     ("no manifest", "c", lambda f, m: _no_manifest(f), "c kernel library is not built", "make kernels"),
     ("manifest not json", "c", lambda f, m: _write(f, "{not json"), "kernels.json is unreadable", "make kernels"),
-    ("manifest of another format", "c", lambda f, m: _write(f, '{"format": 0, "libraries": {}}'),
-     "is not of format 1", "force-reinstall"),
-    ("entry of another shape", "c", lambda f, m: f.edit("c", {"built_for": ["torch"]}), "is not of format 1",
-     "make kernels"),
-    ("entry naming another file", "c", lambda f, m: f.edit("c", {"file": "../../libc.so.6"}), "is not of format 1",
-     "make kernels"),
-    ("no entry", "onnxruntime", lambda f, m: _drop_entry(f, "onnxruntime"), "onnxruntime kernel library is not built",
-     "make kernels"),
+    (
+        "manifest of another format",
+        "c",
+        lambda f, m: _write(f, '{"format": 0, "libraries": {}}'),
+        "is not of format 1",
+        "force-reinstall",
+    ),
+    (
+        "entry of another shape",
+        "c",
+        lambda f, m: f.edit("c", {"built_for": ["torch"]}),
+        "is not of format 1",
+        "make kernels",
+    ),
+    (
+        "entry naming another file",
+        "c",
+        lambda f, m: f.edit("c", {"file": "../../libc.so.6"}),
+        "is not of format 1",
+        "make kernels",
+    ),
+    (
+        "no entry",
+        "onnxruntime",
+        lambda f, m: _drop_entry(f, "onnxruntime"),
+        "onnxruntime kernel library is not built",
+        "make kernels",
+    ),
     ("file missing", "onnxruntime", lambda f, m: _lose_file(f), "is missing or not the one built", "make kernels"),
     ("file replaced", "onnxruntime", lambda f, m: _swap_file(f), "is missing or not the one built", "make kernels"),
-    ("other machine", "c", lambda f, m: f.edit("c", {"machine": "aarch64"}), "was built for aarch64, this machine",
-     "force-reinstall"),
-    ("cpu lacks avx2", "c", _cpu_without, "compiled for CPUs with avx2 and this CPU lacks it",
-     "STREAMFUSE_PORTABLE_KERNELS=1"),
-    ("other sources", "c", lambda f, m: f.edit("c", {"sources": "0" * 64}), "built from other sources",
-     "make kernels"),
-    ("old onnxruntime", "onnxruntime", lambda f, m: f.edit("onnxruntime", {"built_for": {"onnxruntime_api": 99}}),
-     "needs ONNX Runtime 1.99 or later", "pip install 'streamfuse"),
-    ("other executorch", "executorch", lambda f, m: f.edit("executorch", {"built_for": {"executorch": "0.1.0"}}),
-     "was built for executorch 0.1.0, .* is installed", "make kernels"),
-    ("executorch never built", "executorch", lambda f, m: _drop_entry(f, "executorch"),
-     "executorch kernel library is not built", "pip install --no-build-isolation"),
+    (
+        "other machine",
+        "c",
+        lambda f, m: f.edit("c", {"machine": "aarch64"}),
+        "was built for aarch64, this machine",
+        "force-reinstall",
+    ),
+    (
+        "cpu lacks avx2",
+        "c",
+        _cpu_without,
+        "compiled for CPUs with avx2 and this CPU lacks it",
+        "STREAMFUSE_PORTABLE_KERNELS=1",
+    ),
+    ("other sources", "c", lambda f, m: f.edit("c", {"sources": "0" * 64}), "built from other sources", "make kernels"),
+    (
+        "old onnxruntime",
+        "onnxruntime",
+        lambda f, m: f.edit("onnxruntime", {"built_for": {"onnxruntime_api": 99}}),
+        "needs ONNX Runtime 1.99 or later",
+        "pip install 'streamfuse",
+    ),
+    (
+        "other executorch",
+        "executorch",
+        lambda f, m: f.edit("executorch", {"built_for": {"executorch": "0.1.0"}}),
+        "was built for executorch 0.1.0, .* is installed",
+        "make kernels",
+    ),
+    (
+        "executorch never built",
+        "executorch",
+        lambda f, m: _drop_entry(f, "executorch"),
+        "executorch kernel library is not built",
+        "pip install --no-build-isolation",
+    ),
 ]
 
 
 @pytest.mark.parametrize("library, tamper, problem, fix", [pytest.param(*case[1:], id=case[0]) for case in TAMPERED])
-def test_a_library_that_does_not_fit_is_a_one_line_error_naming_the_fix(fake, monkeypatch, library, tamper, problem,
-                                                                         fix):
+def test_a_library_that_does_not_fit_is_a_one_line_error_naming_the_fix(
+    fake, monkeypatch, library, tamper, problem, fix
+):
     if library == "executorch" and not HAS_EXECUTORCH:
         pytest.skip("executorch is not installed here")
     fake.build()
@@ -318,8 +366,19 @@ def wheel(tmp_path_factory) -> Path:
     """pip wheel of a copy of the checkout (no build isolation: this venv's setuptools and executorch; ~10 s)."""
     root = tmp_path_factory.mktemp("wheel")
     source = _package_copy(root / "source")
-    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps",
-               "--no-build-isolation", "-w", str(root / "dist"), str(source)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "-q",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(root / "dist"),
+        str(source),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (found,) = (root / "dist").glob("streamfuse-*.whl")
@@ -333,7 +392,9 @@ def test_the_wheel_carries_the_kernels_and_what_they_were_built_against(wheel, t
     lib = tmp_path / "streamfuse" / "runtime" / "kernels" / "lib"
     entries = json.loads((lib / kl.MANIFEST).read_text())["libraries"]
     assert sorted(entries) == sorted(NAMES) and {p.name for p in lib.iterdir()} == {
-        kl.MANIFEST, *(e["file"] for e in entries.values())}  # nothing else: no temporary, no lock
+        kl.MANIFEST,
+        *(e["file"] for e in entries.values()),
+    }  # nothing else: no temporary, no lock
     for name, entry in entries.items():
         assert entry["sha256"] == kl._sha256(lib / entry["file"]) and modes[entry["file"]] == 0o755
         assert entry["sources"] == kl.source_hash(name, lib.parent)  # the sources the wheel carries
@@ -351,8 +412,9 @@ def test_the_libraries_load_with_no_compiler_on_path(installed, request, tmp_pat
         with zipfile.ZipFile(request.getfixturevalue("wheel")) as archive:
             archive.extractall(tmp_path / "site")
         root, env["PYTHONPATH"] = tmp_path / "site" / "streamfuse", str(tmp_path / "site")
-    done = subprocess.run([sys.executable, "-c", LOAD_ALL, str(root)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_ALL, str(root)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
 
 
@@ -362,18 +424,36 @@ DIALOGUE = "#Person1#: Are you coming to the party tonight? #Person2#: Yes, I wi
 
 
 def _decode(python: str, env: dict, cwd: Path) -> dict:
-    command = [python, "-m", "streamfuse.runtime.generate", "--artifact", str(DEFAULT_ARTIFACT), "--backend",
-               "onnxruntime", "--task", "dialogsum", "--prompt", DIALOGUE, "--max-new-tokens", "24", "--json"]
+    command = [
+        python,
+        "-m",
+        "streamfuse.runtime.generate",
+        "--artifact",
+        str(DEFAULT_ARTIFACT),
+        "--backend",
+        "onnxruntime",
+        "--task",
+        "dialogsum",
+        "--prompt",
+        DIALOGUE,
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     if done.returncode != 0:  # the CLI's one-line error
         return {"error": done.stderr.strip()[-500:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(os.environ.get(FRESH_VENV) != "1", reason=f"a new venv from the package index takes ~20 s: "
-                    f"{FRESH_VENV}=1 runs it (tests/test_export.py installs a wheel in a new venv in every run)")
-@pytest.mark.skipif(not (DEFAULT_ARTIFACT / "onnx").is_dir(), reason=f"no ONNX artifact in {DEFAULT_ARTIFACT}: "
-                    "make build")
+@pytest.mark.skipif(
+    os.environ.get(FRESH_VENV) != "1",
+    reason=f"a new venv from the package index takes ~20 s: "
+    f"{FRESH_VENV}=1 runs it (tests/test_export.py installs a wheel in a new venv in every run)",
+)
+@pytest.mark.skipif(
+    not (DEFAULT_ARTIFACT / "onnx").is_dir(), reason=f"no ONNX artifact in {DEFAULT_ARTIFACT}: make build"
+)
 def test_a_fresh_venv_decodes_the_default_artifact_from_the_wheel_without_a_compiler(wheel, tmp_path):
     """The wheel and `streamfuse[onnxruntime]` from the package index in a new venv whose PATH holds no compiler;
     its tokens are the checkout's (an artifact this checkout cannot read is a skip naming why)."""

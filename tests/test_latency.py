@@ -10,9 +10,30 @@ from streamfuse.tools import latency
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_times_plain_and_tree_steps(tiny_base_dir, tmp_path, dtype):
     out = tmp_path / "latency.json"
-    code = latency.main(["--base-model", str(tiny_base_dir), "--gamma", "2", "--msa-layers", "2",
-                         "--trees", "gamma=2,k=1;gamma=2,k=2", "--context", "12", "--reps", "2", "--threads", "1",
-                         "--dtype", dtype, "--kernels", "eager", "--out", str(out)])
+    code = latency.main(
+        [
+            "--base-model",
+            str(tiny_base_dir),
+            "--gamma",
+            "2",
+            "--msa-layers",
+            "2",
+            "--trees",
+            "gamma=2,k=1;gamma=2,k=2",
+            "--context",
+            "12",
+            "--reps",
+            "2",
+            "--threads",
+            "1",
+            "--dtype",
+            dtype,
+            "--kernels",
+            "eager",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     rows = {row["config"]: row for row in report["rows"]}

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from streamfuse.methods.ss.drafter import draft_tokens
 from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.stream_drafter import draft_tokens
 from streamfuse.runtime.tree import TreeSpec
 
 

@@ -19,8 +19,14 @@ def test_collate_labels_and_anchors_table():
     assert batch.labels.tolist() == [[IGNORE] * 3 + [8, 9, 10], [IGNORE] * 2 + [13, 14] + [IGNORE] * 2]
     assert batch.anchors.tolist() == [[2, 3, 4], [1, 2, 0]]
     assert batch.anchor_valid.tolist() == [[True, True, True], [True, True, False]]
-    assert stream_targets(batch.labels, batch.anchors, batch.anchor_valid, 1).tolist() == [[9, 10, IGNORE], [14, IGNORE, IGNORE]]
-    assert stream_targets(batch.labels, batch.anchors, batch.anchor_valid, 2).tolist() == [[10, IGNORE, IGNORE], [IGNORE] * 3]
+    assert stream_targets(batch.labels, batch.anchors, batch.anchor_valid, 1).tolist() == [
+        [9, 10, IGNORE],
+        [14, IGNORE, IGNORE],
+    ]
+    assert stream_targets(batch.labels, batch.anchors, batch.anchor_valid, 2).tolist() == [
+        [10, IGNORE, IGNORE],
+        [IGNORE] * 3,
+    ]
 
 
 @torch.no_grad()

@@ -94,8 +94,9 @@ def exported_rows(module, example, dims, tmp_path):
 
     program = torch.export.export(module, example, strict=False, dynamic_shapes=dims)
     path = tmp_path / "rows.onnx"
-    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
-                      verbose=False).save(str(path))
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False).save(
+        str(path)
+    )
     sessions = []
     for threads in (1, 2):
         options = ort.SessionOptions()
@@ -150,8 +151,13 @@ def test_onnx_runtime_low_rank_rows_with_input_weights_do_not_depend_on_the_call
     preset's shapes: K = 576 and 1536, 18 / 48 block sums + rank 32)."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
     torch.manual_seed(0)
-    outputs, weights = {}, {depth: (torch.randn(1, 1, depth), torch.randn(depth, depth // 32 + 32),
-                                    torch.randn(depth // 32 + 32, 576)) for depth in (576, 1536)}
+    outputs, weights = (
+        {},
+        {
+            depth: (torch.randn(1, 1, depth), torch.randn(depth, depth // 32 + 32), torch.randn(depth // 32 + 32, 576))
+            for depth in (576, 1536)
+        },
+    )
     for (depth, (row, left, right)), count in itertools.product(weights.items(), (1, 2, 4, 5, 8)):
         batch = torch.randn(1, count, depth)
         batch[:, -1] = row[:, 0]
@@ -181,8 +187,9 @@ def test_q4_codes_go_to_the_kernel_centred_which_halves_the_int8_activation_erro
     for index, layer in enumerate((centred, uncentred)):
         path = tmp_path / f"q4-{index}.onnx"
         program = torch.export.export(layer.eval(), (x.float(),), strict=False)
-        torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(),
-                          verbose=False).save(str(path))
+        torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False).save(
+            str(path)
+        )
         session = ort.InferenceSession(str(path))
         (out,) = session.run(None, {session.get_inputs()[0].name: x.float().numpy()})
         errors.append(float(np.abs(out - exact.numpy()).mean()))

@@ -4,18 +4,18 @@ import pytest
 import torch
 
 from streamfuse.adapters.config import StreamConfig
-from streamfuse.adapters.medusa import MedusaHeads, load_heads, save_heads
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods.medusa.drafter import HeadDrafter
+from streamfuse.methods.medusa.model import MedusaHeads, load_heads, save_heads
+from streamfuse.methods.medusa.train import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
 from streamfuse.runtime.backends.base import HEAD_LOGITS
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import HeadDrafter
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.training.data import Encoded
-from streamfuse.training.medusa import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
 
 from conftest import make_tiny_llama
 from test_decode import backend_for
@@ -43,8 +43,15 @@ def test_new_heads_are_the_identity_so_each_drafts_the_next_token():
     assert all(torch.equal(heads(hidden)[:, j], hidden) for j in range(3))
 
 
-@pytest.mark.parametrize("tree", [TreeSpec.chain(3), TreeSpec.full(2, 2), TreeSpec.parse("[[0],[1],[0,0],[0,0,0]]"),
-                                  TreeSpec.full(3, 1).with_lookup(2)])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        TreeSpec.chain(3),
+        TreeSpec.full(2, 2),
+        TreeSpec.parse("[[0],[1],[0,0],[0,0,0]]"),
+        TreeSpec.full(3, 1).with_lookup(2),
+    ],
+)
 @pytest.mark.parametrize("noise", [0.0, 0.5])
 def test_medusa_greedy_equals_plain_greedy(tree, noise):
     backend = with_heads(3, noise)
@@ -62,8 +69,12 @@ def test_seeded_medusa_sampling_matches_plain_sampling_token_for_token():
     for seed in range(3):
         rules = StopRules(max_new_tokens=20)
         plain = generate(backend, [4, 5, 6], DecodeSettings("ar", rules, sampling=sampling, seed=seed))
-        fast = medusa(backend, [4, 5, 6], DecodeSettings("medusa", rules, tree=TreeSpec.full(3, 2), sampling=sampling,
-                                                         seed=seed), 3)
+        fast = medusa(
+            backend,
+            [4, 5, 6],
+            DecodeSettings("medusa", rules, tree=TreeSpec.full(3, 2), sampling=sampling, seed=seed),
+            3,
+        )
         assert fast.token_ids == plain.token_ids
 
 
@@ -71,7 +82,8 @@ def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     """The torch backend's model and heads as static graphs with a heads method, run by torch eager."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
     from streamfuse.export.verify import EagerSession
-    from streamfuse.runtime.backends.static_graph import StaticGraphBackend, method_names
+    from streamfuse.runtime.backends.static_graph import StaticGraphBackend
+    from streamfuse.runtime.contract import method_names
 
     model, schedules = backend.model, ["deferred"] * len(trees)
     shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=tuple(tree.num_nodes for tree in trees))
@@ -84,10 +96,13 @@ def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
 def test_the_graphs_heads_method_ranks_as_the_torch_heads_at_each_committed_node():
     torch_backend = with_heads(4, 0.5)
     graphs = on_graphs(torch_backend, (TreeSpec.full(2, 2),))
-    outputs = [backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
-               for backend in (torch_backend.reset(96) or torch_backend, graphs.reset(96) or graphs)]
-    torch.testing.assert_close(outputs[0].extras[HEAD_LOGITS](0), outputs[1].extras[HEAD_LOGITS](0), atol=1e-4,
-                               rtol=1e-4)
+    outputs = [
+        backend.prefill([5, 9, 14, 3, 77, 41, 8, 8, 60, 2, 33], with_streams=False)
+        for backend in (torch_backend.reset(96) or torch_backend, graphs.reset(96) or graphs)
+    ]
+    torch.testing.assert_close(
+        outputs[0].extras[HEAD_LOGITS](0), outputs[1].extras[HEAD_LOGITS](0), atol=1e-4, rtol=1e-4
+    )
     tree = TreeSpec.chain(2)  # runs padded in full(2, 2)'s bucket
     for tokens, path in (([4, 9, 11], [0, 1]), ([7, 7, 2], [0, 1, 2]), ([5, 6, 8], [0])):
         outputs = [backend.step(tokens, tree, with_streams=False) for backend in (torch_backend, graphs)]
@@ -95,8 +110,9 @@ def test_the_graphs_heads_method_ranks_as_the_torch_heads_at_each_committed_node
             outputs[1].extras[HEAD_LOGITS](path[-1])
         torch_backend.commit(path)
         graphs.commit(path)
-        torch.testing.assert_close(outputs[0].extras[HEAD_LOGITS](path[-1]), outputs[1].extras[HEAD_LOGITS](path[-1]),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            outputs[0].extras[HEAD_LOGITS](path[-1]), outputs[1].extras[HEAD_LOGITS](path[-1]), atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("tree", [TreeSpec.full(2, 2), TreeSpec.chain(2)])

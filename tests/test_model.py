@@ -34,8 +34,10 @@ def test_streams_off_is_exactly_the_base_model():
 def test_streams_on_leave_main_logits_equal_at_initialisation(stream_init):
     """LoRA at init (B = 0) plus streams: the main stream still computes the base model."""
     reference = make_tiny_llama()
-    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(), LoraSettings(rank=4)),
-                                   StreamConfig(num_streams=3, msa_layers=2, stream_init=stream_init))
+    model = SpeculativeStreamingLM(
+        add_lora(make_tiny_llama(), LoraSettings(rank=4)),
+        StreamConfig(num_streams=3, msa_layers=2, stream_init=stream_init),
+    )
     ids, positions, mask = inputs()
     out = model(ids, positions, mask, anchors=torch.tensor([[8, 3], [0, 8]]), with_pruning=True)
     # Stream columns are masked to exactly zero weight; only float summation order can differ.
@@ -59,8 +61,11 @@ def test_streams_at_last_token_equal_a_causal_continuation():
     hidden = torch.cat([hidden, hidden[:, -1:] + model.stream_init.identifiers[None]], dim=1)
     longer = torch.arange(12)[None]
     for layer in inner.layers[2:]:
-        hidden = layer(hidden, attention_mask=causal_mask(torch.ones(1, 12, dtype=torch.long)),
-                       position_embeddings=inner.rotary_emb(hidden, longer))
+        hidden = layer(
+            hidden,
+            attention_mask=causal_mask(torch.ones(1, 12, dtype=torch.long)),
+            position_embeddings=inner.rotary_emb(hidden, longer),
+        )
     torch.testing.assert_close(out.stream_hidden[0, 0], inner.norm(hidden)[0, 9:], atol=1e-5, rtol=0)
 
 
@@ -82,8 +87,12 @@ def test_past_key_values_continue_a_prefix_exactly_like_one_pass():
     ids, positions, mask = inputs(batch=1, tokens=9)
     whole = model(ids, positions, mask)
     prefix = model(ids[:, :6], positions[:, :6], causal_mask(torch.ones(1, 6, dtype=torch.long)))
-    rest = model(ids[:, 6:], positions[:, 6:], causal_mask(torch.ones(1, 3, dtype=torch.long), past=6),
-                 key_values=StepKeyValues(4, 3, past=prefix.new_key_values))
+    rest = model(
+        ids[:, 6:],
+        positions[:, 6:],
+        causal_mask(torch.ones(1, 3, dtype=torch.long), past=6),
+        key_values=StepKeyValues(4, 3, past=prefix.new_key_values),
+    )
     torch.testing.assert_close(rest.hidden, whole.hidden[:, 6:], atol=1e-5, rtol=0)
     assert rest.new_key_values[0][0].shape == (1, 2, 3, 8)  # only the 3 new main tokens come back
 
@@ -93,13 +102,16 @@ def test_extra_parameter_count_matches_the_paper_formula():
     assert model.extra_parameters() == {"streams": 3 * 32, "pruning_head": 2 * 32 * 8, "total": 96 + 512}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_streams": 0}, "num_streams"),
-    ({"msa_layers": 4}, "msa_layers"),
-    ({"pruning_layer": 3}, "pruning_layer"),
-    ({"stream_init": "magic"}, "stream_init"),
-    ({"init_per_stream": True}, "init_per_stream needs init_rank"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_streams": 0}, "num_streams"),
+        ({"msa_layers": 4}, "msa_layers"),
+        ({"pruning_layer": 3}, "pruning_layer"),
+        ({"stream_init": "magic"}, "stream_init"),
+        ({"init_per_stream": True}, "init_per_stream needs init_rank"),
+    ],
+)
 def test_bad_stream_config_is_rejected_with_the_field_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(**{"msa_layers": 2, **kwargs}))
@@ -113,8 +125,9 @@ def test_deferred_streams_equal_fused_streams():
     fused = model(ids, positions, mask, anchors=torch.tensor([[5]]))
     prefix = model.forward_lower(ids[:, :6], positions[:, :6], mask[:, :, :6, :6])
     cached = model.forward_upper(prefix).key_values.new
-    deferred = model.forward_streams(prefix.hidden[:, 5:6], torch.tensor([[5]]), torch.zeros(1, 1, 1, 6),
-                                     StepKeyValues(4, 0, past=cached))
+    deferred = model.forward_streams(
+        prefix.hidden[:, 5:6], torch.tensor([[5]]), torch.zeros(1, 1, 1, 6), StepKeyValues(4, 0, past=cached)
+    )
     torch.testing.assert_close(deferred[0, 0], fused.stream_hidden[0, 0], atol=1e-5, rtol=0)
 
 

@@ -6,13 +6,13 @@ import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods.sd.drafter import ModelDrafter
 from streamfuse.runtime.accept import accept_sampled
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.fallback import FallbackConfig
-from streamfuse.runtime.model_drafter import ModelDrafter
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
@@ -58,8 +58,9 @@ def test_fallback_goes_plain_with_a_useless_draft_model_and_keeps_the_drafter_in
     catches up on the plain tokens it missed, so outputs stay plain decoding's."""
     target, engine = backend_for(1), backend_for(8)
     rules = StopRules(max_new_tokens=80)
-    settings = DecodeSettings("sd", rules, tree=TreeSpec.chain(3),
-                              fallback=FallbackConfig(step_cost=2.5, block=4, probe=2, pause=8))
+    settings = DecodeSettings(
+        "sd", rules, tree=TreeSpec.chain(3), fallback=FallbackConfig(step_cost=2.5, block=4, probe=2, pause=8)
+    )
     fast = sd(target, engine, [2, 7], settings)
     assert fast.token_ids == generate(target, [2, 7], DecodeSettings("ar", rules)).token_ids
     assert fast.run.plain_calls > 0 and fast.run.switches[0].to == "plain"
@@ -109,7 +110,9 @@ def test_speculative_sampling_keeps_a_draft_with_p_over_q(p, q, token, keep, res
     p, q = np.array(p), np.array(q)
     after = np.array([0.0, 0.0, 1.0])  # the target after the draft, for a fully accepted chain
     probs = np.stack([np.zeros(3), q])
-    results = [accept_sampled(tree, [9, token], probs, lambda n: p if n == 0 else after, generator) for _ in range(3000)]
+    results = [
+        accept_sampled(tree, [9, token], probs, lambda n: p if n == 0 else after, generator) for _ in range(3000)
+    ]
     kept = [r for r in results if r.path == [0, 1]]
     assert len(kept) / len(results) == pytest.approx(keep, abs=0.03)
     assert all(r.correction == 2 for r in kept)
@@ -160,8 +163,15 @@ def test_a_pruned_head_gives_the_full_heads_logits_on_its_rows_and_minus_inf_els
     assert pruned.model.logits(torch.zeros(2, 32)).shape == (2, 5)  # the call reads 5 rows, not 97
 
 
-@pytest.mark.parametrize("ids, message", [([3, 3], "ascending distinct"), ([5, 2], "ascending distinct"),
-                                          ([0, 97], "ascending distinct"), ([], "ascending distinct")])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([3, 3], "ascending distinct"),
+        ([5, 2], "ascending distinct"),
+        ([0, 97], "ascending distinct"),
+        ([], "ascending distinct"),
+    ],
+)
 def test_a_kept_vocabulary_must_be_ascending_ids_inside_the_vocabulary(ids, message):
     model = SpeculativeStreamingLM(make_tiny_llama(0), StreamConfig(3, 2))
     with pytest.raises(ValueError, match=message):

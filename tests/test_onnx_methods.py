@@ -8,7 +8,7 @@ import pytest
 
 from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
 from streamfuse.export.to_onnx import share_weights
-from streamfuse.runtime.backends.static_graph import METHOD_INPUT, METHODS, method_output
+from streamfuse.runtime.contract import METHOD_INPUT, METHODS, method_output
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -24,8 +24,10 @@ def weights() -> list:
         codes = rng.integers(0, 256, size=(N, K // 32, 16), dtype=np.uint8)
         scales = (rng.random(N * K // 32, dtype=np.float32) * 0.01 + 0.001).astype(np.float32)
         tensors += [numpy_helper.from_array(codes, f"codes{layer}"), numpy_helper.from_array(scales, f"scales{layer}")]
-    return tensors + [numpy_helper.from_array(np.array([value], np.int64), name)
-                      for name, value in (("start", 0), ("end", K), ("axis", 1))]
+    return tensors + [
+        numpy_helper.from_array(np.array([value], np.int64), name)
+        for name, value in (("start", 0), ("end", K), ("axis", 1))
+    ]
 
 
 def method_model(method: str, extra: float) -> "onnx.ModelProto":
@@ -33,18 +35,37 @@ def method_model(method: str, extra: float) -> "onnx.ModelProto":
     each method its own graph over the same weights."""
     nodes, x = [], "x"
     for layer in range(LAYERS):
-        nodes += [helper.make_node("MatMulNBits", [x, f"codes{layer}", f"scales{layer}"], [f"y{layer}"],
-                                   domain="com.microsoft", K=K, N=N, bits=4, block_size=32, accuracy_level=4),
-                  helper.make_node("Slice", [f"y{layer}", "start", "end", "axis"], [f"x{layer}"])]
+        nodes += [
+            helper.make_node(
+                "MatMulNBits",
+                [x, f"codes{layer}", f"scales{layer}"],
+                [f"y{layer}"],
+                domain="com.microsoft",
+                K=K,
+                N=N,
+                bits=4,
+                block_size=32,
+                accuracy_level=4,
+            ),
+            helper.make_node("Slice", [f"y{layer}", "start", "end", "axis"], [f"x{layer}"]),
+        ]
         x = f"x{layer}"
-    nodes += [helper.make_node("Constant", [], ["c"], value=helper.make_tensor("c", TensorProto.FLOAT, [], [extra])),
-              helper.make_node("Add", [x, "c"], ["out"], name="add")]
+    nodes += [
+        helper.make_node("Constant", [], ["c"], value=helper.make_tensor("c", TensorProto.FLOAT, [], [extra])),
+        helper.make_node("Add", [x, "c"], ["out"], name="add"),
+    ]
     nodes[0].metadata_props.add(key="stack", value="a long trace " * 50)
-    graph = helper.make_graph(nodes, method, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["M", K])], initializer=weights(),
-                              value_info=[helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["M", N])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=10)
+    graph = helper.make_graph(
+        nodes,
+        method,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["M", K])],
+        initializer=weights(),
+        value_info=[helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["M", N])],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +124,9 @@ print(rss() - before)
 
 def load_rss(paths) -> int:
     """RSS one process adds opening these models (a fresh process: no freed memory to reuse)."""
-    result = subprocess.run([sys.executable, "-c", LOAD_RSS, *map(str, paths)], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_RSS, *map(str, paths)], capture_output=True, text=True, check=True
+    )
     return int(result.stdout.strip())
 
 

@@ -7,11 +7,17 @@ import pytest
 import torch
 
 from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
-from streamfuse.export.onnx_passes import (_low_rank, drop_unused_initializers, fuse_rms_norm, fuse_rotary,
-                                           fuse_skip_norm, lift_embedding, pack_linears)
+from streamfuse.export.onnx_pack import low_rank, pack_linears
+from streamfuse.export.onnx_passes import (
+    drop_unused_initializers,
+    fuse_rms_norm,
+    fuse_rotary,
+    fuse_skip_norm,
+    lift_embedding,
+)
 from streamfuse.export.to_onnx import share_weights
 from streamfuse.runtime.backends.sessions import mapped_tables
-from streamfuse.runtime.backends.static_graph import EMBEDDING_METADATA, METHOD_INPUT
+from streamfuse.runtime.contract import EMBEDDING_METADATA, METHOD_INPUT
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -26,10 +32,17 @@ class Logits(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=256, tie_word_embeddings=True,
-                                          attn_implementation="eager")
+        config = transformers.LlamaConfig(
+            vocab_size=4096,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+        )
         self.model = transformers.LlamaForCausalLM(config).eval()
 
     def forward(self, ids, positions):
@@ -43,8 +56,15 @@ def exported(tmp_path_factory):
     ids, positions = torch.tensor([[5, 900, 17, 4000, 3]]), torch.tensor([[7, 8, 9, 10, 11]])
     program = torch.export.export(module, (ids, positions), strict=False)
     folder = tmp_path_factory.mktemp("passes")
-    onnx_program = torch.onnx.export(program, (), dynamo=True, input_names=["ids", "positions"],
-                                     output_names=["logits"], optimize=True, verbose=False)
+    onnx_program = torch.onnx.export(
+        program,
+        (),
+        dynamo=True,
+        input_names=["ids", "positions"],
+        output_names=["logits"],
+        optimize=True,
+        verbose=False,
+    )
     onnx_program.save(str(folder / "raw.onnx"))
     model = onnx.load(str(folder / "raw.onnx"))
     strip_debug_info(model, keep_shapes=True)  # as the exporter does: value_info stays for the passes
@@ -52,8 +72,9 @@ def exported(tmp_path_factory):
 
 
 def run(model, inputs, extra=None) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString() if not isinstance(model, str) else model,
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        model.SerializeToString() if not isinstance(model, str) else model, providers=["CPUExecutionProvider"]
+    )
     feed = {"ids": inputs[0], "positions": inputs[1], METHOD_INPUT: np.array(0, np.int64), **(extra or {})}
     return session.run(["decode.logits"], feed)[0]
 
@@ -124,22 +145,38 @@ def test_a_norm_of_any_rank_runs_the_skip_kernel_with_the_bits_of_a_lone_row():
     T, helper = onnx.TensorProto, onnx.helper
     weight = onnx.numpy_helper.from_array(np.random.default_rng(2).random(64, dtype=np.float32) + 0.5, "w")
     norm = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, epsilon=1e-5, stash_type=1)
-    graph = helper.make_graph([norm], "norm", [helper.make_tensor_value_info("x", T.FLOAT, [2, 3, "M", 64])],
-                              [helper.make_tensor_value_info("y", T.FLOAT, None)], initializer=[weight])
-    model = combine_methods({"decode": helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)],
-                                                         ir_version=10)})
+    graph = helper.make_graph(
+        [norm],
+        "norm",
+        [helper.make_tensor_value_info("x", T.FLOAT, [2, 3, "M", 64])],
+        [helper.make_tensor_value_info("y", T.FLOAT, None)],
+        initializer=[weight],
+    )
+    model = combine_methods(
+        {"decode": helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)}
+    )
     assert fuse_skip_norm(model) == 0
     assert [n.op_type for n in method_graph(model, "decode").node] == [
-        "Reshape", "Sub", "SkipSimplifiedLayerNormalization", "Shape", "Reshape"]
+        "Reshape",
+        "Sub",
+        "SkipSimplifiedLayerNormalization",
+        "Shape",
+        "Reshape",
+    ]
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     x = np.random.default_rng(3).standard_normal((2, 3, 5, 64)).astype(np.float32)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     (y,) = session.run(None, {"x": x, METHOD_INPUT: np.array(0, np.int64)})
-    skip = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "zeros", "w"], ["y"], domain="com.microsoft",
-                            epsilon=1e-5)
-    graph = helper.make_graph([skip], "lone", [helper.make_tensor_value_info(n, T.FLOAT, [1, 1, 64]) for n in
-                                               ("x", "zeros")], [helper.make_tensor_value_info("y", T.FLOAT, None)],
-                              initializer=[weight])
+    skip = helper.make_node(
+        "SkipSimplifiedLayerNormalization", ["x", "zeros", "w"], ["y"], domain="com.microsoft", epsilon=1e-5
+    )
+    graph = helper.make_graph(
+        [skip],
+        "lone",
+        [helper.make_tensor_value_info(n, T.FLOAT, [1, 1, 64]) for n in ("x", "zeros")],
+        [helper.make_tensor_value_info("y", T.FLOAT, None)],
+        initializer=[weight],
+    )
     lone = helper.make_model(graph, opset_imports=[helper.make_opsetid("com.microsoft", 1)], ir_version=10)
     lone = ort.InferenceSession(lone.SerializeToString(), providers=["CPUExecutionProvider"])
     assert y.shape == x.shape
@@ -153,9 +190,9 @@ def test_a_norm_of_any_rank_runs_the_skip_kernel_with_the_bits_of_a_lone_row():
 # with their own (LoRA's A): S once, then each A; right puts each layer's rows in its own columns, zeros elsewhere.
 #  lefts (K = 1)        rights ([width, N] each)             left            right
 LOW_RANK = [
-    ([[1, 0], [1, 0]],  [[[5], [1]], [[6, 7], [2, 3]]],      [[1, 0]],       [[5, 6, 7], [1, 2, 3]]),  # one left
-    ([[1, 2], [1, 3]],  [[[5], [8]], [[6], [9]]],            [[1, 2, 3]],    [[5, 6], [8, 0], [0, 9]]),
-    ([[2, 1], [3, 1]],  [[[5], [8]], [[6], [9]]],            [[2, 1, 3, 1]], [[5, 0], [8, 0], [0, 6], [0, 9]]),
+    ([[1, 0], [1, 0]], [[[5], [1]], [[6, 7], [2, 3]]], [[1, 0]], [[5, 6, 7], [1, 2, 3]]),  # one left
+    ([[1, 2], [1, 3]], [[[5], [8]], [[6], [9]]], [[1, 2, 3]], [[5, 6], [8, 0], [0, 9]]),
+    ([[2, 1], [3, 1]], [[[5], [8]], [[6], [9]]], [[2, 1, 3, 1]], [[5, 0], [8, 0], [0, 6], [0, 9]]),
 ]
 
 
@@ -163,12 +200,13 @@ LOW_RANK = [
 def test_packed_low_rank_terms_keep_each_layers_terms_in_its_own_columns(lefts, rights, left, right):
     lefts = [np.array([row], np.float32) for row in lefts]
     rights = [np.array(r, np.float32) for r in rights]
-    packed_left, packed_right = _low_rank(lefts, rights)
+    packed_left, packed_right = low_rank(lefts, rights)
     np.testing.assert_array_equal(packed_left, np.array(left, np.float32))
     np.testing.assert_array_equal(packed_right, np.array(right, np.float32))
     x = np.array([[3.0]], np.float32)
-    np.testing.assert_array_equal(x @ packed_left @ packed_right,
-                                  np.concatenate([x @ lft @ r for lft, r in zip(lefts, rights)], axis=1))
+    np.testing.assert_array_equal(
+        x @ packed_left @ packed_right, np.concatenate([x @ lft @ r for lft, r in zip(lefts, rights)], axis=1)
+    )
 
 
 def test_a_norm_without_its_constant_weight_is_left_as_it_is(exported):
@@ -200,7 +238,7 @@ def test_the_embedding_is_gathered_from_the_hosts_map_of_the_weights_file(export
     lifted = copy(plain)
     places = lift_embedding(lifted, min_bytes=1 << 10)  # the tiny model's table: 4096 x 64 floats
     assert len(places) == 1
-    (name, place), = places.items()
+    ((name, place),) = places.items()
     assert place["shape"] == [4096, 64] and place["dtype"] == "float32" and place["location"] == "weights.bin"
     tables = {t.name for t in lifted.graph.initializer} | {name}
     gathers = [n.input[0] for n in method_graph(lifted, "decode").node if n.op_type in ("Gather", "GatherND")]
@@ -210,8 +248,9 @@ def test_the_embedding_is_gathered_from_the_hosts_map_of_the_weights_file(export
     metadata = {p.key: p.value for p in lifted.metadata_props}
     tables = mapped_tables(tmp_path / "lifted.onnx", metadata)  # the table is the tied head: still an initializer
     assert EMBEDDING_METADATA in metadata and isinstance(tables[name], np.memmap) and not tables[name].flags.writeable
-    np.testing.assert_array_equal(run(str(tmp_path / "lifted.onnx"), inputs, tables),
-                                  run(str(tmp_path / "plain.onnx"), inputs))
+    np.testing.assert_array_equal(
+        run(str(tmp_path / "lifted.onnx"), inputs, tables), run(str(tmp_path / "plain.onnx"), inputs)
+    )
 
 
 def test_a_cut_weights_file_is_a_one_line_error(exported, tmp_path):
@@ -230,29 +269,52 @@ def fused_ops_model() -> bytes:
     """The ops the passes write, at SmolLM2's shapes, rows dynamic: q [1, 9, M, 64] -> rotary; x + skip [1, M, 576]
     -> norm and sum; x -> q / k / v packed (4-bit MatMulNBits, low-rank term of block sums and LoRA)."""
     T, helper, rng = onnx.TensorProto, onnx.helper, np.random.default_rng(1)
-    constants = {"w": rng.random(576, dtype=np.float32) + 0.5,
-                 "codes": rng.integers(0, 256, (960, 18, 16), dtype=np.uint8),
-                 "scales": rng.random(960 * 18, dtype=np.float32) / 50,
-                 "zeros": np.full(960 * 9, 0x88, np.uint8),
-                 "left": np.concatenate([np.eye(18, dtype=np.float32).repeat(32, axis=0),
-                                         rng.standard_normal((576, 96), dtype=np.float32) / 10], axis=1),
-                 "right": rng.standard_normal((114, 960), dtype=np.float32) / 10}
-    nodes = [helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"]),
-             helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "w"], ["skipped", "", "", "summed"],
-                              domain="com.microsoft", epsilon=1e-5),
-             helper.make_node("MatMulNBits", ["x", "codes", "scales", "zeros"], ["product"], domain="com.microsoft",
-                              K=576, N=960, bits=4, block_size=32, accuracy_level=4),
-             helper.make_node("MatMul", ["x", "left"], ["sums"]),
-             helper.make_node("MatMul", ["sums", "right"], ["term"]),
-             helper.make_node("Add", ["product", "term"], ["qkv"])]
-    inputs = [helper.make_tensor_value_info("x", T.FLOAT, [1, "M", 576]),
-              helper.make_tensor_value_info("q", T.FLOAT, [1, 9, "M", 64]),
-              helper.make_tensor_value_info("cos", T.FLOAT, [1, "M", 32]),
-              helper.make_tensor_value_info("sin", T.FLOAT, [1, "M", 32]),
-              helper.make_tensor_value_info("skip", T.FLOAT, [1, "M", 576])]
+    constants = {
+        "w": rng.random(576, dtype=np.float32) + 0.5,
+        "codes": rng.integers(0, 256, (960, 18, 16), dtype=np.uint8),
+        "scales": rng.random(960 * 18, dtype=np.float32) / 50,
+        "zeros": np.full(960 * 9, 0x88, np.uint8),
+        "left": np.concatenate(
+            [np.eye(18, dtype=np.float32).repeat(32, axis=0), rng.standard_normal((576, 96), dtype=np.float32) / 10],
+            axis=1,
+        ),
+        "right": rng.standard_normal((114, 960), dtype=np.float32) / 10,
+    }
+    nodes = [
+        helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["turned"]),
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["x", "skip", "w"],
+            ["skipped", "", "", "summed"],
+            domain="com.microsoft",
+            epsilon=1e-5,
+        ),
+        helper.make_node(
+            "MatMulNBits",
+            ["x", "codes", "scales", "zeros"],
+            ["product"],
+            domain="com.microsoft",
+            K=576,
+            N=960,
+            bits=4,
+            block_size=32,
+            accuracy_level=4,
+        ),
+        helper.make_node("MatMul", ["x", "left"], ["sums"]),
+        helper.make_node("MatMul", ["sums", "right"], ["term"]),
+        helper.make_node("Add", ["product", "term"], ["qkv"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", T.FLOAT, [1, "M", 576]),
+        helper.make_tensor_value_info("q", T.FLOAT, [1, 9, "M", 64]),
+        helper.make_tensor_value_info("cos", T.FLOAT, [1, "M", 32]),
+        helper.make_tensor_value_info("sin", T.FLOAT, [1, "M", 32]),
+        helper.make_tensor_value_info("skip", T.FLOAT, [1, "M", 576]),
+    ]
     outputs = [helper.make_tensor_value_info(name, T.FLOAT, None) for name in FUSED_OUTPUTS]
-    graph = helper.make_graph(nodes, "fused", inputs, outputs,
-                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in constants.items()])
+    graph = helper.make_graph(
+        nodes, "fused", inputs, outputs, initializer=[onnx.numpy_helper.from_array(v, k) for k, v in constants.items()]
+    )
     opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
@@ -264,9 +326,13 @@ def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
     """Row i of an M-row call equals that row alone, bit for bit (M = 1..16, the row anywhere, other rows random,
     1 and 2 threads): SS's tree rows stay plain decoding's through the fused and packed ops."""
     rng = np.random.default_rng(0)
-    row = {"x": rng.standard_normal((1, 1, 576)), "q": rng.standard_normal((1, 9, 1, 64)),
-           "cos": rng.uniform(-1, 1, (1, 1, 32)), "sin": rng.uniform(-1, 1, (1, 1, 32)),
-           "skip": rng.standard_normal((1, 1, 576))}
+    row = {
+        "x": rng.standard_normal((1, 1, 576)),
+        "q": rng.standard_normal((1, 9, 1, 64)),
+        "cos": rng.uniform(-1, 1, (1, 1, 32)),
+        "sin": rng.uniform(-1, 1, (1, 1, 32)),
+        "skip": rng.standard_normal((1, 1, 576)),
+    }
     row = {name: value.astype(np.float32) for name, value in row.items()}
     axis = {"x": 1, "q": 2, "cos": 1, "sin": 1, "skip": 1}
     out_axis = {"turned": 2, "skipped": 1, "summed": 1, "qkv": 1}
@@ -288,7 +354,10 @@ def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
                 feed[name] = batch
             for name, out, one in zip(FUSED_OUTPUTS, session.run(None, feed), alone):
                 assert np.array_equal(np.take(out, at, out_axis[name]), np.take(one, 0, out_axis[name])), (
-                    name, threads, count)
+                    name,
+                    threads,
+                    count,
+                )
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -321,11 +390,15 @@ def as_method(serialized: bytes):
     inner = onnx.load_from_string(serialized)
     body = helper.make_graph(list(inner.graph.node), "method", [], list(inner.graph.output))
     zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
-    other = helper.make_graph([helper.make_node("Constant", [], [f"{o.name}/other"], value=zero)
-                               for o in inner.graph.output], "other", [],
-                              [helper.make_tensor_value_info(f"{o.name}/other", TensorProto.FLOAT, None)
-                               for o in inner.graph.output])
-    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None) for i in range(len(inner.graph.output))]
+    other = helper.make_graph(
+        [helper.make_node("Constant", [], [f"{o.name}/other"], value=zero) for o in inner.graph.output],
+        "other",
+        [],
+        [helper.make_tensor_value_info(f"{o.name}/other", TensorProto.FLOAT, None) for o in inner.graph.output],
+    )
+    outputs = [
+        helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None) for i in range(len(inner.graph.output))
+    ]
     node = helper.make_node("If", ["run"], [o.name for o in outputs], then_branch=body, else_branch=other)
     run = helper.make_tensor_value_info("run", TensorProto.BOOL, [])
     graph = helper.make_graph([node], "top", [run, *inner.graph.input], outputs, list(inner.graph.initializer))

@@ -6,13 +6,13 @@ from torch import nn
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.backends.packed_linear import (
+from streamfuse.export.eager import TorchBackend
+from streamfuse.export.packed_linear import (
     ONE_ROW_PACKED_MIN_ELEMENTS,
     PackedLinear,
     packing_available,
     resolve_kernels,
 )
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.settings import DecodeSettings
@@ -20,8 +20,10 @@ from streamfuse.runtime.tree import TreeSpec
 
 from conftest import make_tiny_llama
 
-needs_onednn = pytest.mark.skipif(not packing_available("cpu", torch.float32),
-                                  reason="this torch build has no oneDNN (mkldnn) CPU kernels to pack for")
+needs_onednn = pytest.mark.skipif(
+    not packing_available("cpu", torch.float32),
+    reason="this torch build has no oneDNN (mkldnn) CPU kernels to pack for",
+)
 
 
 def tiny_model(seed: int = 0) -> SpeculativeStreamingLM:
@@ -45,7 +47,7 @@ def test_packed_linear_computes_what_linear_does(shape, bias):
 def test_one_row_runs_the_original_kernel_bit_for_bit():
     linear = nn.Linear(48, 80)
     x = torch.randn(1, 1, 48)
-    assert torch.equal(PackedLinear(linear)(x), linear(x))  # decoder layers: gemv, as before
+    assert torch.equal(PackedLinear(linear)(x), linear(x))  # decoder layers: F.linear's gemv, unchanged
 
 
 @needs_onednn
@@ -66,7 +68,9 @@ def test_replace_linears_swaps_every_linear_and_the_lm_head():
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     ids = torch.randint(0, 97, (1, 6))
     positions = torch.arange(6)[None]
-    mask = torch.zeros(1, 1, 6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    mask = torch.zeros(1, 1, 6, 6).masked_fill(
+        ~torch.ones(6, 6, dtype=torch.bool).tril(), torch.finfo(torch.float32).min
+    )
     with torch.inference_mode():
         before = model.logits(model(ids, positions, mask, anchors=torch.tensor([[5]])).hidden)
         assert model.replace_linears(PackedLinear) == linears > 0
@@ -101,8 +105,7 @@ def test_packed_speculative_equals_eager_plain(seed, schedule):
     """Lossless across kernels: SS on packed weights gives eager plain decoding's tokens."""
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
     rules = StopRules(max_new_tokens=24, stop_token_ids=())
-    plain = generate(TorchBackend(tiny_model(seed), kernels="eager"), prompt,
-                                    DecodeSettings("ar", rules)).token_ids
+    plain = generate(TorchBackend(tiny_model(seed), kernels="eager"), prompt, DecodeSettings("ar", rules)).token_ids
     packed = TorchBackend(tiny_model(seed), stream_schedule=schedule, kernels="packed")
     assert packed.kernels == "packed"
     for tree in (TreeSpec.parse("gamma=3,k=1"), TreeSpec.parse("gamma=3,k=2")):
@@ -128,7 +131,7 @@ def test_packed_for_inference_generates_what_eager_does():
 
 def test_a_torch_without_the_private_onednn_ops_runs_eager(monkeypatch):
     from streamfuse import seams
-    from streamfuse.runtime.backends import packed_linear
+    from streamfuse.export import packed_linear
 
     monkeypatch.setattr(seams, "MKLDNN_OPS", ("_reorder_linear_weight", "_no_such_op"))
     assert not packed_linear.packing_available("cpu", torch.float32)

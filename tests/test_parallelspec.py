@@ -5,21 +5,21 @@ import numpy as np
 import pytest
 import torch
 
-from streamfuse.adapters.parallelspec import ParallelSpecModel
-from streamfuse.adapters.parallelspec import load_drafter, save_drafter
-from streamfuse.export.parallel_graph import DraftPass, EagerSession, export_drafter, max_difference
+from streamfuse.methods.fused.graph import EagerSession
+from streamfuse.methods.fused.train import IGNORE, AnswerStates, answer_states, embed_scale, vocab_columns
+from streamfuse.methods.parallelspec.drafter import ParallelDrafter, pass_visibility
+from streamfuse.methods.parallelspec.graph import DraftPass, export_drafter, max_difference
+from streamfuse.methods.parallelspec.graph_pass import GraphParallelPass
+from streamfuse.methods.parallelspec.model import ParallelSpecModel, load_drafter, save_drafter
+from streamfuse.methods.parallelspec.torch_pass import TorchParallelPass
+from streamfuse.methods.parallelspec.train import DrafterTraining, group_layout, packed_logits, train_drafter
 from streamfuse.runtime.accept import accept_sampled
-from streamfuse.runtime.backends.parallel_graph import GraphParallelPass
-from streamfuse.runtime.backends.parallel_torch import TorchParallelPass
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.parallel_drafter import ParallelDrafter, pass_visibility
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.training.data import Encoded
-from streamfuse.training.parallelspec import (IGNORE, AnswerStates, DrafterTraining, answer_states, embed_scale,
-                                              group_layout, packed_logits, train_drafter, vocab_columns)
 
 from test_decode import backend_for, chi_square_p, exact_joint
 
@@ -28,19 +28,23 @@ from test_decode import backend_for, chi_square_p, exact_joint
 GROUPS = (
     [0, 1, 1, 2, 2, 3],
     [1, 2, 2, 3, 3, 4],
-    [[1, 0, 0, 0, 0, 0],   # r0
-     [1, 1, 0, 0, 0, 0],   # r1
-     [1, 0, 1, 0, 0, 0],   # [MASK]_1 of r0
-     [1, 0, 1, 1, 0, 0],   # [MASK]_2 of r0
-     [1, 1, 0, 0, 1, 0],   # [MASK]_1 of r1
-     [1, 1, 0, 0, 1, 1]],  # [MASK]_2 of r1
+    [
+        [1, 0, 0, 0, 0, 0],  # r0
+        [1, 1, 0, 0, 0, 0],  # r1
+        [1, 0, 1, 0, 0, 0],  # [MASK]_1 of r0
+        [1, 0, 1, 1, 0, 0],  # [MASK]_2 of r0
+        [1, 1, 0, 0, 1, 0],  # [MASK]_1 of r1
+        [1, 1, 0, 0, 1, 1],
+    ],  # [MASK]_2 of r1
 )
 
 # pass_visibility(cached 1 of 2 slots, 1 real of 2 rows, 2 masks): slots s0 s1 | r0 pad | m1 m2.
-PASS = [[1, 0, 1, 0, 0, 0],  # r0: the cached row and itself
-        [0, 0, 0, 1, 0, 0],  # the pad row: itself only
-        [1, 0, 1, 0, 1, 0],  # [MASK]_1
-        [1, 0, 1, 0, 1, 1]]  # [MASK]_2
+PASS = [
+    [1, 0, 1, 0, 0, 0],  # r0: the cached row and itself
+    [0, 0, 0, 1, 0, 0],  # the pad row: itself only
+    [1, 0, 1, 0, 1, 0],  # [MASK]_1
+    [1, 0, 1, 0, 1, 1],
+]  # [MASK]_2
 
 
 def test_group_layout_table():
@@ -90,14 +94,22 @@ def test_the_fused_input_starts_as_the_state_plus_the_scaled_embedding():
     drafter, embed = drafter_for(backend), backend.model.parts.embed
     states = AnswerStates(torch.randn(50, 32) * 3.0, torch.tensor([50]))
     scale = embed_scale(states, embed)
-    assert scale == pytest.approx(float(states.hidden.pow(2).mean().sqrt() / embed.weight.pow(2).mean().sqrt()), rel=1e-5)
+    assert scale == pytest.approx(
+        float(states.hidden.pow(2).mean().sqrt() / embed.weight.pow(2).mean().sqrt()), rel=1e-5
+    )
     drafter.start_fused(scale)
     h, e = torch.randn(3, 32), torch.randn(3, 32)
     torch.testing.assert_close(drafter.fuse(torch.cat([h, e], dim=-1)), h + scale * e)
 
 
 def test_labels_outside_the_vocabulary_are_left_out():
-    assert vocab_columns(torch.tensor([2, 5, 9]), torch.tensor([5, 3, 9, IGNORE, 2])).tolist() == [1, IGNORE, 2, IGNORE, 0]
+    assert vocab_columns(torch.tensor([2, 5, 9]), torch.tensor([5, 3, 9, IGNORE, 2])).tolist() == [
+        1,
+        IGNORE,
+        2,
+        IGNORE,
+        0,
+    ]
 
 
 @pytest.mark.parametrize("tree", [TreeSpec.chain(3), TreeSpec.full(2, 2), TreeSpec.parse("[[0],[1],[0,0],[0,0,0]]")])
@@ -122,8 +134,16 @@ def test_a_tree_deeper_than_one_pass_drafts_is_a_one_line_error():
 
 def eager_graph(backend, drafter, rows: int = 4, capacity: int = 64, embedding=None) -> GraphParallelPass:
     table = backend.model.parts.embed.weight.detach().numpy() if embedding is None else embedding
-    return GraphParallelPass(EagerSession(DraftPass(drafter.eval(), rows)), table, drafter.vocab_ids.numpy(),
-                             drafter.num_masks, rows, capacity, (2, 8), backend.vocab_size)
+    return GraphParallelPass(
+        EagerSession(DraftPass(drafter.eval(), rows)),
+        table,
+        drafter.vocab_ids.numpy(),
+        drafter.num_masks,
+        rows,
+        capacity,
+        (2, 8),
+        backend.vocab_size,
+    )
 
 
 def test_the_static_pass_with_pad_rows_and_chunks_equals_the_torch_pass():
@@ -138,7 +158,9 @@ def test_the_static_pass_with_pad_rows_and_chunks_equals_the_torch_pass():
     for real in (1, 3, 2, 5, 1):  # 5 > R: two passes
         states = generator.standard_normal((real, 32)).astype(np.float32)
         tokens = generator.integers(0, 97, real).tolist()
-        np.testing.assert_allclose(graph.run(states, tokens, position), dynamic.run(states, tokens, position), atol=1e-4)
+        np.testing.assert_allclose(
+            graph.run(states, tokens, position), dynamic.run(states, tokens, position), atol=1e-4
+        )
         position += real
 
 
@@ -149,15 +171,18 @@ def test_greedy_parallelspec_on_the_static_pass_equals_plain_greedy():
     for prompt in ([4, 8, 15, 16], [23, 42]):
         plain = generate(backend, prompt, DecodeSettings("ar", rules))
         settings = DecodeSettings("parallelspec", rules, tree=tree)
-        assert generate(backend, prompt, settings, drafter=ParallelDrafter(engine, tree, settings.sampling, 0)).token_ids == \
-            plain.token_ids
+        assert (
+            generate(backend, prompt, settings, drafter=ParallelDrafter(engine, tree, settings.sampling, 0)).token_ids
+            == plain.token_ids
+        )
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 @pytest.mark.parametrize("engine", ["onnxruntime", "executorch"])
 def test_the_exported_pass_matches_eager_and_decodes_plain_greedy(engine, quantize, tmp_path):
-    pytest.importorskip({"onnxruntime": "onnxruntime", "executorch": "executorch.runtime"}[engine],
-                        reason=f"{engine} is not installed")
+    pytest.importorskip(
+        {"onnxruntime": "onnxruntime", "executorch": "executorch.runtime"}[engine], reason=f"{engine} is not installed"
+    )
     backend = backend_for(3, schedule="deferred")
     drafter = drafter_for(backend, noise=0.5, vocab=list(range(0, 97, 2)))
     entry = export_drafter(drafter, backend.model.parts.embed, 4, 64, [engine], tmp_path, quantize)
@@ -193,18 +218,22 @@ def test_multi_draft_speculative_sampling_emits_the_target_distribution():
 def test_a_tree_of_drawn_drafts_stops_when_q_has_no_token_left():
     """q on one token, two children: the second child holds no draw and is never accepted."""
     q, p = np.array([1.0, 0.0, 0.0]), np.array([0.0, 0.5, 0.5])
-    results = [accept_sampled(TreeSpec.full(1, 2), [9, 0, 0], np.stack([q, q, q]), lambda n: p, np.random.default_rng(s))
-               for s in range(200)]
+    results = [
+        accept_sampled(TreeSpec.full(1, 2), [9, 0, 0], np.stack([q, q, q]), lambda n: p, np.random.default_rng(s))
+        for s in range(200)
+    ]
     assert all(r.path == [0] and r.correction in (1, 2) for r in results)
 
 
 def joint_counts(backend, engine, runs):
     counts = torch.zeros(8, 8)
     for seed in range(runs):
-        settings = DecodeSettings("parallelspec", StopRules(2), tree=TreeSpec.full(2, 2), sampling=SamplingConfig(1.0),
-                                  seed=seed)
-        tokens = generate(backend, [1, 2], settings, drafter=ParallelDrafter(engine, settings.tree, settings.sampling,
-                                                                             seed)).token_ids
+        settings = DecodeSettings(
+            "parallelspec", StopRules(2), tree=TreeSpec.full(2, 2), sampling=SamplingConfig(1.0), seed=seed
+        )
+        tokens = generate(
+            backend, [1, 2], settings, drafter=ParallelDrafter(engine, settings.tree, settings.sampling, seed)
+        ).token_ids
         counts[tokens[0], tokens[1]] += 1
     return counts
 
@@ -224,8 +253,10 @@ def test_sampled_parallelspec_matches_the_target_distribution():
 
 def own_answers(backend, prompts, tokens: int = 24) -> list[Encoded]:
     rules = StopRules(max_new_tokens=tokens)
-    return [Encoded(f"x{i}", list(p) + generate(backend, p, DecodeSettings("ar", rules)).token_ids, len(p))
-            for i, p in enumerate(prompts)]
+    return [
+        Encoded(f"x{i}", list(p) + generate(backend, p, DecodeSettings("ar", rules)).token_ids, len(p))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def tokens_per_step(backend, engine, prompts, tree) -> float:
@@ -245,10 +276,14 @@ def test_training_on_the_targets_own_answers_raises_tokens_per_step(tmp_path):
     prompts = [generator.integers(6, 97, 6).tolist() for _ in range(24)]
     items = own_answers(backend, prompts)
     states = answer_states(backend.model, items, tmp_path / "states.safetensors")
-    assert isinstance(states, AnswerStates) and states.lengths.tolist() == [len(i.input_ids) - i.prompt_len for i in items]
+    assert isinstance(states, AnswerStates) and states.lengths.tolist() == [
+        len(i.input_ids) - i.prompt_len for i in items
+    ]
     drafter, tree = drafter_for(backend, masks=2), TreeSpec.full(3, 2)
     before = tokens_per_step(backend, torch_pass(backend, drafter), prompts[:8], tree)
-    result = train_drafter(drafter, backend.model.parts.embed, items, states, DrafterTraining(epochs=30, learning_rate=3e-3, items=4))
+    result = train_drafter(
+        drafter, backend.model.parts.embed, items, states, DrafterTraining(epochs=30, learning_rate=3e-3, items=4)
+    )
     save_drafter(drafter, tmp_path / "drafter", {"training_key": "t"})
     loaded = load_drafter(tmp_path / "drafter", backend.model.model)
     after = tokens_per_step(backend, torch_pass(backend, loaded), prompts[:8], tree)

@@ -1,4 +1,4 @@
-"""PEARL (runtime/pearl_drafter.py): the draft model in its own process, drafting while the target verifies;
+"""PEARL (methods/pearl/drafter.py): the draft model in its own process, drafting while the target verifies;
 greedy == plain decoding, sampling == the target distribution, whatever the timing."""
 
 import pytest
@@ -8,9 +8,10 @@ from streamfuse.adapters.checkpoint import save_checkpoint
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.methods.pearl.drafter import PearlDrafter, PearlWorker
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.pearl_drafter import PearlDrafter, PearlWorker
+from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig, target_probs
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
@@ -24,8 +25,9 @@ def draft_checkpoint(root, seed: int, vocab: int = 97, layers: int = 4):
     """A checkpoint whose main stream is make_tiny_llama(seed)'s: the target of backend_for(seed) when layers = 4."""
     make_tiny_llama(seed, layers=layers, vocab=vocab).save_pretrained(root / "base")
     make_tiny_tokenizer().save_pretrained(root / "base")
-    model = SpeculativeStreamingLM(add_lora(make_tiny_llama(seed, layers=layers, vocab=vocab), LoraSettings(rank=4)),
-                                   StreamConfig(1, 1))
+    model = SpeculativeStreamingLM(
+        add_lora(make_tiny_llama(seed, layers=layers, vocab=vocab), LoraSettings(rank=4)), StreamConfig(1, 1)
+    )
     save_checkpoint(model, make_tiny_tokenizer(), root / "ckpt", str(root / "base"), LoraSettings(rank=4), {})
     return root / "ckpt"
 
@@ -38,7 +40,7 @@ def workers(tmp_path_factory):
     def get(seed: int, vocab: int = 97, layers: int = 4) -> PearlWorker:
         if (seed, vocab, layers) not in made:
             folder = draft_checkpoint(tmp_path_factory.mktemp(f"draft{seed}-{vocab}-{layers}"), seed, vocab, layers)
-            made[seed, vocab, layers] = PearlWorker(folder, "torch")
+            made[seed, vocab, layers] = PearlWorker(folder, "torch", load)
         return made[seed, vocab, layers]
 
     yield get
@@ -138,7 +140,7 @@ def test_seeded_sampling_gives_the_same_tokens_whatever_the_timing(workers):
 
 def test_a_worker_that_cannot_load_its_model_is_one_error_naming_the_folder(tmp_path):
     with pytest.raises(RuntimeError, match=f"failed to load {tmp_path}"):
-        PearlWorker(tmp_path, "torch")
+        PearlWorker(tmp_path, "torch", load)
 
 
 def test_pearl_settings_need_a_chain():

@@ -31,8 +31,14 @@ def test_a_slow_worker_makes_the_host_wait_for_its_drafts():
     assert pearl_seconds([False] + [True] * 6, 2, slow) > pearl_seconds([False] + [True] * 6, 2, LAT) + 0.05
 
 
-@pytest.mark.parametrize("text, message", [("npu:1,2", "NAME:TARGET_MS,VERIFY_MS,DRAFT_MS"),
-                                           (":1,2,3", "a name and three positive"), ("x:1,0,3", "three positive")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("npu:1,2", "NAME:TARGET_MS,VERIFY_MS,DRAFT_MS"),
+        (":1,2,3", "a name and three positive"),
+        ("x:1,0,3", "three positive"),
+    ],
+)
 def test_a_bad_device_is_named(text, message):
     with pytest.raises(ValueError, match=message):
         Latencies.parse(text)
@@ -42,8 +48,23 @@ def test_the_table_is_labelled_simulated_and_repeats_its_latencies(tmp_path, cap
     matches = tmp_path / "matches.json"
     matches.write_text(json.dumps({"matches": [[False] + [True] * 6, [False] * 5]}))
     out = tmp_path / "replay.json"
-    assert main(["--artifact", str(tmp_path), "--matches", str(matches), "--gamma", "2", "--device", "unit:10,12,1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--artifact",
+                str(tmp_path),
+                "--matches",
+                str(matches),
+                "--gamma",
+                "2",
+                "--device",
+                "unit:10,12,1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = json.loads(out.read_text())
     assert table["simulated"] is True and table["rows"][0]["latencies_ms"]["draft_ms"] == 1
     assert table["rows"][0]["pearl_vs_sd"] == pytest.approx((29 + 56) / (34 + 40))

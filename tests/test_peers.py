@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests, run
 from streamfuse.runtime.loader import load
+from streamfuse.runtime.session import DEFAULT_TREE, prompt_ids, run
+from streamfuse.runtime.session import read_input_file as read_requests
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools import peers, peers_gguf
+from streamfuse.tools.peer_registry import PEERS, available, build_peers
+from streamfuse.tools.peers_runners import PeerContext, cut_at_stop, hf_model
 
 MAX_NEW = 16
 REAL_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "dialogsum-cpu" / "ss"
@@ -37,11 +40,12 @@ def plain_tokens(loaded, ids, max_new=MAX_NEW):
 
 @pytest.mark.parametrize("name", ["hf", "hf_pld", "hf_assisted"])
 def test_hf_peers_equal_streamfuse_plain_greedy(checkpoint, loaded, prompts, name):
-    runners, skipped = peers.build_peers([name], peers.PeerContext(loaded, checkpoint / "ckpt", threads=1))
+    runners, skipped = build_peers([name], PeerContext(loaded, checkpoint / "ckpt", threads=1))
     assert skipped == {} and runners[name].name == name
     lengths, verified = [], []  # tokens per target call; > 1 after the prefill: a draft was verified
-    hook = peers.hf_model(loaded).register_forward_pre_hook(
-        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    hook = hf_model(loaded).register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         for ids in prompts:
             lengths.clear()
@@ -56,25 +60,27 @@ def test_hf_peers_equal_streamfuse_plain_greedy(checkpoint, loaded, prompts, nam
 
 
 def test_cut_at_stop_is_streamfuse_stop_rule():
-    assert peers.cut_at_stop([5, 6, 2, 7], (2,), 10) == [5, 6, 2]
-    assert peers.cut_at_stop([5, 6, 2, 7], (2,), 2) == [5, 6]
-    assert peers.cut_at_stop([], (2,), 3) == []
+    assert cut_at_stop([5, 6, 2, 7], (2,), 10) == [5, 6, 2]
+    assert cut_at_stop([5, 6, 2, 7], (2,), 2) == [5, 6]
+    assert cut_at_stop([], (2,), 3) == []
 
 
 def test_missing_llama_cpp_is_skipped_with_reason(checkpoint, loaded, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    reasons = peers.available()
+    reasons = available()
     assert reasons["hf"] is None and reasons["hf_pld"] is None
     assert "llama-cpp-python" in reasons["llamacpp_f32"] and "llama-cpp-python" in reasons["llamacpp_base_q4_1_pld"]
-    runners, skipped = peers.build_peers(["llamacpp_f32", "hf"], peers.PeerContext(loaded, checkpoint / "ckpt", 1))
+    runners, skipped = build_peers(["llamacpp_f32", "hf"], PeerContext(loaded, checkpoint / "ckpt", 1))
     assert list(runners) == ["hf"] and "llama-cpp-python" in skipped["llamacpp_f32"]
 
 
 def test_base_gguf_peer_needs_the_bundled_base(checkpoint, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
-    reasons = peers.available(checkpoint / "ckpt")  # the tiny checkpoint's base is a local folder
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a)
+    )
+    reasons = available(checkpoint / "ckpt")  # the tiny checkpoint's base is a local folder
     assert "no bundled GGUF" in reasons["llamacpp_base_q4_1"] and reasons["llamacpp_f32"] is None
     assert "no bundled GGUF" in reasons["llamacpp_q4_1_lora_pld"]
 
@@ -97,7 +103,7 @@ def test_lora_adapter_is_converted_once_from_the_checkpoints_lora(checkpoint, lo
     (converter / "convert_lora_to_gguf.py").write_text(FAKE_CONVERTER)
     monkeypatch.setenv("STREAMFUSE_LLAMA_CPP_DIR", str(converter))
     monkeypatch.setenv("STREAMFUSE_CACHE", str(tmp_path / "cache"))
-    config = peers.hf_model(loaded).config
+    config = hf_model(loaded).config
     path = peers_gguf.export_lora_gguf(config, checkpoint / "ckpt")
     assert path == peers_gguf.lora_gguf_path(checkpoint / "ckpt") and path.name == "lora-f32.gguf"
     made = json.loads(path.read_text())
@@ -138,10 +144,28 @@ def test_gguf_cache_key_follows_training_key_and_weights(checkpoint, tmp_path, m
 
 def test_cli_writes_report_and_skips_with_reasons(checkpoint, tmp_path):
     out = tmp_path / "peers"
-    code = peers.main(["--artifact", str(checkpoint / "ckpt"), "--task", "dialogsum", "--input-file",
-                       str(checkpoint / "data" / "dialogsum.test.jsonl"), "--limit", "2", "--warmup", "1",
-                       "--max-new-tokens", "6", "--threads", "1", "--peers", "hf,hf_pld,llamacpp_base_q4_1",
-                       "--out", str(out)])
+    code = peers.main(
+        [
+            "--artifact",
+            str(checkpoint / "ckpt"),
+            "--task",
+            "dialogsum",
+            "--input-file",
+            str(checkpoint / "data" / "dialogsum.test.jsonl"),
+            "--limit",
+            "2",
+            "--warmup",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--peers",
+            "hf,hf_pld,llamacpp_base_q4_1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "peers.json").read_text())
     assert report["inputs"] == 2 and set(report["summary"]) == {"streamfuse_ar", "hf", "hf_pld"}
@@ -154,14 +178,18 @@ def test_cli_writes_report_and_skips_with_reasons(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (extra 'bench')")
-@pytest.mark.skipif(not REAL_CHECKPOINT.is_dir() or not REAL_INPUTS.is_file(), reason="needs `make build` output and ../shared/data")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (extra 'bench')"
+)
+@pytest.mark.skipif(
+    not REAL_CHECKPOINT.is_dir() or not REAL_INPUTS.is_file(), reason="needs `make build` output and ../shared/data"
+)
 def test_llamacpp_f32_on_the_real_checkpoint():
     import torch
 
     real = load(REAL_CHECKPOINT)
     ids = prompt_ids(real, next(read_requests(REAL_INPUTS, real, True, 1)).text, True)
-    runners, skipped = peers.build_peers(["llamacpp_f32", "llamacpp_f32_pld"], peers.PeerContext(real, REAL_CHECKPOINT, 2))
+    runners, skipped = build_peers(["llamacpp_f32", "llamacpp_f32_pld"], PeerContext(real, REAL_CHECKPOINT, 2))
     assert skipped == {}
     try:
         plain = runners["llamacpp_f32"].run(ids, 32)
@@ -175,7 +203,7 @@ def test_llamacpp_f32_on_the_real_checkpoint():
     split = next((i for i, (a, b) in enumerate(zip(plain.token_ids, reference)) if a != b), None)
     if split is not None:
         with torch.inference_mode():
-            logits = peers.hf_model(real)(torch.tensor([ids + reference[:split]])).logits[0, -1]
+            logits = hf_model(real)(torch.tensor([ids + reference[:split]])).logits[0, -1]
         assert logits[reference[split]] - logits[plain.token_ids[split]] < 0.05
 
 
@@ -234,6 +262,9 @@ def test_optimum_executorch_runner_prefills_then_decodes_one_position_at_a_time(
 def test_the_optimum_peer_is_listed_needs_executorch_and_is_labelled_8da4w():
     from streamfuse.tools.bench_setup import peer_precision
 
-    assert peers.PEERS["optimum_executorch_8da4w"].requires == ("executorch",)
-    assert [peer_precision(n) for n in ("optimum_executorch_8da4w", "llamacpp_q4_1_pld", "hf_pld")] == \
-        ["8da4w", "q4_1", "fp32"]
+    assert PEERS["optimum_executorch_8da4w"].requires == ("executorch",)
+    assert [peer_precision(n) for n in ("optimum_executorch_8da4w", "llamacpp_q4_1_pld", "hf_pld")] == [
+        "8da4w",
+        "q4_1",
+        "fp32",
+    ]

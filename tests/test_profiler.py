@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamfuse.runtime import errors
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.trace import SCHEMA
 from streamfuse.runtime.trace_profile import PLOTS, profile_files, profile_trace
@@ -23,24 +24,54 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def step(nodes: int, kept: int, depth: int, lookup: int = 0, draft_calls: int = 0) -> dict:
-    return {"tree_nodes": nodes, "kept_nodes": kept, "accepted_depth": depth, "tokens": depth + 1,
-            "lookup_accepted": lookup, "draft_calls": draft_calls, "draft_seconds": 0.0}
+    return {
+        "tree_nodes": nodes,
+        "kept_nodes": kept,
+        "accepted_depth": depth,
+        "tokens": depth + 1,
+        "lookup_accepted": lookup,
+        "draft_calls": draft_calls,
+        "draft_seconds": 0.0,
+    }
 
 
-def run(run_id: str, calls: int, tokens: int, seconds: float, steps: list[dict], peak: int | None = None,
-        plain: int = 0, switches: tuple[str, ...] = (), method: str = "ss", draft_calls: int = 0,
-        **spans: float) -> dict:
-    return {"id": run_id, "method": method, "prompt_tokens": 5, "new_tokens": tokens, "model_calls": calls,
-            "draft_calls": draft_calls, "seconds": seconds, "stop_reason": "eos", "peak_memory_bytes": peak,
-            "plain_calls": plain,
-            "spans": {"prefill": 0.0, "draft": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
-            "steps": steps, "switches": [{"at_token": 1, "to": to, "tokens_per_step": None} for to in switches]}
+def run(
+    run_id: str,
+    calls: int,
+    tokens: int,
+    seconds: float,
+    steps: list[dict],
+    peak: int | None = None,
+    plain: int = 0,
+    switches: tuple[str, ...] = (),
+    method: str = "ss",
+    draft_calls: int = 0,
+    **spans: float,
+) -> dict:
+    return {
+        "id": run_id,
+        "method": method,
+        "prompt_tokens": 5,
+        "new_tokens": tokens,
+        "model_calls": calls,
+        "draft_calls": draft_calls,
+        "seconds": seconds,
+        "stop_reason": "eos",
+        "peak_memory_bytes": peak,
+        "plain_calls": plain,
+        "spans": {"prefill": 0.0, "draft": 0.0, "forward": 0.0, "accept": 0.0, "cache": 0.0, "host": 0.0, **spans},
+        "steps": steps,
+        "switches": [{"at_token": 1, "to": to, "tokens_per_step": None} for to in switches],
+    }
 
 
 def trace(method: str, runs: list[dict], tree_depth: int | None = None) -> dict:
     tree = {"paths": [], "num_nodes": 0, "depth": tree_depth, "hash": "x"} if tree_depth else None
-    return {"schema": SCHEMA, "runs": runs,
-            "meta": {"backend": "test", "device": "cpu", "method": method, "num_streams": 4, "tree": tree}}
+    return {
+        "schema": SCHEMA,
+        "runs": runs,
+        "meta": {"backend": "test", "device": "cpu", "method": method, "num_streams": 4, "tree": tree},
+    }
 
 
 def ss_trace() -> dict:
@@ -49,18 +80,47 @@ def ss_trace() -> dict:
     Each run: 1 prefill + 2 verify calls = 3 calls; tokens 1 (prefill) + sum(depth + 1):
     run a: 1 + 3 + 4 = 8, run b: 1 + 1 + 2 = 4.
     """
-    return trace("ss", [
-        run("a", 3, 8, 2.0, [step(4, 3, 2), step(5, 4, 3)], peak=1000, prefill=0.5, forward=1.0, accept=0.2,
-            cache=0.1),
-        run("b", 3, 4, 2.0, [step(4, 2, 0), step(4, 3, 1)], peak=None, prefill=0.5, forward=1.0, accept=0.3,
-            cache=0.2),
-    ], tree_depth=4)
+    return trace(
+        "ss",
+        [
+            run(
+                "a",
+                3,
+                8,
+                2.0,
+                [step(4, 3, 2), step(5, 4, 3)],
+                peak=1000,
+                prefill=0.5,
+                forward=1.0,
+                accept=0.2,
+                cache=0.1,
+            ),
+            run(
+                "b",
+                3,
+                4,
+                2.0,
+                [step(4, 2, 0), step(4, 3, 1)],
+                peak=None,
+                prefill=0.5,
+                forward=1.0,
+                accept=0.3,
+                cache=0.2,
+            ),
+        ],
+        tree_depth=4,
+    )
 
 
 def ar_trace() -> dict:
     """Plain decoding: n tokens in n calls (prefill gives the first), n - 1 plain calls, no drafted steps."""
-    return trace("ar", [run("a", 8, 8, 6.0, [], plain=7, method="ar", prefill=1.0, forward=4.4),
-                        run("c", 5, 5, 3.0, [], plain=4, method="ar", prefill=1.0, forward=2.0)])
+    return trace(
+        "ar",
+        [
+            run("a", 8, 8, 6.0, [], plain=7, method="ar", prefill=1.0, forward=4.4),
+            run("c", 5, 5, 3.0, [], plain=4, method="ar", prefill=1.0, forward=2.0),
+        ],
+    )
 
 
 def test_call_reduction_and_throughput():
@@ -120,10 +180,30 @@ def test_time_split():
     assert split["total_seconds"] == 4.0
     seconds = {name: s["seconds"] for name, s in split["spans"].items()}
     fractions = {name: s["fraction"] for name, s in split["spans"].items()}
-    assert seconds == pytest.approx({"prefill": 1.0, "draft": 0.0, "forward": 2.0, "streams": 0.0, "accept": 0.5, "cache": 0.3,
-                                     "host": 0.0, "other": 0.2})
-    assert fractions == pytest.approx({"prefill": 0.25, "draft": 0.0, "forward": 0.5, "streams": 0.0, "accept": 0.125,
-                                       "cache": 0.075, "host": 0.0, "other": 0.05})
+    assert seconds == pytest.approx(
+        {
+            "prefill": 1.0,
+            "draft": 0.0,
+            "forward": 2.0,
+            "streams": 0.0,
+            "accept": 0.5,
+            "cache": 0.3,
+            "host": 0.0,
+            "other": 0.2,
+        }
+    )
+    assert fractions == pytest.approx(
+        {
+            "prefill": 0.25,
+            "draft": 0.0,
+            "forward": 0.5,
+            "streams": 0.0,
+            "accept": 0.125,
+            "cache": 0.075,
+            "host": 0.0,
+            "other": 0.05,
+        }
+    )
     assert metrics["forward_latency_s"] == 0.5  # 2.0 s over 4 verify steps
     assert metrics["prefill_per_run_s"] == 0.5
 
@@ -169,8 +249,12 @@ def test_cli_writes_report(tmp_path, capsys):
 def test_script_mode_on_ar_trace(tmp_path):
     """Run as a file (tools/ first on sys.path); AR traces plot 'no data' panels."""
     trace_path = write(tmp_path / "ar.json", ar_trace())
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "profiler.py"), str(trace_path),
-                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "profiler.py"), str(trace_path), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert all((tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC for name in PLOTS.values())
 
@@ -179,8 +263,9 @@ def test_wrong_schema_names_the_file(tmp_path, capsys):
     bad = write(tmp_path / "old_trace.json", {"schema": "streamfuse.trace/0", "runs": []})
     with pytest.raises(ValueError, match="old_trace.json"):
         profile_files(bad)
-    assert main([str(bad), "--out", str(tmp_path / "out")]) == 2
-    assert "old_trace.json" in capsys.readouterr().err
+    assert errors.run(main, [str(bad), "--out", str(tmp_path / "out")], prog="streamfuse profile") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streamfuse profile: error: ") and "old_trace.json" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -206,8 +291,25 @@ def test_a_spawned_process_reports_its_own_peak_memory_not_its_parents():
 def test_a_fallbacks_plain_calls_count_in_cr_and_latency_but_not_in_acceptance():
     """Run a: 1 prefill + 2 verify steps (depths 1, 0: 3 tokens) + 3 plain calls (3 tokens) = 6 calls, 7 tokens;
     it switched to plain once and back once, then to plain again."""
-    metrics = profile_trace(trace("ss", [run("a", 6, 7, 3.0, [step(4, 4, 1), step(4, 4, 0)], plain=3,
-                                             switches=("plain", "ss", "plain"), prefill=0.5, forward=2.5)], 3))
+    metrics = profile_trace(
+        trace(
+            "ss",
+            [
+                run(
+                    "a",
+                    6,
+                    7,
+                    3.0,
+                    [step(4, 4, 1), step(4, 4, 0)],
+                    plain=3,
+                    switches=("plain", "ss", "plain"),
+                    prefill=0.5,
+                    forward=2.5,
+                )
+            ],
+            3,
+        )
+    )
     assert metrics["call_reduction"] == pytest.approx(7 / 6)
     assert metrics["plain_calls"] == 3 and (metrics["switches_to_plain"], metrics["switches_to_ss"]) == (2, 1)
     assert metrics["mean_tokens_per_step"] == pytest.approx(1.5)  # speculative steps only

@@ -1,4 +1,4 @@
-"""runtime/backends/pytorch.py: the torch backend is the static-graph host over the graphs' functions run
+"""export/eager.py: the torch backend is the static-graph host over the graphs' functions run
 eagerly, so it computes what the exported graphs' modules compute, keeps its cache in place, and prunes."""
 
 import numpy as np
@@ -7,10 +7,10 @@ import torch
 
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.eager import TorchBackend
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.backends.base import CapacityError, PruneConfig
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, keep_nodes
 from streamfuse.runtime.tree import TreeSpec
 
@@ -91,12 +91,24 @@ def test_pruning_keeps_the_nodes_the_early_exit_head_allows(prune):
     # The early-exit head's probabilities at each node, by hand: a plain forward with the tree's mask.
     visible = torch.from_numpy(tree.ancestor_mask)
     mask = torch.cat([torch.ones(len(tokens), len(PROMPT), dtype=torch.bool), visible], dim=1)
-    ids, positions = torch.tensor([PROMPT + tokens]), torch.tensor([list(range(len(PROMPT))) +
-                                                                   [len(PROMPT) + d for d in tree.depths]])
-    full = torch.cat([torch.cat([torch.ones(len(PROMPT), len(PROMPT)).tril().bool(),
-                                 torch.zeros(len(PROMPT), len(tokens), dtype=torch.bool)], dim=1), mask])
+    ids, positions = (
+        torch.tensor([PROMPT + tokens]),
+        torch.tensor([list(range(len(PROMPT))) + [len(PROMPT) + d for d in tree.depths]]),
+    )
+    full = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.ones(len(PROMPT), len(PROMPT)).tril().bool(),
+                    torch.zeros(len(PROMPT), len(tokens), dtype=torch.bool),
+                ],
+                dim=1,
+            ),
+            mask,
+        ]
+    )
     additive = torch.zeros(full.shape).masked_fill(~full, float("-inf"))[None, None]
-    early = model.forward_lower(ids, positions, additive, None, with_pruning=True).pruning_hidden[0, len(PROMPT):]
+    early = model.forward_lower(ids, positions, additive, None, with_pruning=True).pruning_hidden[0, len(PROMPT) :]
     probs = torch.softmax(model.logits(early), dim=-1)
     transition = [1.0] + [float(probs[tree.parents[n], tokens[n]]) for n in range(1, tree.num_nodes)]
     assert kept == keep_nodes(tree, transition, prune)

@@ -55,15 +55,28 @@ def random_layer(rng, n: int, k: int, rank: int):
     scales = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
     mins = -scales * rng.uniform(4, 12, scales.shape).astype(np.float16).astype(np.float32)
     mins = mins.astype(np.float16).astype(np.float32)
-    lora = no_lora(n, k) if rank == 0 else q4.pack_lora(rng.standard_normal((rank, k)).astype(np.float32) * 0.05,
-                                                        rng.standard_normal((n, rank)).astype(np.float32) * 0.05,
-                                                        2.0, n, k)
+    lora = (
+        no_lora(n, k)
+        if rank == 0
+        else q4.pack_lora(
+            rng.standard_normal((rank, k)).astype(np.float32) * 0.05,
+            rng.standard_normal((n, rank)).astype(np.float32) * 0.05,
+            2.0,
+            n,
+            k,
+        )
+    )
     return (codes, scales, mins), q4.pack(codes, scales, mins), lora
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 70), blocks=st.integers(1, 5), rows=st.integers(1, 64), rank=st.sampled_from([0, 1, 8]),
-       seed=st.integers(0, 2**31))
+@given(
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 5),
+    rows=st.integers(1, 64),
+    rank=st.sampled_from([0, 1, 8]),
+    seed=st.integers(0, 2**31),
+)
 def test_pack_unpack_round_trip(n, blocks, rows, rank, seed):
     (codes, scales, mins), weights, _ = random_layer(np.random.default_rng(seed), n, 32 * blocks, rank)
     back = q4.unpack(weights, n)
@@ -71,8 +84,14 @@ def test_pack_unpack_round_trip(n, blocks, rows, rank, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 70), blocks=st.integers(1, 5), rows=st.integers(1, 64), rank=st.sampled_from([0, 3, 16]),
-       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31))
+@given(
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 5),
+    rows=st.integers(1, 64),
+    rank=st.sampled_from([0, 3, 16]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31),
+)
 def test_kernel_is_the_reference_bit_for_bit_on_every_path(n, blocks, rows, rank, threads, seed):
     rng = np.random.default_rng(seed)
     _, weights, lora = random_layer(rng, n, 32 * blocks, rank)
@@ -112,18 +131,29 @@ def test_close_to_the_exact_product():
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda a: {**a, "weights": a["weights"][:-1]}, "packed weights must be"),
-    (lambda a: {**a, "x": a["x"][:, :16]}, "in_features must be a positive multiple of 32"),
-    (lambda a: {**a, "lora_up": a["lora_up"][:, :1]}, "the LoRA must be"),
-    (lambda a: {**a, "out_features": 0}, "out_features must be in"),
-    (lambda a: {**a, "path": "neon"}, "path one of"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "weights": a["weights"][:-1]}, "packed weights must be"),
+        (lambda a: {**a, "x": a["x"][:, :16]}, "in_features must be a positive multiple of 32"),
+        (lambda a: {**a, "lora_up": a["lora_up"][:, :1]}, "the LoRA must be"),
+        (lambda a: {**a, "out_features": 0}, "out_features must be in"),
+        (lambda a: {**a, "path": "neon"}, "path one of"),
+    ],
+)
 def test_bad_calls_are_one_line_errors(change, message):
     rng = np.random.default_rng(2)
     _, weights, (down, up) = random_layer(rng, 20, 64, 2)
-    call = change({"x": rng.standard_normal((3, 64)).astype(np.float32), "weights": weights, "lora_a": down,
-                   "lora_up": up, "out_features": 20, "path": "auto"})
+    call = change(
+        {
+            "x": rng.standard_normal((3, 64)).astype(np.float32),
+            "weights": weights,
+            "lora_a": down,
+            "lora_up": up,
+            "out_features": 20,
+            "path": "auto",
+        }
+    )
     with pytest.raises(q4.Q4LinearError, match=message) as error:
         q4.linear(**call)
     assert "\n" not in str(error.value)
@@ -186,13 +216,20 @@ def test_onnx_runtime_op_refuses_bad_shapes():
     lora = q4.pack_lora(layer["down"], layer["up"], 2.0, 32, 64)
     inits = [numpy_helper.from_array(a, n) for n, a in (("w", weights), ("a", lora[0]), ("u", lora[1]))]
     node = helper.make_node("Q4Linear", ["x", "w", "a", "u"], ["y"], domain="streamfuse", out_features=32)
-    graph = helper.make_graph([node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 32])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
-                              ir_version=10)
+    graph = helper.make_graph(
+        [node],
+        "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 32])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)], ir_version=10
+    )
     session = q4_bench.onnx_session(model.SerializeToString(), 1)
-    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-                       match="q4_linear: the packed weights must be"):
+    with pytest.raises(
+        ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="q4_linear: the packed weights must be"
+    ):
         session.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
 
 
@@ -204,9 +241,8 @@ def test_executorch_kernel_is_the_reference():
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    from streamfuse.runtime.kernel_library import load_executorch_kernels
-
     from streamfuse.export.q4_kernel import _tensor
+    from streamfuse.runtime.kernel_library import load_executorch_kernels
 
     rng = np.random.default_rng(6)
     _, weights, lora = random_layer(rng, 40, 64, 4)
@@ -220,12 +256,16 @@ def test_executorch_kernel_is_the_reference():
                 self.register_buffer(name, _tensor(array))
 
         def forward(self, x):
-            return (torch.relu(x) + 1, op(x, self.weights, self.lora_a, self.lora_up, 40),
-                    op(x, self.weights, self.none_a, self.none_up, 40))
+            return (
+                torch.relu(x) + 1,
+                op(x, self.weights, self.lora_a, self.lora_up, 40),
+                op(x, self.weights, self.none_a, self.none_up, 40),
+            )
 
     x = rng.standard_normal((1, 3, 64)).astype(np.float32)
-    program = to_edge_transform_and_lower(torch.export.export(Layer(), (torch.from_numpy(x),)),
-                                          partitioner=[XnnpackPartitioner()]).to_executorch()
+    program = to_edge_transform_and_lower(
+        torch.export.export(Layer(), (torch.from_numpy(x),)), partitioner=[XnnpackPartitioner()]
+    ).to_executorch()
     load_executorch_kernels()
     method = Runtime.get().load_program(program.buffer).load_method("forward")
     outputs = method.execute([torch.from_numpy(x)])

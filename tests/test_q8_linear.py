@@ -35,8 +35,13 @@ def test_literal_table(path, codes, d, x, y):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 70), blocks=st.integers(1, 5), rows=st.integers(1, 64), threads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**31))
+@given(
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 5),
+    rows=st.integers(1, 64),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31),
+)
 def test_kernel_is_the_reference_bit_for_bit_on_every_path(n, blocks, rows, threads, seed):
     rng = np.random.default_rng(seed)
     (codes, scales), packed = layer(rng, n, 32 * blocks)
@@ -83,10 +88,12 @@ def test_bad_calls_are_one_line_errors():
     rng = np.random.default_rng(3)
     _, (codes, scales) = layer(rng, 20, 64)
     x = rng.standard_normal((2, 64)).astype(np.float32)
-    for call, message in [(lambda: q8_linear.linear(x, codes[:-1], scales, 20), "codes must hold"),
-                          (lambda: q8_linear.linear(x, codes, scales[:-1], 20), "codes must hold"),
-                          (lambda: q8_linear.linear(x[:, :40], codes, scales, 20), "in_features must be"),
-                          (lambda: q8_linear.linear(x, codes, scales, 20, path="sve"), "path one of")]:
+    for call, message in [
+        (lambda: q8_linear.linear(x, codes[:-1], scales, 20), "codes must hold"),
+        (lambda: q8_linear.linear(x, codes, scales[:-1], 20), "codes must hold"),
+        (lambda: q8_linear.linear(x[:, :40], codes, scales, 20), "in_features must be"),
+        (lambda: q8_linear.linear(x, codes, scales, 20, path="sve"), "path one of"),
+    ]:
         with pytest.raises(q4_linear.Q4LinearError, match=message) as error:
             call()
         assert "\n" not in str(error.value)
@@ -103,10 +110,16 @@ def test_onnx_runtime_op_is_the_reference(threads):
     _, (codes, scales) = layer(rng, 100, 64)
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
     node = helper.make_node(q8_linear.ONNX_OP, ["x", "codes", "scales"], ["y"], domain="streamfuse", out_features=100)
-    graph = helper.make_graph([node], "q8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "M", 100])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)],
-                              ir_version=10)
+    graph = helper.make_graph(
+        [node],
+        "q8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "M", 100])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("streamfuse", 1)], ir_version=10
+    )
     session = q4_bench.onnx_session(model.SerializeToString(), threads)
     for rows in (1, 3, 16):
         x = rng.standard_normal((1, rows, 64)).astype(np.float32)

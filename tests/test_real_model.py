@@ -24,11 +24,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"
 @torch.no_grad()
 def test_real_model_main_stream_is_unchanged_by_streams_and_lora_at_init():
     base, tokenizer = load_base_model()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Summarize: #Person1#: Hi! #Person2#: Hello."}],
-                                           tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Summarize: #Person1#: Hi! #Person2#: Hello."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     reference = base(ids).logits
-    model = SpeculativeStreamingLM(add_lora(base, LoraSettings(rank=8, top_layers=4)), StreamConfig(num_streams=3, msa_layers=4))
+    model = SpeculativeStreamingLM(
+        add_lora(base, LoraSettings(rank=8, top_layers=4)), StreamConfig(num_streams=3, msa_layers=4)
+    )
     tokens = ids.shape[1]
     positions = torch.arange(tokens)[None]
     mask = causal_mask(torch.ones(1, tokens, dtype=torch.long))
@@ -55,10 +60,26 @@ def test_real_model_smoke_build(tmp_path):
     # ONNX only: the real model's ExecuTorch lowering takes ~10 min here, too long for CI. No LoRA baseline,
     # calibration (each backend times every candidate tree) on one input, one step bucket (five methods to
     # export, not seven; the tiny models' tests cover more buckets): the suite's time.
-    export = ["--backends", "torch,onnxruntime", "--out", str(tmp_path / "artifact"), "--set", "export.parity_prompts=2",
-              "--set", "export.buckets=4",
-              "--set", "stages.profile_limit=1", "--set", "export.capacity=512", "--set", "stages.zero_shot=false",
-              "--set", "stages.baseline=false", "--set", "stages.calibration_inputs=1"]
+    export = [
+        "--backends",
+        "torch,onnxruntime",
+        "--out",
+        str(tmp_path / "artifact"),
+        "--set",
+        "export.parity_prompts=2",
+        "--set",
+        "export.buckets=4",
+        "--set",
+        "stages.profile_limit=1",
+        "--set",
+        "export.capacity=512",
+        "--set",
+        "stages.zero_shot=false",
+        "--set",
+        "stages.baseline=false",
+        "--set",
+        "stages.calibration_inputs=1",
+    ]
     assert build.main(["--preset", "smoke", "--work-dir", str(tmp_path), *export]) == 0
     summary = json.loads((tmp_path / "dialogsum-smoke" / "ss" / "eval.json").read_text())
     assert summary["quality"]["ss"]["rouge1"] > 5.0
@@ -76,9 +97,9 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     torch greedy too, on the full gamma=3,k=2 tree with a lookup branch (the exported backends' greedy
     tokens are the build's parity gate, just passed)."""
     from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.generate import prompt_ids, run
     from streamfuse.runtime.loader import load
     from streamfuse.runtime.sampling import SamplingConfig
+    from streamfuse.runtime.session import prompt_ids, run
     from streamfuse.runtime.tree import TreeSpec
 
     wide = TreeSpec(TreeSpec.full(3, 2).paths, lookup=(1, 1, 1))
@@ -111,7 +132,7 @@ def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def test_real_model_speculative_greedy_equals_plain_greedy():
     """Untrained streams on the real base: drafts are mostly rejected, output must still match."""
-    from streamfuse.runtime.backends.pytorch import TorchBackend
+    from streamfuse.export.eager import TorchBackend
     from streamfuse.runtime.decode import generate
     from streamfuse.runtime.emitter import StopRules
     from streamfuse.runtime.tree import TreeSpec

@@ -1,19 +1,30 @@
 """streamfuse/seams.py: every private API of a dependency in one module, each at the version it was tested with."""
 
 import re
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from streamfuse import seams
 
 ROOT = Path(__file__).resolve().parents[1]
 # Private names of dependencies: only seams.py may spell them.
-PRIVATE = ("_unsafe_reset_threadpool", "set_optionEPKc", "_named_data_store", "backend_api", "_check_ir_validity",
-           "NodeSource", "mkldnn._", "_attn_implementation", "_TORCH_OPS_REGISTRY", "_get_inputs", "_portable_lib",
-           "_load_for_executorch")
+PRIVATE = (
+    "_unsafe_reset_threadpool",
+    "set_optionEPKc",
+    "_named_data_store",
+    "backend_api",
+    "_check_ir_validity",
+    "NodeSource",
+    "mkldnn._",
+    "_attn_implementation",
+    "_TORCH_OPS_REGISTRY",
+    "_get_inputs",
+    "_portable_lib",
+    "_load_for_executorch",
+)
 
 
 def pinned() -> dict[str, str]:

@@ -10,22 +10,17 @@ from streamfuse.adapters.acceptance import AcceptanceHead, load_acceptance_head,
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.masks import additive
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.methods.sd.drafter import ModelDrafter
+from streamfuse.methods.specdec.drafter import StopRule
+from streamfuse.methods.specdec.train import branch_inputs, item_features
 from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.model_drafter import ModelDrafter, StopRule
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training.acceptance import (
-    AcceptanceFeatures,
-    AcceptanceTraining,
-    branch_inputs,
-    item_features,
-    train_acceptance,
-    weighted_bce,
-)
+from streamfuse.training.acceptance import AcceptanceFeatures, AcceptanceTraining, train_acceptance, weighted_bce
 from streamfuse.training.data import Encoded
 
 from conftest import make_tiny_llama
@@ -37,8 +32,11 @@ def constant_head(probability: float) -> AcceptancePredictor:
     head = AcceptanceHead(32, depth=0)
     with torch.no_grad():
         head.out.weight.zero_()
-        head.out.bias.fill_(max(-40.0, min(40.0, math.log(probability / (1 - probability))))
-                            if 0 < probability < 1 else (40.0 if probability else -40.0))
+        head.out.bias.fill_(
+            max(-40.0, min(40.0, math.log(probability / (1 - probability))))
+            if 0 < probability < 1
+            else (40.0 if probability else -40.0)
+        )
     return AcceptancePredictor(head.state_dict())
 
 
@@ -84,7 +82,9 @@ def test_greedy_specdec_equals_plain_greedy_with_a_trained_looking_head(threshol
     settings = DecodeSettings("specdec++", rules, tree=TreeSpec.chain(6))
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6]):
         trace = Trace()
-        fast = specdec(target, engine, prompt, settings, StopRule(AcceptancePredictor(head.state_dict()), threshold), trace)
+        fast = specdec(
+            target, engine, prompt, settings, StopRule(AcceptancePredictor(head.state_dict()), threshold), trace
+        )
         assert fast.token_ids == generate(target, prompt, DecodeSettings("ar", rules)).token_ids
         lengths = [step.tree_nodes - 1 for step in trace.runs[0].steps]
         assert all(2 <= n <= 6 for n in lengths)
@@ -99,8 +99,9 @@ def test_specdec_sampling_matches_the_target_distribution():
     stop = StopRule(constant_head(0.7), 0.5)  # 2 or 3 drafts
     counts = torch.zeros(8, 8)
     for seed in range(1500):
-        settings = DecodeSettings("specdec++", StopRules(2), tree=TreeSpec.chain(3), sampling=SamplingConfig(1.0),
-                                  seed=seed)
+        settings = DecodeSettings(
+            "specdec++", StopRules(2), tree=TreeSpec.chain(3), sampling=SamplingConfig(1.0), seed=seed
+        )
         tokens = specdec(target, engine, [1, 2], settings, stop).token_ids
         counts[tokens[0], tokens[1]] += 1
     assert chi_square_p(counts, exact_joint(target, SamplingConfig(1.0))) > 1e-3
@@ -109,8 +110,13 @@ def test_specdec_sampling_matches_the_target_distribution():
 # branch_inputs: the sequence, then one branch token per rejected position t, at position t, seeing ids[:t] and itself.
 BRANCHES = [
     ([7, 8, 9], {}, [7, 8, 9], [0, 1, 2], [[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
-    ([7, 8, 9], {1: 5, 2: 6}, [7, 8, 9, 5, 6], [0, 1, 2, 1, 2],
-     [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 0, 0, 1]]),
+    (
+        [7, 8, 9],
+        {1: 5, 2: 6},
+        [7, 8, 9, 5, 6],
+        [0, 1, 2, 1, 2],
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 0, 0, 1]],
+    ),
 ]
 
 
@@ -176,15 +182,19 @@ def test_training_separates_accepted_from_rejected_drafts_and_survives_a_save(tm
     save_acceptance_head(head, tmp_path, {"training_key": "k"})
     loaded = load_acceptance_head(tmp_path)
     assert torch.equal(loaded(hidden[:5]), head(hidden[:5]).detach())
-    on_host = load_acceptance_predictor(tmp_path)  # the runtime's numpy reader of the same files
-    np.testing.assert_allclose(on_host.logits(hidden[:64].numpy()), head(hidden[:64]).detach().numpy(), rtol=1e-5,
-                               atol=1e-5)
+    on_host = load_acceptance_predictor(tmp_path, "specdec")  # the runtime's numpy reader of the same files
+    np.testing.assert_allclose(
+        on_host.logits(hidden[:64].numpy()), head(hidden[:64]).detach().numpy(), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(method="specdec++", tree=TreeSpec.full(2, 2)), "drafts a chain"),
-    (dict(method="sd", tree=TreeSpec.chain(3), threshold=0.3), "SpecDec\\+\\+'s, not method sd's"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(method="specdec++", tree=TreeSpec.full(2, 2)), "drafts a chain"),
+        (dict(method="sd", tree=TreeSpec.chain(3), threshold=0.3), "SpecDec\\+\\+'s, not method sd's"),
+    ],
+)
 def test_settings_refuse_what_specdec_cannot_do(settings, message):
     with pytest.raises(ValueError, match=message):
         DecodeSettings(rules=StopRules(4), **settings)
@@ -197,8 +207,11 @@ def test_a_threshold_outside_zero_one_is_refused():
 
 def test_a_drafter_with_a_stop_rule_drafts_for_specdec_only():
     with pytest.raises(ValueError, match="drafts for method specdec\\+\\+, not 'sd'"):
-        ModelDrafter(backend_for(0), DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(3)),
-                     StopRule(constant_head(0.5), 0.5))
+        ModelDrafter(
+            backend_for(0),
+            DecodeSettings("sd", StopRules(4), tree=TreeSpec.chain(3)),
+            StopRule(constant_head(0.5), 0.5),
+        )
 
 
 @torch.no_grad()
@@ -211,14 +224,16 @@ def test_draft_model_methods_sample_the_target_through_its_static_graphs():
 
     torch_target, engine = backend_for(5, vocab=8, gamma=2), backend_for(9, vocab=8, gamma=2)
     model, shapes = torch_target.model, GraphShapes(capacity=64, prefill_chunk=8, buckets=(4,))
-    target = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["deferred"])),
-                                graph_spec(model, shapes, ["deferred"]))
+    target = StaticGraphBackend(
+        EagerSession(graph_modules(model, shapes, None, ["deferred"])), graph_spec(model, shapes, ["deferred"])
+    )
     exact = exact_joint(torch_target, SamplingConfig(1.0))
     for method, stop in (("sd", None), ("specdec++", StopRule(constant_head(0.7), 0.5))):
         counts = torch.zeros(8, 8)
         for seed in range(1000):
-            settings = DecodeSettings(method, StopRules(2), tree=TreeSpec.chain(3 if stop else 2),
-                                      sampling=SamplingConfig(1.0), seed=seed)
+            settings = DecodeSettings(
+                method, StopRules(2), tree=TreeSpec.chain(3 if stop else 2), sampling=SamplingConfig(1.0), seed=seed
+            )
             tokens = generate(target, [1, 2], settings, drafter=ModelDrafter(engine, settings, stop)).token_ids
             counts[tokens[0], tokens[1]] += 1
         assert chi_square_p(counts, exact) > 1e-3, method

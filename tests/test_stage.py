@@ -21,6 +21,7 @@ FORMAT = OutputFormat("out.json", read)
 
 def writer(calls: list, info: dict | None = None, fail: bool = False):
     """A run that writes a payload, then its manifest (recording the key), or fails halfway."""
+
     def run(folder: Path, stage: Stage) -> str:
         calls.append(folder)
         assert folder.is_dir() and not any(folder.iterdir()) and folder.parent == stage.directory.parent
@@ -30,6 +31,7 @@ def writer(calls: list, info: dict | None = None, fail: bool = False):
         manifest = {"version": 1, "info": {"training_key": stage.key, **(info or {})}}
         (folder / "out.json").write_text(json.dumps(manifest))
         return f"made {len(calls)}"
+
     return run
 
 
@@ -102,6 +104,6 @@ def test_an_output_of_another_format_or_other_upstream_weights_is_made_again(tmp
     assert len(calls) == 1
     manifest = tmp_path / "toy" / "out.json"
     manifest.write_text(json.dumps({"version": 1, "info": json.loads(manifest.read_text())["info"] | {"first": {}}}))
-    assert stage(tmp_path, writer(calls), made_from={"first": "w2"}).reusable()  # from before weights were recorded
+    assert stage(tmp_path, writer(calls), made_from={"first": "w2"}).reusable()  # an output that records no weights
     manifest.write_text(json.dumps({"version": 0, "info": {}}))
     assert FORMAT.info(tmp_path / "toy") == {} and not stage(tmp_path, writer(calls)).reusable()

@@ -19,14 +19,23 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 
 from conftest import write_checkpoint
-from test_export import DRAFT, prompts
+from tiny_export import DRAFT, prompts
 
 RULES = StopRules(16)
 
 
 def config(backends: tuple[str, ...], task_inputs: bool) -> ExportConfig:
-    return ExportConfig(backends=backends, trees=("gamma=3,k=1",), buckets=(4,), capacity=128, prefill_chunk=16,
-                        quantize="q4-native", parity_prompts=3, greedy_schedule="fused", task_inputs=task_inputs)
+    return ExportConfig(
+        backends=backends,
+        trees=("gamma=3,k=1",),
+        buckets=(4,),
+        capacity=128,
+        prefill_chunk=16,
+        quantize="q4-native",
+        parity_prompts=3,
+        greedy_schedule="fused",
+        task_inputs=task_inputs,
+    )
 
 
 def second_task(checkpoint, folder, task: str = "e2e_nlg"):
@@ -37,8 +46,12 @@ def second_task(checkpoint, folder, task: str = "e2e_nlg"):
         tensors = load_file(file)
         save_file({k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in tensors.items()}, str(file))
     manifest = json.loads((folder / "streamfuse.json").read_text())
-    manifest["info"] = {**manifest["info"], "task": task, "training_key": f"{task}-key",
-                        "prompt": {**manifest["info"]["prompt"], "instruction_template": "describe {source}"}}
+    manifest["info"] = {
+        **manifest["info"],
+        "task": task,
+        "training_key": f"{task}-key",
+        "prompt": {**manifest["info"]["prompt"], "instruction_template": "describe {source}"},
+    }
     (folder / "streamfuse.json").write_text(json.dumps(manifest))
     return folder
 
@@ -65,8 +78,11 @@ def built(request, tasks, tmp_path_factory):
 
 
 def digests(folder) -> dict[str, tuple[int, str]]:
-    return {str(f.relative_to(folder)): (f.stat().st_size, file_digest(f)["sha256"])
-            for f in folder.rglob("*") if f.is_file() and f.name != LOCK}  # the lock file: made by the first write
+    return {
+        str(f.relative_to(folder)): (f.stat().st_size, file_digest(f)["sha256"])
+        for f in folder.rglob("*")
+        if f.is_file() and f.name != LOCK
+    }  # the lock file: made by the first write
 
 
 def build(checkpoint, out, backends, task_inputs: bool):
@@ -80,8 +96,9 @@ def decoded(loaded, count: int = 3) -> list[list[int]]:
     for seed, ids in enumerate(prompts(count, seed=5)):
         for sampling in (SamplingConfig(), sampled):
             plain = generate(loaded.backend, ids, DecodeSettings("ar", RULES, sampling=sampling, seed=seed)).token_ids
-            ss = generate(loaded.backend, ids, DecodeSettings("ss", RULES, tree=loaded.tree, sampling=sampling,
-                                                              seed=seed)).token_ids
+            ss = generate(
+                loaded.backend, ids, DecodeSettings("ss", RULES, tree=loaded.tree, sampling=sampling, seed=seed)
+            ).token_ids
             assert ss == plain
             result.append(plain)
     return result
@@ -94,8 +111,9 @@ def test_two_tasks_share_the_base_graphs_and_switch_bit_for_bit(built):
     assert opened.tasks == ("dialogsum", "e2e_nlg") and added["task"] == "e2e_nlg"
     # one base: every file of the one-task artifact stays as it was; the second task adds its own folder only
     now, before = digests(both), first["digests"]
-    assert {name: now[name] for name in before if name != "manifest.json"} == \
-        {name: digest for name, digest in before.items() if name != "manifest.json"}
+    assert {name: now[name] for name in before if name != "manifest.json"} == {
+        name: digest for name, digest in before.items() if name != "manifest.json"
+    }
     assert {name for name in now if name not in before} == {name for name in now if name.startswith("tasks/e2e_nlg/")}
     assert opened.manifest["files"] == first["files"]
     assert added["parity"][backend]["ss_equals_own_plain"] == 3
@@ -130,8 +148,9 @@ def states(loaded) -> torch.Tensor:
     ids = torch.tensor([prompts(1, seed=7)[0]])
     mask = causal_mask(torch.ones_like(ids))
     with torch.no_grad():
-        out = loaded.backend.model(ids, torch.arange(ids.shape[1])[None], mask,
-                                   anchors=torch.arange(ids.shape[1])[None], with_pruning=True)
+        out = loaded.backend.model(
+            ids, torch.arange(ids.shape[1])[None], mask, anchors=torch.arange(ids.shape[1])[None], with_pruning=True
+        )
     return torch.cat([out.hidden.flatten(), out.stream_hidden.flatten(), out.pruning_hidden.flatten()])
 
 
@@ -148,8 +167,11 @@ def test_a_corrupted_task_file_or_an_unknown_task_is_one_line_naming_it(built, t
         loaded.with_task("sql")
     file = out / "tasks" / "e2e_nlg" / f"{backend}.safetensors"
     file.write_bytes(file.read_bytes()[:-8] + b"\0" * 8)
-    with pytest.raises(ArtifactError, match=rf"{backend}.safetensors: task e2e_nlg's tensors for {backend} are "
-                                            r"missing or differ from the manifest") as error:
+    with pytest.raises(
+        ArtifactError,
+        match=rf"{backend}.safetensors: task e2e_nlg's tensors for {backend} are "
+        r"missing or differ from the manifest",
+    ) as error:
         loaded.with_task("e2e_nlg")
     assert "\n" not in str(error.value)
     with pytest.raises(ArtifactError, match="e2e_nlg's tensors"):
@@ -162,9 +184,12 @@ def test_graphs_holding_a_task_refuse_another(built, tasks, tmp_path):
     backend, root, _, _ = built
     out = tmp_path / "alone"
     shutil.copytree(root / "alone", out)
-    with pytest.raises(ArtifactError, match=r"serves task e2e_nlg, and task dialogsum cannot join it: its graphs "
-                                            r"hold its task's weights .* build the tasks together "
-                                            r"\(--task e2e_nlg,dialogsum\)"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"serves task e2e_nlg, and task dialogsum cannot join it: its graphs "
+        r"hold its task's weights .* build the tasks together "
+        r"\(--task e2e_nlg,dialogsum\)",
+    ):
         build(tasks["dialogsum"], out, (backend,), task_inputs=False)
     with pytest.raises(ValueError, match="export.task_inputs .* needs graphs without the task's weights"):
         ExportConfig(task_inputs=True, quantize="none").validate()
@@ -208,15 +233,24 @@ def test_task_switch_tool_decodes_each_task_after_switching(built, tmp_path, mon
 
 
 def test_generate_takes_the_task_from_the_artifact(built, capsys):
-    from streamfuse.runtime import cli, generate
+    from streamfuse.runtime import errors, generate
 
     backend, root, _, _ = built
-    argv = ["--artifact", str(root / "both"), "--backend", backend, "--prompt", "a b c", "--max-new-tokens", "4",
-            "--json"]
+    argv = [
+        "--artifact",
+        str(root / "both"),
+        "--backend",
+        backend,
+        "--prompt",
+        "a b c",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    ]
     for task in ("e2e_nlg", "dialogsum"):
         assert generate.main([*argv, "--task", task]) == 0
     capsys.readouterr()
-    assert cli.run(generate.main, [*argv, "--task", "sqlcontext"], prog="generate") == 2
+    assert errors.run(generate.main, [*argv, "--task", "sqlcontext"], prog="generate") == 2
     err = capsys.readouterr().err
     assert "generate: error: --task sqlcontext: " in err and "serves dialogsum, e2e_nlg; use that task name" in err
 
@@ -231,8 +265,9 @@ def test_torch_task_set_refuses_tasks_on_another_base_or_unknown(tasks, tmp_path
     record = json.loads((other / "streamfuse.json").read_text())
     record["streams"]["num_streams"] += 1
     (other / "streamfuse.json").write_text(json.dumps(record))
-    with pytest.raises(ValueError, match="task e2e_nlg's streams differs from task dialogsum's, so the two cannot "
-                                         "share one base model"):
+    with pytest.raises(
+        ValueError, match="task e2e_nlg's streams differs from task dialogsum's, so the two cannot share one base model"
+    ):
         task_set.add("e2e_nlg", other)
     task_set.add("e2e_nlg", tasks["e2e_nlg"])
     assert task_set.tasks == ("dialogsum", "e2e_nlg") and task_set.active == "dialogsum"

@@ -30,7 +30,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def sql_rows(n: int) -> list[dict]:
-    return [{"question": f"q{i}?", "context": f"CREATE TABLE t{i} (a INT)", "answer": f"SELECT a FROM t{i}"} for i in range(n)]
+    return [
+        {"question": f"q{i}?", "context": f"CREATE TABLE t{i} (a INT)", "answer": f"SELECT a FROM t{i}"}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -68,7 +71,7 @@ def test_empty_field_is_rejected(tmp_path: Path) -> None:
 
 
 def test_missing_csv_column(tmp_path: Path) -> None:
-    (tmp_path / "testset_w_refs.csv").write_text("mr,text\n\"name[A]\",A is nice.\n", encoding="utf-8")
+    (tmp_path / "testset_w_refs.csv").write_text('mr,text\n"name[A]",A is nice.\n', encoding="utf-8")
     with pytest.raises(DataError, match=r"testset_w_refs\.csv: missing CSV column\(s\) 'ref'"):
         E2E.load("test", data_dir=tmp_path)
 
@@ -86,7 +89,13 @@ def test_sqlcontext_offline_without_data_explains_how_to_supply(offline: Path) -
     with pytest.raises(DataError) as err:
         SQL.load("test")
     message = str(err.value)
-    for expected in ("sql_create_context.jsonl", "no-shared-data", "'datasets' package", "--data-dir", "question, context"):
+    for expected in (
+        "sql_create_context.jsonl",
+        "no-shared-data",
+        "'datasets' package",
+        "--data-dir",
+        "question, context",
+    ):
         assert expected in message
 
 
@@ -176,10 +185,16 @@ BLEU_TABLE = [
     (["the cat sat on the red mat today"], [("the cat sat on the red mat today",)], 100.0),
     (["the cat sat on the red mat today"], [("a dog ran far away from home now",)], 0.0),
     # a second reference that matches exactly lifts the segment to 100; the shorter MR leaves its slot empty
-    (["the cat sat on the mat", "a dog ran in the park"],
-     [("the cat sat on the mat",), ("a dog ran in the big park", "a dog ran in the park")], 100.0),
-    (["the cat sat on the mat", "a dog ran in the park"],
-     [("the cat sat on the mat",), ("a dog ran in the big park",)], 82.81),
+    (
+        ["the cat sat on the mat", "a dog ran in the park"],
+        [("the cat sat on the mat",), ("a dog ran in the big park", "a dog ran in the park")],
+        100.0,
+    ),
+    (
+        ["the cat sat on the mat", "a dog ran in the park"],
+        [("the cat sat on the mat",), ("a dog ran in the big park",)],
+        82.81,
+    ),
 ]
 
 

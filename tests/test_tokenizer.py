@@ -31,6 +31,7 @@ def saved(tmp_path):
             reference.chat_template = template
         reference.save_pretrained(tmp_path)
         return reference, Tokenizer(tmp_path)
+
     return save
 
 
@@ -48,7 +49,11 @@ def test_decoding_and_special_tokens_match_transformers(saved):
     for skip in (False, True):
         assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
     assert (ours.eos_token_id, ours.pad_token_id, len(ours), ours.vocab_size) == (
-        reference.eos_token_id, reference.pad_token_id, len(reference), reference.vocab_size)
+        reference.eos_token_id,
+        reference.pad_token_id,
+        len(reference),
+        reference.vocab_size,
+    )
 
 
 def test_a_tokenizer_without_a_chat_template_is_a_clear_error(saved, tmp_path):

@@ -42,11 +42,14 @@ def test_serialisation_round_trip_and_tamper_check():
         TreeSpec.from_dict(edited)
 
 
-@pytest.mark.parametrize("paths, message", [
-    (((0, 0),), "no parent"),
-    (((0,), (0,)), "duplicates"),
-    (((-1,),), "ranks >= 0"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        (((0, 0),), "no parent"),
+        (((0,), (0,)), "duplicates"),
+        (((-1,),), "ranks >= 0"),
+    ],
+)
 def test_bad_trees_are_rejected(paths, message):
     with pytest.raises(ValueError, match=message):
         TreeSpec(paths)
@@ -66,7 +69,14 @@ def test_pruning_threshold_and_budget_tables():
     assert keep_nodes(tree, transition, PruneConfig(budget=3)) == [True, True, True, True, False, False, False]
     # b below threshold removes its whole subtree
     assert keep_nodes(tree, [1.0, 0.6, 0.01, 0.5, 0.5, 0.9, 0.9], PruneConfig(threshold=0.1)) == [
-        True, True, False, True, True, False, False]
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_lookup_branch_tables():
@@ -82,11 +92,14 @@ def test_lookup_branch_tables():
     assert TreeSpec.parse("[[0],[1],[0,0],[0,0,0]]").with_lookup(2).lookup == (2, 0)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TreeSpec(((0,), (1,)), lookup=(1, 0)), "not a node of the tree"),
-    (lambda: TreeSpec.chain(2).with_lookup(3), "give 1..2"),
-    (lambda: TreeSpec.parse("gamma=2,k=1,lookahead=2"), "expected 'gamma=G,k=K"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TreeSpec(((0,), (1,)), lookup=(1, 0)), "not a node of the tree"),
+        (lambda: TreeSpec.chain(2).with_lookup(3), "give 1..2"),
+        (lambda: TreeSpec.parse("gamma=2,k=1,lookahead=2"), "expected 'gamma=G,k=K"),
+    ],
+)
 def test_bad_lookup_branches_are_rejected(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -23,9 +23,13 @@ HEADS, KV, DIM, CAPACITY = 6, 2, 20, 48  # dim 20: two full lanes of 8 and a tai
 def tensors(seed: int, rows: int, extra: int | None = None, dim: int = DIM):
     g = torch.Generator().manual_seed(seed)
     extra = rows if extra is None else extra
-    return (torch.randn(1, HEADS, rows, dim, generator=g), torch.randn(1, KV, CAPACITY, dim, generator=g),
-            torch.randn(1, KV, CAPACITY, dim, generator=g), torch.randn(1, KV, extra, dim, generator=g),
-            torch.randn(1, KV, extra, dim, generator=g))
+    return (
+        torch.randn(1, HEADS, rows, dim, generator=g),
+        torch.randn(1, KV, CAPACITY, dim, generator=g),
+        torch.randn(1, KV, CAPACITY, dim, generator=g),
+        torch.randn(1, KV, extra, dim, generator=g),
+        torch.randn(1, KV, extra, dim, generator=g),
+    )
 
 
 def attend(query, k_cache, v_cache, start, k_extra, v_extra, visible, scale=0.3, layer=0, store=0):
@@ -50,8 +54,9 @@ def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim, scale):
     visible = torch.tensor(visible, dtype=torch.float32)
     query, k_cache, v_cache, k_extra, v_extra = tensors(start, len(visible), dim=dim)
     got = attend(query, k_cache, v_cache, start, k_extra, v_extra, visible, scale).numpy()
-    want = tree_attention.reference(query.numpy(), k_cache.numpy(), v_cache.numpy(), start, k_extra.numpy(),
-                                    v_extra.numpy(), visible.numpy(), scale)
+    want = tree_attention.reference(
+        query.numpy(), k_cache.numpy(), v_cache.numpy(), start, k_extra.numpy(), v_extra.numpy(), visible.numpy(), scale
+    )
     assert got.shape == (1, len(visible), HEADS, dim) and np.array_equal(got, want)
 
 
@@ -72,7 +77,13 @@ def trees_in_calls(draw):
     """A random tree of 1..16 nodes, a start, a thread count, and where its rows sit in a bigger call."""
     nodes = draw(st.integers(1, 16))
     parents = [draw(st.integers(0, node - 1)) for node in range(1, nodes)]
-    return nodes, parents, draw(st.integers(0, CAPACITY - 16)), draw(st.sampled_from([1, 2])), draw(st.integers(0, 2**16))
+    return (
+        nodes,
+        parents,
+        draw(st.integers(0, CAPACITY - 16)),
+        draw(st.sampled_from([1, 2])),
+        draw(st.integers(0, 2**16)),
+    )
 
 
 def ancestors(parents: list[int]) -> torch.Tensor:
@@ -97,14 +108,27 @@ def test_a_row_has_the_same_bits_alone_in_any_call_and_as_plain_decoding(case):
         whole = attend(query, k_cache, v_cache, start, k_extra, v_extra, visible)
         for row in range(nodes):
             seen = visible[row].nonzero()[:, 0]
-            alone = attend(query[:, :, row : row + 1], k_cache, v_cache, start, k_extra[:, :, seen],
-                           v_extra[:, :, seen], torch.ones(1, len(seen)))
+            alone = attend(
+                query[:, :, row : row + 1],
+                k_cache,
+                v_cache,
+                start,
+                k_extra[:, :, seen],
+                v_extra[:, :, seen],
+                torch.ones(1, len(seen)),
+            )
             assert torch.equal(alone[0, 0], whole[0, row])
             committed = [k_cache.clone(), v_cache.clone()]
             for cache, new in zip(committed, (k_extra, v_extra)):
                 cache[:, :, start : start + len(seen) - 1] = new[:, :, seen[:-1]]
-            plain = attend(query[:, :, row : row + 1], *committed, start + len(seen) - 1, k_extra[:, :, [row]],
-                           v_extra[:, :, [row]], torch.ones(1, 1))
+            plain = attend(
+                query[:, :, row : row + 1],
+                *committed,
+                start + len(seen) - 1,
+                k_extra[:, :, [row]],
+                v_extra[:, :, [row]],
+                torch.ones(1, 1),
+            )
             assert torch.equal(plain[0, 0], whole[0, row])
     finally:
         torch.set_num_threads(before)
@@ -115,8 +139,10 @@ def test_the_kernel_reads_one_layer_of_the_whole_cache():
     query, k_cache, v_cache, k_extra, v_extra = tensors(4, 2)
     visible = torch.tensor([[1, 0], [1, 1]])
     layers = [torch.cat([torch.randn_like(cache), cache, torch.randn_like(cache)]) for cache in (k_cache, v_cache)]
-    assert torch.equal(attend(query, *layers, 21, k_extra, v_extra, visible, layer=1),
-                       attend(query, k_cache, v_cache, 21, k_extra, v_extra, visible))
+    assert torch.equal(
+        attend(query, *layers, 21, k_extra, v_extra, visible, layer=1),
+        attend(query, k_cache, v_cache, 21, k_extra, v_extra, visible),
+    )
 
 
 def test_a_bad_start_or_layer_is_a_clear_error():
@@ -151,8 +177,16 @@ def test_a_bad_store_is_a_clear_error():
         with pytest.raises(ValueError, match=re.escape(f"store {store} is outside [0, 2] (the extra rows)")):
             attend(query, k_cache, v_cache, 4, k_extra, v_extra, torch.ones(2, 2), store=store)
     with pytest.raises(ValueError, match="k_cache must be contiguous"):  # a copy would take the store
-        attend(query, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, 4, k_extra, v_extra,
-               torch.ones(2, 2), store=1)
+        attend(
+            query,
+            k_cache.transpose(2, 3).contiguous().transpose(2, 3),
+            v_cache,
+            4,
+            k_extra,
+            v_extra,
+            torch.ones(2, 2),
+            store=1,
+        )
 
 
 # (start after the commit, accepted): a chain's first node, a path skipping nodes, a path not through node 0,
@@ -196,7 +230,7 @@ def test_commit_rows_moves_each_accepted_row_to_its_place(nodes, seed):
     commit(*caches, start, nodes + [-1] * (6 - len(nodes)))
     base = start - len(nodes)
     for cache, old in zip(caches, before):
-        assert torch.equal(cache[:, :, base : start], old[:, :, [base + node for node in nodes]])
+        assert torch.equal(cache[:, :, base:start], old[:, :, [base + node for node in nodes]])
         assert torch.equal(cache[:, :, :base], old[:, :, :base]) and torch.equal(cache[:, :, start:], old[:, :, start:])
 
 
@@ -281,8 +315,9 @@ def test_onnxruntime_runs_the_same_kernel_bit_for_bit_on_random_trees_and_thread
     rows = 16
     path = tmp_path / "attend.onnx"
     program = torch.export.export(Attend(), two_layers(0, rows, 13, torch.eye(rows)), strict=False)
-    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False
-                      ).save(str(path))
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False).save(
+        str(path)
+    )
     for threads in (2, 1):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -315,8 +350,16 @@ STEPS = [(20, [0, 2, 3, -1]), (9, [1, 2, -1, -1]), (30, [-1, -1, -1, -1]), (46, 
 def step_inputs(seed: int, start: int, accepted: list[int]) -> tuple:
     query, k_cache, v_cache, k_extra, v_extra = tensors(seed, STEP_ROWS)
     k_cache, v_cache = torch.cat([k_cache, k_cache.flip(2)]), torch.cat([v_cache, v_cache.flip(2)])
-    return (query, k_cache, v_cache, torch.tensor([start]), torch.tensor(accepted), k_extra, v_extra,
-            torch.tril(torch.ones(STEP_ROWS, STEP_ROWS)))
+    return (
+        query,
+        k_cache,
+        v_cache,
+        torch.tensor([start]),
+        torch.tensor(accepted),
+        k_extra,
+        v_extra,
+        torch.tril(torch.ones(STEP_ROWS, STEP_ROWS)),
+    )
 
 
 def step_expected(inputs: tuple) -> tuple:
@@ -361,8 +404,9 @@ def test_onnxruntime_commits_and_stores_into_the_hosts_own_cache_buffers(tmp_pat
 
     path = tmp_path / "step.onnx"
     program = torch.export.export(Step(), step_inputs(0, *STEPS[0]), strict=False)
-    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False
-                      ).save(str(path))
+    torch.onnx.export(program, (), dynamo=True, custom_translation_table=custom_translations(), verbose=False).save(
+        str(path)
+    )
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(kernel_library.onnxruntime_library_path()))
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

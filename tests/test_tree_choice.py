@@ -1,23 +1,24 @@
-"""Method ss-adaptive: an acceptance head on the streams' states picks each step's tree; outputs stay plain decoding's."""
+"""Method ss-adaptive: an acceptance head on the streams' states picks each step's tree; the output stays
+plain decoding's."""
 
 import pytest
 import torch
 
 from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.methods.ss_adaptive.drafter import AdaptiveStreamDrafter
+from streamfuse.methods.ss_adaptive.train import item_features
 from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.stream_drafter import AdaptiveStreamDrafter
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.runtime.tree_choice import TreeChoice, lookup_gain, top_probabilities
 from streamfuse.training.data import Encoded, collate
 from streamfuse.training.loss import stream_targets
-from streamfuse.training.stream_acceptance import item_features
 from streamfuse.training.train import forward_batch
 
 from test_decode import backend_for, chi_square_p, exact_joint
@@ -30,8 +31,9 @@ COSTS = {CHAIN_1: 1.2, CHAIN_2: 1.5, WIDE: 1.3}  # plain steps
 
 
 def choice(trees=(CHAIN_1, CHAIN_2, WIDE), acceptance=ACCEPTANCE) -> TreeChoice:
-    calibration = BackendCalibration("test", 1, 1.0, tuple(TreeCost(t, COSTS.get(t, 1.4), 1.0, 1.0) for t in trees),
-                                     0.001, 10.0)
+    calibration = BackendCalibration(
+        "test", 1, 1.0, tuple(TreeCost(t, COSTS.get(t, 1.4), 1.0, 1.0) for t in trees), 0.001, 10.0
+    )
     return TreeChoice.from_calibration(acceptance, calibration)
 
 
@@ -95,8 +97,9 @@ def test_lookup_gain_is_the_branch_extra_over_the_same_stream_tree():
 
 def test_candidates_are_the_calibrated_stream_trees_the_backend_runs():
     deep = TreeSpec.chain(3)  # deeper than the acceptance model's two streams: a draft-model chain
-    calibration = BackendCalibration("test", 1, 1.0, tuple(TreeCost(t, 1.5, 1.0, 1.0) for t in (CHAIN_1, CHAIN_2, WIDE, deep)),
-                                     0.001, 10.0)
+    calibration = BackendCalibration(
+        "test", 1, 1.0, tuple(TreeCost(t, 1.5, 1.0, 1.0) for t in (CHAIN_1, CHAIN_2, WIDE, deep)), 0.001, 10.0
+    )
     picked = TreeChoice.from_calibration(ACCEPTANCE, calibration, lambda tree: tree != WIDE, max_nodes=2)
     assert [c.tree for c in picked.candidates] == [CHAIN_1] and picked.largest == CHAIN_1
     with pytest.raises(ValueError, match="no calibrated tree runs on this backend"):
@@ -117,8 +120,9 @@ ACCEPTANCE3 = AcceptanceModel(4, 3, ((((0, 0, 0), 1), ((0,), -1), ((1, 0), 0), (
 
 
 def adaptive(backend, head, trees=TREES3, costs=(1.1, 1.4, 1.9, 1.5)) -> AdaptiveStreamDrafter:
-    calibration = BackendCalibration("test", 1, 1.0, tuple(TreeCost(t, c, 1.0, 1.0) for t, c in zip(trees, costs)),
-                                     0.001, 10.0)
+    calibration = BackendCalibration(
+        "test", 1, 1.0, tuple(TreeCost(t, c, 1.0, 1.0) for t, c in zip(trees, costs)), 0.001, 10.0
+    )
     return AdaptiveStreamDrafter(TreeChoice.from_calibration(ACCEPTANCE3, calibration), head, backend.num_streams)
 
 
@@ -147,13 +151,15 @@ def test_greedy_ss_adaptive_on_static_graphs_switches_between_narrow_and_wide_tr
     model = backend_for(1).model
     trees = (TreeSpec.chain(3), TreeSpec.full(3, 2))
     shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=(4, 15))
-    graphs = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["deferred"] * 2)),
-                                graph_spec(model, shapes, ["deferred"] * 2))
+    graphs = StaticGraphBackend(
+        EagerSession(graph_modules(model, shapes, None, ["deferred"] * 2)), graph_spec(model, shapes, ["deferred"] * 2)
+    )
     rules, trace = StopRules(max_new_tokens=40), Trace()
     drafter = adaptive(graphs, random_head(1), trees, (1.3, 1.6))
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [7, 7, 21]):
-        fast = generate(graphs, prompt, DecodeSettings("ss-adaptive", rules, tree=drafter.tree), drafter=drafter,
-                        trace=trace)
+        fast = generate(
+            graphs, prompt, DecodeSettings("ss-adaptive", rules, tree=drafter.tree), drafter=drafter, trace=trace
+        )
         assert fast.token_ids == generate(graphs, prompt, DecodeSettings("ar", rules)).token_ids
     chosen = [step.tree_nodes for run in trace.runs for step in run.steps]
     assert any(a == 4 and b == 15 for a, b in zip(chosen, chosen[1:]))  # the chain, then the wide tree
@@ -184,17 +190,20 @@ def test_ss_adaptive_sampling_matches_the_target_distribution_on_torch_and_stati
     trees = (TreeSpec.chain(1), TreeSpec.chain(2), TreeSpec.full(2, 2))
     acceptance = AcceptanceModel(4, 2, ((((0, 0), -1), ((1,), -1), ((), -1), ((0, 1), -1)),))
     model, shapes = torch_target.model, GraphShapes(capacity=64, prefill_chunk=8, buckets=(2, 3, 7))
-    graphs = StaticGraphBackend(EagerSession(graph_modules(model, shapes, None, ["deferred"] * 3)),
-                                graph_spec(model, shapes, ["deferred"] * 3))
-    calibration = BackendCalibration("test", 1, 1.0, tuple(TreeCost(t, c, 1.0, 1.0) for t, c in zip(trees, (1.2, 1.3, 2.0))),
-                                     0.001, 10.0)
+    graphs = StaticGraphBackend(
+        EagerSession(graph_modules(model, shapes, None, ["deferred"] * 3)), graph_spec(model, shapes, ["deferred"] * 3)
+    )
+    calibration = BackendCalibration(
+        "test", 1, 1.0, tuple(TreeCost(t, c, 1.0, 1.0) for t, c in zip(trees, (1.2, 1.3, 2.0))), 0.001, 10.0
+    )
     exact = exact_joint(torch_target, SamplingConfig(1.0))
     for target in (torch_target, graphs):
         drafter = AdaptiveStreamDrafter(TreeChoice.from_calibration(acceptance, calibration), random_head(1), 2)
         counts, trace = torch.zeros(8, 8), Trace()
         for seed in range(1000):
-            settings = DecodeSettings("ss-adaptive", StopRules(3), tree=drafter.tree, sampling=SamplingConfig(1.0),
-                                      seed=seed)
+            settings = DecodeSettings(
+                "ss-adaptive", StopRules(3), tree=drafter.tree, sampling=SamplingConfig(1.0), seed=seed
+            )
             tokens = generate(target, [1, 2], settings, drafter=drafter, trace=trace).token_ids
             counts[tokens[0], tokens[1]] += 1
         assert chi_square_p(counts, exact) > 1e-3, target.name

@@ -13,7 +13,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.xnnpack_graph import PooledRMSNorm, views_for_xnnpack, xnnpack_model
-from streamfuse.runtime.backends.static_graph import output_names
+from streamfuse.runtime.contract import output_names
 
 from conftest import make_tiny_llama
 
@@ -39,8 +39,13 @@ def test_xnnpack_model_gives_the_graphs_outputs_and_leaves_the_model_alone():
     model = tiny_model()
     ready = xnnpack_model(model)
     inputs = graph.example_inputs(model, SHAPES)
-    inputs["decode"] = (torch.tensor([[5]]), torch.tensor([3]), torch.randn(4, 2, 48, 16), torch.randn(4, 2, 48, 16),
-                        inputs["decode"][-1])
+    inputs["decode"] = (
+        torch.tensor([[5]]),
+        torch.tensor([3]),
+        torch.randn(4, 2, 48, 16),
+        torch.randn(4, 2, 48, 16),
+        inputs["decode"][-1],
+    )
     for name in ("prefill", "decode", "step_4", "greedy_step_4", "streams"):
         # HF's attention over the whole cache (it ignores the commit, which moves nothing here)
         expected = dict(zip(output_names(name, False), graph.graph_modules(model, PLAIN)[name](*inputs[name])))
@@ -63,9 +68,10 @@ def test_a_decode_method_lowers_to_xnnpack_in_few_partitions():
     module, inputs = graph.graph_modules(model, SHAPES)["decode"], graph.example_inputs(model, SHAPES)["decode"]
     program = views_for_xnnpack(torch.export.export(module, inputs, strict=False))
     lowered = to_edge_transform_and_lower({"decode": program}, partitioner=[partitioner("xnnpack")])
-    ops = collections.Counter(str(node.target) for node in lowered.exported_program("decode").graph.nodes
-                              if node.op == "call_function")
-    # Unpatched, every layer split in ~6 pieces around RMSNorm's mean, SDPA and unsqueezes (28 here); now the
+    ops = collections.Counter(
+        str(node.target) for node in lowered.exported_program("decode").graph.nodes if node.op == "call_function"
+    )
+    # Unpatched, every layer splits in ~6 pieces around RMSNorm's mean, SDPA and unsqueezes (28 here); patched, the
     # only op outside XNNPACK in a layer is the span attention kernel: a partition before and after each.
     outside = {op.split(">")[0].split(": ")[-1] for op in ops if op.startswith("<EdgeOpOverload")}
     assert sum(count for op, count in ops.items() if "streamfuse.tree_attention" in op) == 4
@@ -98,8 +104,10 @@ def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_progr
     original = traceback.NodeSource.__init__
     export_pte(modules, inputs, tmp_path / "fast.pte")
     assert traceback.NodeSource.__init__ is original
-    programs = {name: views_for_xnnpack(torch.export.export(module, inputs[name], strict=False))
-                for name, module in modules.items()}
+    programs = {
+        name: views_for_xnnpack(torch.export.export(module, inputs[name], strict=False))
+        for name, module in modules.items()
+    }
     with lowering_shares_weights():
         lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")])
         checked = lowered.to_executorch(host_inputs()).buffer

@@ -4,10 +4,11 @@ row-invariant (row i of an M-row call equals that row alone, bit for bit)."""
 
 import pytest
 import torch
-from test_low_bit import random_codes
 
 from streamfuse.export.low_bit import Q4Linear, Q8Linear
 from streamfuse.export.xnnpack_low_bit import XnnpackQ4Linear, XnnpackQ8Embedding, XnnpackQ8Head
+
+from test_low_bit import random_codes
 
 pytest.importorskip("torchao", reason="the executorch extra (torchao) is not installed")
 
@@ -26,8 +27,10 @@ def test_q4_weights_move_only_by_the_bf16_rounding_of_each_scale():
     error = (xnnpack.dequantized() - layer.dequantized()).abs().reshape(96, 2, 32)
     assert bool((error <= 8 * rounding[..., None] + 1e-7).all())
     assert float(error.max()) > 0  # random fp16 scales do not all fit bf16
-    assert torch.equal(xnnpack.base.weight.qdata.reshape(96, 2, 32).float() + 8,
-                       torch.stack([layer.packed & 15, layer.packed >> 4], -1).reshape(96, 2, 32).float())
+    assert torch.equal(
+        xnnpack.base.weight.qdata.reshape(96, 2, 32).float() + 8,
+        torch.stack([layer.packed & 15, layer.packed >> 4], -1).reshape(96, 2, 32).float(),
+    )
 
 
 def test_q4_linear_keeps_lora_and_the_min_term_in_fp32():
@@ -79,8 +82,10 @@ def test_xnnpack_takes_every_linear_and_its_rows_do_not_depend_on_the_call_size(
     from streamfuse.runtime.backends.sessions import set_executorch_threads
 
     module, sizes = Layers().eval(), (1, 2, 3, 4, 5, 8, 16)
-    programs = {f"rows{m}": torch.export.export(module, (torch.zeros(m, dtype=torch.long), torch.randn(m, 64)),
-                                                strict=False) for m in sizes}
+    programs = {
+        f"rows{m}": torch.export.export(module, (torch.zeros(m, dtype=torch.long), torch.randn(m, 64)), strict=False)
+        for m in sizes
+    }
     lowered = to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")])
     for name in programs:
         left = {str(n.target) for n in lowered.exported_program(name).graph.nodes if n.op == "call_function"}
@@ -92,8 +97,12 @@ def test_xnnpack_takes_every_linear_and_its_rows_do_not_depend_on_the_call_size(
         set_executorch_threads(threads)  # then load: a program keeps the pool it was loaded with
         program = Runtime.get().load_program(buffer)
         methods = {m: program.load_method(f"rows{m}") for m in sizes}
-        alone = [torch.cat(parts) for parts in zip(*([t.clone() for t in methods[1].execute([ids[i : i + 1], x[i : i + 1]])]
-                                                      for i in range(16)))]
+        alone = [
+            torch.cat(parts)
+            for parts in zip(
+                *([t.clone() for t in methods[1].execute([ids[i : i + 1], x[i : i + 1]])] for i in range(16))
+            )
+        ]
         for m in sizes:
             outputs = [t.clone() for t in methods[m].execute([ids[:m].clone(), x[:m].clone()])]
             for label, out, ref in zip(("embedding", "q4", "head"), outputs, alone):

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("executorch") is None,
-                                reason="executorch not installed (extra: executorch)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: executorch)"
+)
 
 METHODS = ("prefill", "decode", "step")
 WIDTH = 1024  # 3 layers of 1024 x 1024 fp32: 12 MiB of weights, far above the fixed costs
@@ -35,8 +36,10 @@ def program(tmp_path_factory):
     from streamfuse.export.to_executorch import partitioner
 
     model = Layers().eval()
-    programs = {name: torch.export.export(model, (torch.randn(rows, WIDTH),), strict=False)
-                for name, rows in zip(METHODS, (8, 1, 4))}
+    programs = {
+        name: torch.export.export(model, (torch.randn(rows, WIDTH),), strict=False)
+        for name, rows in zip(METHODS, (8, 1, 4))
+    }
     path = tmp_path_factory.mktemp("xnnpack_weights") / "model.pte"
     path.write_bytes(to_edge_transform_and_lower(programs, partitioner=[partitioner("xnnpack")]).to_executorch().buffer)
     return path, sum(p.numel() * 4 for p in model.parameters())
@@ -65,8 +68,9 @@ print(added)
 
 def load(path, sharing: str, out) -> tuple[int, dict]:
     """RSS added by loading the program and its three methods, in a fresh process, and their outputs."""
-    result = subprocess.run([sys.executable, "-c", LOAD, str(path), sharing, str(out)], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD, str(path), sharing, str(out)], capture_output=True, text=True, check=True
+    )
     return int(result.stdout.strip().splitlines()[-1]), torch.load(out, weights_only=True)
 
 
@@ -119,8 +123,9 @@ print(peak() - before, hashlib.sha256(buffer).hexdigest())
 def lower(sharing: str, methods: int) -> tuple[int, str]:
     """Peak RSS added by lowering `methods` methods over three WIDTH x WIDTH weights in a fresh process,
     and the program's sha256."""
-    result = subprocess.run([sys.executable, "-c", LOWER, sharing, str(WIDTH), str(methods)], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", LOWER, sharing, str(WIDTH), str(methods)], capture_output=True, text=True, check=True
+    )
     added, digest = result.stdout.strip().splitlines()[-1].split()
     return int(added), digest
 

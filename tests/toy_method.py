@@ -1,10 +1,10 @@
-"""A method defined outside streamfuse, as a user adds one: this file and one `methods.register` call.
+"""A method defined outside streamfuse, as a user adds one: this module and one `registry.register_package` call.
 
 toy-repeat drafts the root token repeated down a chain (right whenever the answer repeats a token).
 """
 
+from streamfuse.methods.method import Method
 from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.methods.method import Method
 from streamfuse.runtime.tree import TreeSpec
 
 
@@ -25,6 +25,10 @@ class RepeatDrafter:
         pass
 
 
-METHOD = Method("toy-repeat", "Toy: the root repeated down a chain",
-                drafter=lambda loaded, settings: RepeatDrafter(settings.tree),
-                default_tree=lambda loaded: TreeSpec.chain(2), chain=True)
+METHOD = Method(
+    "toy-repeat",
+    "Toy: the root repeated down a chain",
+    drafter=lambda loaded, settings: RepeatDrafter(settings.tree),
+    default_tree=lambda loaded: TreeSpec.chain(2),
+    chain=True,
+)

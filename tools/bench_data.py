@@ -43,8 +43,7 @@ def task_file(task: str, split: str, data_dir: Path | None = None) -> Path:
     name = TASK_FILES.get((task, split))
     if name is None:
         known = ", ".join(f"{t}/{s}" for t, s in TASK_FILES)
-        raise FileNotFoundError(f"no known file for task {task!r} split {split!r} (known: {known}); "
-                                f"pass --input-file")
+        raise FileNotFoundError(f"no known file for task {task!r} split {split!r} (known: {known}); pass --input-file")
     if data_dir is not None:
         folders = [Path(data_dir), Path(data_dir) / task]
     else:
@@ -64,7 +63,7 @@ def _references(row: dict) -> tuple[str, ...]:
 
 
 def _jsonl_rows(path: Path):
-    """(id, row) per JSON line; ids as runtime.generate.read_requests gives them."""
+    """(id, row) per JSON line; ids as runtime.session.read_input_file gives them."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():

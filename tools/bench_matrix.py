@@ -16,10 +16,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from streamfuse.methods import registry
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.generate import prompt_ids
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.measure import timed_run
+from streamfuse.runtime.session import prompt_ids
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
@@ -45,14 +46,21 @@ def current_rss() -> int:
 def pair(engine: Engine, ids: list[int], run_id: str, flip: bool, traced: bool) -> dict[str, dict]:
     """Every method of one backend on one input, back to back; `flip` reverses the order."""
     methods = list(engine.settings)[::-1] if flip else list(engine.settings)
-    return {m: timed_run(engine.loaded, ids, engine.settings[m], engine.traces.get(m) if traced else None, run_id)
-            for m in methods}
+    return {
+        m: timed_run(engine.loaded, ids, engine.settings[m], engine.traces.get(m) if traced else None, run_id)
+        for m in methods
+    }
 
 
 def peer_run(runner: PeerRunner, ids: list[int], max_new_tokens: int) -> dict:
     result = runner.run(ids, max_new_tokens)
-    return {"seconds": result.seconds, "new_tokens": result.new_tokens, "ttft_s": result.ttft_s,
-            "token_ids": list(result.token_ids), "peak_memory_bytes": process_peak_rss_bytes()}
+    return {
+        "seconds": result.seconds,
+        "new_tokens": result.new_tokens,
+        "ttft_s": result.ttft_s,
+        "token_ids": list(result.token_ids),
+        "peak_memory_bytes": process_peak_rss_bytes(),
+    }
 
 
 def combine(runs: Sequence[dict]) -> dict:
@@ -128,9 +136,15 @@ def run_matrix(matrix: Matrix, inputs: Sequence[BenchInput], warmup: int) -> tup
             methods = results[("backend", backend)]
             row = {"id": item.id, "backend": backend, "prompt_tokens": len(ids[("backend", backend)]), **methods}
             if len(methods) > 1:
-                row["same_tokens"] = all(r["token_ids"] == methods["ar"]["token_ids"] for r in methods.values())
+                plain = methods[registry.plain()]["token_ids"]
+                row["same_tokens"] = all(r["token_ids"] == plain for r in methods.values())
             rows.append(row)
         if matrix.peers:
-            peer_rows.append({"id": item.id, "prompt_tokens": len(ids[("peer", next(iter(matrix.peers)))]),
-                              "results": {p: results[("peer", p)] for p in matrix.peers}})
+            peer_rows.append(
+                {
+                    "id": item.id,
+                    "prompt_tokens": len(ids[("peer", next(iter(matrix.peers)))]),
+                    "results": {p: results[("peer", p)] for p in matrix.peers},
+                }
+            )
     return rows, peer_rows

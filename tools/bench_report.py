@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLORS = {"ar": "#8c8c8c", "ss": "#2b7bba", "sd": "#3a9d5d", "peer": "#e08a2c"}
+from streamfuse.methods import registry, sd
+
+PEER_COLOR, OTHER_COLOR = "#e08a2c", "#444444"
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -26,35 +28,41 @@ def _mib(value: int | None) -> str:
 
 def _row(r: dict) -> str:
     rouge = r["rouge"] or {}
-    return (f"| {r['name']} | {r['precision']} | {r['model']} | {r['tokens_per_s_median']:.1f} | "
-            f"{_num(r['speedup_total_time'], '.2f', 'x')} | {_num(r['speedup_median_per_input'], '.2f', 'x')} | "
-            f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
-            f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['draft_calls'], 'd')} | "
-            f"{_num(r['mean_accepted_tokens'], '.2f')} | {_num(r['mean_draft_nodes'], '.2f')} | "
-            f"{_num(r['draft_ms_per_step'], '.1f')} | "
-            f"{r['ttft_s_median']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['prompt_ms_per_token_median']:.2f} | "
-            f"{_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
-            f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |")
+    return (
+        f"| {r['name']} | {r['precision']} | {r['model']} | {r['tokens_per_s_median']:.1f} | "
+        f"{_num(r['speedup_total_time'], '.2f', 'x')} | {_num(r['speedup_median_per_input'], '.2f', 'x')} | "
+        f"{_num(r['speedup_after_first_token'], '.2f', 'x')} | "
+        f"{r['baseline'] or '-'} | {_num(r['call_reduction'], '.2f')} | {_num(r['draft_calls'], 'd')} | "
+        f"{_num(r['mean_accepted_tokens'], '.2f')} | {_num(r['mean_draft_nodes'], '.2f')} | "
+        f"{_num(r['draft_ms_per_step'], '.1f')} | "
+        f"{r['ttft_s_median']:.3f} | {r['decode_tokens_per_s']:.1f} | {r['prompt_ms_per_token_median']:.2f} | "
+        f"{_num(rouge.get('rouge1'), '.2f')} | {_num(rouge.get('rougeLsum'), '.2f')} | "
+        f"{_num(r['mismatches'], 'd')} | {_mib(r['load_rss_bytes'])} |"
+    )
 
 
 def _machine_line(m: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
     start, end = m["load_average_start"], m.get("load_average_end") or [float("nan")] * 3
-    return (f"Machine: {m['cpu']} ({m['cores']} cores), {m['threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}, "
-            f"load average (1/5/15 min) {'/'.join(f'{x:.2f}' for x in start)} at start, "
-            f"{'/'.join(f'{x:.2f}' for x in end)} at end; {versions}.")
+    return (
+        f"Machine: {m['cpu']} ({m['cores']} cores), {m['threads']} threads, OMP_WAIT_POLICY={m['omp_wait_policy']}, "
+        f"load average (1/5/15 min) {'/'.join(f'{x:.2f}' for x in start)} at start, "
+        f"{'/'.join(f'{x:.2f}' for x in end)} at end; {versions}."
+    )
 
 
 def markdown(report: dict) -> str:
     cfg, s = report["settings"], report["summary"]
     lines = [
         f"## {cfg['task']} {cfg['split'] or Path(cfg['data']).name}: methods x backends x peers, {s['inputs']} inputs, "
-        "greedy, batch 1", "",
+        "greedy, batch 1",
+        "",
         _machine_line(report["machine"]),
         f"Tree: {', '.join(f'{b} {n} nodes' for b, n in cfg['tree_nodes'].items())}; streams "
         f"{', '.join(f'{b} {mode}' for b, mode in cfg['stream_schedule'].items())}; "
         f"max {cfg['max_new_tokens']} new tokens; "
-        f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).", "",
+        f"{cfg['repeats']} interleaved repeat(s) per input (median time), {cfg['warmup']} warm-up input(s).",
+        "",
         "| row | precision | model | tokens/s (median) | speed-up, total time | speed-up, median per input "
         "| speed-up after the first token | vs "
         "| call reduction CR (tokens / target calls) | draft-model calls | mean accepted tokens | mean drafts verified "
@@ -62,29 +70,40 @@ def markdown(report: dict) -> str:
         "| tokens/s after the first token | prompt ms per token (median) | ROUGE-1 | ROUGE-Lsum "
         "| output != baseline (inputs) | RSS added at load (MiB) |",
         "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *(_row(r) for r in report["table"]), "",
+        *(_row(r) for r in report["table"]),
+        "",
         "Speed-up = tokens/s ratio against the row named under 'vs', measured in the same run (= time ratio "
         "where outputs are equal). CR counts the target's calls, the prefill included; AR rows have CR = mean accepted "
         "tokens = 1. Draft-model calls are a draft model's own (sd, specdec++), not in CR; SS and Medusa drafts come "
         "out of the target's pass. Mean drafts verified: draft tokens per speculative target call (the tree's nodes "
         "below the root; specdec++ chooses its chain's length per step).",
         f"A method's output != AR output on its own backend: {s['parity_mismatches']} (inputs, all backends).",
-        *(f"{r['name']}: speed-up per fifth of the inputs (total time) "
-          f"{' / '.join(f'{x:.2f}x' for x in r['speedup_by_fifth'])}."
-          for r in report["table"] if r["kind"] == "streamfuse" and r["method"] != "ar" and r.get("speedup_by_fifth")),
+        *(
+            f"{r['name']}: speed-up per fifth of the inputs (total time) "
+            f"{' / '.join(f'{x:.2f}x' for x in r['speedup_by_fifth'])}."
+            for r in report["table"]
+            if r["kind"] == "streamfuse" and r["method"] != registry.plain() and r.get("speedup_by_fifth")
+        ),
     ]
     for c in s["matched_precision"]:
-        lines.append(f"Fastest fine-tuned peer at {c['precision']}: {c['peer']} {c['peer_tokens_per_s']:.1f} tokens/s; "
-                     f"fastest SS backend {c['streamfuse']} {c['streamfuse_tokens_per_s']:.1f} tokens/s: "
-                     f"**{c['ratio']:.2f}x**; after the first token **{c['decode_ratio']:.2f}x**.")
+        lines.append(
+            f"Fastest fine-tuned peer at {c['precision']}: {c['peer']} {c['peer_tokens_per_s']:.1f} tokens/s; "
+            f"fastest SS backend {c['streamfuse']} {c['streamfuse_tokens_per_s']:.1f} tokens/s: "
+            f"**{c['ratio']:.2f}x**; after the first token **{c['decode_ratio']:.2f}x**."
+        )
     lines.append(f"Process peak RSS (all models loaded in one process): {_mib(s['peak_memory_bytes'])} MiB.")
     lines += [f"Skipped peer {name}: {reason}" for name, reason in report["skipped"].items()]
     lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines)
 
 
+def method_colors() -> dict[str, str]:
+    """A bar's colour per method: plain decoding grey, the default method blue, the two-model draft green."""
+    return {registry.plain(): "#8c8c8c", registry.default(): "#2b7bba", sd.NAME: "#3a9d5d"}
+
+
 def _color(row: dict) -> str:
-    return COLORS["peer"] if row["kind"] == "peer" else COLORS.get(row["method"], "#444444")
+    return PEER_COLOR if row["kind"] == "peer" else method_colors().get(row["method"], OTHER_COLOR)
 
 
 def _bars(ax, rows: list[dict], values: list[float], xlabel: str, fmt: str) -> None:
@@ -121,11 +140,16 @@ def plots(report: dict, out: Path) -> list[Path]:
     _save(fig, out / "tokens_per_s.png")
     written.append(out / "tokens_per_s.png")
     plt.close(fig)
-    compared = [r for r in rows if r["method"] != "ar" and r["speedup_total_time"] is not None]
+    compared = [r for r in rows if r["method"] != registry.plain() and r["speedup_total_time"] is not None]
     if compared:
         fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(compared)))
-        _bars(ax, compared, [r["speedup_total_time"] for r in compared], "speed-up vs AR (total time; peers vs AR on torch)",
-              ".2f")
+        _bars(
+            ax,
+            compared,
+            [r["speedup_total_time"] for r in compared],
+            "speed-up vs AR (total time; peers vs AR on torch)",
+            ".2f",
+        )
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"Speed-up vs AR on the same backend, {title}")
         _save(fig, out / "speedup.png")

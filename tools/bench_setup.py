@@ -10,19 +10,19 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from streamfuse.runtime import methods
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods import registry
 from streamfuse.runtime.artifact import MANIFEST
-from streamfuse.runtime.backends.base import prune_config
-from streamfuse.runtime.backends.pytorch import TorchBackend
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import choose_tree, prompt_ids, run
 from streamfuse.runtime.loader import Loaded, artifact_tasks, load
+from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.bench_matrix import Engine, current_rss
-from streamfuse.tools.peers import PEERS, PeerContext, build_peers
+from streamfuse.tools.peer_registry import PEERS, build_peers
 from streamfuse.tools.peers_gguf import QUANTS
+from streamfuse.tools.peers_runners import PeerContext
 
 
 def backend_precision(artifact: Path, backend: str) -> str:
@@ -53,39 +53,59 @@ def load_engines(args: argparse.Namespace, info: dict) -> dict[str, Engine]:
         before = current_rss()
         task = args.task if args.task in artifact_tasks(artifact) else None  # an artifact with several: the task's
         loaded = load(artifact, backend, args.device, args.stream_schedule, args.threads, task=task)
-        tree = choose_tree(args.tree, loaded)  # SS's (plain decoding carries it along, unused, for the report)
-        rules = StopRules(args.max_new_tokens, loaded.stop_token_ids)
-        prune = prune_config(args.prune_threshold, args.prune_budget)
-        meta = dict(backend=loaded.backend.name, device=args.device, num_streams=loaded.backend.num_streams,
-                    threads=args.threads)
-        fallback = loaded.fallback(tree) if args.fallback == "auto" else None  # calibrated for SS's trees
-        ss = DecodeSettings("ss", rules, tree=tree, prune=prune, fallback=fallback)
+        request = DecodeRequest(
+            DEFAULT_METHOD,
+            args.max_new_tokens,
+            tree=args.tree,
+            fallback=args.fallback == "auto",
+            prune_threshold=args.prune_threshold,
+            prune_budget=args.prune_budget,
+        )
+        ss = decode_settings(loaded, request)
+        meta = dict(
+            backend=loaded.backend.name,
+            device=args.device,
+            num_streams=loaded.backend.num_streams,
+            threads=args.threads,
+        )
         settings = {label: method_settings(label, loaded, ss) for label in args.methods}
         trees = {label: each.tree for label, each in settings.items()}
         warm_up(loaded, settings.values())
-        info[entry] = {"precision": backend_precision(artifact, backend), "model": "fine-tuned",
-                       "load_rss_bytes": current_rss() - before, "artifact": str(artifact)}
+        info[entry] = {
+            "precision": backend_precision(artifact, backend),
+            "model": "fine-tuned",
+            "load_rss_bytes": current_rss() - before,
+            "artifact": str(artifact),
+        }
         if isinstance(loaded.backend, TorchBackend):
             info[entry]["kernels"] = loaded.backend.kernels  # packed or eager linear layers
-        traces = {m: Trace(method=m, tree=trees[m].to_dict() if m != "ar" else None,
-                           fallback_step_cost=settings[m].fallback.step_cost if settings[m].fallback else None, **meta)
-                  for m in args.methods}
+        traces = {
+            m: Trace(
+                method=m,
+                tree=trees[m].to_dict() if registry.get(settings[m].method).speculative else None,
+                fallback_step_cost=settings[m].fallback.step_cost if settings[m].fallback else None,
+                **meta,
+            )
+            for m in args.methods
+        }
         out[entry] = Engine(loaded, settings, traces)
     return out
 
 
 def method_settings(label: str, loaded: Loaded, ss: DecodeSettings) -> DecodeSettings:
     """A --methods entry: METHOD, or METHOD:VALUE for a variant in the same interleaved run, sd:G (its
-    chain of G drafts) or specdec++:H (its stop threshold). ar carries SS's tree along, unused."""
+    chain of G drafts) or specdec++:H (its stop threshold). --tree and pruning are the default method's; plain
+    decoding carries its tree along, unused, for the report."""
     name, _, value = label.partition(":")
-    if name in ("ar", "ss"):
-        return replace(ss, method=name, prune=ss.prune if name == "ss" else None,
-                       fallback=ss.fallback if name == "ss" else None)
-    method = methods.get(name)
-    fields = {"tree": choose_tree(None, loaded, name), **(method.variant(value) if value else {})}
-    fallback = loaded.fallback(fields["tree"]) if method.streams and ss.fallback is not None else None
-    settings = DecodeSettings(name, ss.rules, fallback=fallback, **fields)
-    loaded.check_method_tree(name, settings.tree)
+    if name == BASELINE_METHOD:
+        return replace(ss, method=name, prune=None, fallback=None)
+    if name == ss.method:
+        return ss
+    request = DecodeRequest(name, ss.rules.max_new_tokens, fallback=ss.fallback is not None)
+    settings = decode_settings(loaded, request)
+    if value:
+        settings = replace(settings, **registry.get(name).variant(value))
+        loaded.check_method_tree(name, settings.tree)
     return settings
 
 
@@ -107,8 +127,11 @@ def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput
         built, reasons = build_peers([name], context)
         runners.update(built)
         skipped.update(reasons)
-        info[name] = {"precision": peer_precision(name), "load_rss_bytes": current_rss() - before,
-                      "model": "fine-tuned" if PEERS[name].same_model else "base (not fine-tuned)"}
+        info[name] = {
+            "precision": peer_precision(name),
+            "load_rss_bytes": current_rss() - before,
+            "model": "fine-tuned" if PEERS[name].same_model else "base (not fine-tuned)",
+        }
     for name, reason in skipped.items():
         print(f"[bench] skipping peer {name}: {reason}", file=sys.stderr)
     return runners, skipped

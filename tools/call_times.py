@@ -1,7 +1,7 @@
-"""python -m streamfuse.tools.call_times: what each of an artifact's methods costs per call on one engine,
+"""streamfuse call-times: what each of an artifact's methods costs per call on one engine,
 by the cache slots in use: the figures behind a tree step's cost in plain calls.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.call_times --artifact artifacts/dialogsum \\
+    OMP_WAIT_POLICY=PASSIVE streamfuse call-times --artifact artifacts/dialogsum \\
         --backend executorch --spans 64,300,700 --rounds 40 --threads 2
 
 Inputs come from the manifest's method signatures: random token ids and caches (a call's time depends on
@@ -23,16 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamfuse.runtime import cli
+from streamfuse.runtime import errors
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
-from streamfuse.runtime.backends.static_graph import (
-    COMMIT_INPUT,
-    base_method,
-    bucket_method,
-    interleaved_call_times,
-    tree_inputs,
-)
+from streamfuse.runtime.backends.static_graph import interleaved_call_times
+from streamfuse.runtime.contract import COMMIT_INPUT, base_method, bucket_method, tree_inputs
+from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
 
 ENGINES = ("executorch", "onnxruntime")
@@ -40,15 +36,14 @@ SKIPPED = ("prefill",)  # its time is per prompt chunk, not per decoded token: t
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m streamfuse.tools.call_times",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (export/build.py)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=Path, required=True, help="exported artifact (streamfuse build)")
     parser.add_argument("--backend", choices=ENGINES, required=True, help="the engine to time")
     parser.add_argument("--spans", default="64,300,700", help="cache slots in use, comma-separated")
     parser.add_argument("--rounds", type=int, default=40, help="timed calls per method and span")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--threads", type=threads_type, default=2, help="CPU threads")
     parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here")
-    cli.add_debug_flag(parser)
+    errors.add_debug_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -58,14 +53,14 @@ def bucket_tree(trees: tuple[TreeSpec, ...], rows: int, gamma: int) -> TreeSpec:
     return fitting[0] if fitting else TreeSpec.filling(rows, gamma)
 
 
-def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma: int,
-                  vocab: int) -> list[np.ndarray]:
+def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma: int, vocab: int) -> list[np.ndarray]:
     """One call's inputs from the manifest's signature of a method, its cache `span` slots full."""
     g = np.random.default_rng(span)
     rows = next((i["shape"][1] for i in signature["inputs"] if i["name"] == "ids"), 1)
     has_tree = any(i["name"] == "tree" for i in signature["inputs"])
-    tree_data = dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows))) \
-        if has_tree else {}
+    tree_data = (
+        dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows))) if has_tree else {}
+    )
     made = []
     for spec in signature["inputs"]:
         name, shape = spec["name"], spec["shape"]
@@ -96,10 +91,12 @@ def with_commit(signature: dict, inputs: list[np.ndarray]) -> tuple[list[np.ndar
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     words = [s.strip() for s in args.spans.split(",") if s.strip()]
-    cli.check(bool(words) and all(w.isdigit() for w in words), f"--spans takes slot counts such as 64,300,700, "
-              f"got {args.spans!r}")
+    errors.check(
+        bool(words) and all(w.isdigit() for w in words),
+        f"--spans takes slot counts such as 64,300,700, got {args.spans!r}",
+    )
     spans = [int(w) for w in words]
-    cli.check(args.rounds >= 1 and args.threads >= 1, "--rounds and --threads must be >= 1")
+    errors.check(args.rounds >= 1 and args.threads >= 1, "--rounds and --threads must be >= 1")
     torch.set_num_threads(args.threads)
     artifact = Artifact.open(args.artifact)
     graphs = artifact.manifest["graphs"]
@@ -107,32 +104,47 @@ def main(argv: list[str] | None = None) -> int:
     vocab = artifact.manifest["model"]["vocab_size"]
     largest = max(graphs["buckets"])
     most = capacity - largest  # a step's rows go after the span
-    cli.check(all(largest <= s <= most for s in spans), f"--spans must lie in [{largest}, {most}] (the artifact's "
-              f"cache holds {capacity} slots, a step adds up to {largest} and commits up to {largest - 1}), "
-              f"got {args.spans}")
-    session = open_session(args.backend, artifact.backend_files(args.backend),
-                           args.threads)
+    errors.check(
+        all(largest <= s <= most for s in spans),
+        f"--spans must lie in [{largest}, {most}] (the artifact's "
+        f"cache holds {capacity} slots, a step adds up to {largest} and commits up to {largest - 1}), "
+        f"got {args.spans}",
+    )
+    session = open_session(args.backend, artifact.backend_files(args.backend), args.threads)
     methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
     greedy = bucket_method("greedy_step", largest)
     table, commit = {}, None
     for span in spans:
-        calls = {name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
-                 for name, sig in methods.items()}
+        calls = {
+            name: (session, name, method_inputs(sig, span, artifact.trees, gamma, vocab))
+            for name, sig in methods.items()
+        }
         inputs, moved = with_commit(methods[greedy], calls[greedy][2])
         commit = f"{greedy}, commit {moved}"
         calls[commit] = (session, greedy, inputs)
         samples = interleaved_call_times(calls, args.rounds, 1)
         table[span] = {name: 1000 * statistics.median(times) for name, times in samples.items()}
-    print(f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
-          f"carry the artifact's first tree that fits")
+    print(
+        f"{args.backend}, {args.threads} threads, median of {args.rounds} interleaved calls (ms); step buckets "
+        f"carry the artifact's first tree that fits"
+    )
     print(f"{'method':<20}" + "".join(f"{span:>10}" for span in spans))
     for name in [*methods, commit]:
         print(f"{name:<20}" + "".join(f"{table[span][name]:>10.3f}" for span in spans))
     if args.out:
-        args.out.write_text(json.dumps({"backend": args.backend, "threads": args.threads, "rounds": args.rounds,
-                                        "ms": {str(span): row for span, row in table.items()}}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "backend": args.backend,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                    "ms": {str(span): row for span, row in table.items()},
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    sys.exit(errors.run(main))

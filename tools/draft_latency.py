@@ -1,4 +1,4 @@
-"""python -m streamfuse.tools.draft_latency: a draft model's call (methods sd, specdec++) by LM head size, per engine.
+"""streamfuse draft-latency: a draft model's call (methods sd, specdec++) by LM head size, per engine.
 
 A draft call runs the base's first --layers decoder layers and the LM head; SmolLM2's tied head (49,152 x 576)
 weighs twice a 4-layer stack. This builds that model with random weights (a call's cost depends on shapes, not
@@ -7,7 +7,7 @@ prefill and decode as the build does for each engine (ONNX Runtime: rows in plac
 kernel) and times one decode call through the host, as the drafter makes it (logits spread over the vocabulary
 included), every engine and size interleaved, at --context cache rows.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.draft_latency --threads 2 --head-vocab 0,16384,8192,4096
+    OMP_WAIT_POLICY=PASSIVE streamfuse draft-latency --threads 2 --head-vocab 0,16384,8192,4096
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from tqdm.auto import tqdm
 
 from streamfuse import seams
 from streamfuse.adapters.base_model import resolve_base_model
-from streamfuse.adapters.draft_model import NOMINAL_STREAMS
 from streamfuse.adapters.hf import keep_first_layers
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
-from streamfuse.runtime.backends.pytorch import TorchBackend
+from streamfuse.export.eager import TorchBackend
+from streamfuse.methods.sd.model import NOMINAL_STREAMS
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-from streamfuse.tools.latency import step_seconds
+from streamfuse.runtime.threads import threads_type
+from streamfuse.tools.step_timing import step_seconds
 
 ENGINES = ("torch", "executorch", "onnxruntime")
 PREFILL_CHUNK = 64
@@ -50,7 +51,7 @@ def parse_args(argv):
     parser.add_argument("--capacity", type=int, default=772, help="KV capacity of the graphs (the build's: 768 + 4)")
     parser.add_argument("--context", type=int, default=450, help="cache rows in use")
     parser.add_argument("--reps", type=int, default=40, help="timed calls per configuration (interleaved)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
@@ -67,7 +68,7 @@ def parse_args(argv):
 
 
 def draft_model(base_model: str, layers: int, size: int) -> SpeculativeStreamingLM:
-    """The base's first `layers` layers with random weights (adapters/draft_model.py's shape), its head keeping
+    """The base's first `layers` layers with random weights (methods/sd/model.py's shape), its head keeping
     the `size` lowest ids (0: all): which ids does not change a call's cost."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -107,11 +108,20 @@ def report(samples: dict[tuple[str, int], list[float]], meta: dict, out: Path | 
     rows = []
     for (engine, vocab), times in samples.items():
         whole = max(v for e, v in samples if e == engine)
-        rows.append({"engine": engine, "head_vocab": vocab, "median_ms": 1000 * statistics.median(times),
-                     "ratio_to_full_head": statistics.median(times) / statistics.median(samples[engine, whole])})
+        rows.append(
+            {
+                "engine": engine,
+                "head_vocab": vocab,
+                "median_ms": 1000 * statistics.median(times),
+                "ratio_to_full_head": statistics.median(times) / statistics.median(samples[engine, whole]),
+            }
+        )
     print(json.dumps(meta))
     for row in rows:
-        print(f"{row['engine']:<12} head {row['head_vocab']:>6}  {row['median_ms']:7.2f} ms  x{row['ratio_to_full_head']:.2f}")
+        print(
+            f"{row['engine']:<12} head {row['head_vocab']:>6}  {row['median_ms']:7.2f} ms  "
+            f"x{row['ratio_to_full_head']:.2f}"
+        )
     if out:
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
@@ -127,8 +137,11 @@ def main(argv=None) -> int:
             for engine in args.engines:
                 folder = Path(scratch) / f"{engine}-{vocab}"
                 # torch packs the linear layers of what it is given in place: a copy, so the exports see float ones
-                backends[engine, vocab] = (TorchBackend(copy.deepcopy(model)) if engine == "torch" else
-                                           exported(model, engine, args.capacity, folder, args.threads))
+                backends[engine, vocab] = (
+                    TorchBackend(copy.deepcopy(model))
+                    if engine == "torch"
+                    else exported(model, engine, args.capacity, folder, args.threads)
+                )
         for backend in backends.values():
             backend.reset(args.capacity)
             backend.prefill(rng.integers(0, backend.vocab_size, args.context).tolist(), with_streams=False)
@@ -138,8 +151,13 @@ def main(argv=None) -> int:
                 elapsed = step_seconds(backend, [int(rng.integers(0, backend.vocab_size))], None)
                 if round_ >= 3:
                     samples[label].append(elapsed)
-    meta = {"threads": args.threads, "layers": args.layers, "capacity": args.capacity, "context": args.context,
-            "load_average": os.getloadavg()}
+    meta = {
+        "threads": args.threads,
+        "layers": args.layers,
+        "capacity": args.capacity,
+        "context": args.context,
+        "load_average": os.getloadavg(),
+    }
     report(samples, meta, args.out)
     return 0
 

@@ -1,12 +1,13 @@
-"""python -m streamfuse.tools.footprint GENERATE-ARGS: what a process that only decodes pays for one run
+"""streamfuse footprint GENERATE-ARGS: what a process that only decodes pays for one run
 of `streamfuse.runtime.generate`: the runtime's import time, resident memory after the import and at the
 end, the peak, the modules loaded, and which heavy ones (torch, Transformers, the training code) came in.
 generate's own output is printed first; the footprint is the last line, one JSON object.
 
-    python -m streamfuse.tools.footprint --artifact artifacts/dialogsum --backend onnxruntime --task dialogsum \\
+    streamfuse footprint --artifact artifacts/dialogsum --backend onnxruntime --task dialogsum \\
         --input-file ../shared/data/dialogsum/dialogsum.test.jsonl --limit 1
 """
 
+import importlib
 import json
 import sys
 import time
@@ -28,16 +29,28 @@ def resident_mib() -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
-    from streamfuse.runtime import cli, generate  # what is timed: the runtime's import
+    # what is timed: the runtime's import, the CLI's with it (loaded by name, as `python -m` runs it)
+    errors = importlib.import_module("streamfuse.runtime.errors")
+    generate = importlib.import_module("streamfuse.runtime.generate")
 
     imported, after_import = time.perf_counter() - start, resident_mib()
     start = time.perf_counter()
-    status = cli.run(generate.main, argv, prog="generate")
+    status = errors.run(generate.main, argv, prog="generate")
     end = resident_mib()
-    print(json.dumps({"import_seconds": round(imported, 3), "rss_after_import_mib": after_import["VmRSS"],
-                      "generate_seconds": round(time.perf_counter() - start, 3), "rss_end_mib": end["VmRSS"],
-                      "peak_rss_mib": end["VmHWM"], "modules": len(sys.modules),
-                      "heavy_modules": [name for name in HEAVY if name in sys.modules], "status": status}))
+    print(
+        json.dumps(
+            {
+                "import_seconds": round(imported, 3),
+                "rss_after_import_mib": after_import["VmRSS"],
+                "generate_seconds": round(time.perf_counter() - start, 3),
+                "rss_end_mib": end["VmRSS"],
+                "peak_rss_mib": end["VmHWM"],
+                "modules": len(sys.modules),
+                "heavy_modules": [name for name in HEAVY if name in sys.modules],
+                "status": status,
+            }
+        )
+    )
     return status
 
 

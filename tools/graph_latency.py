@@ -1,4 +1,4 @@
-"""python -m streamfuse.tools.graph_latency: per-call latency of the exported graphs on ONNX Runtime.
+"""streamfuse graph-latency: per-call latency of the exported graphs on ONNX Runtime.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with
 random weights, exports `decode` and, per tree (in a bucket of its size), `step`, `streams` and greedy_step in every
@@ -6,7 +6,7 @@ requested variant (stream schedule x draft vocabulary size) to ONNX in a scratch
 times them interleaved at a given cache length. It measures what export/graph.py's "auto"
 schedule and the default draft vocabulary size rest on; rerun it on the target device.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.graph_latency --threads 2 \
+    OMP_WAIT_POLICY=PASSIVE streamfuse graph-latency --threads 2 \
         --trees "gamma=3,k=1;[[0],[1],[0,0],[0,1],[1,0],[0,0,0]];gamma=3,k=2" --draft-vocab 16384,0
 """
 
@@ -21,14 +21,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from streamfuse.export.eager import StreamConfig, TorchBackend
 from streamfuse.export.graph import GraphShapes, example_inputs
-from streamfuse.runtime.backends.graph_passes import GreedyStepPass, MainPass, StepPass, StreamsPass
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
+from streamfuse.export.passes import GreedyStepPass, MainPass, StepPass, StreamsPass
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
-from streamfuse.runtime.backends.static_graph import INPUT_NAMES, OUTPUT_NAMES, interleaved_call_times, tree_inputs
-from streamfuse.runtime.options import STREAM_SCHEDULES
+from streamfuse.runtime.backends.static_graph import interleaved_call_times
+from streamfuse.runtime.contract import INPUT_NAMES, OUTPUT_NAMES, STREAM_SCHEDULES, tree_inputs
+from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.tools.latency import architecture_parser, report_medians
+from streamfuse.tools.step_timing import architecture_parser, report_medians
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 
@@ -40,7 +41,7 @@ def parse_args(argv):
     parser.add_argument("--capacity", type=int, default=768, help="KV capacity of the graphs")
     parser.add_argument("--context", type=int, default=450, help="cache rows in use (cache_len)")
     parser.add_argument("--reps", type=int, default=25, help="timed calls per graph (interleaved)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -48,8 +49,9 @@ def parse_args(argv):
 def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
     """label -> (module, example inputs) for every graph to time: each tree in a bucket of its own size."""
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
-    variants = {"decode": (MainPass(model, 1),
-                           example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (2,)))["decode"])}
+    variants = {
+        "decode": (MainPass(model, 1), example_inputs(model, GraphShapes(args.capacity, PREFILL_CHUNK, (2,)))["decode"])
+    }
     vocab = model.parts.vocab_size
     for tree in trees:
         rows = tree.num_nodes
@@ -64,8 +66,10 @@ def graph_variants(model, args) -> dict[str, tuple[torch.nn.Module, tuple]]:
             for size in (int(s) for s in args.draft_vocab.split(",")):
                 draft_ids = range(size) if 0 < size < vocab else None
                 label = f"greedy_step, {name}, {schedule}, draft vocab {size or vocab}"
-                variants[label] = (GreedyStepPass(model, rows, shapes.width, draft_ids, schedule),
-                                   (ids, length, visible, depths, parents, keys, values))
+                variants[label] = (
+                    GreedyStepPass(model, rows, shapes.width, draft_ids, schedule),
+                    (ids, length, visible, depths, parents, keys, values),
+                )
     return variants
 
 
@@ -88,8 +92,9 @@ def main(argv=None) -> int:
     if set(args.schedules.split(",")) - set(STREAM_SCHEDULES):
         raise SystemExit(f"--schedules takes {', '.join(STREAM_SCHEDULES)}, got {args.schedules}")
     # eager kernels: this model is exported, and oneDNN-packed weights do not export.
-    model = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                             kernels="eager").model
+    model = TorchBackend.with_random_weights(
+        args.base_model, StreamConfig(args.gamma, args.msa_layers), kernels="eager"
+    ).model
     from streamfuse.export.to_onnx import export_onnx
 
     variants = graph_variants(model, args)
@@ -104,8 +109,15 @@ def main(argv=None) -> int:
             feeds[label] = feed(method, inputs, args.context, model.parts.vocab_size)
         calls = {label: (session, method, feeds[label]) for label, (session, method) in sessions.items()}
         samples = interleaved_call_times(calls, args.reps, 3, lambda rounds: tqdm(rounds, desc="time", unit="round"))
-    meta = {"engine": "onnxruntime:CPUExecutionProvider", "threads": args.threads, "capacity": args.capacity,
-            "context": args.context, "gamma": args.gamma, "msa_layers": args.msa_layers, "load_average": os.getloadavg()}
+    meta = {
+        "engine": "onnxruntime:CPUExecutionProvider",
+        "threads": args.threads,
+        "capacity": args.capacity,
+        "context": args.context,
+        "gamma": args.gamma,
+        "msa_layers": args.msa_layers,
+        "load_average": os.getloadavg(),
+    }
     report_medians(samples, "decode", ("graph", "ratio_to_decode"), meta, args.out)
     return 0
 

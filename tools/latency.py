@@ -1,39 +1,27 @@
-"""python -m streamfuse.tools.latency: per-call latency of a plain step vs a tree step.
+"""streamfuse latency: per-call latency of a plain step vs a tree step.
 
 Step latency depends on shapes, not weights, so this builds the base model's architecture with
 random weights (a config.json is enough) and times, interleaved: one plain decode step, and one
 verify-and-speculate step per tree, at a given context length. Multiply a tree's latency ratio
 by the call reduction measured with trained weights to project a speed-up on this device.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.latency --gamma 3 --msa-layers 8 \
+    OMP_WAIT_POLICY=PASSIVE streamfuse latency --gamma 3 --msa-layers 8 \
         --trees "gamma=3,k=1;gamma=3,k=2;[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]" --device cpu --threads 2
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.backends.packed_linear import KERNELS
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
+from streamfuse.export.eager import StreamConfig, TorchBackend
+from streamfuse.export.packed_linear import KERNELS
+from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
-
-
-def architecture_parser(description: str) -> argparse.ArgumentParser:
-    """The flags both latency tools share: which architecture (random weights) and which trees."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-model", default="smollm2-135m-instruct", help="model name or a folder with config.json")
-    parser.add_argument("--gamma", type=int, default=3, help="number of streams")
-    parser.add_argument("--msa-layers", type=int, default=8, help="N_s")
-    parser.add_argument("--trees", default="gamma=3,k=1;gamma=3,k=2", help="';'-separated tree specs")
-    return parser
+from streamfuse.tools.step_timing import architecture_parser, report_medians, timed
 
 
 def parse_args(argv):
@@ -43,40 +31,30 @@ def parse_args(argv):
     parser.add_argument("--stream-schedule", choices=("fused", "deferred"), default="fused")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    parser.add_argument("--kernels", default="auto", choices=KERNELS,
-                        help="torch linear kernels: packed (oneDNN-prepacked; auto's choice on a CPU) or eager")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=KERNELS,
+        help="torch linear kernels: packed (oneDNN-prepacked; auto's choice on a CPU) or eager",
+    )
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return parser.parse_args(argv)
-
-
-def timed(backend: TorchBackend, call) -> float:
-    if backend.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    if backend.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def step_seconds(backend, tokens: list[int], tree: TreeSpec | None) -> float:
-    """One step through the host at the backend's current length (never committed: rolled back)."""
-    length = backend.length
-    seconds = timed(backend, lambda: backend.step(tokens, tree, with_streams=False))
-    backend.rollback(length)
-    return seconds
 
 
 def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
     """Name -> a zero-argument call doing one step of that kind (scratch rows, never committed)."""
     calls = {"plain": lambda: backend.step([1], None, with_streams=False).main_logits.argmax(-1)}
     for tree in trees:
+
         def ss_step(tree=tree):
             out = backend.step([1] * tree.num_nodes, tree, with_streams=True)
             out.main_logits.argmax(-1)
             out.stream_top(0, max(tree.widths))  # one node's streams, as after a commit
-        calls[f"tree {tree.num_nodes} nodes {tree.to_dict()['paths'] if tree.num_nodes <= 8 else tree.hash()}"] = ss_step
+
+        calls[f"tree {tree.num_nodes} nodes {tree.to_dict()['paths'] if tree.num_nodes <= 8 else tree.hash()}"] = (
+            ss_step
+        )
     return calls
 
 
@@ -84,9 +62,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     trees = [TreeSpec.parse(text) for text in args.trees.split(";")]
-    backend = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                               args.device, getattr(torch, args.dtype), args.stream_schedule,
-                                               args.kernels)
+    backend = TorchBackend.with_random_weights(
+        args.base_model,
+        StreamConfig(args.gamma, args.msa_layers),
+        args.device,
+        getattr(torch, args.dtype),
+        args.stream_schedule,
+        args.kernels,
+    )
     backend.reset(args.context + max(t.num_nodes for t in trees) + 1)
     backend.prefill(list(range(1, args.context + 1)), with_streams=False)
     calls = step_calls(backend, trees)
@@ -96,28 +79,20 @@ def main(argv=None) -> int:
             seconds = timed(backend, call)
             if rep >= 3:
                 samples[name].append(seconds)
-    meta = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
-            "gamma": args.gamma, "msa_layers": args.msa_layers, "stream_schedule": args.stream_schedule,
-            "kernels": backend.kernels, "load_average": os.getloadavg(),
-            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+    meta = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "context": args.context,
+        "gamma": args.gamma,
+        "msa_layers": args.msa_layers,
+        "stream_schedule": args.stream_schedule,
+        "kernels": backend.kernels,
+        "load_average": os.getloadavg(),
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+    }
     report_medians(samples, "plain", ("config", "ratio_to_plain"), meta, args.out)
     return 0
-
-
-def report_medians(samples: dict[str, list[float]], reference: str, keys: tuple[str, str], meta: dict,
-                   out: Path | None) -> list[dict]:
-    """Median ms per configuration and its ratio to `reference`'s; printed, and written as JSON to
-    `out` if given. keys: the JSON names of the configuration and of the ratio."""
-    label, ratio = keys
-    base = statistics.median(samples[reference])
-    rows = [{label: name, "median_ms": 1000 * statistics.median(v), ratio: statistics.median(v) / base}
-            for name, v in samples.items()]
-    print(json.dumps(meta))
-    for row in rows:
-        print(f"{row[label]:<70} {row['median_ms']:8.2f} ms  x{row[ratio]:.2f}")
-    if out:
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    return rows
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python -m streamfuse.tools.linear_bench: one linear layer, eager PyTorch vs the torch backend's
+"""streamfuse linear-bench: one linear layer, eager PyTorch vs the torch backend's
 oneDNN-packed layer vs ExecuTorch XNNPACK.
 
 Why it exists: on CPUs the cost of a verify pass hinges on how a backend multiplies a few rows
@@ -8,8 +8,8 @@ backend's PackedLinear (as it runs: eager's kernel for one row of a small weight
 kernel alone, and XNNPACK (needs the `executorch` extra; --no-xnnpack skips it, which the
 576 x 49152 LM head needs: XNNPACK crashes on that shape here).
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.linear_bench --rows 1,2,4,8,16 --threads 2
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.linear_bench --out-features 49152 --no-xnnpack --reps 20
+    OMP_WAIT_POLICY=PASSIVE streamfuse linear-bench --rows 1,2,4,8,16 --threads 2
+    OMP_WAIT_POLICY=PASSIVE streamfuse linear-bench --out-features 49152 --no-xnnpack --reps 20
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 import torch
 
 from streamfuse import seams
-from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available
+from streamfuse.export.packed_linear import PackedLinear, packing_available
+from streamfuse.runtime.threads import threads_type
 
 
 def median_us(call, reps: int) -> float:
@@ -41,12 +42,15 @@ def load_xnnpack():
         from executorch.exir import to_edge_transform_and_lower
         from executorch.runtime import Runtime
     except ImportError as error:
-        raise SystemExit(f"ExecuTorch is not installed ({error}): pip install -e '.[executorch]', "
-                         f"or pass --no-xnnpack") from None
+        raise SystemExit(
+            f"ExecuTorch is not installed ({error}): pip install -e '.[executorch]', or pass --no-xnnpack"
+        ) from None
     runtime = Runtime.get()
 
     def lower(layer, example):
-        program = to_edge_transform_and_lower(torch.export.export(layer, (example,)), partitioner=[XnnpackPartitioner()])
+        program = to_edge_transform_and_lower(
+            torch.export.export(layer, (example,)), partitioner=[XnnpackPartitioner()]
+        )
         return runtime.load_program(program.to_executorch().buffer).load_method("forward")
 
     return lower
@@ -57,10 +61,14 @@ def main(argv=None) -> int:
     parser.add_argument("--in-features", type=int, default=576, help="SmolLM2-135M hidden size")
     parser.add_argument("--out-features", type=int, default=1536, help="SmolLM2-135M MLP size")
     parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated M values (tokens per call)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--xnnpack", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time ExecuTorch XNNPACK (default on)")
+    parser.add_argument(
+        "--xnnpack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time ExecuTorch XNNPACK (default on)",
+    )
     args = parser.parse_args(argv)
     if not packing_available("cpu", torch.float32):
         raise SystemExit("this torch build has no oneDNN (mkldnn) CPU kernels to pack for")
@@ -72,9 +80,13 @@ def main(argv=None) -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(1, rows, args.in_features)
         with torch.inference_mode():
-            times = {"eager": median_us(lambda: layer(x), args.reps),
-                     "PackedLinear": median_us(lambda: packed_layer(x), args.reps),
-                     "oneDNN kernel": median_us(lambda: seams.mkldnn_linear(x[0], packed_layer.packed_weight, None), args.reps)}
+            times = {
+                "eager": median_us(lambda: layer(x), args.reps),
+                "PackedLinear": median_us(lambda: packed_layer(x), args.reps),
+                "oneDNN kernel": median_us(
+                    lambda: seams.mkldnn_linear(x[0], packed_layer.packed_weight, None), args.reps
+                ),
+            }
         line = "   ".join(f"{name} {us:7.0f} us" for name, us in times.items())
         if xnnpack_for is not None:
             method = xnnpack_for(layer, x)

@@ -2,7 +2,7 @@
 while it decodes, each backend in a fresh process (no pages freed by another engine to reuse, no
 other engine's libraries counted).
 
-    python -m streamfuse.tools.memory --artifact artifacts/dialogsum --backends executorch,onnxruntime \\
+    streamfuse memory --artifact artifacts/dialogsum --backends executorch,onnxruntime \\
         --task dialogsum --split test --limit 3 --threads 2
 
 Per backend: the bytes of its files in the artifact (weights and graphs, and the loaded task's
@@ -24,53 +24,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamfuse.runtime.options import add_model_options  # argparse only: the measurements start clean
+from streamfuse.runtime.options import add_model_options, check_model_options  # argparse only: measured clean
+from streamfuse.tools.process_memory import cache_resident_bytes, status, timed_switch
 
-STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 MIB = 2**20
 
 
-def resident_bytes(array) -> int:
-    """The bytes of a NumPy array's pages that are in memory now (mincore(2)): a page of an allocation is not
-    until something writes into it."""
-    import ctypes
-    import os
-
-    page = os.sysconf("SC_PAGE_SIZE")
-    first = array.ctypes.data // page * page
-    length = array.ctypes.data + array.nbytes - first
-    flags = (ctypes.c_ubyte * (-(-length // page)))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), flags) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed on the KV cache")
-    return sum(flag & 1 for flag in flags) * page
-
-
-def cache_resident_bytes(backend) -> int:
-    return resident_bytes(backend.keys) + resident_bytes(backend.values)
-
-
-def status() -> dict[str, int]:
-    """This process's resident memory now (bytes), and its peak (VmHWM)."""
-    found = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in STATUS_FIELDS:
-            found[key] = int(value.split()[0]) * 1024  # kB
-    return found
-
-
-def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int, threads: int,
-                    max_new_tokens: int) -> dict:
+def measure_backend(
+    artifact: Path, backend: str, data: Path | None, limit: int, threads: int, max_new_tokens: int
+) -> dict:
     """In this (fresh) process: load the backend, then decode the inputs plainly and with SS."""
     import importlib
 
     from streamfuse.runtime.artifact import Artifact
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.generate import prompt_ids, run
     from streamfuse.runtime.loader import load
-    from streamfuse.runtime.sampling import SamplingConfig
-    from streamfuse.runtime.settings import DecodeSettings
+    from streamfuse.runtime.session import (
+        BASELINE_METHOD,
+        DEFAULT_METHOD,
+        DecodeRequest,
+        decode_settings,
+        prompt_ids,
+        run,
+    )
     from streamfuse.tools.bench_data import read_inputs
 
     opened = Artifact.open(artifact)
@@ -82,24 +57,33 @@ def measure_backend(artifact: Path, backend: str, data: Path | None, limit: int,
     loaded = load(artifact, backend, threads=threads)
     after, cache_at_load = status(), cache_resident_bytes(loaded.backend)
     inputs = read_inputs(data, loaded.prompt, limit) if data is not None else []
-    rules, sampling = StopRules(max_new_tokens, loaded.stop_token_ids), SamplingConfig(temperature=0.0)
+    settings = [
+        decode_settings(loaded, DecodeRequest(method, max_new_tokens, fallback=False))
+        for method in (BASELINE_METHOD, DEFAULT_METHOD)
+    ]
     for item in inputs:
         ids = prompt_ids(loaded, item.text, as_task=True)
-        for method in ("ar", "ss"):
-            run(loaded, ids, DecodeSettings(method, rules, tree=loaded.tree, sampling=sampling))
+        for each in settings:
+            run(loaded, ids, each)
     end = status()
     switches = switch_tasks(loaded, opened, backend) if len(opened.tasks) > 1 else []
     files = opened.backend_files(backend)
     task_file = opened.manifest["task_files"].get(backend)  # graphs without the task: its tensors are bound beside
-    return {"backend": backend, "file_bytes": sum(p.stat().st_size for p in files.values()) + (
-                task_file["bytes"] if task_file else 0), "kv_cache_bytes": cache_at_load,
-            "kv_cache_decoded_bytes": cache_resident_bytes(loaded.backend),
-            "kv_cache_allocated_bytes": loaded.backend.keys.nbytes + loaded.backend.values.nbytes,
-            "load_bytes": after["VmRSS"] - before["VmRSS"], "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
-            "load_file_bytes": after["RssFile"] - before["RssFile"],
-            "tokenizer_bytes": before["VmRSS"] - before_tokenizer["VmRSS"],
-            "decode_peak_bytes": end["VmHWM"] - before["VmRSS"] if inputs else None,
-            "inputs": len(inputs), "threads": threads, "switches": switches}
+    return {
+        "backend": backend,
+        "file_bytes": sum(p.stat().st_size for p in files.values()) + (task_file["bytes"] if task_file else 0),
+        "kv_cache_bytes": cache_at_load,
+        "kv_cache_decoded_bytes": cache_resident_bytes(loaded.backend),
+        "kv_cache_allocated_bytes": loaded.backend.keys.nbytes + loaded.backend.values.nbytes,
+        "load_bytes": after["VmRSS"] - before["VmRSS"],
+        "load_anon_bytes": after["RssAnon"] - before["RssAnon"],
+        "load_file_bytes": after["RssFile"] - before["RssFile"],
+        "tokenizer_bytes": before["VmRSS"] - before_tokenizer["VmRSS"],
+        "decode_peak_bytes": end["VmHWM"] - before["VmRSS"] if inputs else None,
+        "inputs": len(inputs),
+        "threads": threads,
+        "switches": switches,
+    }
 
 
 def switch_tasks(loaded, opened, backend: str) -> list[dict]:
@@ -109,19 +93,15 @@ def switch_tasks(loaded, opened, backend: str) -> list[dict]:
     for task in [*opened.tasks[1:], opened.tasks[0]]:
         loaded, seconds, rss = timed_switch(loaded, task, level)
         entry = opened.for_task(task).manifest["task_files"].get(backend)
-        rows.append({"task": task, "seconds": seconds, "rss_added_bytes": rss,
-                     "task_file_bytes": entry["bytes"] if entry else None})
+        rows.append(
+            {
+                "task": task,
+                "seconds": seconds,
+                "rss_added_bytes": rss,
+                "task_file_bytes": entry["bytes"] if entry else None,
+            }
+        )
     return rows
-
-
-def timed_switch(loaded, task: str, level: int):
-    """loaded.with_task(task) -> (the switched model, its seconds, the RSS then above `level`)."""
-    import time
-
-    start = time.perf_counter()
-    loaded = loaded.with_task(task)
-    seconds = time.perf_counter() - start
-    return loaded, seconds, status()["VmRSS"] - level
 
 
 def engine_bytes(row: dict) -> int:
@@ -131,29 +111,40 @@ def engine_bytes(row: dict) -> int:
 
 def markdown(rows: list[dict]) -> str:
     mib = lambda value: "-" if value is None else f"{value / MIB:.0f}"  # noqa: E731
-    lines = ["| backend | artifact files (MiB) | RSS added by load() | anonymous | file-backed | of which tokenizer "
-             "| of which KV cache | the engine: the rest | engine / files | KV cache after decoding (of allocated) "
-             "| peak while decoding, above pre-load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| backend | artifact files (MiB) | RSS added by load() | anonymous | file-backed | of which tokenizer "
+        "| of which KV cache | the engine: the rest | engine / files | KV cache after decoding (of allocated) "
+        "| peak while decoding, above pre-load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         engine = engine_bytes(r)
-        lines.append(f"| {r['backend']} | {mib(r['file_bytes'])} | {mib(r['load_bytes'])} | {mib(r['load_anon_bytes'])} "
-                     f"| {mib(r['load_file_bytes'])} | {mib(r['tokenizer_bytes'])} | {mib(r['kv_cache_bytes'])} "
-                     f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x "
-                     f"| {mib(r['kv_cache_decoded_bytes'])} ({mib(r['kv_cache_allocated_bytes'])}) "
-                     f"| {mib(r['decode_peak_bytes'])} |")
+        lines.append(
+            f"| {r['backend']} | {mib(r['file_bytes'])} | {mib(r['load_bytes'])} | {mib(r['load_anon_bytes'])} "
+            f"| {mib(r['load_file_bytes'])} | {mib(r['tokenizer_bytes'])} | {mib(r['kv_cache_bytes'])} "
+            f"| {mib(engine)} | {engine / r['file_bytes']:.2f}x "
+            f"| {mib(r['kv_cache_decoded_bytes'])} ({mib(r['kv_cache_allocated_bytes'])}) "
+            f"| {mib(r['decode_peak_bytes'])} |"
+        )
     switches = [(r["backend"], s) for r in rows for s in r.get("switches", [])]
     if switches:
-        lines += ["", "| backend | switch to task | ms | RSS above one task loaded (MiB) | task's file (MiB) |",
-                  "|---|---|---:|---:|---:|"]
-        lines += [f"| {backend} | {s['task']} | {1e3 * s['seconds']:.1f} | {mib(s['rss_added_bytes'])} "
-                  f"| {mib(s['task_file_bytes'])} |" for backend, s in switches]
+        lines += [
+            "",
+            "| backend | switch to task | ms | RSS above one task loaded (MiB) | task's file (MiB) |",
+            "|---|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {backend} | {s['task']} | {1e3 * s['seconds']:.1f} | {mib(s['rss_added_bytes'])} "
+            f"| {mib(s['task_file_bytes'])} |"
+            for backend, s in switches
+        ]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--task", default=None, help="decode this task's inputs after loading (e.g. dialogsum)")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=3, help="inputs to decode (default: %(default)s)")
@@ -167,13 +158,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _child_command(args: argparse.Namespace, backend: str, data: Path | None) -> list[str]:
-    command = [sys.executable, "-m", "streamfuse.tools.memory", "--artifact", str(args.artifact), "--child", backend,
-               "--limit", str(args.limit), "--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
+    command = [
+        sys.executable,
+        "-m",
+        "streamfuse.tools.memory",
+        "--artifact",
+        str(args.artifact),
+        "--child",
+        backend,
+        "--limit",
+        str(args.limit),
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]
     return command + (["--data", str(data)] if data is not None else [])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_model_options(args)  # --threads within this machine's cores, before any load
     if not sys.platform.startswith("linux"):
         print(f"error: tools.memory reads /proc (Linux); this is {sys.platform}", file=sys.stderr)
         return 2
@@ -203,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     backends = args.backends.split(",")
     unknown = [b for b in backends if b not in EXPORTED_BACKENDS]
     if unknown:
-        print(f"error: --backends {','.join(unknown)}: not an exported backend (choose from "
-              f"{', '.join(EXPORTED_BACKENDS)})", file=sys.stderr)
+        print(
+            f"error: --backends {','.join(unknown)}: not an exported backend (choose from "
+            f"{', '.join(EXPORTED_BACKENDS)})",
+            file=sys.stderr,
+        )
         return 2
     rows = []
     for backend in backends:

@@ -1,17 +1,17 @@
-"""python -m streamfuse.tools.pearl_replay: PEARL and two-model SD replayed on other devices' call latencies (simulated).
+"""streamfuse pearl-replay: PEARL and two-model SD replayed on other devices' call latencies (simulated).
 
 PEARL's gain comes from a second compute unit: the draft model drafts while the target verifies. Greedy
 decoding makes both methods a function of one measured sequence: at each position of the target's own answer,
 whether the draft model's argmax (fed the same text) is the target's token. This tool measures that sequence on
 the artifact's test inputs (--backend: the target's engine, the draft on it too), then replays sd's loop and
-runtime/pearl_drafter.py's (post-verify, pre-verify, the worker's cap of 2 gamma + 1 drafts, its reset after a
+methods/pearl/drafter.py's (post-verify, pre-verify, the worker's cap of 2 gamma + 1 drafts, its reset after a
 miss) against per-call latencies: a target call of 1 and of gamma + 1 rows, a draft call. Each --device is
 "name:target_1_ms,target_verify_ms,draft_ms"; the figures are SIMULATED from the latencies given, which the
 output repeats; this machine's own latencies (measured while the matches are, --threads per model) come first,
 so the replay can be checked against a real PEARL run here. Prompt processing is left out (tokens/s after the
 first token).
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.pearl_replay --artifact artifacts/dialogsum --task dialogsum \
+    OMP_WAIT_POLICY=PASSIVE streamfuse pearl-replay --artifact artifacts/dialogsum --task dialogsum \
         --limit 20 --gamma 4 --device "this CPU, 1 thread each:48,55,2.6" --device "NPU target, CPU draft:6,7,2.6"
 """
 
@@ -27,13 +27,15 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from streamfuse.methods import sd
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import prompt_ids
 from streamfuse.runtime.loader import load
+from streamfuse.runtime.session import BASELINE_METHOD, prompt_ids
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.tools.bench_data import read_inputs, task_file
-from streamfuse.tools.latency import step_seconds
+from streamfuse.tools.step_timing import step_seconds
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Latencies:
     draft_ms: float  # one draft-model call
 
     @classmethod
-    def parse(cls, text: str) -> "Latencies":
+    def parse(cls, text: str) -> Latencies:
         name, _, numbers = text.rpartition(":")
         try:
             target, verify, draft = (float(n) for n in numbers.split(","))
@@ -68,7 +70,7 @@ def sd_seconds(matches: list[bool], gamma: int, lat: Latencies) -> float:
 
 
 def pearl_seconds(matches: list[bool], gamma: int, lat: Latencies) -> float:
-    """runtime/pearl_drafter.py's loop, the worker on its own unit: it drafts one token per draft call from
+    """methods/pearl/drafter.py's loop, the worker on its own unit: it drafts one token per draft call from
     `start`, up to 2 gamma + 1 past the confirmed text, and restarts (after its current call and a call that feeds
     the correction) on a reset."""
     worker = Worker(lat.draft_ms, gamma)
@@ -140,7 +142,7 @@ def measured_matches(args) -> tuple[list[list[bool]], Latencies]:
     target's greedy token (position 0, the prefill's token, is the root: never drafted); and this machine's
     call latencies at the end of each answer (medians): a target call of 1 and gamma + 1 rows, a draft call."""
     target = load(args.artifact, args.backend, threads=args.threads)
-    draft = load(target.artifact.drafter_path("sd"), args.backend, threads=args.threads, calibrated=False).backend
+    draft = load(target.artifact.drafter_path(sd.NAME), args.backend, threads=args.threads, calibrated=False).backend
     inputs = read_inputs(args.input_file or task_file(args.task, args.split), target.prompt, args.limit)
     rules = StopRules(args.max_new_tokens, target.stop_token_ids)
     chain = TreeSpec.chain(args.gamma)
@@ -149,7 +151,7 @@ def measured_matches(args) -> tuple[list[list[bool]], Latencies]:
     found, times = [], {"target": [], "verify": [], "draft": []}
     for item in tqdm(inputs, desc="greedy + teacher-forced draft", unit="input"):
         prompt = prompt_ids(target, item.text, as_task=True)
-        answer = generate(target.backend, prompt, DecodeSettings("ar", rules)).token_ids
+        answer = generate(target.backend, prompt, DecodeSettings(BASELINE_METHOD, rules)).token_ids
         draft.reset(len(prompt) + len(answer) + 1)
         logits = draft.prefill(prompt, with_streams=False).main_logits[0]
         row = []
@@ -161,8 +163,10 @@ def measured_matches(args) -> tuple[list[list[bool]], Latencies]:
         times["target"].append(step_seconds(target.backend, answer[-1:], None))
         times["verify"].append(step_seconds(target.backend, answer[-1:] * (args.gamma + 1), chain))
         times["draft"].append(step_seconds(draft, answer[-1:], None))
-    here = Latencies(f"this machine ({args.backend}, {args.threads} thread(s) per model), measured",
-                     *(round(1000 * float(np.median(times[k])), 2) for k in ("target", "verify", "draft")))
+    here = Latencies(
+        f"this machine ({args.backend}, {args.threads} thread(s) per model), measured",
+        *(round(1000 * float(np.median(times[k])), 2) for k in ("target", "verify", "draft")),
+    )
     return found, here
 
 
@@ -173,9 +177,20 @@ def replay(matches: list[list[bool]], gamma: int, devices: list[Latencies]) -> l
         ar = sum((len(row) - 1) * lat.target_ms / 1000 for row in matches)
         sd = sum(sd_seconds(row, gamma, lat) for row in matches)
         pearl = sum(pearl_seconds(row, gamma, lat) for row in matches)
-        rows.append({"device": lat.name, "latencies_ms": asdict(lat), "gamma": gamma, "tokens": tokens,
-                     "ar_tokens_per_s": tokens / ar, "sd_tokens_per_s": tokens / sd, "pearl_tokens_per_s": tokens / pearl,
-                     "sd_vs_ar": ar / sd, "pearl_vs_ar": ar / pearl, "pearl_vs_sd": sd / pearl})
+        rows.append(
+            {
+                "device": lat.name,
+                "latencies_ms": asdict(lat),
+                "gamma": gamma,
+                "tokens": tokens,
+                "ar_tokens_per_s": tokens / ar,
+                "sd_tokens_per_s": tokens / sd,
+                "pearl_tokens_per_s": tokens / pearl,
+                "sd_vs_ar": ar / sd,
+                "pearl_vs_ar": ar / pearl,
+                "pearl_vs_sd": sd / pearl,
+            }
+        )
     return rows
 
 
@@ -187,11 +202,15 @@ def parse_args(argv):
     parser.add_argument("--input-file", type=Path, default=None, help="inputs instead of the task split's file")
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--backend", default="onnxruntime", help="the engine that measures the matches")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--device", action="append", default=[],
-                        help="NAME:TARGET_MS,VERIFY_MS,DRAFT_MS, repeatable (this machine's measured calls come first)")
+    parser.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        help="NAME:TARGET_MS,VERIFY_MS,DRAFT_MS, repeatable (this machine's measured calls come first)",
+    )
     parser.add_argument("--matches", type=Path, default=None, help="read/write the measured matches here")
     parser.add_argument("--out", type=Path, default=None, help="write the simulated table as JSON here")
     args = parser.parse_args(argv)
@@ -213,16 +232,19 @@ def main(argv=None) -> int:
         matches, measured = measured_matches(args)
         here = asdict(measured)
         if args.matches is not None:
-            args.matches.write_text(json.dumps({"backend": args.backend, "limit": args.limit, "here": here,
-                                                "matches": matches}))
+            args.matches.write_text(
+                json.dumps({"backend": args.backend, "limit": args.limit, "here": here, "matches": matches})
+            )
     rows = replay(matches, args.gamma, ([Latencies(**here)] if here else []) + args.devices)
     accepted = sum(sum(row[1:]) for row in matches) / max(1, sum(len(row) - 1 for row in matches))
     print(f"SIMULATED from the latencies given; draft argmax == target token at {100 * accepted:.1f}% of positions")
     for row in rows:
         lat = row["latencies_ms"]
-        print(f"{row['device']}: target {lat['target_ms']} ms, verify {lat['verify_ms']} ms, draft {lat['draft_ms']} ms "
-              f"-> AR {row['ar_tokens_per_s']:.1f} tok/s, SD {row['sd_vs_ar']:.2f}x, PEARL {row['pearl_vs_ar']:.2f}x "
-              f"({row['pearl_vs_sd']:.2f}x SD)")
+        print(
+            f"{row['device']}: target {lat['target_ms']} ms, verify {lat['verify_ms']} ms, draft {lat['draft_ms']} ms "
+            f"-> AR {row['ar_tokens_per_s']:.1f} tok/s, SD {row['sd_vs_ar']:.2f}x, PEARL {row['pearl_vs_ar']:.2f}x "
+            f"({row['pearl_vs_sd']:.2f}x SD)"
+        )
     if args.out is not None:
         args.out.write_text(json.dumps({"simulated": True, "match_rate": accepted, "rows": rows}, indent=1))
     return 0

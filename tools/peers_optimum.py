@@ -33,10 +33,28 @@ from streamfuse.tools import peers_gguf
 from streamfuse.tools.peers_runners import PeerResult
 
 VERSION = "1.1.0"
-PACKAGES = (f"optimum-executorch=={VERSION}", "optimum==2.0.0", "transformers==5.0.0rc1", "huggingface-hub>=1.2.1,<2",
-            "tokenizers>=0.22,<0.23", "httpx", "httpcore", "typer-slim", "hf-xet", "shellingham")
-RECIPE = ("--recipe", "xnnpack", "--use_custom_sdpa", "--use_custom_kv_cache", "--qlinear", "8da4w",
-          "--qembedding", "8w")
+PACKAGES = (
+    f"optimum-executorch=={VERSION}",
+    "optimum==2.0.0",
+    "transformers==5.0.0rc1",
+    "huggingface-hub>=1.2.1,<2",
+    "tokenizers>=0.22,<0.23",
+    "httpx",
+    "httpcore",
+    "typer-slim",
+    "hf-xet",
+    "shellingham",
+)
+RECIPE = (
+    "--recipe",
+    "xnnpack",
+    "--use_custom_sdpa",
+    "--use_custom_kv_cache",
+    "--qlinear",
+    "8da4w",
+    "--qembedding",
+    "8w",
+)
 
 
 def site_dir() -> Path:
@@ -51,8 +69,11 @@ def ensure_site() -> Path:
     staging = site.with_name(site.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     print(f"[peers] installing optimum-executorch {VERSION} into {site} (once)", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(staging),
-                           *PACKAGES], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(staging), *PACKAGES],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"pip could not install optimum-executorch ({done.returncode}): {done.stderr[-2000:]}")
     (staging / ".complete").write_text(json.dumps(PACKAGES))
@@ -67,7 +88,12 @@ def max_seq_len(n_ctx: int) -> int:
 
 
 def pte_path(artifact: Path, max_seq_len: int) -> Path:
-    return peers_gguf.cache_root() / "optimum-executorch" / peers_gguf.artifact_key(artifact) / f"model-8da4w-{max_seq_len}.pte"
+    return (
+        peers_gguf.cache_root()
+        / "optimum-executorch"
+        / peers_gguf.artifact_key(artifact)
+        / f"model-8da4w-{max_seq_len}.pte"
+    )
 
 
 def export_pte(model, tokenizer, artifact: Path, max_seq_len: int) -> Path:
@@ -77,24 +103,52 @@ def export_pte(model, tokenizer, artifact: Path, max_seq_len: int) -> Path:
         return target
     site = ensure_site()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[peers] exporting the merged checkpoint with optimum-executorch (once) -> {target}", file=sys.stderr,
-          flush=True)
+    print(
+        f"[peers] exporting the merged checkpoint with optimum-executorch (once) -> {target}",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         hf_dir, out = Path(tmp) / "hf", Path(tmp) / "out"
         model.save_pretrained(hf_dir, safe_serialization=True)
         tokenizer.save_pretrained(hf_dir)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-               "HF_HUB_OFFLINE": "1"}
-        command = [sys.executable, "-m", "optimum.commands.optimum_cli", "export", "executorch", "--model", str(hf_dir),
-                   "--task", "text-generation", *RECIPE, "--max_seq_len", str(max_seq_len), "--output_dir", str(out)]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "HF_HUB_OFFLINE": "1",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "optimum.commands.optimum_cli",
+            "export",
+            "executorch",
+            "--model",
+            str(hf_dir),
+            "--task",
+            "text-generation",
+            *RECIPE,
+            "--max_seq_len",
+            str(max_seq_len),
+            "--output_dir",
+            str(out),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         produced = sorted(out.glob("*.pte"))
         if done.returncode != 0 or not produced:
             raise RuntimeError(f"optimum-cli export executorch failed ({done.returncode}):\n{done.stderr[-3000:]}")
         produced[0].replace(target)
-    target.with_suffix(".json").write_text(json.dumps({
-        "artifact": str(Path(artifact).resolve()), "optimum_executorch": VERSION, "command": command[2:],
-        "packages": list(PACKAGES)}, indent=1))
+    target.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "artifact": str(Path(artifact).resolve()),
+                "optimum_executorch": VERSION,
+                "command": command[2:],
+                "packages": list(PACKAGES),
+            },
+            indent=1,
+        )
+    )
     return target
 
 
@@ -116,12 +170,17 @@ class OptimumExecuTorchRunner:
         from streamfuse.runtime.backends.sessions import set_executorch_threads
 
         set_executorch_threads(threads)
-        info = {"engine": f"ExecuTorch (XNNPACK), exported by optimum-executorch {VERSION}", "pte": str(pte),
-                "pte_bytes": Path(pte).stat().st_size, "recipe": " ".join(RECIPE), "max_seq_len": max_seq_len,
-                "threads": threads,
-                # the setting our own .pte runs with (it frees the unpacked weights once packed), not the
-                # one left behind by whichever engine this process loaded first
-                "xnnpack_weight_cache": seams.share_xnnpack_weights()}
+        info = {
+            "engine": f"ExecuTorch (XNNPACK), exported by optimum-executorch {VERSION}",
+            "pte": str(pte),
+            "pte_bytes": Path(pte).stat().st_size,
+            "recipe": " ".join(RECIPE),
+            "max_seq_len": max_seq_len,
+            "threads": threads,
+            # the setting our own .pte runs with (it frees the unpacked weights once packed), not the
+            # one left behind by whichever engine this process loaded first
+            "xnnpack_weight_cache": seams.share_xnnpack_weights(),
+        }
         return cls(name, seams.load_executorch_program(pte), stop_ids, max_seq_len, info)
 
     def _logits(self, ids: Sequence[int], start: int) -> torch.Tensor:
@@ -130,8 +189,10 @@ class OptimumExecuTorchRunner:
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
         if len(prompt_ids) + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"{self.name}: prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceed the .pte's "
-                             f"max_seq_len {self.max_seq_len}; pass a larger --n-ctx")
+            raise ValueError(
+                f"{self.name}: prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceed the .pte's "
+                f"max_seq_len {self.max_seq_len}; pass a larger --n-ctx"
+            )
         start = time.perf_counter()
         token = int(self._logits(prompt_ids, 0).reshape(-1, self.vocab)[-1].argmax())
         first, tokens = time.perf_counter(), [token]

@@ -18,9 +18,10 @@ from typing import Protocol
 
 import torch
 
+from streamfuse.methods import registry
 from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import run as decode
 from streamfuse.runtime.loader import Loaded
+from streamfuse.runtime.session import run as decode
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.tools import peers_gguf
 
@@ -70,8 +71,10 @@ def hf_model(loaded: Loaded):
     from transformers import PreTrainedModel
 
     if loaded.backend.name != "torch":
-        raise ValueError(f"the HF and GGUF peers take the model from the torch backend, not {loaded.backend.name!r}: "
-                         f"load the checkpoint with backend 'torch'")
+        raise ValueError(
+            f"the HF and GGUF peers take the model from the torch backend, not {loaded.backend.name!r}: "
+            f"load the checkpoint with backend 'torch'"
+        )
     model = loaded.backend.model.model  # SpeculativeStreamingLM.model
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"expected a plain transformers model after merging LoRA, got {type(model).__name__}")
@@ -102,8 +105,9 @@ class HFRunner:
         self.extra = extra or {}
         # Assisted generation adapts the assistant's settings in place; start every run from the same ones.
         self.assistant_config = copy.deepcopy(assistant.generation_config) if assistant is not None else None
-        self.config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=list(self.stop_ids),
-                                       pad_token_id=self.stop_ids[0], **self.extra)
+        self.config = GenerationConfig(
+            do_sample=False, num_beams=1, eos_token_id=list(self.stop_ids), pad_token_id=self.stop_ids[0], **self.extra
+        )
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
         ids = torch.tensor([list(prompt_ids)], device=self.model.device)
@@ -116,18 +120,25 @@ class HFRunner:
         clock = _FirstTokenClock()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                      streamer=clock, **kwargs)
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock, **kwargs
+            )
         seconds = time.perf_counter() - start
-        tokens = cut_at_stop(out[0, ids.shape[1]:].tolist(), self.stop_ids, max_new_tokens)
+        tokens = cut_at_stop(out[0, ids.shape[1] :].tolist(), self.stop_ids, max_new_tokens)
         return PeerResult(tokens, seconds, (clock.first or start + seconds) - start, len(tokens))
 
     def info(self) -> dict:
         import transformers
 
-        return {"engine": "transformers.generate", "transformers": transformers.__version__, "torch": torch.__version__,
-                "dtype": str(self.model.dtype), "threads": torch.get_num_threads(), **self.extra,
-                "assistant": "un-fine-tuned base model" if self.assistant is not None else None}
+        return {
+            "engine": "transformers.generate",
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "dtype": str(self.model.dtype),
+            "threads": torch.get_num_threads(),
+            **self.extra,
+            "assistant": "un-fine-tuned base model" if self.assistant is not None else None,
+        }
 
     def close(self) -> None:
         pass
@@ -156,10 +167,22 @@ class LlamaCppRunner:
 
         self.name, self.gguf, self.pld, self.context, self.lora = name, Path(gguf), pld, context, lora
         self.stop_ids = tuple(context.loaded.stop_token_ids)
-        draft = LlamaPromptLookupDecoding(max_ngram_size=context.pld_ngram, num_pred_tokens=context.pld_tokens) if pld else None
-        self.llm = Llama(model_path=str(gguf), n_ctx=context.n_ctx, n_batch=min(512, context.n_ctx),
-                         n_threads=context.threads, n_threads_batch=context.threads, seed=0, verbose=False,
-                         draft_model=draft, lora_path=str(lora) if lora else None)
+        draft = (
+            LlamaPromptLookupDecoding(max_ngram_size=context.pld_ngram, num_pred_tokens=context.pld_tokens)
+            if pld
+            else None
+        )
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_ctx=context.n_ctx,
+            n_batch=min(512, context.n_ctx),
+            n_threads=context.threads,
+            n_threads_batch=context.threads,
+            seed=0,
+            verbose=False,
+            draft_model=draft,
+            lora_path=str(lora) if lora else None,
+        )
         vocab = context.loaded.tokenizer.vocab_size
         if self.llm.n_vocab() < vocab:
             raise ValueError(f"{gguf} has {self.llm.n_vocab()} tokens, the checkpoint's tokenizer {vocab}")
@@ -167,8 +190,10 @@ class LlamaCppRunner:
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
         needed = len(prompt_ids) + max_new_tokens + self.context.pld_tokens + 1
         if needed > self.context.n_ctx:
-            raise ValueError(f"{self.name}: prompt {len(prompt_ids)} + {max_new_tokens} new tokens needs n_ctx >= "
-                             f"{needed}, have {self.context.n_ctx}; pass a larger --n-ctx")
+            raise ValueError(
+                f"{self.name}: prompt {len(prompt_ids)} + {max_new_tokens} new tokens needs n_ctx >= "
+                f"{needed}, have {self.context.n_ctx}; pass a larger --n-ctx"
+            )
         self.llm.reset()  # no KV prefix reuse between inputs: every peer pays its full prefill
         tokens, first = [], None
         start = time.perf_counter()
@@ -185,20 +210,27 @@ class LlamaCppRunner:
     def info(self) -> dict:
         import llama_cpp
 
-        return {"engine": "llama.cpp (llama-cpp-python)", "llama_cpp_python": peers_gguf.llama_cpp_version(),
-                "gguf": str(self.gguf), "gguf_bytes": self.gguf.stat().st_size, "n_threads": self.context.threads,
-                "lora": str(self.lora) if self.lora else None,
-                "lora_bytes": self.lora.stat().st_size if self.lora else None,
-                "n_ctx": self.context.n_ctx, "prompt_lookup": {"num_pred_tokens": self.context.pld_tokens,
-                                                               "max_ngram_size": self.context.pld_ngram} if self.pld else None,
-                "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+        return {
+            "engine": "llama.cpp (llama-cpp-python)",
+            "llama_cpp_python": peers_gguf.llama_cpp_version(),
+            "gguf": str(self.gguf),
+            "gguf_bytes": self.gguf.stat().st_size,
+            "n_threads": self.context.threads,
+            "lora": str(self.lora) if self.lora else None,
+            "lora_bytes": self.lora.stat().st_size if self.lora else None,
+            "n_ctx": self.context.n_ctx,
+            "prompt_lookup": {"num_pred_tokens": self.context.pld_tokens, "max_ngram_size": self.context.pld_ngram}
+            if self.pld
+            else None,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        }
 
     def close(self) -> None:
         self.llm.close()  # now, not in __del__ at interpreter exit (llama-cpp-python then raises)
 
 
 class StreamfuseRunner:
-    """streamfuse itself (runtime.generate.run) behind the peer interface: the reference rows."""
+    """streamfuse itself (runtime.session.run) behind the peer interface: the reference rows."""
 
     def __init__(self, name: str, loaded: Loaded, settings: DecodeSettings):
         self.name, self.loaded, self.settings = name, loaded, settings
@@ -207,16 +239,22 @@ class StreamfuseRunner:
         settings = replace(self.settings, rules=StopRules(max_new_tokens, self.loaded.stop_token_ids))
         first: list[float] = []
         start = time.perf_counter()
-        result = decode(self.loaded, list(prompt_ids), settings,
-                        on_step=lambda event: first or first.append(time.perf_counter()))
+        result = decode(
+            self.loaded, list(prompt_ids), settings, on_step=lambda event: first or first.append(time.perf_counter())
+        )
         seconds = time.perf_counter() - start
-        return PeerResult(list(result.token_ids), seconds, (first[0] if first else start + seconds) - start,
-                          len(result.token_ids))
+        return PeerResult(
+            list(result.token_ids), seconds, (first[0] if first else start + seconds) - start, len(result.token_ids)
+        )
 
     def info(self) -> dict:
-        return {"engine": "streamfuse", "method": self.settings.method, "backend": self.loaded.backend.name,
-                "tree": self.settings.tree.to_dict() if self.settings.method == "ss" else None,
-                "stream_schedule": self.loaded.backend.stream_schedule(self.settings.tree) if self.settings.tree else None}
+        return {
+            "engine": "streamfuse",
+            "method": self.settings.method,
+            "backend": self.loaded.backend.name,
+            "tree": self.settings.tree.to_dict() if registry.get(self.settings.method).speculative else None,
+            "stream_schedule": self.loaded.backend.stream_schedule(self.settings.tree) if self.settings.tree else None,
+        }
 
     def close(self) -> None:
         pass

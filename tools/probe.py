@@ -4,7 +4,7 @@ Every case must end in a one-line error (or, where marked, the right result): ne
 139), a traceback, a hang, or a file left half-written in the artifact. Each case runs in its own process, on its own
 copy of the artifact where it tampers with one.
 
-    python -m streamfuse.tools.probe --artifact artifacts/dialogsum --backend onnxruntime
+    streamfuse probe --artifact artifacts/dialogsum --backend onnxruntime
 """
 
 from __future__ import annotations
@@ -28,21 +28,18 @@ Tamper = Callable[[Path], None]
 # after "error:" (an engine's own logging may write to stderr in a library's process; the CLI filters it).
 API = """
 import sys
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import prompt_ids, run
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.session import DecodeRequest, decode_settings, load_model, prompt_ids, run
 try:
-    loaded = load({artifact!r}, backend={backend!r}, threads=2)
+    loaded = load_model({artifact!r}, backend={backend!r}, threads=2)
     ids = prompt_ids(loaded, {prompt!r}, as_task=False)
-    result = run(loaded, ids, DecodeSettings("ss", StopRules(4, loaded.stop_token_ids), tree=loaded.tree))
+    result = run(loaded, ids, decode_settings(loaded, DecodeRequest(max_new_tokens=4, fallback=False)))
 except ValueError as error:
     print("error:", error)
     sys.exit(1)
 print(len(result.token_ids))
 """
 
-# The torch op given an `out` too small for its result (it overflowed the heap before its validator).
+# The torch op given an `out` too small for its result (without its validator it overflows the heap).
 SMALL_OUT = """
 import sys, torch
 from streamfuse.runtime import tree_attention
@@ -82,6 +79,7 @@ def edit_json(relative: str, change: Callable[[dict], None]) -> Tamper:
         data = json.loads(path.read_text())
         change(data)
         path.write_text(json.dumps(data))
+
     return tamper
 
 
@@ -89,6 +87,7 @@ def append_bytes(relative: str, extra: bytes) -> Tamper:
     def tamper(folder: Path) -> None:
         with open(folder / relative, "ab") as handle:
             handle.write(extra)
+
     return tamper
 
 
@@ -96,6 +95,7 @@ def replace_with_link(relative: str, target: str) -> Tamper:
     def tamper(folder: Path) -> None:
         (folder / relative).unlink()
         os.symlink(target, folder / relative)
+
     return tamper
 
 
@@ -112,10 +112,12 @@ def write_text(relative: str, text: str) -> Tamper:
 
 def model_path(new_path: str) -> Callable[[dict], None]:
     """Points every engine file at `new_path` (the manifest's files: engine -> role -> path, bytes, sha256)."""
+
     def change(manifest: dict) -> None:
         for roles in manifest["files"].values():
             for entry in roles.values():
                 entry["path"] = new_path
+
     return change
 
 
@@ -136,29 +138,66 @@ def cases(invalid_utf8: Path) -> list[Case]:
         Case("a lone surrogate in the prompt (CLI)", ("--prompt", "Hi \udcff there"), names="surrogate"),
         Case("a lone surrogate in the prompt (API)", code=API, prompt="Hi \ud800 there", names="surrogate"),
         Case("invalid UTF-8 in an input file", ("--input-file", str(invalid_utf8)), names="UTF-8"),
-        Case("the manifest is not JSON", ("--prompt", "Hi"), tamper=write_text("manifest.json", "{not json"),
-             names="JSON"),
-        Case("the manifest lacks a key", ("--prompt", "Hi"),
-             tamper=edit_json("manifest.json", lambda m: m.pop("model")), names="model"),
-        Case("a manifest value of the wrong type", ("--prompt", "Hi"),
-             tamper=edit_json("manifest.json", lambda m: m["model"].update(num_layers="thirty")),
-             names="num_layers"),
-        Case("a manifest path that is absolute", ("--prompt", "Hi"),
-             tamper=edit_json("manifest.json", model_path("/etc/passwd")), names="path"),
-        Case("a manifest path that climbs out", ("--prompt", "Hi"),
-             tamper=edit_json("manifest.json", model_path("../../../etc/passwd")), names="path"),
-        Case("a tokenizer folder outside", ("--prompt", "Hi"),
-             tamper=edit_json("manifest.json", lambda m: m["tokenizer"].update(path="/usr/share")),
-             names="tokenizer"),
-        Case("a tokenizer file linked outside", ("--prompt", "Hi"),
-             tamper=replace_with_link("tokenizer/tokenizer.json", "/etc/hostname"), names="tokenizer.json"),
-        Case("an edited tokenizer_config.json", ("--prompt", "Hi"),
-             tamper=edit_json("tokenizer/tokenizer_config.json", lambda c: c.update(eos_token="<|endoftext|>")),
-             names="tokenizer_config.json"),
-        Case("an edited chat template", ("--prompt", "Hi"),
-             tamper=append_bytes("tokenizer/chat_template.jinja", b"{{ 'x' }}"), names="chat_template.jinja"),
-        Case("a manifest without trees (API)", code=API, tamper=edit_json("manifest.json", lambda m: m.pop("trees")),
-             names="trees"),
+        Case(
+            "the manifest is not JSON",
+            ("--prompt", "Hi"),
+            tamper=write_text("manifest.json", "{not json"),
+            names="JSON",
+        ),
+        Case(
+            "the manifest lacks a key",
+            ("--prompt", "Hi"),
+            tamper=edit_json("manifest.json", lambda m: m.pop("model")),
+            names="model",
+        ),
+        Case(
+            "a manifest value of the wrong type",
+            ("--prompt", "Hi"),
+            tamper=edit_json("manifest.json", lambda m: m["model"].update(num_layers="thirty")),
+            names="num_layers",
+        ),
+        Case(
+            "a manifest path that is absolute",
+            ("--prompt", "Hi"),
+            tamper=edit_json("manifest.json", model_path("/etc/passwd")),
+            names="path",
+        ),
+        Case(
+            "a manifest path that climbs out",
+            ("--prompt", "Hi"),
+            tamper=edit_json("manifest.json", model_path("../../../etc/passwd")),
+            names="path",
+        ),
+        Case(
+            "a tokenizer folder outside",
+            ("--prompt", "Hi"),
+            tamper=edit_json("manifest.json", lambda m: m["tokenizer"].update(path="/usr/share")),
+            names="tokenizer",
+        ),
+        Case(
+            "a tokenizer file linked outside",
+            ("--prompt", "Hi"),
+            tamper=replace_with_link("tokenizer/tokenizer.json", "/etc/hostname"),
+            names="tokenizer.json",
+        ),
+        Case(
+            "an edited tokenizer_config.json",
+            ("--prompt", "Hi"),
+            tamper=edit_json("tokenizer/tokenizer_config.json", lambda c: c.update(eos_token="<|endoftext|>")),
+            names="tokenizer_config.json",
+        ),
+        Case(
+            "an edited chat template",
+            ("--prompt", "Hi"),
+            tamper=append_bytes("tokenizer/chat_template.jinja", b"{{ 'x' }}"),
+            names="chat_template.jinja",
+        ),
+        Case(
+            "a manifest without trees (API)",
+            code=API,
+            tamper=edit_json("manifest.json", lambda m: m.pop("trees")),
+            names="trees",
+        ),
         Case("an engine file one byte longer", ("--prompt", "Hi"), tamper=grow_engine_files, names="bytes"),
         Case("the torch op with a one-element out", code=SMALL_OUT, names="out"),
     ]
@@ -189,8 +228,16 @@ def run_case(case: Case, artifact: Path, backend: str, scratch: Path) -> Outcome
         case.tamper(folder)
     before = snapshot(folder)
     if case.argv:
-        command = [sys.executable, "-m", "streamfuse.runtime.generate", "--artifact", str(folder), "--backend", backend,
-                   *case.argv]
+        command = [
+            sys.executable,
+            "-m",
+            "streamfuse.runtime.generate",
+            "--artifact",
+            str(folder),
+            "--backend",
+            backend,
+            *case.argv,
+        ]
     else:
         command = [sys.executable, "-c", case.code.format(artifact=str(folder), backend=backend, prompt=case.prompt)]
     try:
@@ -225,7 +272,7 @@ def probe(artifact: Path, backend: str, only: str = "", extra: tuple[Case, ...] 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamfuse.tools.probe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, required=True, help="an exported artifact (left untouched)")
     parser.add_argument("--backend", default="onnxruntime", help="the engine the CLI and API cases load")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")

@@ -1,11 +1,11 @@
-"""python -m streamfuse.tools.q4_bench: what M rows cost a 4-bit linear, ours against the forms the artifact
-runs today, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
+"""streamfuse q4-bench: what M rows cost a 4-bit linear, ours against the forms the artifact
+runs, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
 weights' values; --scope call puts the LoRA on the top 10 layers, as the default build does).
 
   ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside; the Q8_0 LM head
                on streamfuse.Q8Linear (runtime/q8_linear.py)
   matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
-               LoRA: MatMul, MatMul, Add), the 4 nodes of a linear in the q4-native ONNX artifact before our op;
+               LoRA: MatMul, MatMul, Add), the 4 nodes a q4-native ONNX linear takes without our op;
                the head as MatMulNBits (8 bits)
 
 --scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs held
@@ -13,8 +13,8 @@ them) and the LM head; --scope call puts every linear of the 30 layers and the h
 codes: each call streams them from memory as a real call does), the linear part of a whole call. Engines
 alternate call by call, fixed threads; medians in microseconds and each row count's cost in 1-row calls.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope layer --rows 1,2,4,8,16,64 --threads 2
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.q4_bench --scope call --rows 1,2,4,8,16,64 --threads 2
+    OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope layer --rows 1,2,4,8,16,64 --threads 2
+    OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope call --rows 1,2,4,8,16,64 --threads 2
 """
 
 from __future__ import annotations
@@ -29,12 +29,17 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime import q4_linear as q4
+from streamfuse.runtime.threads import threads_type
 
 HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
 VOCAB = 49152
 # (name, in_features, out_features): a decoder layer's linears as the graphs hold them (q/k/v and gate/up packed)
-LINEARS = [("qkv", HIDDEN, HIDDEN + 2 * 192), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * MLP),
-           ("down", MLP, HIDDEN)]
+LINEARS = [
+    ("qkv", HIDDEN, HIDDEN + 2 * 192),
+    ("o", HIDDEN, HIDDEN),
+    ("gate_up", HIDDEN, 2 * MLP),
+    ("down", MLP, HIDDEN),
+]
 
 
 def random_layer(rng, n: int, k: int, rank: int = RANK) -> dict:
@@ -62,16 +67,20 @@ def _nodes_ours(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]
     if layer.get("kind") == "q8":
         codes, scales = q8_linear.pack(layer["codes"], layer["scales"])
         inits = [numpy_helper.from_array(codes, f"{prefix}.codes"), numpy_helper.from_array(scales, f"{prefix}.scales")]
-        node = helper.make_node(q8_linear.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse",
-                                out_features=layer["n"])
+        node = helper.make_node(
+            q8_linear.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse", out_features=layer["n"]
+        )
         return [node], inits
 
     weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])
     lora_a, lora_up = q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
-    inits = [numpy_helper.from_array(a, f"{prefix}.{name}") for name, a in
-             (("weights", weights), ("lora_a", lora_a), ("lora_up", lora_up))]
-    node = helper.make_node(q4.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse",
-                            out_features=layer["n"])
+    inits = [
+        numpy_helper.from_array(a, f"{prefix}.{name}")
+        for name, a in (("weights", weights), ("lora_a", lora_a), ("lora_up", lora_up))
+    ]
+    node = helper.make_node(
+        q4.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse", out_features=layer["n"]
+    )
     return [node], inits
 
 
@@ -84,24 +93,53 @@ def _nodes_matmulnbits(layer: dict, x: str, out: str, prefix: str) -> tuple[list
     n, k = layer["n"], layer["k"]
     if layer.get("kind") == "q8":  # the head as the artifact held it: codes q + 128, MatMulNBits' default zero point
         codes = (layer["codes"].astype(np.int16) + 128).astype(np.uint8).reshape(n, k // 32, 32)
-        inits = [numpy_helper.from_array(codes, f"{prefix}.codes"),
-                 numpy_helper.from_array(layer["scales"].reshape(-1), f"{prefix}.scales")]
-        return [helper.make_node("MatMulNBits", [x, *(i.name for i in inits)], [out], domain="com.microsoft", K=k, N=n,
-                                 bits=8, block_size=32, accuracy_level=4)], inits
+        inits = [
+            numpy_helper.from_array(codes, f"{prefix}.codes"),
+            numpy_helper.from_array(layer["scales"].reshape(-1), f"{prefix}.scales"),
+        ]
+        return [
+            helper.make_node(
+                "MatMulNBits",
+                [x, *(i.name for i in inits)],
+                [out],
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=8,
+                block_size=32,
+                accuracy_level=4,
+            )
+        ], inits
     groups = k // 32
     zero_points = np.full((n, (groups + 1) // 2), 8 | (8 << 4), np.uint8)
     sums = np.repeat(np.eye(groups, dtype=np.float32), 32, axis=0)
     left = np.concatenate([sums, layer["down"].T], axis=1)
     right = np.concatenate([(layer["mins"] + 8 * layer["scales"]).T, layer["up"].T * 2.0], axis=0)
-    arrays = {"packed": pack_nibbles(layer["codes"]), "scales": layer["scales"].reshape(-1),
-              "zero_points": zero_points.reshape(-1), "left": left, "right": right.astype(np.float32)}
+    arrays = {
+        "packed": pack_nibbles(layer["codes"]),
+        "scales": layer["scales"].reshape(-1),
+        "zero_points": zero_points.reshape(-1),
+        "left": left,
+        "right": right.astype(np.float32),
+    }
     inits = [numpy_helper.from_array(np.ascontiguousarray(a), f"{prefix}.{name}") for name, a in arrays.items()]
     names = [i.name for i in inits]
-    nodes = [helper.make_node("MatMulNBits", [x, *names[:3]], [f"{prefix}.base"], domain="com.microsoft", K=k, N=n,
-                              bits=4, block_size=32, accuracy_level=4),
-             helper.make_node("MatMul", [x, names[3]], [f"{prefix}.low"]),
-             helper.make_node("MatMul", [f"{prefix}.low", names[4]], [f"{prefix}.term"]),
-             helper.make_node("Add", [f"{prefix}.base", f"{prefix}.term"], [out])]
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            [x, *names[:3]],
+            [f"{prefix}.base"],
+            domain="com.microsoft",
+            K=k,
+            N=n,
+            bits=4,
+            block_size=32,
+            accuracy_level=4,
+        ),
+        helper.make_node("MatMul", [x, names[3]], [f"{prefix}.low"]),
+        helper.make_node("MatMul", [f"{prefix}.low", names[4]], [f"{prefix}.term"]),
+        helper.make_node("Add", [f"{prefix}.base", f"{prefix}.term"], [out]),
+    ]
     return nodes, inits
 
 
@@ -121,8 +159,9 @@ def onnx_model(layers: list[dict], form: str) -> bytes:
         outputs.append(helper.make_tensor_value_info(f"y{index}", TensorProto.FLOAT, [1, "M", layer["n"]]))
     inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, "M", k]) for k in widths]
     graph = helper.make_graph(nodes, "q4_bench", inputs, outputs, inits)
-    opsets = [helper.make_opsetid(domain, version) for domain, version in (("", 18), ("com.microsoft", 1),
-                                                                            ("streamfuse", 1))]
+    opsets = [
+        helper.make_opsetid(domain, version) for domain, version in (("", 18), ("com.microsoft", 1), ("streamfuse", 1))
+    ]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
 
@@ -154,18 +193,23 @@ def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int) -> 
     sessions = {form: onnx_session(onnx_model(layers, form), threads) for form in FORMS}
     rng, results = np.random.default_rng(1), []
     for rows in rows_list:
-        feeds = {f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in {l["k"] for l in layers}}
+        feeds = {
+            f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in {layer["k"] for layer in layers}
+        }
         calls = {form: (lambda s=session: s.run(None, feeds)) for form, session in sessions.items()}
         results.append({"rows": rows, "us": time_interleaved(calls, reps)})
-        print(f"  M={rows:<3} " + "   ".join(f"{name} {us:8.0f} us" for name, us in results[-1]["us"].items()),
-              flush=True)
+        print(
+            f"  M={rows:<3} " + "   ".join(f"{name} {us:8.0f} us" for name, us in results[-1]["us"].items()), flush=True
+        )
     return results
 
 
 def table(results: list[dict]) -> str:
     names = list(results[0]["us"])
-    lines = ["| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + " | ours / matmulnbits |",
-             "|---:|" + "---:|" * (len(names) + 1)]
+    lines = [
+        "| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + " | ours / matmulnbits |",
+        "|---:|" + "---:|" * (len(names) + 1),
+    ]
     one = results[0]["us"]
     for result in results:
         us = result["us"]
@@ -178,7 +222,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scope", choices=("layer", "call"), default="layer")
     parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts (M)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--out", type=Path, help="write q4_bench.json and q4_bench.md here")
     args = parser.parse_args(argv)
@@ -189,8 +233,14 @@ def main(argv=None) -> int:
     if not rows or min(rows) < 1 or args.threads < 1 or args.threads > 256:
         raise SystemExit("error: --rows must be >= 1 and --threads in [1, 256]")
     rng = np.random.default_rng(0)
-    report = {"scope": args.scope, "threads": args.threads, "reps": args.reps, "path": q4.available_paths()[-1],
-              "rank": RANK, "results": {}}
+    report = {
+        "scope": args.scope,
+        "threads": args.threads,
+        "reps": args.reps,
+        "path": q4.available_paths()[-1],
+        "rank": RANK,
+        "results": {},
+    }
     print(f"q4_bench --scope {args.scope}, {args.threads} threads, kernel path {report['path']}")
     if args.scope == "layer":
         for name, k, n in LINEARS:
@@ -199,8 +249,11 @@ def main(argv=None) -> int:
         print(f"head: {HIDDEN} -> {VOCAB} (Q8_0)")
         report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps)
     else:
-        layers = [random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
-                  for index in range(LAYERS) for _, k, n in LINEARS] + [head_layer(rng)]
+        layers = [
+            random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
+            for index in range(LAYERS)
+            for _, k, n in LINEARS
+        ] + [head_layer(rng)]
         print(f"every linear of {LAYERS} layers and the head ({len(layers)} nodes in one graph)")
         report["results"]["call"] = sweep(layers, rows, args.threads, args.reps)
     markdown = "\n\n".join(f"{name}\n\n{table(results)}" for name, results in report["results"].items())

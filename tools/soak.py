@@ -1,6 +1,6 @@
-"""python -m streamfuse.tools.soak: one loaded artifact, many generations; memory and file handles stay flat.
+"""streamfuse soak: one loaded artifact, many generations; memory and file handles stay flat.
 
-    python -m streamfuse.tools.soak --artifact artifacts/dialogsum --backend executorch --generations 1000
+    streamfuse soak --artifact artifacts/dialogsum --backend executorch --generations 1000
 
 An app keeps one model open for hours: a leak per generation (a cache not freed, a handle not
 closed) shows only after many. This loads the backend once and decodes the task's validation
@@ -21,14 +21,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from streamfuse.runtime import cli
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import choose_tree, prompt_ids, run
+from streamfuse.runtime import errors
 from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.options import add_model_options
+from streamfuse.runtime.options import add_model_options, check_model_options
+from streamfuse.runtime.session import BASELINE_METHOD, DecodeRequest, decode_settings, prompt_ids, run
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file
-from streamfuse.tools.memory import status
+from streamfuse.tools.process_memory import status
 
 MAX_GROWTH = 0.02
 
@@ -59,10 +58,16 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def soak(loaded: Loaded, prompts: list[list[int]], settings: DecodeSettings, generations: int, warmup: int,
-         sample_every: int = 50) -> SoakResult:
+def soak(
+    loaded: Loaded,
+    prompts: list[list[int]],
+    settings: DecodeSettings,
+    generations: int,
+    warmup: int,
+    sample_every: int = 50,
+) -> SoakResult:
     """Decode prompts round-robin, SS then plain in turn; RSS and descriptors after warm-up and at the end."""
-    methods = (settings, replace(settings, method="ar"))
+    methods = (settings, replace(settings, method=BASELINE_METHOD))
     rss_warm = fds_warm = peak = tokens = 0
     for index in tqdm(range(generations), desc="soak", unit="gen", dynamic_ncols=True):
         result = run(loaded, prompts[index % len(prompts)], methods[index % 2])
@@ -80,14 +85,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generations", type=int, default=1000, help="generations in all (default 1000)")
     parser.add_argument("--warmup", type=int, default=100, help="generations before the first measurement")
-    parser.add_argument("--input-file", type=Path, default=None,
-                        help="JSON lines of task inputs (default: the task's validation split)")
+    parser.add_argument(
+        "--input-file", type=Path, default=None, help="JSON lines of task inputs (default: the task's validation split)"
+    )
     parser.add_argument("--limit", type=int, default=20, help="distinct inputs, decoded round-robin")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-growth", type=float, default=MAX_GROWTH, help="RSS growth allowed after warm-up")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     add_model_options(parser, backend="torch", threads=2, device=False, schedule=False)
-    cli.add_debug_flag(parser)
+    errors.add_debug_flag(parser)
     args = parser.parse_args(argv)
     if min(args.generations, args.limit, args.threads, args.max_new_tokens) < 1:
         parser.error("--generations, --limit, --threads and --max-new-tokens must be >= 1")
@@ -100,26 +106,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_model_options(args)  # --threads within this machine's cores, before any load
     loaded = load(args.artifact, args.backend, threads=args.threads)
     if loaded.prompt is None:
-        raise cli.UsageError(f"{args.artifact} records no task prompt; rebuild it with export/build.py")
+        raise errors.UsageError(f"{args.artifact} records no task prompt; rebuild it with streamfuse build")
     path = args.input_file or task_file(loaded.info.get("task"), "validation", None)
     prompts = [prompt_ids(loaded, item.text, True) for item in read_inputs(path, loaded.prompt, args.limit)]
-    tree = choose_tree(None, loaded)
-    settings = DecodeSettings("ss", StopRules(args.max_new_tokens, loaded.stop_token_ids), tree=tree,
-                              fallback=loaded.fallback(tree))
+    settings = decode_settings(loaded, DecodeRequest(max_new_tokens=args.max_new_tokens))
     result = soak(loaded, prompts, settings, args.generations, args.warmup)
-    record = {"artifact": str(args.artifact), "backend": args.backend, **result.to_dict(),
-              "passed": result.passed(args.max_growth)}
+    record = {
+        "artifact": str(args.artifact),
+        "backend": args.backend,
+        **result.to_dict(),
+        "passed": result.passed(args.max_growth),
+    }
     if args.out:
         args.out.write_text(json.dumps(record, indent=2))
-    print(f"[soak] {args.backend}: {result.generations} generations ({result.tokens} tokens); RSS "
-          f"{result.rss_after_warmup / 2**20:.1f} MiB after {result.warmup} -> {result.rss_end / 2**20:.1f} MiB "
-          f"at the end "
-          f"({100 * result.growth:+.2f} %, peak {result.rss_peak_after_warmup / 2**20:.1f} MiB); open files "
-          f"{result.fds_after_warmup} -> {result.fds_end}: {'flat' if record['passed'] else 'GROWING'}")
+    print(
+        f"[soak] {args.backend}: {result.generations} generations ({result.tokens} tokens); RSS "
+        f"{result.rss_after_warmup / 2**20:.1f} MiB after {result.warmup} -> {result.rss_end / 2**20:.1f} MiB "
+        f"at the end "
+        f"({100 * result.growth:+.2f} %, peak {result.rss_peak_after_warmup / 2**20:.1f} MiB); open files "
+        f"{result.fds_after_warmup} -> {result.fds_end}: {'flat' if record['passed'] else 'GROWING'}"
+    )
     return 0 if record["passed"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, prog="soak"))
+    sys.exit(errors.run(main, prog="soak"))

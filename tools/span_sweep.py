@@ -1,4 +1,4 @@
-"""python -m streamfuse.tools.span_sweep: step time of the exported graphs by engine, used span and rows.
+"""streamfuse span-sweep: step time of the exported graphs by engine, used span and rows.
 
 Call latency depends on shapes, not weights, so this builds the base model's architecture with random
 weights, exports `decode` and a step graph per --rows bucket to one program per --engine and --capacity
@@ -6,7 +6,7 @@ weights, exports `decode` and a step graph per --rows bucket to one program per 
 both engines attention is the exact kernel over the used span (export/span_attention.py), reading the
 host's cache in place: a call's time grows with the span, not with the capacity.
 
-    OMP_WAIT_POLICY=PASSIVE python -m streamfuse.tools.span_sweep --threads 2 --engine executorch,onnxruntime \
+    OMP_WAIT_POLICY=PASSIVE streamfuse span-sweep --threads 2 --engine executorch,onnxruntime \
         --rows 1,4,8 --spans 64,256,512,740 --capacity 768,1024 --out bench/span-sweep.json
 """
 
@@ -24,13 +24,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from streamfuse.export.eager import StreamConfig, TorchBackend
 from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, names_of
 from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
 from streamfuse.export.xnnpack_graph import engine_model
-from streamfuse.runtime.backends.pytorch import StreamConfig, TorchBackend
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
-from streamfuse.runtime.backends.static_graph import Session, bucket_method, interleaved_call_times, tree_inputs
+from streamfuse.runtime.backends.static_graph import Session, interleaved_call_times
+from streamfuse.runtime.contract import bucket_method, tree_inputs
+from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
@@ -46,7 +48,7 @@ def parse_args(argv):
     parser.add_argument("--spans", default="64,256,512,740", help="cache slots in use (cache_len)")
     parser.add_argument("--capacity", default="768", help="cache capacities to build programs for")
     parser.add_argument("--reps", type=int, default=15, help="timed calls per configuration (interleaved)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -66,8 +68,11 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
     """decode and the step graphs of `rows` (> 1) in one program of `engine` for a cache of `capacity` slots."""
     buckets = step_buckets(rows)
     shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
-    modules = {name: module for name, module in graph_modules(model, shapes).items()
-               if name == "decode" or name.startswith("step_")}
+    modules = {
+        name: module
+        for name, module in graph_modules(model, shapes).items()
+        if name == "decode" or name.startswith("step_")
+    }
     examples = example_inputs(model, shapes)
     inputs = {name: examples[name] for name in modules}
     if engine == "executorch":
@@ -102,8 +107,11 @@ def main(argv=None) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         raise SystemExit(f"span_sweep: error: --engine {','.join(unknown)}: choose from {', '.join(ENGINES)}")
-    base = TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers),
-                                            kernels="eager").model.eval().requires_grad_(False)
+    base = (
+        TorchBackend.with_random_weights(args.base_model, StreamConfig(args.gamma, args.msa_layers), kernels="eager")
+        .model.eval()
+        .requires_grad_(False)
+    )
     calls = {}
     with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
         for engine, capacity in tqdm([(e, c) for e in engines for c in capacities], desc="lower", unit="program"):
@@ -112,11 +120,15 @@ def main(argv=None) -> int:
             for count in rows:
                 for span in spans:
                     if span + count <= capacity:
-                        calls[engine, capacity, count, span] = (session, *call_inputs(count, span, capacity, model,
-                                                                                    step_buckets(rows)))
+                        calls[engine, capacity, count, span] = (
+                            session,
+                            *call_inputs(count, span, capacity, model, step_buckets(rows)),
+                        )
         samples = interleaved_call_times(calls, args.reps, 2, lambda rounds: tqdm(rounds, desc="time", unit="round"))
-    table = [{"engine": e, "capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
-             for (e, c, r, s), v in samples.items()]
+    table = [
+        {"engine": e, "capacity": c, "rows": r, "span": s, "ms": round(1e3 * statistics.median(v), 3)}
+        for (e, c, r, s), v in samples.items()
+    ]
     meta = {"threads": args.threads, "reps": args.reps, "load_average": os.getloadavg(), "rows": table}
     print("engine      capacity  rows  span     ms")
     for row in table:

@@ -28,12 +28,15 @@ MAX_RANK = 8  # candidates per stream the model records: wider trees than any ca
 MEMORY_BOUND_NODES = 8  # the wide tree: where a step costs about one plain step (NPUs, mobile and Jetson GPUs)
 
 
-def acceptance_model(model: SpeculativeStreamingLM, items: Sequence[Encoded], pad_id: int,
-                     max_rank: int = MAX_RANK) -> AcceptanceModel:
+def acceptance_model(
+    model: SpeculativeStreamingLM, items: Sequence[Encoded], pad_id: int, max_rank: int = MAX_RANK
+) -> AcceptanceModel:
     """items: prompt + the model's own greedy answer. One row per answer position whose root is not
     the answer's last token (no step follows the last)."""
-    answers = [(position_ranks(model, item, pad_id), lookup_matches(item.input_ids, item.prompt_len, model.num_streams))
-               for item in tqdm(items, desc="acceptance model", unit="ex", dynamic_ncols=True)]
+    answers = [
+        (position_ranks(model, item, pad_id), lookup_matches(item.input_ids, item.prompt_len, model.num_streams))
+        for item in tqdm(items, desc="acceptance model", unit="ex", dynamic_ncols=True)
+    ]
     return AcceptanceModel.from_answers(answers, max_rank, model.num_streams)
 
 
@@ -70,21 +73,28 @@ def lookup_matches(ids: Sequence[int], prompt_len: int, depth: int) -> list[int]
     return matches
 
 
-def trees_to_export(acceptance: AcceptanceModel, calibration: BackendCalibration, quantized: bool,
-                    max_nodes: int, adaptive: bool = False) -> list[TreeSpec]:
+def trees_to_export(
+    acceptance: AcceptanceModel,
+    calibration: BackendCalibration,
+    quantized: bool,
+    max_nodes: int,
+    cheap_trees: bool = False,
+) -> list[TreeSpec]:
     """The artifact's trees (data; the graphs run any tree of up to max_nodes nodes), the default first:
     the tree of up to max_nodes that pays most on this machine (torch); the best tree of up to
     MEMORY_BOUND_NODES nodes (where a step costs about a plain one: NPUs, mobile and Jetson GPUs); a cheap
     tree for the exported CPU engines, whose plain step is faster than torch's, so a tree step costs more
     of them: fp32, the 4-node tree (ONNX Runtime's calibrated choice on 2 cores, docs/benchmarks.md);
-    quantized, the 2-node tree (the 4-node one where the default has 2 nodes); for method ss-adaptive the
-    best 2- and 4-node trees both. An engine's own calibration (tools/calibrate.py) picks among all sizes."""
+    quantized, the 2-node tree (the 4-node one where the default has 2 nodes); with cheap_trees (a method
+    that picks each step's tree among the artifact's) the best 2- and 4-node trees both. An engine's own
+    calibration (tools/calibrate.py) picks among all sizes."""
     best = acceptance.best_trees(min(MAX_TREE_NODES, max_nodes))
     fitting = [cost for cost in calibration.trees if cost.tree.num_nodes <= max_nodes]
-    default = max(fitting, key=lambda cost: cost.speedup(calibration.plain_seconds)).tree if fitting else best[max(best)]
+    fastest = max(fitting, key=lambda cost: cost.speedup(calibration.plain_seconds)) if fitting else None
+    default = fastest.tree if fastest is not None else best[max(best)]
     wide = max((tree for nodes, tree in best.items() if nodes <= MEMORY_BOUND_NODES), key=acceptance.expected_tokens)
     small = [best[2] if default.num_nodes > 2 else best.get(4, default)] if quantized else [best.get(4, default)]
-    cheap = [best[n] for n in (2, 4) if n in best] if adaptive else []
+    cheap = [best[n] for n in (2, 4) if n in best] if cheap_trees else []
     trees: list[TreeSpec] = []
     for tree in (default, wide, *small, *cheap):
         if all(tree.hash() != kept.hash() for kept in trees):

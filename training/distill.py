@@ -47,8 +47,16 @@ def _append(path: Path, rows: list[dict]) -> None:
         os.fsync(handle.fileno())
 
 
-def self_distilled(model, tokenizer, ids: Sequence[str], prompts: Sequence[str], max_new_tokens: int,
-                   batch_size: int, cache: Path, label: str) -> list[Encoded]:
+def self_distilled(
+    model,
+    tokenizer,
+    ids: Sequence[str],
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int,
+    cache: Path,
+    label: str,
+) -> list[Encoded]:
     """Prompt + the model's greedy answer (eos included when produced) for every prompt."""
     cache.parent.mkdir(parents=True, exist_ok=True)
     answers = _read_cache(cache)
@@ -58,8 +66,9 @@ def self_distilled(model, tokenizer, ids: Sequence[str], prompts: Sequence[str],
     bar = tqdm(total=len(ids), initial=len(ids) - len(todo), desc=f"self-distil {label}", unit="ex", dynamic_ncols=True)
     for start in range(0, len(todo), BLOCK):
         block = todo[start : start + BLOCK]
-        generated = greedy_answer_ids(model, tokenizer, [prompts[i] for i in block], max_new_tokens, batch_size,
-                                      desc="generate")
+        generated = greedy_answer_ids(
+            model, tokenizer, [prompts[i] for i in block], max_new_tokens, batch_size, desc="generate"
+        )
         rows = [{"id": ids[i], "answer": answer} for i, answer in zip(block, generated)]
         _append(cache, rows)
         answers.update((row["id"], row["answer"]) for row in rows)
@@ -72,14 +81,22 @@ def self_distilled(model, tokenizer, ids: Sequence[str], prompts: Sequence[str],
     return items
 
 
-def distill_rows(answers: list[Encoded], references: list[Encoded], eos_id: int, main_targets: str,
-                 answer_limit: int, with_references: bool = False) -> tuple[list[Encoded], int]:
+def distill_rows(
+    answers: list[Encoded],
+    references: list[Encoded],
+    eos_id: int,
+    main_targets: str,
+    answer_limit: int,
+    with_references: bool = False,
+) -> tuple[list[Encoded], int]:
     """The stage's training rows (see DistillConfig.main_targets) and how many are own answers."""
     # An answer cut at the length limit is usually a loop; training on it teaches looping.
     finished = [item for item in answers if item.input_ids[-1] == eos_id]
     if not finished:
-        raise ValueError(f"none of the first stage's {len(answers)} answers ended within {answer_limit} tokens, so "
-                         f"there is nothing to distil: train the first stage longer, or pass --no-distill")
+        raise ValueError(
+            f"none of the first stage's {len(answers)} answers ended within {answer_limit} tokens, so "
+            f"there is nothing to distil: train the first stage longer, or pass --no-distill"
+        )
     if main_targets == "own":
         return finished, len(finished)
     if main_targets == "references":  # the main stream learns from the references only

@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM, swap_linears
-from streamfuse.runtime.backends.packed_linear import PackedLinear, packing_available
+from streamfuse.export.packed_linear import PackedLinear, packing_available
 from streamfuse.training.data import Encoded, collate
 from streamfuse.training.loss import stream_targets
 from streamfuse.training.tasks.base import Example, Task
@@ -36,8 +36,9 @@ def packed_for_inference(model: nn.Module) -> nn.Module:
 
 
 @torch.inference_mode()
-def greedy_answer_ids(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int,
-                      desc: str) -> list[list[int]]:
+def greedy_answer_ids(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int, desc: str
+) -> list[list[int]]:
     """Batched greedy decoding with left padding; prompts sorted by length to waste less work.
     Each answer's token ids end with eos when the model produced it, and carry no padding."""
     tokenizer.padding_side = "left"
@@ -47,15 +48,28 @@ def greedy_answer_ids(model, tokenizer, prompts: Sequence[str], max_new_tokens: 
     for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
         chunk = order[start : start + batch_size]
         encoded = tokenizer([prompts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        output = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
+        output = model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         for i, row in zip(chunk, output[:, encoded["input_ids"].shape[1] :].tolist()):
             answers[i] = row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
     return answers
 
 
-def task_quality(model, tokenizer, task: Task, examples: Sequence[Example], prompts: Sequence[str],
-                 max_new_tokens: int, batch_size: int, label: str) -> dict:
+def task_quality(
+    model,
+    tokenizer,
+    task: Task,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int,
+    label: str,
+) -> dict:
     answers = greedy_answer_ids(model, tokenizer, prompts, max_new_tokens, batch_size, f"generate {label}")
     return answer_quality(tokenizer, task, examples, answers)
 
@@ -81,8 +95,11 @@ def stream_accuracy(model: SpeculativeStreamingLM, items: Sequence[Encoded], pad
         top = logits[keep].topk(top_k, dim=-1).indices
         wanted = targets[keep][:, None]
         top1, topk, total = hits.setdefault(name, [0, 0, 0])
-        hits[name] = [top1 + int((top[:, :1] == wanted).sum()), topk + int((top == wanted).any(-1).sum()),
-                      total + int(keep.sum())]
+        hits[name] = [
+            top1 + int((top[:, :1] == wanted).sum()),
+            topk + int((top == wanted).any(-1).sum()),
+            total + int(keep.sum()),
+        ]
 
     for item in tqdm(items, desc="stream accuracy", unit="ex", dynamic_ncols=True):
         batch = collate([item], pad_id)
@@ -90,9 +107,13 @@ def stream_accuracy(model: SpeculativeStreamingLM, items: Sequence[Encoded], pad
         anchor_targets = stream_targets(batch.labels, batch.anchors, batch.anchor_valid, 0)
         anchor_hidden = torch.gather(output.hidden, 1, batch.anchors[..., None].expand(-1, -1, output.hidden.shape[-1]))
         count("main", model.logits(anchor_hidden), anchor_targets)
-        pruning_hidden = torch.gather(output.pruning_hidden, 1, batch.anchors[..., None].expand(-1, -1, output.hidden.shape[-1]))
+        pruning_hidden = torch.gather(
+            output.pruning_hidden, 1, batch.anchors[..., None].expand(-1, -1, output.hidden.shape[-1])
+        )
         count("pruning_head", model.logits(pruning_hidden), anchor_targets)
         for j in range(1, model.num_streams + 1):
             targets = stream_targets(batch.labels, batch.anchors, batch.anchor_valid, j)
             count(f"stream_{j}", model.logits(output.stream_hidden[:, :, j - 1]), targets)
-    return {name: {"top1": 100.0 * t1 / n, f"top{top_k}": 100.0 * tk / n, "tokens": n} for name, (t1, tk, n) in hits.items()}
+    return {
+        name: {"top1": 100.0 * t1 / n, f"top{top_k}": 100.0 * tk / n, "tokens": n} for name, (t1, tk, n) in hits.items()
+    }

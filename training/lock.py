@@ -34,8 +34,10 @@ def exclusive(folder: Path) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise FolderBusy(f"{folder} is being written by another build ({holder}); wait for it to finish or "
-                             f"pass another --out / --work-dir") from None
+            raise FolderBusy(
+                f"{folder} is being written by another build ({holder}); wait for it to finish or "
+                f"pass another --out / --work-dir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}")

@@ -24,7 +24,9 @@ def _cross_entropy(model: SpeculativeStreamingLM, hidden: torch.Tensor, targets:
     return F.cross_entropy(model.logits(hidden[keep]).float(), targets[keep])
 
 
-def stream_targets(labels: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, offset: int) -> torch.Tensor:
+def stream_targets(
+    labels: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, offset: int
+) -> torch.Tensor:
     """[B, A] target of the stream `offset` tokens ahead of each anchor's next token."""
     index = anchors + 1 + offset
     inside = index < labels.shape[1]

@@ -1,6 +1,6 @@
-"""The build, driven by export/build.py: data, the trained stages (training/stages.py: train, distil,
-the other methods' drafters), evaluate, calibrate, export, verify and profile, each reusing its output
-when rerun with the same settings."""
+"""The build, driven by training/build.py: data, the trained stages (training/stages.py: train, distil,
+each enabled method's build part), evaluate, calibrate, export, verify and profile, then each method's
+drafter into the artifact, each reusing its output when rerun with the same settings."""
 
 from __future__ import annotations
 
@@ -8,40 +8,23 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from streamfuse.adapters.acceptance import read_acceptance_manifest
 from streamfuse.adapters.base_model import load_base_model
-from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
+from streamfuse.adapters.checkpoint import load_checkpoint
 from streamfuse.adapters.lora import add_lora
-from streamfuse.adapters.medusa import read_heads_manifest
-from streamfuse.adapters import falcon as falcon_files
-from streamfuse.adapters.parallelspec import load_drafter, read_drafter_manifest
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import worker
-from streamfuse.export.artifact import (
-    RUNS_HERE,
-    ArtifactBuilder,
-    ExportConfig,
-    install_drafter,
-    start_lowering,
-    write_json,
-)
+from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, start_lowering, write_json
 from streamfuse.export.draft_vocab import DraftVocab, coverage, draft_vocab
-from streamfuse.export import falcon_graph
-from streamfuse.export.parallel_graph import export_drafter
 from streamfuse.export.verify import ParityError
+from streamfuse.methods import build_part
 from streamfuse.runtime.artifact import Artifact, ArtifactError
 from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
-from streamfuse.runtime.durable import replace_folder
 from streamfuse.runtime.loader import fastest_backend
 from streamfuse.runtime.measure import calibrate_sources
-from streamfuse.runtime.methods.parallelspec import widths_tree
-from streamfuse.runtime.stream_drafter import heads_tree
 from streamfuse.runtime.tree import TreeSpec
 from streamfuse.training import report, stages
 from streamfuse.training.calibration import acceptance_model, tree_text, trees_to_export
@@ -67,7 +50,8 @@ class Build:
         self.task = get_task(args.task)
         self.run_dir = args.work_dir / f"{self.task.name}-{config.preset}"
         _, self.tokenizer = load_base_model(args.base_model)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
         self.frozen_states = FrozenStates()  # every model of this build sits on the same base model
         self.pending: dict = {}  # backend -> its lowering under way in a worker (start_lowering)
 
@@ -83,11 +67,15 @@ class Build:
         self.validation_items = [self._encode(ex) for ex in self.validation]
         self.test_prompts = [prompt_text(self.task, self.tokenizer, ex, data.max_source_tokens) for ex in self.test]
         tokens = sum(len(item.input_ids) for item in self.train_items)
-        print(f"[data] {self.task.name}: {len(self.train_items)} train ({tokens} tokens), "
-              f"{len(self.validation_items)} validation, {len(self.test)} test", flush=True)
+        print(
+            f"[data] {self.task.name}: {len(self.train_items)} train ({tokens} tokens), "
+            f"{len(self.validation_items)} validation, {len(self.test)} test",
+            flush=True,
+        )
 
     def _encode(self, example):
-        return encode(self.task, self.tokenizer, example, self.config.data.max_source_tokens, self.config.data.max_target_tokens)
+        data = self.config.data
+        return encode(self.task, self.tokenizer, example, data.max_source_tokens, data.max_target_tokens)
 
     # --- models and answers the stages share (training/stages.py) ------------------------
     def new_model(self) -> SpeculativeStreamingLM:
@@ -101,10 +89,20 @@ class Build:
         """Prompt + the model's own greedy answer for each example, cached per model and split."""
         prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in examples]
         cache = self.run_dir / "distill" / f"{key}-{split}.jsonl"
-        return self_distilled(model.model, self.tokenizer, [ex.id for ex in examples], prompts,
-                              self.config.data.max_target_tokens, self.config.distill.batch_size, cache, split)
+        return self_distilled(
+            model.model,
+            self.tokenizer,
+            [ex.id for ex in examples],
+            prompts,
+            self.config.data.max_target_tokens,
+            self.config.distill.batch_size,
+            cache,
+            split,
+        )
 
-    def target_answers(self, target: SpeculativeStreamingLM, target_key: str, unlabelled: bool) -> tuple[list[Encoded], int]:
+    def target_answers(
+        self, target: SpeculativeStreamingLM, target_key: str, unlabelled: bool
+    ) -> tuple[list[Encoded], int]:
         """The SS model's own greedy answers that finished (prompt + answer), and how many it gave: what
         every other method's drafter learns, cached per model (the target features they share)."""
         answers = self.own_answers(target, target_key, self.train_examples, "train")
@@ -131,12 +129,23 @@ class Build:
         return result
 
     def eval_key(self, checkpoint_key: str) -> str:
-        return json.dumps([EVAL_FORMAT, checkpoint_key, dataclasses.asdict(self.config.eval), self.config.data.test_limit,
-                           self.config.data.validation_limit, self.config.data.max_source_tokens])
+        data = self.config.data
+        return json.dumps(
+            [
+                EVAL_FORMAT,
+                checkpoint_key,
+                dataclasses.asdict(self.config.eval),
+                data.test_limit,
+                data.validation_limit,
+                data.max_source_tokens,
+            ]
+        )
 
     def quality(self, model, label: str) -> dict:
         ev = self.config.eval
-        return task_quality(model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label)
+        return task_quality(
+            model, self.tokenizer, self.task, self.test, self.test_prompts, ev.max_new_tokens, ev.batch_size, label
+        )
 
     def evaluate_checkpoint(self, directory: Path, label: str, with_streams: bool) -> dict:
         key = stages.model_key(directory)
@@ -146,14 +155,17 @@ class Build:
             if not with_streams:
                 return {"test": self.quality(model.model, label)}
             ev = self.config.eval
-            answers = greedy_answer_ids(model.model, self.tokenizer, self.test_prompts, ev.max_new_tokens,
-                                        ev.batch_size, f"generate {label}")
+            answers = greedy_answer_ids(
+                model.model, self.tokenizer, self.test_prompts, ev.max_new_tokens, ev.batch_size, f"generate {label}"
+            )
             # Own answers: the test answers just scored, so no second generation (~1.5 min on 2 cores).
-            own = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
-                   zip(self.test, self.tokenizer(list(self.test_prompts), add_special_tokens=False)["input_ids"], answers)]
-            return {"test": answer_quality(self.tokenizer, self.task, self.test, answers),
-                    "stream_accuracy": stream_accuracy(model, self.validation_items, self.pad_id, ev.top_k),
-                    "stream_accuracy_own": stream_accuracy(model, own, self.pad_id, ev.top_k)}
+            prompt_ids = self.tokenizer(list(self.test_prompts), add_special_tokens=False)["input_ids"]
+            own = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in zip(self.test, prompt_ids, answers)]
+            return {
+                "test": answer_quality(self.tokenizer, self.task, self.test, answers),
+                "stream_accuracy": stream_accuracy(model, self.validation_items, self.pad_id, ev.top_k),
+                "stream_accuracy_own": stream_accuracy(model, own, self.pad_id, ev.top_k),
+            }
 
         return self.cached(label, self.eval_key(key), compute)
 
@@ -161,15 +173,22 @@ class Build:
     def acceptance(self, ss_dir: Path) -> AcceptanceModel:
         """The acceptance model: the SS model's own greedy answers to the validation inputs, their
         stream ranks teacher-forced (training/calibration.py); cached with the evaluations."""
+
         def compute() -> dict:
             model = self.inference_model(ss_dir)
             ev = self.config.eval
-            prompts = [prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens)
-                       for ex in self.validation]
-            answers = greedy_answer_ids(model.model, self.tokenizer, prompts, ev.max_new_tokens, ev.batch_size,
-                                        "generate validation")
-            items = [Encoded(ex.id, ids + answer, len(ids)) for ex, ids, answer in
-                     zip(self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers)]
+            prompts = [
+                prompt_text(self.task, self.tokenizer, ex, self.config.data.max_source_tokens) for ex in self.validation
+            ]
+            answers = greedy_answer_ids(
+                model.model, self.tokenizer, prompts, ev.max_new_tokens, ev.batch_size, "generate validation"
+            )
+            items = [
+                Encoded(ex.id, ids + answer, len(ids))
+                for ex, ids, answer in zip(
+                    self.validation, self.tokenizer(prompts, add_special_tokens=False)["input_ids"], answers
+                )
+            ]
             return acceptance_model(model, items, self.pad_id).to_dict()
 
         key = self.eval_key(stages.model_key(ss_dir)) + " acceptance"
@@ -180,20 +199,40 @@ class Build:
 
     def calibrate_torch(self, ss_dir: Path, acceptance: AcceptanceModel) -> BackendCalibration:
         """Step costs of the best tree of every size on this machine (the torch backend runs any tree)."""
+
         def compute() -> dict:
-            return worker.run(calibrate_sources, ss_dir, "torch", self.calibration_sources(), self.args.threads,
-                              CALIBRATION_TOKENS, acceptance.to_dict())
+            return worker.run(
+                calibrate_sources,
+                ss_dir,
+                "torch",
+                self.calibration_sources(),
+                self.args.threads,
+                CALIBRATION_TOKENS,
+                acceptance.to_dict(),
+            )
 
         model = hashlib.sha256(json.dumps(acceptance.to_dict()).encode()).hexdigest()[:16]
-        key = json.dumps([self.eval_key(stages.model_key(ss_dir)), "calibrate torch", self.args.threads,
-                          self.config.stages.calibration_inputs, CALIBRATION_TOKENS, model])
+        key = json.dumps(
+            [
+                self.eval_key(stages.model_key(ss_dir)),
+                "calibrate torch",
+                self.args.threads,
+                self.config.stages.calibration_inputs,
+                CALIBRATION_TOKENS,
+                model,
+            ]
+        )
         calibration = BackendCalibration.from_dict(self.cached("calibration-torch", key, compute))
-        print(f"[calibrate] torch on {calibration.device}: {calibration.tree.num_nodes}-node tree, expected "
-              f"{calibration.best.speedup(calibration.plain_seconds):.2f}x plain decoding", flush=True)
+        print(
+            f"[calibrate] torch on {calibration.device}: {calibration.tree.num_nodes}-node tree, expected "
+            f"{calibration.best.speedup(calibration.plain_seconds):.2f}x plain decoding",
+            flush=True,
+        )
         return calibration
 
-    def calibrate_artifact(self, artifact: Path, acceptance: AcceptanceModel,
-                           torch_calibration: BackendCalibration) -> None:
+    def calibrate_artifact(
+        self, artifact: Path, acceptance: AcceptanceModel, torch_calibration: BackendCalibration
+    ) -> None:
         """The acceptance model into the manifest, then each backend that runs here times the artifact's
         trees; its choice goes into the manifest (kept while the acceptance model is the same)."""
         opened = Artifact.open(artifact, self.task.name)
@@ -203,97 +242,54 @@ class Build:
             if backend not in opened.manifest["files"]:
                 continue
             if opened.calibration(backend) is None:
-                data = worker.run(calibrate_sources, artifact, backend, self.calibration_sources(),
-                                  self.args.threads, CALIBRATION_TOKENS, None, self.task.name)
+                data = worker.run(
+                    calibrate_sources,
+                    artifact,
+                    backend,
+                    self.calibration_sources(),
+                    self.args.threads,
+                    CALIBRATION_TOKENS,
+                    None,
+                    self.task.name,
+                )
                 opened.save_calibration(backend, BackendCalibration.from_dict(data))
             else:
                 print(f"[calibrate] reusing {backend}'s calibration in {artifact / 'manifest.json'}", flush=True)
 
     # --- export, verify, profile ----------------------------------------------------------
     def builder_arguments(self, ss_dir: Path, export: ExportConfig, info: dict, heads: Path | None = None) -> tuple:
-        return (ss_dir, self.args.out, export, self.parity_prompts(), self.config.eval.max_new_tokens, info,
-                self.draft_vocab(export.draft_vocab), [ex.id for ex in self.test], heads)
+        return (
+            ss_dir,
+            self.args.out,
+            export,
+            self.parity_prompts(),
+            self.config.eval.max_new_tokens,
+            info,
+            self.draft_vocab(export.draft_vocab),
+            [ex.id for ex in self.test],
+            heads,
+        )
 
     def start_lowering(self, ss_dir: Path) -> None:
         """The first exported backend's files (ExecuTorch's by default: the longest export) from the SS
         checkpoint, lowered in a worker from now on, while evaluation and calibration run: the graphs take
         the trees as inputs, so calibration need not come first. Not with Medusa heads: they are trained
-        later and give the graphs a method."""
+        later and give the graphs a method (a build part's `heads`)."""
         export = self.config.export
         first = [b for b in export.backends if b != "torch"][:1]
-        if not first or self.config.medusa.enabled:
+        if not first or any(part.heads for part in build_part.enabled(self.config)):
             return
-        export = dataclasses.replace(export, buckets=with_method_buckets(export.buckets, self.config),
-                                     trees=(tree_text(TreeSpec.chain(1)),))  # any tree: the graphs do not hold it
+        export = dataclasses.replace(
+            export, buckets=with_method_buckets(export.buckets, self.config), trees=(tree_text(TreeSpec.chain(1)),)
+        )  # any tree: the graphs do not hold it
         self.pending = start_lowering(self.builder_arguments(ss_dir, export, {}), first)
 
     def export(self, ss_dir: Path, export: ExportConfig, summary: dict, heads: Path | None = None) -> Path:
-        """The artifact; with Medusa heads (their folder), its graphs get a heads method."""
+        """The artifact; with heads (a build part's folder: Medusa's), its graphs get a heads method."""
         info = {"preset": self.config.preset, "eval": summary}
         pending = self.pending if heads is None else {}
         ArtifactBuilder(*self.builder_arguments(ss_dir, export, info, heads), pending=pending).build()
         return self.args.out
-
-    def export_draft(self, sd_dir: Path, ss_dir: Path, export: ExportConfig, longest: int) -> Path:
-        """sd's draft model exported like the target, to its own small artifact (<run>/sd-export): the same
-        engines, fp32, a cache `longest` drafts past the target's, its head pruned to the sd.vocab tokens most
-        frequent in the SS model's own answers and their prompts (answers copy names from them); parity checked
-        like SS's."""
-        out = self.run_dir / "sd-export"
-        sd = self.config.sd
-        items, _ = self.target_answers(self.inference_model(ss_dir), stages.model_key(ss_dir), sd.unlabelled)
-        head = self.vocab("draft head", [item.input_ids for item in items], sd.vocab)
-        config = dataclasses.replace(export, trees=("gamma=1,k=1",), buckets=(2,), capacity=export.capacity + longest,
-                                     quantize="none",
-                                     draft_vocab=0, greedy_schedule="auto", parity_prompts=min(export.parity_prompts, 5))
-        print(f"[sd] exporting the draft model ({', '.join(b for b in config.backends if b != 'torch')})", flush=True)
-        ArtifactBuilder(sd_dir, out, config, self.parity_prompts(), self.config.eval.max_new_tokens, {"drafter": "sd"},
-                        None, [ex.id for ex in self.test], head=head).build()
-        return out
-
-    def export_parallel(self, parallel_dir: Path, ss_dir: Path, export: ExportConfig) -> tuple[Path, dict]:
-        """ParallelSpec's drafter beside its weights at <run>/parallelspec-export: its pass as a graph for each of
-        the artifact's engines (parity-checked against eager), the embedding table, its vocabulary -> (folder,
-        manifest entry without the tree). Reused while the drafter, capacity and engines are the same."""
-        config = self.config.parallelspec
-        key = [read_drafter_manifest(parallel_dir)["info"]["training_key"], config.capacity, config.quantize]
-
-        def write(model, embed, engines: list[str], folder: Path) -> dict:
-            return export_drafter(load_drafter(parallel_dir, model), embed, config.masks + 2, config.capacity, engines,
-                                  folder, config.quantize)
-        return self._export_drafter("parallelspec", parallel_dir, ss_dir, export, key, config.quantize, write)
-
-    def export_falcon(self, falcon_dir: Path, ss_dir: Path, export: ExportConfig) -> tuple[Path, dict]:
-        """Falcon's drafter beside its weights at <run>/falcon-export, as export_parallel does ParallelSpec's."""
-        config = self.config.falcon
-        key = [falcon_files.read_drafter_manifest(falcon_dir)["info"]["training_key"], config.capacity,
-               config.max_passes, config.quantize]
-
-        def write(model, embed, engines: list[str], folder: Path) -> dict:
-            return falcon_graph.export_drafter(falcon_files.load_drafter(falcon_dir, model), embed, config.block + 2,
-                                               config.capacity, config.max_passes, engines, folder, config.quantize)
-        return self._export_drafter("falcon", falcon_dir, ss_dir, export, key, config.quantize, write)
-
-    def _export_drafter(self, method: str, trained: Path, ss_dir: Path, export: ExportConfig, key: list, quantize: str,
-                        write: Callable) -> tuple[Path, dict]:
-        """<run>/<method>-export: the trained drafter's folder plus what write(model, embed, engines, folder) adds
-        (its graphs), made in a staging folder and reused while `key` and the engines are the same."""
-        out = self.run_dir / f"{method}-export"
-        engines = [b for b in export.backends if b in ("executorch", "onnxruntime")]
-        key = [*key, engines]
-        done = out / "export.json"
-        if done.is_file() and json.loads(done.read_text())["key"] == key:
-            print(f"[{method}] reusing the drafter's graphs in {out}", flush=True)
-            return out, json.loads(done.read_text())["entry"]
-        staging = out.with_name(f".{out.name}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(trained, staging)
-        eager, _, _ = load_checkpoint(ss_dir, self.args.base_model, merge_lora=True)
-        print(f"[{method}] exporting the drafter ({', '.join(engines) or 'no graph engine'}; {quantize})", flush=True)
-        entry = write(eager.model, eager.parts.embed, engines, staging)
-        (staging / "export.json").write_text(json.dumps({"key": key, "entry": entry}, indent=2))
-        replace_folder(staging, out)  # the old export deleted once the new one is in place
-        return out, entry
 
     def parity_prompts(self) -> list[list[int]]:
         """The test prompts' token ids: what an export's parity check decodes (its first export.parity_prompts)."""
@@ -309,8 +305,11 @@ class Build:
             return None
         answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
         draft = DraftVocab(tuple(int(i) for i in ids), coverage(ids, answers))
-        print(f"[export] draft vocabulary: task {joined.task}'s {len(ids)} tokens (the graphs hold them), "
-              f"{100 * draft.coverage:.1f}% of validation answer tokens", flush=True)
+        print(
+            f"[export] draft vocabulary: task {joined.task}'s {len(ids)} tokens (the graphs hold them), "
+            f"{100 * draft.coverage:.1f}% of validation answer tokens",
+            flush=True,
+        )
         return draft
 
     def joined_artifact(self) -> Artifact | None:
@@ -328,8 +327,11 @@ class Build:
         answers = [item.input_ids[item.prompt_len :] for item in self.validation_items]
         draft = draft_vocab(texts, answers, size, len(self.tokenizer))
         if draft is not None:
-            print(f"[export] {label} vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
-                  f"answer tokens", flush=True)
+            print(
+                f"[export] {label} vocabulary: {len(draft.ids)} tokens, {100 * draft.coverage:.1f}% of validation "
+                f"answer tokens",
+                flush=True,
+            )
         return draft
 
     def profile(self, artifact: Path) -> dict | None:
@@ -346,14 +348,25 @@ class Build:
             # A fresh process: its peak memory is the runtime's own, not this one's from training.
             own = Artifact.open(artifact).task == self.task.name  # another task's profile goes beside it
             folder = artifact.parent / (f"{artifact.name}-profile" + ("" if own else f"-{self.task.name}"))
-            result = worker.run(profile_artifact, artifact, backend, sources, self.config.eval.max_new_tokens,
-                                self.args.threads, folder, self.task.name)
+            result = worker.run(
+                profile_artifact,
+                artifact,
+                backend,
+                sources,
+                self.config.eval.max_new_tokens,
+                self.args.threads,
+                folder,
+                self.task.name,
+            )
             result.update(limit=limit, backend_choice=backend)
             Artifact.open(artifact, self.task.name).update(profile=result)
         if result["bench"]["mismatched_inputs"]:
-            raise ParityError(f"profile: SS differs from plain decoding on {backend} for test inputs "
-                              f"{', '.join(result['bench']['mismatched_inputs'])} (recorded in {artifact}/manifest.json "
-                              f"under profile): the artifact is not lossless; report it with that manifest")
+            raise ParityError(
+                f"profile: SS differs from plain decoding on {backend} for test inputs "
+                f"{', '.join(result['bench']['mismatched_inputs'])} (recorded in "
+                f"{artifact}/manifest.json under profile): the artifact is not lossless; report it with "
+                f"that manifest"
+            )
         return result
 
     def evaluate_zero_shot(self) -> dict:
@@ -373,34 +386,29 @@ CALIBRATION_TOKENS = 48
 
 
 def with_method_buckets(buckets: tuple[int, ...], config: BuildConfig) -> tuple[int, ...]:
-    """The export's buckets plus one that holds the longest chain a draft-model method verifies (sd's
-    gamma drafts, specdec++'s max_drafts), where none does: its shorter chains run in the smaller buckets."""
-    drafts = max([config.sd.gamma] * config.sd.enabled + [config.specdec.max_drafts] * config.specdec.enabled,
-                 default=0)
+    """The export's buckets plus one that holds the longest chain an enabled build part verifies (sd's gamma
+    drafts, specdec++'s max_drafts), where none does: its shorter chains run in the smaller buckets."""
+    drafts = build_part.longest_chain(config)
     if drafts + 1 <= max(buckets):
         return buckets
     return (*buckets, drafts + 1)
 
 
-def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> int:
+def run_build(args: argparse.Namespace, config: BuildConfig, build: Build) -> int:
     build.load_data()
     # The model users open is always <run>/ss; with self-distillation, its first stage sits beside it.
-    ss_dir = stages.trained(build, "ss_stage1" if config.distill.enabled else "ss", with_streams=True)
+    first = f"{stages.SS_MODEL}_stage1" if config.distill.enabled else stages.SS_MODEL
+    ss_dir = stages.trained(build, first, with_streams=True)
     if config.distill.enabled:
         ss_dir = stages.distilled(build, ss_dir)
     build.start_lowering(ss_dir)  # the longest export, on one core, while the rest of the build goes on
     baseline_dir = stages.trained(build, "lora_baseline", with_streams=False) if config.stages.baseline else None
-    results = {"ss": build.evaluate_checkpoint(ss_dir, "ss", with_streams=True)}
+    results = {stages.SS_MODEL: build.evaluate_checkpoint(ss_dir, stages.SS_MODEL, with_streams=True)}
     if baseline_dir is not None:
         results["lora_baseline"] = build.evaluate_checkpoint(baseline_dir, "lora_baseline", with_streams=False)
     if config.stages.zero_shot:
         results["zero_shot"] = build.evaluate_zero_shot()
-    sd_dir = stages.draft_model(build, ss_dir) if config.sd.enabled else None
-    medusa_dir = stages.medusa_heads(build, ss_dir) if config.medusa.enabled else None
-    parallel_dir = stages.parallel_drafter(build, ss_dir) if config.parallelspec.enabled else None
-    falcon_dir = stages.falcon_drafter(build, ss_dir) if config.falcon.enabled else None
-    specdec_dir = stages.specdec_head(build, ss_dir, sd_dir) if config.specdec.enabled else None
-    adaptive_dir = stages.adaptive_head(build, ss_dir) if config.adaptive.enabled else None
+    trained = stages.method_stages(build, ss_dir)  # each enabled method's drafter, by config section
     summary = report.summarise(build, ss_dir, baseline_dir, results)
     write_json(ss_dir / "eval.json", summary)
     write_json(build.run_dir / "eval.json", summary)
@@ -411,11 +419,18 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         acceptance = build.acceptance(ss_dir)
         torch_calibration = build.calibrate_torch(ss_dir, acceptance)
         if not export.trees:  # the graphs get the trees calibration picks
-            chosen = trees_to_export(acceptance, torch_calibration, quantized=export.quantize != "none",
-                                     max_nodes=max(export.buckets), adaptive=config.adaptive.enabled)
+            cheap = any(part.cheap_trees for part in build_part.enabled(config))
+            chosen = trees_to_export(
+                acceptance,
+                torch_calibration,
+                quantized=export.quantize != "none",
+                max_nodes=max(export.buckets),
+                cheap_trees=cheap,
+            )
             export = dataclasses.replace(export, trees=tuple(tree_text(tree) for tree in chosen))
         export = dataclasses.replace(export, buckets=with_method_buckets(export.buckets, config))
-        artifact = build.export(ss_dir, export, summary, medusa_dir)
+        heads = [part.heads(trained[part.section]) for part in build_part.enabled(config) if part.heads]
+        artifact = build.export(ss_dir, export, summary, heads[0] if heads else None)
         build.calibrate_artifact(artifact, acceptance, torch_calibration)
         opened = lambda: Artifact.open(artifact, build.task.name)  # noqa: E731  (this task's view, as written now)
         print(report.artifact_markdown(opened().manifest), flush=True)
@@ -423,41 +438,7 @@ def run_build(args: argparse.Namespace, config: BuildConfig, build: "Build") -> 
         if config.stages.profile_limit > 0:
             build.profile(artifact)
             print(report.profile_markdown(opened().manifest), flush=True)
-        if sd_dir is not None:
-            longest = max(config.sd.gamma, config.specdec.max_drafts if config.specdec.enabled else 0)
-            draft = build.export_draft(sd_dir, ss_dir, export, longest)
-            install_drafter(artifact, "sd", draft, {"tree": TreeSpec.chain(config.sd.gamma).to_dict(),
-                                                     "layers": config.sd.layers,
-                                                     "training_key": read_manifest(sd_dir)["info"]["training_key"]})
-            print(f"[sd] draft model added to {artifact}/drafters/sd", flush=True)
-        if medusa_dir is not None:
-            tree = heads_tree(Artifact.open(artifact).tree, config.medusa.heads)
-            install_drafter(artifact, "medusa", medusa_dir, {"tree": tree.to_dict(), "heads": config.medusa.heads,
-                                                             "training_key": read_heads_manifest(medusa_dir)["info"]["training_key"]})
-            print(f"[medusa] heads added to {artifact}/drafters/medusa (tree of {tree.num_nodes} nodes)", flush=True)
-        if parallel_dir is not None:
-            folder, entry = build.export_parallel(parallel_dir, ss_dir, export)
-            tree = (widths_tree(config.parallelspec.tree)["tree"] if config.parallelspec.tree
-                    else heads_tree(Artifact.open(artifact).tree, config.parallelspec.masks + 1))
-            install_drafter(artifact, "parallelspec", folder, {**entry, "tree": tree.to_dict(), "training_key":
-                                                               read_drafter_manifest(parallel_dir)["info"]["training_key"]})
-            print(f"[parallelspec] drafter added to {artifact}/drafters/parallelspec (tree of {tree.num_nodes} nodes, "
-                  f"graph parity {entry['parity']})", flush=True)
-        if falcon_dir is not None:
-            folder, entry = build.export_falcon(falcon_dir, ss_dir, export)
-            tree = widths_tree(config.falcon.tree)["tree"]
-            install_drafter(artifact, "falcon", folder, {**entry, "tree": tree.to_dict(), "training_key":
-                                                         falcon_files.read_drafter_manifest(falcon_dir)["info"]["training_key"]})
-            print(f"[falcon] drafter added to {artifact}/drafters/falcon (k = {entry['block']}, tree of "
-                  f"{tree.num_nodes} nodes, graph parity {entry['parity']})", flush=True)
-        if specdec_dir is not None:
-            install_drafter(artifact, "specdec++", specdec_dir, {"tree": TreeSpec.chain(config.specdec.max_drafts).to_dict(),
-                                                                 "draft": "sd", "threshold": config.specdec.threshold,
-                                                                 "training_key": read_acceptance_manifest(specdec_dir)["info"]["training_key"]})
-            print(f"[specdec++] acceptance head added to {artifact}/drafters/specdec++", flush=True)
-        if adaptive_dir is not None:
-            install_drafter(artifact, "ss-adaptive", adaptive_dir, {
-                "training_key": read_acceptance_manifest(adaptive_dir)["info"]["training_key"]})
-            print(f"[ss-adaptive] acceptance head added to {artifact}/drafters/ss-adaptive", flush=True)
+        for part in build_part.enabled(config):
+            part.install(build, artifact, ss_dir, trained[part.section], export)
         print(f"[done] artifact: {artifact}", flush=True)
     return 0

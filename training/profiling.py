@@ -10,35 +10,46 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.generate import Request
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.measure import interleaved, summarise
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, Input, decode_settings
 from streamfuse.runtime.trace import Trace
 from streamfuse.runtime.trace_profile import profile_files, write_report
 
 
-def profile_artifact(artifact: Path, backend: str, sources: list[tuple[str, str]], max_new_tokens: int,
-                     threads: int | None, out: Path, task: str | None = None) -> dict:
+def profile_artifact(
+    artifact: Path,
+    backend: str,
+    sources: list[tuple[str, str]],
+    max_new_tokens: int,
+    threads: int | None,
+    out: Path,
+    task: str | None = None,
+) -> dict:
     """sources: (id, task source text). Writes traces + profile report under `out`; returns the
     bench summary and the profile metrics (without per-run rows)."""
     if threads:
         torch.set_num_threads(threads)  # the torch backend's; the exported engines take it from load()
     loaded = load(artifact, backend, threads=threads, task=task)
-    rules = StopRules(max_new_tokens, loaded.stop_token_ids)
-    ss = DecodeSettings("ss", rules, tree=loaded.tree, fallback=loaded.fallback(loaded.tree))
-    ar = replace(ss, method="ar")
+    ss = decode_settings(loaded, DecodeRequest(max_new_tokens=max_new_tokens))  # the default method, its tree
+    ar = replace(ss, method=BASELINE_METHOD)
     meta = dict(backend=loaded.backend.name, device="cpu", num_streams=loaded.backend.num_streams, threads=threads)
-    traces = {"ss": Trace(method="ss", tree=loaded.tree.to_dict(), **meta), "ar": Trace(method="ar", tree=None, **meta)}
+    traces = {
+        DEFAULT_METHOD: Trace(method=ss.method, tree=ss.tree.to_dict(), **meta),
+        BASELINE_METHOD: Trace(method=ar.method, tree=None, **meta),
+    }
     load_start = os.getloadavg()[0]
-    rows = interleaved(loaded, [Request(i, text) for i, text in sources], ss, ar, traces, warmup=1)
+    rows = interleaved(loaded, [Input(i, text) for i, text in sources], ss, ar, traces, warmup=1)
     out.mkdir(parents=True, exist_ok=True)
     for name, trace in traces.items():
         trace.save(out / f"trace_{name}.json")
-    metrics = profile_files(out / "trace_ss.json", out / "trace_ar.json")
+    metrics = profile_files(out / f"trace_{DEFAULT_METHOD}.json", out / f"trace_{BASELINE_METHOD}.json")
     write_report(metrics, out / "profile")
     summary = summarise(rows)
-    summary.update(backend=loaded.backend.name, threads=threads, load_average=[load_start, os.getloadavg()[0]],
-                   mismatched_inputs=[r["id"] for r in rows if not r["same_tokens"]])
+    summary.update(
+        backend=loaded.backend.name,
+        threads=threads,
+        load_average=[load_start, os.getloadavg()[0]],
+        mismatched_inputs=[r["id"] for r in rows if not r["same_tokens"]],
+    )
     return {"bench": summary, "profile": {k: v for k, v in metrics.items() if k not in ("runs", "meta")}}

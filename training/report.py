@@ -6,9 +6,16 @@ from pathlib import Path
 
 from streamfuse.adapters.base_model import resolve_base_model
 from streamfuse.adapters.checkpoint import read_manifest
+from streamfuse.methods import registry
+from streamfuse.methods.ss import NAME as SS_MODEL  # the SS model's results (training/stages.py)
 
-LABELS = {"zero_shot": "zero-shot base", "lora_baseline": "LoRA baseline (next-token)", "ss": "Speculative Streaming",
-          "ss_first_stage": "Speculative Streaming, first stage (before self-distillation)"}
+FIRST_STAGE = f"{SS_MODEL}_first_stage"
+LABELS = {
+    "zero_shot": "zero-shot base",
+    "lora_baseline": "LoRA baseline (next-token)",
+    SS_MODEL: "Speculative Streaming",
+    FIRST_STAGE: "Speculative Streaming, first stage (before self-distillation)",
+}
 STAGE_FIELDS = ("train_seconds", "train_tokens", "optimizer_steps", "final_losses")
 
 
@@ -23,9 +30,9 @@ def summarise(build, ss_dir: Path, baseline_dir: Path | None, results: dict) -> 
     base_config = AutoConfig.from_pretrained(resolve_base_model(build.args.base_model))
     ss_info = read_manifest(ss_dir)["info"]
     gamma = build.config.streams.num_streams
-    training = {"ss": {k: ss_info[k] for k in STAGE_FIELDS}}
+    training = {SS_MODEL: {k: ss_info[k] for k in STAGE_FIELDS}}
     if "first_stage" in ss_info:
-        training["ss_first_stage"] = {k: ss_info["first_stage"][k] for k in STAGE_FIELDS}
+        training[FIRST_STAGE] = {k: ss_info["first_stage"][k] for k in STAGE_FIELDS}
     if baseline_dir is not None:
         info = read_manifest(baseline_dir)["info"]
         training["lora_baseline"] = {k: info[k] for k in STAGE_FIELDS}
@@ -39,8 +46,8 @@ def summarise(build, ss_dir: Path, baseline_dir: Path | None, results: dict) -> 
         "streams": {"gamma": gamma, "msa_layers": build.config.streams.msa_layers},
         "quality": {name: result["test"]["scores"] for name, result in results.items()},
         "samples": {name: result["test"]["samples"] for name, result in results.items()},
-        "stream_accuracy": results["ss"].get("stream_accuracy", {}),
-        "stream_accuracy_own": results["ss"].get("stream_accuracy_own", {}),
+        "stream_accuracy": results[SS_MODEL].get("stream_accuracy", {}),
+        "stream_accuracy_own": results[SS_MODEL].get("stream_accuracy_own", {}),
         "extra_parameters": {
             **ss_info["extra_parameters"],
             "medusa_same_gamma": medusa_parameters(base_config.hidden_size, base_config.vocab_size, gamma),
@@ -52,10 +59,10 @@ def summarise(build, ss_dir: Path, baseline_dir: Path | None, results: dict) -> 
 
 
 def bars(summary: dict) -> list[dict]:
-    """The acceptance bars of the build issue, evaluated on this run's numbers."""
+    """The build's acceptance bars (docs/results.md), evaluated on this run's numbers."""
     quality, checks = summary["quality"], []
-    metric = "rougeLsum" if "rougeLsum" in quality["ss"] else summary["headline_metrics"][-1]
-    ss = quality["ss"][metric]
+    metric = "rougeLsum" if "rougeLsum" in quality[SS_MODEL] else summary["headline_metrics"][-1]
+    ss = quality[SS_MODEL][metric]
     if "lora_baseline" in quality:
         limit = quality["lora_baseline"][metric] - 1.0
         checks.append({"bar": f"SS {metric} >= LoRA baseline - 1.0", "value": ss, "limit": limit, "pass": ss >= limit})
@@ -64,29 +71,46 @@ def bars(summary: dict) -> list[dict]:
         checks.append({"bar": f"SS {metric} >= zero-shot + 5.0", "value": ss, "limit": limit, "pass": ss >= limit})
     stream1 = summary["stream_accuracy"].get("stream_1", {}).get("top1")
     if stream1 is not None:
-        checks.append({"bar": "stream-1 top-1 accuracy >= 40% (vs references)", "value": stream1, "limit": 40.0,
-                       "pass": stream1 >= 40.0})
+        checks.append(
+            {
+                "bar": "stream-1 top-1 accuracy >= 40% (vs references)",
+                "value": stream1,
+                "limit": 40.0,
+                "pass": stream1 >= 40.0,
+            }
+        )
     return checks
 
 
 def markdown(summary: dict) -> str:
     metrics = sorted({m for scores in summary["quality"].values() for m in scores})
-    lines = [f"## {summary['task']} ({summary['preset']} preset): test split, {summary['test_examples']} examples, greedy", "",
-             "| model | " + " | ".join(metrics) + " |", "|---|" + "---:|" * len(metrics)]
-    for name in ("zero_shot", "lora_baseline", "ss"):
+    lines = [
+        f"## {summary['task']} ({summary['preset']} preset): test split, {summary['test_examples']} examples, greedy",
+        "",
+        "| model | " + " | ".join(metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for name in ("zero_shot", "lora_baseline", SS_MODEL):
         if name in summary["quality"]:
             scores = summary["quality"][name]
             lines.append(f"| {LABELS[name]} | " + " | ".join(f"{scores[m]:.2f}" for m in metrics) + " |")
     lines += accuracy_table(summary)
     extra = summary["extra_parameters"]
-    lines += ["", f"Extra parameters (besides LoRA): streams {extra['streams']:,} + pruning head {extra['pruning_head']:,} "
-              f"= {extra['total']:,}; Medusa heads for the same gamma would add {extra['medusa_same_gamma']:,}."]
+    lines += [
+        "",
+        f"Extra parameters (besides LoRA): streams {extra['streams']:,} + pruning head {extra['pruning_head']:,} "
+        f"= {extra['total']:,}; Medusa heads for the same gamma would add {extra['medusa_same_gamma']:,}.",
+    ]
     for name, info in summary["training"].items():
-        lines.append(f"Training {LABELS[name]}: {info['train_seconds'] / 60:.1f} min, {info['train_tokens']:,} tokens, "
-                     f"{info['optimizer_steps']} steps.")
+        lines.append(
+            f"Training {LABELS[name]}: {info['train_seconds'] / 60:.1f} min, {info['train_tokens']:,} tokens, "
+            f"{info['optimizer_steps']} steps."
+        )
     lines += ["", "| bar | value | limit | |", "|---|---:|---:|---|"]
     for check in summary["bars"]:
-        lines.append(f"| {check['bar']} | {check['value']:.2f} | {check['limit']:.2f} | {'PASS' if check['pass'] else 'FAIL'} |")
+        lines.append(
+            f"| {check['bar']} | {check['value']:.2f} | {check['limit']:.2f} | {'PASS' if check['pass'] else 'FAIL'} |"
+        )
     return "\n".join(lines)
 
 
@@ -97,10 +121,14 @@ def accuracy_table(summary: dict) -> list[str]:
     if not references:
         return []
     top_key = next(k for k in next(iter(references.values())) if k.startswith("top") and k != "top1")
-    lines = ["", f"Teacher-forced accuracy on {summary['validation_examples']} validation examples (answer tokens), "
-             "against the references; and on the test inputs against the model's own greedy answers:", "",
-             f"| predictor | top-1 % | {top_key} % | tokens | own test answers: top-1 % | {top_key} % |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        f"Teacher-forced accuracy on {summary['validation_examples']} validation examples (answer tokens), "
+        "against the references; and on the test inputs against the model's own greedy answers:",
+        "",
+        f"| predictor | top-1 % | {top_key} % | tokens | own test answers: top-1 % | {top_key} % |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, row in references.items():
         mine = own.get(name)
         tail = f"{mine['top1']:.1f} | {mine[top_key]:.1f}" if mine else "- | -"
@@ -115,19 +143,28 @@ TOLERANCE = {True: "yes", False: "NO", None: "n/a (low-bit)"}
 def artifact_markdown(manifest: dict) -> str:
     """Files, sizes, export times and parity of an exported artifact."""
     nodes = ", ".join(str(tree["num_nodes"]) for tree in manifest["trees"])
-    lines = [f"## Artifact: trees of {nodes} nodes (the default first), KV capacity {manifest['graphs']['capacity']}, "
-             f"prefill chunk {manifest['graphs']['prefill_chunk']}", "",
-             "| backend | weights | files | MiB | export s | SS == torch eager fp32 | SS == own plain | step outputs in "
-             "tolerance |", "|---|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"## Artifact: trees of {nodes} nodes (the default first), KV capacity {manifest['graphs']['capacity']}, "
+        f"prefill chunk {manifest['graphs']['prefill_chunk']}",
+        "",
+        "| backend | weights | files | MiB | export s | SS == torch eager fp32 | SS == own plain | step outputs in "
+        "tolerance |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
     for backend, files in manifest["files"].items():
         size = sum(entry["bytes"] for entry in files.values()) / 2**20
         parity = manifest["parity"].get(backend)
-        checks = (f"{parity['ss_equals_torch_eager']}/{parity['prompts']} | {parity['ss_equals_own_plain']}/"
-                  f"{parity['plain_prompts']} | {TOLERANCE[parity['within_tolerance']]}" if parity else "not run here | | ")
-        names = ", ".join(sorted({entry['path'].split('/')[0] for entry in files.values()}))
+        checks = (
+            f"{parity['ss_equals_torch_eager']}/{parity['prompts']} | {parity['ss_equals_own_plain']}/"
+            f"{parity['plain_prompts']} | {TOLERANCE[parity['within_tolerance']]}"
+            if parity
+            else "not run here | | "
+        )
+        names = ", ".join(sorted({entry["path"].split("/")[0] for entry in files.values()}))
         weights = manifest["graphs"]["quantize"][backend]
-        lines.append(f"| {backend} | {weights} | {names} | {size:.0f} | {manifest['export_seconds'][backend]:.0f} | "
-                     f"{checks} |")
+        lines.append(
+            f"| {backend} | {weights} | {names} | {size:.0f} | {manifest['export_seconds'][backend]:.0f} | {checks} |"
+        )
     return "\n".join(lines)
 
 
@@ -137,17 +174,22 @@ def profile_markdown(manifest: dict) -> str:
         return "No profile in the manifest."
     bench, profile = result["bench"], result["profile"]
     depth = " / ".join(f"{row['acceptance'] * 100:.1f} %" for row in profile.get("acceptance_per_depth", []))
-    return "\n".join([
-        f"## Profile: {bench['backend']}, {bench['inputs']} test inputs, greedy, {bench['threads']} threads, "
-        f"load {bench['load_average'][0]:.2f} -> {bench['load_average'][1]:.2f}", "",
-        "| metric | value |", "|---|---:|",
-        f"| SS output != plain output (inputs) | {bench['parity_mismatches']} |",
-        f"| call reduction CR (new tokens / SS calls, prefill counted) | {bench['call_reduction']:.2f} |",
-        f"| acceptance per depth | {depth} |",
-        f"| speed-up, total time (plain / SS) | {bench['speedup_total_time']:.2f}x |",
-        f"| tokens/s median, plain / SS | {bench['ar_tokens_per_s_median']:.1f} / {bench['ss_tokens_per_s_median']:.1f} |",
-        f"| peak process memory | {bench['peak_memory_bytes'] / 2**20:.0f} MiB |",
-    ])
+    return "\n".join(
+        [
+            f"## Profile: {bench['backend']}, {bench['inputs']} test inputs, greedy, {bench['threads']} threads, "
+            f"load {bench['load_average'][0]:.2f} -> {bench['load_average'][1]:.2f}",
+            "",
+            "| metric | value |",
+            "|---|---:|",
+            f"| SS output != plain output (inputs) | {bench['parity_mismatches']} |",
+            f"| call reduction CR (new tokens / SS calls, prefill counted) | {bench['call_reduction']:.2f} |",
+            f"| acceptance per depth | {depth} |",
+            f"| speed-up, total time (plain / SS) | {bench['speedup_total_time']:.2f}x |",
+            f"| tokens/s median, plain / SS | {bench[f'{registry.plain()}_tokens_per_s_median']:.1f} / "
+            f"{bench[f'{registry.default()}_tokens_per_s_median']:.1f} |",
+            f"| peak process memory | {bench['peak_memory_bytes'] / 2**20:.0f} MiB |",
+        ]
+    )
 
 
 def calibration_markdown(manifest: dict) -> str:
@@ -155,12 +197,18 @@ def calibration_markdown(manifest: dict) -> str:
     backends = manifest["calibration"]["backends"]
     if not backends:
         return "No calibration in the manifest."
-    lines = ["## Calibration: the draft tree per backend on this machine", "",
-             "| backend | plain step ms | tree nodes | step ms (x plain) | tokens / step: model (timed runs) "
-             "| expected speed-up |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Calibration: the draft tree per backend on this machine",
+        "",
+        "| backend | plain step ms | tree nodes | step ms (x plain) | tokens / step: model (timed runs) "
+        "| expected speed-up |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for backend, data in backends.items():
         chosen = next(row for row in data["trees"] if row["tree"]["hash"] == data["choice"]["hash"])
-        lines.append(f"| {backend} | {data['plain_ms']:.1f} | {chosen['tree']['num_nodes']} | {chosen['step_ms']:.1f} "
-                     f"(x{chosen['step_cost']:.2f}) | {chosen['expected_tokens']:.2f} ({chosen['realised_tokens']:.2f}) | "
-                     f"{data['expected_speedup']:.2f}x |")
+        lines.append(
+            f"| {backend} | {data['plain_ms']:.1f} | {chosen['tree']['num_nodes']} | {chosen['step_ms']:.1f} "
+            f"(x{chosen['step_cost']:.2f}) | {chosen['expected_tokens']:.2f} ({chosen['realised_tokens']:.2f}) | "
+            f"{data['expected_speedup']:.2f}x |"
+        )
     return "\n".join(lines)

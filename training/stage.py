@@ -54,7 +54,7 @@ class Stage:
     inputs: what determines the output; run(folder, stage): write the output into `folder` (empty, beside
     `directory`), its manifest's info recording stage.key, and return the log's line about it.
     made_from: {info field: weights digest} of upstream checkpoints that the key leaves out (their key
-    is in it), which a reused output must have been made from; one from before they were recorded is
+    is in it), which a reused output must have been made from; one that records none is
     taken at its key."""
 
     label: str
@@ -62,7 +62,7 @@ class Stage:
     kind: str
     inputs: dict
     format: OutputFormat
-    run: Callable[[Path, "Stage"], str]
+    run: Callable[[Path, Stage], str]
     made_from: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -1,6 +1,6 @@
 """Fine-tune LoRA + streams with the eq. 5 objective; resumable, accelerate-ready.
 
-Single process on a CPU, or `accelerate launch export/build.py ...` on several GPUs: each
+Single process on a CPU, or `accelerate launch -m streamfuse.training.build ...` on several GPUs: each
 process takes every n-th micro-batch and accelerate averages gradients.
 """
 
@@ -120,9 +120,13 @@ def train(
     from transformers import get_linear_schedule_with_warmup
 
     config.validate()
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accumulation, mixed_precision=config.mixed_precision)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.grad_accumulation, mixed_precision=config.mixed_precision
+    )
     torch.manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(_parameter_groups(model, config), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        _parameter_groups(model, config), lr=config.learning_rate, weight_decay=config.weight_decay
+    )
     micro_per_epoch = math.ceil(len(items) / config.micro_batch)
     total_micro = math.ceil(config.epochs * micro_per_epoch)
     # accelerate steps a prepared scheduler once per process at each sync, so count all micro-batches.
@@ -132,8 +136,11 @@ def train(
     progress = snapshot.load(model, optimizer, scheduler) or {"micro": 0, "steps": 0, "tokens": 0, "seconds": 0.0}
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     model.train()
-    weights = dict(main_weight=config.main_weight, stream_weight=config.stream_weight if with_streams else 0.0,
-                   pruning_weight=config.pruning_weight)
+    weights = dict(
+        main_weight=config.main_weight,
+        stream_weight=config.stream_weight if with_streams else 0.0,
+        pruning_weight=config.pruning_weight,
+    )
     bar = tqdm(total=total_micro, initial=progress["micro"], desc=f"train {label}", unit="ex", dynamic_ncols=True)
     running: dict[str, float] = {}
     started = time.perf_counter() - progress["seconds"]

@@ -111,8 +111,14 @@ class Backend(Protocol):
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
         """Run the prompt; streams (if on) at its last token."""
 
-    def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
-             prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
+    def step(
+        self,
+        tokens: Sequence[int],
+        tree: TreeSpec | None,
+        with_streams: bool,
+        prune: PruneConfig | None = None,
+        greedy: bool = False,
+    ) -> StepOutput:
         """One forward over a flattened tree draft (tree None: a single token). greedy: the caller
         decodes greedily, so an engine may return greedy_tokens and ranked_drafts instead of logits."""
 

@@ -16,19 +16,19 @@ from typing import NamedTuple
 import numpy as np
 
 from streamfuse import seams
-from streamfuse.runtime.backends.static_graph import (
+from streamfuse.runtime.artifact_files import inside
+from streamfuse.runtime.backends.static_graph import Session
+from streamfuse.runtime.contract import (
     CACHE_INPUTS,
     COMMIT_INPUT,
     EMBEDDING_METADATA,
     METHOD_INPUT,
     METHODS_METADATA,
     TASK_PREFIX,
-    Session,
     input_names,
     method_output,
     output_names,
 )
-from streamfuse.runtime.artifact_files import inside
 from streamfuse.runtime.kernel_library import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
 from streamfuse.runtime.onnx_external import check_external_data
 from streamfuse.runtime.threads import check_threads
@@ -44,8 +44,9 @@ def _require(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise MissingBackend(f"{module} is not installed ({error.msg}); install it with "
-                             f"`pip install 'streamfuse[{extra}]'`") from None
+        raise MissingBackend(
+            f"{module} is not installed ({error.msg}); install it with `pip install 'streamfuse[{extra}]'`"
+        ) from None
 
 
 _POOL_THREADS: int | None = None  # ExecuTorch's threadpool size, once this process has set it
@@ -99,9 +100,9 @@ OP_PROVIDERS = ("CPUExecutionProvider",)
 def ort_options(ort, threads: int | None):
     """ONNX Runtime's session options for every session here: `threads` intra-op threads that spin-wait between
     the ops of a call and stop when the call ends. A call is ~1,000 small ops: woken from sleep for each, the
-    workers made decode 1.36x slower (`tools.call_times`, 300 slots, 2 cores: 9.75 against 7.16 ms); left spinning
-    after the call, they steal the cores from whatever runs next, as OMP_WAIT_POLICY=PASSIVE keeps torch's from
-    doing (docs/benchmarks.md: 1.55x slower there)."""
+    workers make decode 1.36x slower (`streamfuse call-times`, 300 slots, 2 cores: 9.75 against 7.16 ms); left spinning
+    after the call, they would steal the cores from whatever runs next, as OMP_WAIT_POLICY=PASSIVE keeps torch's
+    from doing."""
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
@@ -119,9 +120,11 @@ class OnnxRuntimeSession:
     def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
         check_threads(threads)
         if provider is not None and provider not in OP_PROVIDERS:
-            raise MissingBackend(f"onnxruntime provider {provider} cannot run this model: streamfuse's ops in it have "
-                                 f"kernels for {', '.join(OP_PROVIDERS)} only and write the KV cache in place; leave "
-                                 f"the provider unset (it runs on {OP_PROVIDERS[0]})")
+            raise MissingBackend(
+                f"onnxruntime provider {provider} cannot run this model: streamfuse's ops in it have "
+                f"kernels for {', '.join(OP_PROVIDERS)} only and write the KV cache in place; leave "
+                f"the provider unset (it runs on {OP_PROVIDERS[0]})"
+            )
         ort = _require("onnxruntime", "onnxruntime")
         provider = provider or OP_PROVIDERS[0]
         options = ort_options(ort, threads)
@@ -138,17 +141,22 @@ class OnnxRuntimeSession:
         metadata = self.session.get_modelmeta().custom_metadata_map
         methods = json.loads(metadata.get(METHODS_METADATA, "[]"))
         self.index = {method: position for position, method in enumerate(methods)}
-        # Graphs that keep the cache in the engine take the commit (static_graph.COMMIT_INPUT) and return no rows.
+        # Graphs that keep the cache in the engine take the commit (contract.COMMIT_INPUT) and return no rows.
         self.engine_cache = any(i.name == COMMIT_INPUT for i in self.session.get_inputs())
-        self.outputs = {method: [method_output(method, name) for name in output_names(method, self.engine_cache)]
-                        for method in methods}
-        self.gathered = {name: ort.OrtValue.ortvalue_from_numpy(table)
-                         for name, table in mapped_tables(Path(model), metadata).items()}
+        self.outputs = {
+            method: [method_output(method, name) for name in output_names(method, self.engine_cache)]
+            for method in methods
+        }
+        self.gathered = {
+            name: ort.OrtValue.ortvalue_from_numpy(table)
+            for name, table in mapped_tables(Path(model), metadata).items()
+        }
         # Inputs a method does not read still need a value: zeros of the declared shape (every method reads the cache).
-        self.placeholders = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
-                             for i in self.session.get_inputs()
-                             if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS
-                             and i.name not in self.gathered}
+        self.placeholders = {
+            i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
+            for i in self.session.get_inputs()
+            if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS and i.name not in self.gathered
+        }
         self.task_inputs = {i.name for i in self.session.get_inputs() if i.name.startswith(TASK_PREFIX)}
         self.task: dict = {}  # the bound task's tensors as ONNX Runtime values (bind_task)
         self.name = f"onnxruntime:{provider}"
@@ -157,16 +165,23 @@ class OnnxRuntimeSession:
         """The task whose tensors every call feeds (graphs with task inputs), made ONNX Runtime values once."""
         if set(tensors) != self.task_inputs:
             missing, extra = sorted(self.task_inputs - set(tensors)), sorted(set(tensors) - self.task_inputs)
-            raise ValueError(f"the task's tensors do not fit this ONNX model (missing {missing[:3]}, unknown {extra[:3]}): "
-                             f"the task was built for other graphs; rebuild it with export/build.py")
-        self.task = {name: self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()}
+            raise ValueError(
+                f"the task's tensors do not fit this ONNX model (missing {missing[:3]}, unknown "
+                f"{extra[:3]}): the task was built for other graphs; rebuild it with streamfuse build"
+            )
+        value = self.ort.OrtValue.ortvalue_from_numpy
+        self.task = {name: value(np.ascontiguousarray(t)) for name, t in tensors.items()}
 
     def run(self, method: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if method not in self.outputs:
-            raise ValueError(f"the ONNX model has no {method} method (it has {', '.join(self.outputs)}); rebuild the "
-                             f"artifact with this version")
+            raise ValueError(
+                f"the ONNX model has no {method} method (it has {', '.join(self.outputs)}); rebuild the "
+                f"artifact with this version"
+            )
         if self.task_inputs and not self.task:
-            raise ValueError("this ONNX model takes a task's tensors: bind one first (Artifact.task_tensors, bind_task)")
+            raise ValueError(
+                "this ONNX model takes a task's tensors: bind one first (Artifact.task_tensors, bind_task)"
+            )
         return self.session.run(self.outputs[method], self._feed(method, inputs))
 
     def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
@@ -241,14 +256,17 @@ class CoreMLSession:
 
     def __init__(self, package: Path, compute_units: str = "ALL"):
         if platform.system() != "Darwin":
-            raise MissingBackend(f"Core ML models run on macOS only (this is {platform.system()}); copy the artifact "
-                                 f"to a Mac, or use --backend executorch / onnxruntime here")
+            raise MissingBackend(
+                f"Core ML models run on macOS only (this is {platform.system()}); copy the artifact "
+                f"to a Mac, or use --backend executorch / onnxruntime here"
+            )
         ct = _require("coremltools", "coreml")
         units = getattr(ct.ComputeUnit, compute_units)
         spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
         functions = [f.name for f in spec.description.functions]
-        self.models = {name: ct.models.MLModel(str(package), function_name=name, compute_units=units)
-                       for name in functions}
+        self.models = {
+            name: ct.models.MLModel(str(package), function_name=name, compute_units=units) for name in functions
+        }
         self.inputs = {name: [i.name for i in m.get_spec().description.input] for name, m in self.models.items()}
         self.outputs = {name: [o.name for o in m.get_spec().description.output] for name, m in self.models.items()}
         self.name = f"coreml:{compute_units.lower()}"
@@ -257,8 +275,7 @@ class CoreMLSession:
         feed = {name: a.astype(np.int32) if a.dtype == np.int64 else a for name, a in zip(self.inputs[method], inputs)}
         result = self.models[method].predict(feed)
         # fp16 compute returns fp16 arrays; token ids (greedy_step) come back as int32
-        return [np.asarray(result[name], dtype=np.float32 if np.issubdtype(result[name].dtype, np.floating) else np.int64)
-                for name in self.outputs[method]]
+        return [np.asarray(result[name], dtype=_host_dtype(result[name])) for name in self.outputs[method]]
 
 
 def open_session(backend: str, files: dict[str, Path], threads: int | None = None) -> Session:
@@ -270,3 +287,8 @@ def open_session(backend: str, files: dict[str, Path], threads: int | None = Non
     if backend == "coreml":
         return CoreMLSession(files["package"])
     raise ValueError(f"no runtime session for {backend!r} files (built for a device, not for this runtime)")
+
+
+def _host_dtype(array: np.ndarray) -> type:
+    """float32 for floats, int64 for ids: what the host reads whatever the engine computed in."""
+    return np.float32 if np.issubdtype(array.dtype, np.floating) else np.int64

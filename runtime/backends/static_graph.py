@@ -1,5 +1,6 @@
 """The backend over the graphs' functions: exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML)
-and the same functions run eagerly by torch (runtime/backends/pytorch.py).
+and the same functions run eagerly by torch (export/eager.py). The graphs' names, tensors and who writes the cache
+are the contract's (runtime/contract.py).
 
 The KV cache [L, kv_heads, C, d] is one buffer per K and V, allocated here and handed to every call. Who
 writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layout owner):
@@ -21,7 +22,6 @@ import functools
 import mmap
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -36,107 +36,14 @@ from streamfuse.runtime.backends.base import (
     StepOutput,
     process_peak_rss_bytes,
 )
+from streamfuse.runtime.contract import (
+    NEW_ROWS,
+    GraphSpec,
+    bucket_method,
+    output_names,
+    tree_inputs,
+)
 from streamfuse.runtime.tree import TreeSpec
-
-# The exported methods and their tensors (export/graph.py builds graphs to this). A tree is data: the
-# step and greedy_step graphs take it as inputs (`tree`, each node's ancestors and itself, as 0/1 rows;
-# `depths`; greedy_step also `parents`), one graph per row count (a size bucket), named
-# bucket_method(method, rows); a smaller tree runs in the smallest bucket that holds it, its pad rows
-# seeing only themselves at depth PAD_DEPTH. An artifact with Medusa heads (method medusa) also has "heads".
-METHODS = ("prefill", "decode", "step", "streams", "greedy_step", "heads")
-BUCKET_METHODS = ("step", "greedy_step")
-INPUT_NAMES = {
-    "prefill": ["ids", "cache_len", "keys", "values", "last"],
-    "decode": ["ids", "cache_len", "keys", "values"],
-    "step": ["ids", "cache_len", "tree", "depths", "keys", "values"],
-    "streams": ["anchor", "cache_len", "keys", "values"],
-    "greedy_step": ["ids", "cache_len", "tree", "depths", "parents", "keys", "values"],
-    "heads": ["anchor", "cache_len", "keys", "values"],
-    "pruned_step": ["ids", "cache_len", "tree", "depths", "parents", "keys", "values"],  # the torch session's only
-}
-OUTPUT_NAMES = {
-    "prefill": ["logits", "anchor", "hidden", "new_keys", "new_values"],
-    "decode": ["logits", "anchor", "hidden", "new_keys", "new_values"],
-    "step": ["logits", "anchor", "hidden", "new_keys", "new_values"],
-    "streams": ["stream_logits", "stream_states"],
-    "greedy_step": ["targets", "accepted", "drafts", "new_keys", "new_values", "stream_states"],
-    "heads": ["head_logits"],
-    "pruned_step": ["logits", "anchor", "hidden", "new_keys", "new_values", "transitions"],
-}
-# Graphs that keep the cache in the engine take COMMIT_INPUT last: the nodes of the previous call's rows the host
-# accepted, ascending, then -1 ([max_nodes] int64; all -1: nothing to move). With n of them, the call first moves
-# slot (cache_len - n) + nodes[j] to (cache_len - n) + j, then attends and writes its own rows at cache_len..
-# (runtime/tree_attention.py commit_rows, tree_attention's store). They return no NEW_ROWS.
-COMMIT_INPUT = "commit"
-NEW_ROWS = ("new_keys", "new_values")
-
-
-def input_names(method: str, engine_cache: bool) -> list[str]:
-    """The inputs of `method` (step_8: step's) in order."""
-    return INPUT_NAMES[base_method(method)] + ([COMMIT_INPUT] if engine_cache else [])
-
-
-def output_names(method: str, engine_cache: bool) -> list[str]:
-    """The outputs of `method` (step_8: step's) in order."""
-    return [name for name in OUTPUT_NAMES[base_method(method)] if not (engine_cache and name in NEW_ROWS)]
-
-# A pad row's depth: its position is the row before the tree's root (a real, finite one), and greedy_step
-# weighs reachable rows by depth + 1, so a pad row (weight 0) never wins over the root (weight 1).
-PAD_DEPTH = -1
-
-
-def bucket_method(method: str, rows: int) -> str:
-    """The name of the step or greedy_step graph of `rows` rows: step_8, greedy_step_4, ..."""
-    if method not in BUCKET_METHODS:
-        raise ValueError(f"{method!r} has no size buckets; bucketed methods: {', '.join(BUCKET_METHODS)}")
-    return f"{method}_{rows}"
-
-
-def base_method(name: str) -> str:
-    """The method an exported name runs (greedy_step_8 -> greedy_step), which gives its tensors' names."""
-    head, _, rows = name.rpartition("_")
-    return head if rows.isdigit() and head in BUCKET_METHODS else name
-
-
-def method_names(buckets: Sequence[int], heads: bool = False) -> list[str]:
-    """Every method of an artifact with step graphs of `buckets` rows (and Medusa heads), in the order
-    exporters list them."""
-    bucketed = [bucket_method(m, rows) for rows in buckets for m in BUCKET_METHODS]
-    return ["prefill", "decode", "streams", *bucketed, *(["heads"] if heads else [])]
-
-
-def tree_inputs(tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`tree` as a bucket of `rows` rows takes it: (tree [rows, rows] float 0/1, depths [rows], parents
-    [rows], the root its own parent); pad rows see only themselves, at PAD_DEPTH, under the root."""
-    count = tree.num_nodes
-    if count > rows:
-        raise ValueError(f"a tree of {count} nodes does not fit a bucket of {rows} rows")
-    visible = np.eye(rows, dtype=np.float32)
-    visible[:count, :count] = tree.ancestor_mask
-    depths = np.array(tree.depths + [PAD_DEPTH] * (rows - count), dtype=np.int64)
-    parents = np.array([0, *tree.parents[1:]] + [0] * (rows - count), dtype=np.int64)
-    return visible, depths, parents
-
-
-CACHE_INPUTS = ("keys", "values")  # the host's cache tensors [L, kv_heads, C, d], every method's inputs
-
-
-# ONNX has one entry point per model, so one ONNX model holds every method (export/onnx_methods.py):
-# the int64 scalar input METHOD_INPUT picks one by its index in method_names(trees), the model's inputs are the
-# union of the methods' (each call feeds all; those its method does not read may be any placeholder),
-# and the method's outputs are named method_output(method, name).
-# A task's tensors (LoRA, streams, pruning head) as trailing inputs of every method, in name order, where the
-# graphs hold only the base (export/task_inputs.py): the session binds a task's once and adds them to each call.
-TASK_PREFIX = "task."
-METHOD_INPUT = "method"
-METHODS_METADATA = "streamfuse.methods"  # the ONNX model's metadata key: its methods in METHOD_INPUT's order
-# The ONNX model's metadata key for the tables its gathers read as inputs (the embedding, export/onnx_passes.py):
-# {input: {"location": file beside the model, "offset", "shape", "dtype"}}; the host maps them read-only.
-EMBEDDING_METADATA = "streamfuse.gathered"
-
-
-def method_output(method: str, name: str) -> str:
-    return f"{method}.{name}"
 
 
 class Session(Protocol):
@@ -149,8 +56,12 @@ class Session(Protocol):
         """Run one exported method; outputs in the manifest's order."""
 
 
-def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[np.ndarray]]], rounds: int,
-                           warmup: int, progress: Callable[[Iterable], Iterable] = iter) -> dict[Hashable, list[float]]:
+def interleaved_call_times(
+    calls: dict[Hashable, tuple[Session, str, list[np.ndarray]]],
+    rounds: int,
+    warmup: int,
+    progress: Callable[[Iterable], Iterable] = iter,
+) -> dict[Hashable, list[float]]:
     """Seconds of each call (key -> session, method, inputs) over `rounds` rounds after `warmup` untimed
     ones; each round runs every call once, so all of them see the same conditions."""
     samples = {key: [] for key in calls}
@@ -163,65 +74,10 @@ def interleaved_call_times(calls: dict[Hashable, tuple[Session, str, list[np.nda
     return samples
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """What the host must know about the graphs (an artifact's manifest, or the torch session's model)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    num_streams: int
-    capacity: int  # KV rows the graphs attend over (dynamic: the most the host allocates unasked)
-    prefill_chunk: int  # prompt tokens per prefill call (dynamic: the whole prompt in one call)
-    buckets: tuple[int, ...]  # row counts with step / greedy_step graphs, ascending (dynamic: none)
-    greedy_schedules: tuple[str, ...]  # each bucket's greedy_step streams schedule (dynamic: one for all)
-    width: int  # ranks per stream greedy_step drafts: a wider tree runs step + streams instead
-    heads: int = 0  # Medusa heads the "heads" method ranks (0: no such method)
-    # The session runs any row count (torch eager): a tree takes its own rows, no pad; the cache grows on reset.
-    dynamic: bool = False
-    # Ascending token ids of the logits' columns where the LM head keeps only those rows (a draft model's pruned
-    # vocabulary, SpeculativeStreamingLM.keep_vocab); the host gives every other token -inf. None: all V.
-    head_ids: np.ndarray | None = field(default=None, compare=False)
-    # The graphs write the cache themselves and take each commit as input (the module docstring); else the host does.
-    engine_cache: bool = False
-
-    def full_logits(self, logits: np.ndarray) -> np.ndarray:
-        """[..., V] float32 logits from a graph's [..., V] or, with head_ids, [..., D]."""
-        if self.head_ids is None:
-            return _float(logits)
-        full = np.full((*logits.shape[:-1], self.vocab_size), -np.inf, dtype=np.float32)
-        full[..., self.head_ids] = logits
-        return full
-
-    @property
-    def max_nodes(self) -> int | None:
-        """The largest tree a step takes (None: any)."""
-        return None if self.dynamic else self.buckets[-1]
-
-    def bucket(self, tree: TreeSpec) -> int:
-        """The rows of the smallest step graph that holds `tree`."""
-        if self.dynamic:
-            return tree.num_nodes
-        for rows in self.buckets:
-            if tree.num_nodes <= rows:
-                return rows
-        raise ValueError(f"a tree of {tree.num_nodes} nodes is larger than the artifact's largest step graph "
-                         f"({self.max_nodes} rows): use a tree of at most {self.max_nodes} nodes, or rebuild the "
-                         f"artifact with export/build.py --set export.buckets=...,{tree.num_nodes}")
-
-    def drafts_from(self, tree: TreeSpec) -> bool:
-        """Whether greedy_step's ranked drafts cover every level of `tree`."""
-        return max(tree.widths) <= self.width
-
-    def schedule(self, rows: int) -> str:
-        return self.greedy_schedules[0 if self.dynamic else self.buckets.index(rows)]
-
-
 def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
     """float32 zeros in an anonymous mapping of their own, whose pages become resident only when written, 4 KiB at a
     time: a cache of C slots then costs the rows in use. (NumPy asks the kernel for transparent huge pages on large
-    arrays, so one row written into each layer's slots made a whole 2,048-slot cache resident: 90 MiB.)"""
+    arrays, so one row written into each layer's slots would make a whole 2,048-slot cache resident: 90 MiB.)"""
     size = int(np.prod(shape)) * 4
     if size == 0:
         return np.zeros(shape, np.float32)
@@ -238,8 +94,14 @@ class StaticGraphBackend:
     pruned_step: the torch one) also returns each node's transition probability, and the host keeps
     the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the session's device tensors)."""
 
-    def __init__(self, session: Session, spec: GraphSpec, device: str = "cpu", use_greedy_step: bool = True,
-                 zeros: Callable[[tuple[int, ...]], object] = lazy_zeros):
+    def __init__(
+        self,
+        session: Session,
+        spec: GraphSpec,
+        device: str = "cpu",
+        use_greedy_step: bool = True,
+        zeros: Callable[[tuple[int, ...]], object] = lazy_zeros,
+    ):
         self.session = session
         self.spec = spec
         self.use_greedy_step = use_greedy_step
@@ -260,7 +122,7 @@ class StaticGraphBackend:
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
-    def checked(cls, session: Session, spec: GraphSpec, device: str = "cpu") -> "StaticGraphBackend":
+    def checked(cls, session: Session, spec: GraphSpec, device: str = "cpu") -> StaticGraphBackend:
         """The backend over a freshly opened session, once check_in_place has passed."""
         backend = cls(session, spec, device)
         backend.check_in_place()
@@ -279,10 +141,12 @@ class StaticGraphBackend:
         self.keys[:, :, 0], self.values[:, :, 0] = before
         self.reset(1)
         if not all(written):
-            raise EngineError(f"{self.name} did not write the KV cache in place (a one-token call at load left the "
-                              f"host's {'keys' if not written[0] else 'values'} unchanged): it copies its inputs, so "
-                              f"it would decode wrong tokens; run the artifact on CPU (ONNX Runtime's "
-                              f"CPUExecutionProvider, ExecuTorch with XNNPACK) or rebuild it with this version")
+            raise EngineError(
+                f"{self.name} did not write the KV cache in place (a one-token call at load left the "
+                f"host's {'keys' if not written[0] else 'values'} unchanged): it copies its inputs, so "
+                f"it would decode wrong tokens; run the artifact on CPU (ONNX Runtime's "
+                f"CPUExecutionProvider, ExecuTorch with XNNPACK) or rebuild it with this version"
+            )
 
     def step_rows(self, tree: TreeSpec | None) -> int:
         """A tree runs in its size bucket: the bucket's rows, pad rows included."""
@@ -293,8 +157,11 @@ class StaticGraphBackend:
             if self.keys is None or self.keys.shape[2] < capacity:
                 self._allocate(capacity)
         elif capacity > self.spec.capacity:
-            raise CapacityError(f"a run needs {capacity} KV positions but the artifact was exported with capacity "
-                                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger --set export.capacity=N")
+            raise CapacityError(
+                f"a run needs {capacity} KV positions but the artifact was exported with capacity "
+                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger "
+                f"--set export.capacity=N"
+            )
         self.length = 0
         self._pending = None
         self._commit = self._no_commit
@@ -307,16 +174,26 @@ class StaticGraphBackend:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             ids = _ids(piece + [0] * (chunk - len(piece)))  # pad rows come last: causal, never seen
-            out = self._run("prefill", [ids, self._length(), self.keys, self.values,
-                                        np.array([len(piece) - 1], dtype=np.int64)])
+            out = self._run(
+                "prefill", [ids, self._length(), self.keys, self.values, np.array([len(piece) - 1], dtype=np.int64)]
+            )
             self._keep(out, range(len(piece)))
         logits, anchor, hidden = out["logits"], out["anchor"], out["hidden"]
         stream_logits, stream_states = self._stream_sources(lambda node: anchor) if with_streams else (None, None)
-        return StepOutput(self.spec.full_logits(logits), stream_logits,
-                          extras=self._extras(hidden, stream_states, self._head_source(anchor, self.length - 1, [0])))
+        return StepOutput(
+            self.spec.full_logits(logits),
+            stream_logits,
+            extras=self._extras(hidden, stream_states, self._head_source(anchor, self.length - 1, [0])),
+        )
 
-    def step(self, tokens: Sequence[int], tree: TreeSpec | None, with_streams: bool,
-             prune: PruneConfig | None = None, greedy: bool = False) -> StepOutput:
+    def step(
+        self,
+        tokens: Sequence[int],
+        tree: TreeSpec | None,
+        with_streams: bool,
+        prune: PruneConfig | None = None,
+        greedy: bool = False,
+    ) -> StepOutput:
         if prune is not None and not getattr(self.session, "prunes", False):
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
         count = tree.num_nodes if tree is not None else 1
@@ -332,20 +209,28 @@ class StaticGraphBackend:
             if prune is not None:
                 method, inputs = "pruned_step", [ids, self._length(), visible, depths, parents, self.keys, self.values]
             elif greedy and with_streams and self.use_greedy_step and self.spec.drafts_from(tree):
-                return self._greedy_step(bucket_method("greedy_step", rows), count, [
-                    ids, self._length(), visible, depths, parents, self.keys, self.values])
+                return self._greedy_step(
+                    bucket_method("greedy_step", rows),
+                    count,
+                    [ids, self._length(), visible, depths, parents, self.keys, self.values],
+                )
             else:
                 method = bucket_method("step", rows)
                 inputs = [ids, self._length(), visible, depths, self.keys, self.values]
         out = {name: t[..., :count, :] if t.ndim > 1 else t for name, t in self._run(method, inputs).items()}
         logits, anchors, hidden = out["logits"], out["anchor"], out["hidden"]
         self._pending = out
-        stream_logits, stream_states = (self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams
-                                        else (None, None))
+        stream_logits, stream_states = (
+            self._stream_sources(lambda node: anchors[node : node + 1]) if with_streams else (None, None)
+        )
         depths = tree.depths if tree is not None else [0]
         kept = keep_nodes(tree, out["transitions"].tolist(), prune) if prune is not None else None
-        return StepOutput(self.spec.full_logits(logits), stream_logits, kept,
-                          extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)))
+        return StepOutput(
+            self.spec.full_logits(logits),
+            stream_logits,
+            kept,
+            extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)),
+        )
 
     def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tree_inputs, built once per tree shape (the lookup branch fills nodes, it does not change them)."""
@@ -389,8 +274,11 @@ class StaticGraphBackend:
 
     def _check_room(self, rows: int) -> None:
         if self.length + rows > self.keys.shape[2]:
-            raise CapacityError(f"KV cache full: {self.length} committed + {rows} new > capacity "
-                                f"{self.keys.shape[2]}; reset the backend with a larger capacity or lower max_new_tokens")
+            raise CapacityError(
+                f"KV cache full: {self.length} committed + {rows} new > capacity "
+                f"{self.keys.shape[2]}; reset the backend with a larger capacity or lower "
+                f"max_new_tokens"
+            )
 
     def _length(self) -> np.ndarray:
         return np.array([self.length], dtype=np.int64)
@@ -411,8 +299,9 @@ class StaticGraphBackend:
 
     def _check_usable(self) -> None:
         if self._failed is not None:
-            raise EngineError(f"{self.name}: {self._failed}; reset the backend (every generation does) before "
-                              f"calling it again")
+            raise EngineError(
+                f"{self.name}: {self._failed}; reset the backend (every generation does) before calling it again"
+            )
 
     def _keep(self, out: dict[str, np.ndarray], nodes: Iterable[int]) -> None:
         """Commit rows `nodes` of the call that gave `out`: the host copies them into its cache, or (the engine's
@@ -439,13 +328,21 @@ class StaticGraphBackend:
         def at_accepted(output: np.ndarray):
             def read(node: int) -> np.ndarray:
                 if node != graph_node:  # the graph drafted from another node than the host accepted
-                    raise RuntimeError(f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
-                                       f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it")
+                    raise RuntimeError(
+                        f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
+                        f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it"
+                    )
                 return output
+
             return read
 
-        return StepOutput(None, None, greedy_tokens=targets[:count].tolist(), ranked_drafts=at_accepted(drafts),
-                          extras={STREAM_STATES: at_accepted(_float(states))})
+        return StepOutput(
+            None,
+            None,
+            greedy_tokens=targets[:count].tolist(),
+            ranked_drafts=at_accepted(drafts),
+            extras={STREAM_STATES: at_accepted(_float(states))},
+        )
 
     @staticmethod
     def _extras(hidden: np.ndarray, stream_states, head_logits) -> dict:
@@ -465,10 +362,13 @@ class StaticGraphBackend:
             if row >= self.length:
                 raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) before its commit")
             if (self._commit >= 0).any() and row + 1 != self.length:  # the moves land below self.length
-                raise RuntimeError(f"Medusa heads asked at node {node} (row {row}) below the last committed row "
-                                   f"{self.length - 1} while the engine's commit is pending: ask at the last one")
-            out = self._run("heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64),
-                                      self.keys, self.values])
+                raise RuntimeError(
+                    f"Medusa heads asked at node {node} (row {row}) below the last committed row "
+                    f"{self.length - 1} while the engine's commit is pending: ask at the last one"
+                )
+            out = self._run(
+                "heads", [anchors[node : node + 1], np.array([row + 1], dtype=np.int64), self.keys, self.values]
+            )
             return self.spec.full_logits(out["head_logits"])
 
         return logits

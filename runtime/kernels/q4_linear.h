@@ -39,8 +39,9 @@ namespace streamfuse::q4 {
 constexpr int64_t BLOCK = 32, TILE = 16, TILE_BYTES = 320, SCALES_AT = 256, MINS_AT = 288;
 constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in registers
 // Tile-blocks ahead that a path asks the memory for while it computes this one: a call streams its weights from
-// memory once, and the hardware's prefetch alone left the cores waiting (all linears of a call, 2 threads,
-// tools.q4_bench --scope call: 1 row 6.63 -> 6.17 ms, 4 rows 8.80 -> 7.77 ms; 4 to 16 ahead were within 3 %).
+// memory once, and the hardware's prefetch alone leaves the cores waiting (all linears of a call, 2 threads,
+// streamfuse q4-bench --scope call: 1 row 6.17 ms against 6.63 without, 4 rows 7.77 against 8.80; 4 to 16
+// ahead are within 3 %).
 constexpr int64_t PREFETCH = 8;
 
 // Asks for the cache lines of the tile-block `PREFETCH` ahead of `tile` (a hint: never a fault, past the end too).

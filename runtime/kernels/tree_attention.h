@@ -296,7 +296,7 @@ struct AttentionViews {
 };
 
 // A checked attention call: the kernel's arguments (the caches' pointers at `layer`; out is null where the views'
-// was), the store and out's shape.
+// out is), the store and out's shape.
 struct AttentionCall {
   TreeAttentionArgs args;
   float *k_layer, *v_layer;  // the same layer, written by the store

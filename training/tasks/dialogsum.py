@@ -58,7 +58,6 @@ class DialogSum(Task):
         examples = [Example(row.text("id"), row.text("dialogue"), (row.text("summary"),)) for row in rows]
         return _merge_references(examples) if split == "test" else examples
 
-
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         return rouge(predictions, references)
 
@@ -70,7 +69,9 @@ def _merge_references(examples: list[Example]) -> list[Example]:
         first = merged.get(example.source)
         if first is None:
             match = _HUB_TEST_ID.match(example.id)
-            merged[example.source] = Example(match.group(1) if match else example.id, example.source, example.references)
+            merged[example.source] = Example(
+                match.group(1) if match else example.id, example.source, example.references
+            )
         else:
             merged[example.source] = Example(first.id, first.source, first.references + example.references)
     return list(merged.values())

@@ -76,6 +76,5 @@ class SQLContext(Task):
         ]
         return [examples[i] for i in split_bounds(len(examples))[split]]
 
-
     def score(self, predictions: Sequence[str], references: Sequence[tuple[str, ...]]) -> dict[str, float]:
         return exact_match(predictions, references)

@@ -30,10 +30,42 @@ with atheris.instrument_imports(include=["streamfuse"]) if FUZZING else contextl
 
 SEEDS = Path(__file__).resolve().parent / "seeds"
 WHERE = Path("/artifact/manifest.json")  # named in messages only: nothing is read from it
-ODD = (None, True, False, 0, -1, 1, 2 ** 31, 2 ** 63, 10 ** 30, -(10 ** 30), 0.5, -1e308, 1e308, float("nan"),
-       float("inf"), "", "x", "../outside", "/etc/passwd", "a/../../b", "tokenizer/../..", "C:\\x", "\ud800",
-       "\x00", "é" * 3000, [], {}, [[]], [0], [[0]], [[[0], 1]], {"path": "x"}, {"paths": [[0]], "lookup": []},
-       [[[[[[[[[[[[0]]]]]]]]]]]])
+ODD = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    10**30,
+    -(10**30),
+    0.5,
+    -1e308,
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "../outside",
+    "/etc/passwd",
+    "a/../../b",
+    "tokenizer/../..",
+    "C:\\x",
+    "\ud800",
+    "\x00",
+    "é" * 3000,
+    [],
+    {},
+    [[]],
+    [0],
+    [[0]],
+    [[[0], 1]],
+    {"path": "x"},
+    {"paths": [[0]], "lookup": []},
+    [[[[[[[[[[[[0]]]]]]]]]]]],
+)
 
 
 RAW = b'{["-0123456789tfn \t\r\n'  # first bytes of an input taken as the manifest itself
@@ -53,7 +85,7 @@ class Choices:
         return (self.byte() << 8 | self.byte()) % count if count > 0 else 0
 
     def rest(self) -> bytes:
-        return self.data[self.at:]
+        return self.data[self.at :]
 
 
 def seeds() -> list[dict]:
@@ -90,7 +122,7 @@ def mutate(manifest: dict, choices: Choices) -> None:
         elif operation == 3:  # a subtree copied over another
             target[key] = copy.deepcopy(containers[choices.below(len(containers))])
         elif isinstance(target[key], list):
-            del target[key][choices.below(len(target[key]) + 1):]
+            del target[key][choices.below(len(target[key]) + 1) :]
 
 
 def manifest_bytes(data: bytes, bases: list[dict]) -> bytes:
