@@ -109,14 +109,14 @@ BUILD = MethodBuild("toy", ToyConfig, train, install, chain=lambda config: confi
 
 
 def test_a_method_added_by_one_folder_builds_and_decodes_as_plain(tiny_base_dir, tmp_path, monkeypatch, capsys):
-    package = tmp_path / "packages" / "toy_method"
+    package = tmp_path / "packages" / "toy_built_method"  # not tests/toy_method.py, which test_methods imports
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(RUNTIME))
     (package / "build.py").write_text(textwrap.dedent(BUILD))
     monkeypatch.syspath_prepend(str(tmp_path / "packages"))
     monkeypatch.setattr(registry, "_METHODS", dict(registry._loaded()))  # the toy leaves with the test
     monkeypatch.setattr(registry, "_PACKAGES", dict(registry._PACKAGES))
-    registry.register_package("toy_method")
+    registry.register_package("toy_built_method")
     assert "toy" in registry.names() and build_part.parts()[-1].section == "toy"
 
     data = write_tiny_dialogsum(tmp_path / "data")
@@ -176,4 +176,4 @@ def test_a_method_added_by_one_folder_builds_and_decodes_as_plain(tiny_base_dir,
     # A rerun finds the stage's table and reuses it.
     assert build.main(argv) == 0
     assert "[toy] reusing" in capsys.readouterr().out
-    assert sys.modules["toy_method.build"].BUILD.section == "toy"
+    assert sys.modules["toy_built_method.build"].BUILD.section == "toy"
