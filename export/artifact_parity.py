@@ -71,28 +71,19 @@ class ParityGate:
         # the fp32 model, same layout: a low-bit format's error is measured against it
         reference = EagerSession(self.modules(model, span=backend in SPAN))
         fmt = self.format(backend)
-        if fmt == "none":
-            result = backend_parity(
-                session,
-                reference,
-                self.graph_spec(backend),
-                self.trees,
-                self.prompts,
-                self.expected_tokens(),
-                self.rules(),
-            )
-        else:  # lossless against its own plain decoding on every prompt; tokens may differ from fp32 eager
-            result = backend_parity(
-                session,
-                reference,
-                self.graph_spec(backend),
-                self.trees,
-                self.prompts,
-                self.expected_tokens(),
-                self.rules(),
-                plain_prompts=len(self.prompts),
-                relative_tolerance=None,
-            )
+        # a low-bit format is lossless against its own plain decoding on every prompt; its tokens may differ from fp32
+        own = {} if fmt == "none" else {"plain_prompts": len(self.prompts), "relative_tolerance": None}
+        result = backend_parity(
+            session,
+            reference,
+            self.graph_spec(backend),
+            self.trees,
+            self.prompts,
+            self.expected_tokens(),
+            self.rules(),
+            **own,
+        )
+        if own:
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
         others = result["other_trees"]
         print(

@@ -108,6 +108,29 @@ def write_tiny_dialogsum(directory, seed: int = 0, rows: int = 24):
     return directory
 
 
+def smoke_build_args(base, data, work, *extra: str) -> list[str]:
+    """`streamfuse build`'s flags for the smoke preset on the tiny base and task data (tests/test_build*.py)."""
+    return ["--task", "dialogsum", "--preset", "smoke", "--base-model", str(base), "--data-dir", str(data)] + [
+        "--work-dir",
+        str(work),
+        *extra,
+    ]
+
+
+def end_half_the_answers(monkeypatch) -> None:
+    """The tiny model never stops by itself: end every other own answer early, so a build's stages that keep only
+    finished answers (distillation, the drafters' training) have some."""
+    from streamfuse.training import distill
+
+    real_answers = distill.greedy_answer_ids
+
+    def half_finished(model, tokenizer, prompts, *args, **kwargs):
+        answers = real_answers(model, tokenizer, prompts, *args, **kwargs)
+        return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
+
+    monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
+
+
 @pytest.fixture
 def tiny_base_dir(tmp_path):
     """A saved tiny Llama + tokenizer folder, usable as --base-model."""

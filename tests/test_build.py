@@ -11,40 +11,19 @@ from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.calibration import AcceptanceModel
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import build, distill, stages
+from streamfuse.training import build, stages
 
-from conftest import write_tiny_dialogsum
+from conftest import end_half_the_answers, smoke_build_args, write_tiny_dialogsum
 
 
 def run_build(base, data, work, *extra):
-    return build.main(
-        [
-            "--task",
-            "dialogsum",
-            "--preset",
-            "smoke",
-            "--base-model",
-            str(base),
-            "--data-dir",
-            str(data),
-            "--work-dir",
-            str(work),
-            *extra,
-        ]
-    )
+    return build.main(smoke_build_args(base, data, work, *extra))
 
 
 def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, capsys, monkeypatch):
     data = write_tiny_dialogsum(tmp_path / "data")
-    # The tiny model never stops by itself; end every other answer early so the distillation stage
-    # has finished answers to train on and its filter (unfinished answers are dropped) is exercised.
-    real_answers = distill.greedy_answer_ids
-
-    def half_finished(model, tokenizer, prompts, *args, **kwargs):
-        answers = real_answers(model, tokenizer, prompts, *args, **kwargs)
-        return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
-
-    monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
+    # Distillation keeps finished answers only: its filter (unfinished answers dropped) is exercised.
+    end_half_the_answers(monkeypatch)
     # Frozen (the cpu recipe): only the streams, with a per-stream f_eta, train in the second stage,
     # on the own answers and the references.
     export = ["--backends", "torch,onnxruntime", "--out", str(tmp_path / "artifact")] + [
@@ -346,19 +325,7 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
             "bench": {**opened.manifest["profile"]["bench"], "mismatched_inputs": ["test_1"]},
         }
     )
-    argv = [
-        "--task",
-        "dialogsum",
-        "--preset",
-        "smoke",
-        "--base-model",
-        str(tiny_base_dir),
-        "--data-dir",
-        str(data),
-        "--work-dir",
-        str(tmp_path / "work"),
-        *with_sd,
-    ]  # the artifact as it is now, chains included
+    argv = smoke_build_args(tiny_base_dir, data, tmp_path / "work", *with_sd)  # the artifact as it is now
     assert errors.run(build.main, argv, prog="build.py") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err

@@ -12,9 +12,9 @@ from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import build, distill
+from streamfuse.training import build
 
-from conftest import write_tiny_dialogsum
+from conftest import end_half_the_answers, smoke_build_args, write_tiny_dialogsum
 
 RUNTIME = '''
 import json
@@ -120,25 +120,9 @@ def test_a_method_added_by_one_folder_builds_and_decodes_as_plain(tiny_base_dir,
     assert "toy" in registry.names() and build_part.parts()[-1].section == "toy"
 
     data = write_tiny_dialogsum(tmp_path / "data")
-    real_answers = distill.greedy_answer_ids  # the tiny model never stops by itself: end half its answers early
-
-    def half_finished(model, tokenizer, prompts, *args, **kwargs):
-        answers = real_answers(model, tokenizer, prompts, *args, **kwargs)
-        return [a[:3] + [tokenizer.eos_token_id] if i % 2 == 0 else a for i, a in enumerate(answers)]
-
-    monkeypatch.setattr(distill, "greedy_answer_ids", half_finished)
+    end_half_the_answers(monkeypatch)
     artifact = tmp_path / "artifact"
-    argv = [
-        "--task",
-        "dialogsum",
-        "--preset",
-        "smoke",
-        "--base-model",
-        str(tiny_base_dir),
-        "--data-dir",
-        str(data),
-        "--work-dir",
-        str(tmp_path / "work"),
+    argv = smoke_build_args(tiny_base_dir, data, tmp_path / "work") + [
         "--backends",
         "torch,onnxruntime",
         "--out",

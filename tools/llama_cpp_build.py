@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from streamfuse.runtime.durable import replace_folder
-from streamfuse.tools.peers_gguf import cache_root, llama_cpp_version
+from streamfuse.tools.peers_gguf import cache_root, llama_cpp_sdist, llama_cpp_version
 
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 # llama.cpp's defaults; LLAMA_CURL=OFF keeps older versions off libcurl (0.3.36's llama.cpp ignores it)
@@ -108,32 +108,14 @@ def _fetch_source(version: str, target: Path) -> None:
     log(f"fetching the llama-cpp-python {version} sdist for its vendored llama.cpp (once) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"llama-cpp-python=={version}",
-                "-d",
-                tmp,
-            ],
-            capture_output=True,
-            text=True,
-        )
-        archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        if done.returncode != 0 or not archives:
-            raise SystemExit(
-                f"error: pip download llama-cpp-python=={version} --no-binary failed: {last_line(done.stderr)}"
-            )
+        try:
+            archive_path = llama_cpp_sdist(version, Path(tmp))
+        except FileNotFoundError as error:
+            raise SystemExit(f"error: {error}") from None
         staging = Path(tmp) / "src"
-        _extract_vendor(archives[0], staging)
+        _extract_vendor(archive_path, staging)
         if not (staging / "CMakeLists.txt").is_file():
-            raise SystemExit(f"error: {archives[0].name} has no vendor/llama.cpp/CMakeLists.txt")
+            raise SystemExit(f"error: {archive_path.name} has no vendor/llama.cpp/CMakeLists.txt")
         replace_folder(staging, target)  # the old copy deleted once the new one is in place
 
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from streamfuse.runtime.options import add_model_options, check_model_options  # argparse only: measured clean
-from streamfuse.tools.process_memory import cache_resident_bytes, status, timed_switch
+from streamfuse.tools.process_memory import cache_resident_bytes, child_command, status, timed_switch
 
 MIB = 2**20
 
@@ -158,21 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _child_command(args: argparse.Namespace, backend: str, data: Path | None) -> list[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "streamfuse.tools.memory",
-        "--artifact",
-        str(args.artifact),
-        "--child",
-        backend,
-        "--limit",
-        str(args.limit),
-        "--threads",
-        str(args.threads),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-    ]
+    command = child_command("streamfuse.tools.memory", args, backend)
     return command + (["--data", str(data)] if data is not None else [])
 
 

@@ -134,6 +134,21 @@ def find_converter(fetch: bool = True) -> Path:
     return target
 
 
+def llama_cpp_sdist(version: str, folder: Path) -> Path:
+    """The llama-cpp-python sdist (it vendors llama.cpp's sources and scripts), downloaded into `folder`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        + [f"llama-cpp-python=={version}", "-d", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    archives = sorted(folder.glob("llama_cpp_python-*.tar.gz"))
+    if done.returncode != 0 or not archives:
+        lines = done.stderr.strip().splitlines() or ["no sdist downloaded"]
+        raise FileNotFoundError(f"pip download llama-cpp-python=={version} --no-binary :all: failed: {lines[-1]}")
+    return archives[0]
+
+
 def _fetch_converter(version: str, target: Path) -> None:
     print(
         f"[peers] fetching the llama-cpp-python {version} sdist for convert_hf_to_gguf.py (once) -> {target}",
@@ -141,34 +156,16 @@ def _fetch_converter(version: str, target: Path) -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"llama-cpp-python=={version}",
-                "-d",
-                tmp,
-            ],
-            check=True,
-        )
-        archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        if not archives:
-            raise FileNotFoundError(f"pip download of llama-cpp-python=={version} gave no sdist in {tmp}")
+        archive_path = llama_cpp_sdist(version, Path(tmp))
         staging = Path(tmp) / "converter"
-        with tarfile.open(archives[0]) as archive:
+        with tarfile.open(archive_path) as archive:
             for member in archive.getmembers():
                 parts = member.name.split("/vendor/llama.cpp/", 1)
                 if len(parts) == 2 and parts[1].startswith(_CONVERTER_PARTS) and (member.isfile() or member.isdir()):
                     member.name = parts[1]
                     archive.extract(member, staging, filter="data")  # no links or absolute paths
         if not _has_scripts(staging):
-            raise FileNotFoundError(f"{archives[0].name} lacks vendor/llama.cpp/{' or '.join(_SCRIPTS)}")
+            raise FileNotFoundError(f"{archive_path.name} lacks vendor/llama.cpp/{' or '.join(_SCRIPTS)}")
         target.parent.mkdir(parents=True, exist_ok=True)
         beside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # target's file system
         shutil.move(str(staging), beside / target.name)

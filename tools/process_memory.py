@@ -5,6 +5,7 @@ tools/soak.py, tools/task_switch.py); standard library only, so a measured proce
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
@@ -48,3 +49,16 @@ def timed_switch(loaded, task: str, level: int):
     loaded = loaded.with_task(task)
     seconds = time.perf_counter() - start
     return loaded, seconds, status()["VmRSS"] - level
+
+
+def child_command(module: str, args, backend: str) -> list[str]:
+    """The command line that measures `backend` in a process of its own: `module` run with --child and the
+    parent's artifact, limit, threads and token budget."""
+    return [sys.executable, "-m", module, "--artifact", str(args.artifact), "--child", backend] + [
+        "--limit",
+        str(args.limit),
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from streamfuse.runtime import errors
 from streamfuse.runtime.options import add_model_options, check_model_options
+from streamfuse.tools.process_memory import child_command
 
 
 def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, object]:
@@ -123,21 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     results = []
     for backend in args.backends.split(","):
-        command = [
-            sys.executable,
-            "-m",
-            "streamfuse.tools.task_switch",
-            "--artifact",
-            str(args.artifact),
-            "--child",
-            backend,
-            "--limit",
-            str(args.limit),
-            "--threads",
-            str(args.threads),
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-        ]
+        command = child_command("streamfuse.tools.task_switch", args, backend)
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise errors.UsageError(f"{backend}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
