@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,build,executorch,coreml,data,app
+EXTRAS ?= dev,build,executorch,coreml,data,app,server
 ARGS ?=
 
 .PHONY: build test venv kernels clean fuzz sanitize lint

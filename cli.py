@@ -24,6 +24,7 @@ COMMANDS: dict[str, Command] = {
     "calibrate": Command("streamfuse.tools.calibrate", "choose the draft tree for this device and backend"),
     "profile": Command("streamfuse.tools.profiler", "call reduction, acceptance and time split of a decode trace"),
     "demo": Command("streamfuse.apps.demo", "desktop demo: two methods decoding side by side"),
+    "serve": Command("streamfuse.apps.server", "an OpenAI-compatible HTTP server, concurrent requests batched"),
 }
 TOOLS: dict[str, Command] = {
     "probe": Command("streamfuse.tools.probe", "hostile inputs through the CLI, the API and tampered artifacts"),
@@ -42,6 +43,8 @@ TOOLS: dict[str, Command] = {
     "linear-bench": Command("streamfuse.tools.linear_bench", "one linear layer: eager torch, packed, XNNPACK"),
     "peers": Command("streamfuse.tools.peers", "peer baselines (transformers, llama.cpp, optimum-executorch)"),
     "peers-native": Command("streamfuse.tools.peers_native", "llama.cpp's own llama-bench, in its own processes"),
+    "load-test": Command("streamfuse.tools.load_test", "many clients against the server: outputs exact, RSS flat"),
+    "batch-bench": Command("streamfuse.tools.batch_bench", "B concurrent requests per step: tokens/s, time to first"),
 }
 ALL: dict[str, Command] = {**COMMANDS, **TOOLS}
 

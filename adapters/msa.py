@@ -151,3 +151,32 @@ class SpanKeyValues(KeyValues):
             return keys, values
         prefix_keys, prefix_values = self.prefix[layer]
         return torch.cat([prefix_keys, keys], dim=2), torch.cat([prefix_values, values], dim=2)
+
+
+class BatchSpanKeyValues(KeyValues):
+    """K/V of a batched step (export/batch_pass.py) for span_attention: the call's rows are `sequences` sequences of
+    `rows` rows each, every sequence with its own cache (keys, values [L, kv, C, d]), `start` ([1]: it attends
+    slots [0, start)) and `visible` ([rows, rows] 0/1 among its own rows). The attention runs the kernel once per
+    sequence on its rows, which it also writes into that cache at slots start.. (stored); no row sees another
+    sequence's."""
+
+    announced = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        starts: Sequence[torch.Tensor],
+        visible: Sequence[torch.Tensor],
+    ):
+        super().__init__(rows * len(caches))
+        if not len(caches) == len(starts) == len(visible):
+            raise ValueError(f"{len(caches)} caches, {len(starts)} starts, {len(visible)} masks: give one per sequence")
+        self.rows, self.caches, self.starts, self.masks = rows, list(caches), list(starts), list(visible)
+        self.stored = rows
+        self.new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def _store(self, layer, keys, values):
+        self.new[layer] = (keys, values)
+        return keys, values

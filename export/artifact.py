@@ -53,7 +53,7 @@ from streamfuse.runtime.artifact import (
     save_vocab,
     write_manifest,
 )
-from streamfuse.runtime.contract import GraphSpec, method_names
+from streamfuse.runtime.contract import GraphSpec, method_names, parse_batches
 from streamfuse.runtime.durable import replace_folder, write_atomic
 from streamfuse.runtime.tree import TreeSpec
 
@@ -96,6 +96,9 @@ class ExportConfig:
     # ... and on ExecuTorch: XNNPACK's 8da4w with fp32 side terms (one delegate call for the whole method), or
     # streamfuse's op, which runs outside the delegate (the graph between the linears splits into many)
     pte_linear: str = "xnnpack"
+    # The batched steps of the engine-cache graphs (ExecuTorch, ONNX Runtime): "BxT,..." (e.g. "2x1,4x1,4x4"), B
+    # sequences of T rows each (1: decode rows, else a bucket) in one call (export/batch_pass.py); "": none.
+    batches: str = ""
 
     def validate(self) -> None:
         if not self.trees:
@@ -120,7 +123,7 @@ class ExportConfig:
             )
         if self.draft_vocab < 0:
             raise ValueError(f"export.draft_vocab must be >= 0 (0: streams rank all tokens), got {self.draft_vocab}")
-        shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets)
+        shapes = graph.GraphShapes(self.capacity, self.prefill_chunk, self.buckets, batches=self.batch_shapes)
         graph.greedy_schedule(shapes.max_nodes, self.greedy_schedule)
         for tree in (TreeSpec.parse(tree) for tree in self.trees):
             if tree.num_nodes > shapes.max_nodes:
@@ -128,6 +131,11 @@ class ExportConfig:
                     f"export.trees has a tree of {tree.num_nodes} nodes, more than the largest of "
                     f"export.buckets ({shapes.max_nodes}): add a bucket of {tree.num_nodes} or more"
                 )
+
+    @property
+    def batch_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(sequences, rows) of each batched step (`batches` parsed)."""
+        return parse_batches(self.batches)
 
     def key(
         self,
@@ -148,7 +156,7 @@ class ExportConfig:
             "schema": SCHEMA,
             "training": training_key,
             "weights": weights,
-            "methods": method_names(self.buckets, heads_key is not None),
+            "methods": method_names(self.buckets, heads_key is not None, self.batch_shapes),
             "heads": heads_key,
             **asdict(self),
             "draft_ids": hashlib.sha256(json.dumps(draft.ids if draft else None).encode()).hexdigest(),
@@ -390,7 +398,10 @@ class ArtifactBuilder(BackendExports, ParityGate, ManifestRecord):
             model.keep_vocab(torch.tensor(self.head.ids))
 
     def shapes(self, span: bool = False) -> graph.GraphShapes:
-        return graph.GraphShapes(self.config.capacity, self.config.prefill_chunk, self.config.buckets, span)
+        config = self.config
+        return graph.GraphShapes(
+            config.capacity, config.prefill_chunk, config.buckets, span, batches=config.batch_shapes
+        )
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:

@@ -88,6 +88,7 @@ class ManifestRecord:
                 "capacity": shapes.capacity,
                 "prefill_chunk": shapes.prefill_chunk,
                 "buckets": list(shapes.buckets),
+                "batches": [list(pair) for pair in shapes.batches] if shapes.span else [],
                 "dtype": "float32",
                 "stream_schedule": "deferred",
                 "quantize": {b: f["name"] for b, f in formats.items()},

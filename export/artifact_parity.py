@@ -1,11 +1,13 @@
 """The parity gate of an artifact's backends (ArtifactBuilder's part: export/artifact.py): each backend that runs
-here decodes the parity prompts against torch eager and its own plain decoding (export/verify.py); an artifact that
-is not lossless is refused before it is installed."""
+here decodes the parity prompts against torch eager and its own plain decoding (export/verify.py), and runs each
+batched step against its sequences' own calls (export/artifact_batch.py); an artifact that is not lossless is
+refused before it is installed."""
 
 from __future__ import annotations
 
 import shutil
 
+from streamfuse.export.artifact_batch import batch_parity, check_batches
 from streamfuse.export.backend_export import tensors_stage
 from streamfuse.export.eager import TorchBackend
 from streamfuse.export.formats import RUNS_HERE, SPAN
@@ -29,6 +31,7 @@ class ParityGate:
         try:
             for backend, result in parity.items():
                 check_parity(backend, result, against_eager=self.format(backend) == "none", names=self.prompt_names)
+                check_batches(backend, result)
         except ParityError:
             shutil.rmtree(self.staging)
             raise
@@ -83,6 +86,7 @@ class ParityGate:
             self.rules(),
             **own,
         )
+        result["batches"] = batch_parity(session, self.graph_spec(backend))  # each batched step == its single calls
         if own:
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
         others = result["other_trees"]
@@ -91,7 +95,8 @@ class ParityGate:
             f"{result['prompts']} prompts; SS == own plain on {result['ss_equals_own_plain']}/"
             f"{result['plain_prompts']}; other trees SS == own plain: "
             f"{sorted(others['ss_equals_own_plain'].values())}/{others['prompts']}{main_graph_lines(result)}; step "
-            f"outputs within tolerance: {result['within_tolerance']}",
+            f"outputs within tolerance: {result['within_tolerance']}; batched steps == their single calls: "
+            f"{all(all(checks.values()) for checks in result['batches'].values())}",
             flush=True,
         )
         return result

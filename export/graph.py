@@ -38,6 +38,9 @@ graph. The host still decides acceptance from `targets`; `accepted` only says wh
 streams and greedy_step also return the streams' final-normed states [gamma, H] (stream_states): method
 ss-adaptive's acceptance head reads them on the host.
 
+batch_step_{B}x{T} (GraphShapes.batches, the span graphs only) runs B sequences' step_T (decode's for T = 1) in one
+call, each on its own cache (export/batch_pass.py).
+
 The methods' modules are export/passes.py's (the torch backend runs the same ones eagerly); this module fixes
 their static shapes and layout for export.
 """
@@ -51,6 +54,7 @@ import torch
 from torch import nn
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
+from streamfuse.export.batch_pass import BatchStepPass, batch_example
 from streamfuse.export.passes import (
     APPEND,
     SPAN,
@@ -64,6 +68,7 @@ from streamfuse.export.passes import (
 from streamfuse.runtime.contract import (
     STREAM_SCHEDULES,
     GraphSpec,
+    batch_method,
     bucket_method,
     input_names,
     output_names,
@@ -88,6 +93,9 @@ class GraphShapes:
     # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
     # further (training/calibration.py MAX_RANK = 8).
     draft_width: int = 9
+    # (sequences, rows) of the batched steps (runtime/contract.py batch_method; export/batch_pass.py): the span
+    # graphs only (they keep each sequence's cache in the engine); rows 1 (decode rows) or a bucket.
+    batches: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 2:
@@ -100,6 +108,12 @@ class GraphShapes:
                 f"capacity {self.capacity} must hold at least one prefill chunk ({self.prefill_chunk}) "
                 f"plus the largest step ({self.max_nodes} rows)"
             )
+        for sequences, rows in self.batches:
+            if sequences < 2 or rows not in (1, *self.buckets):
+                raise ValueError(
+                    f"export.batches has {sequences}x{rows}: a batched step takes 2 or more sequences of 1 row "
+                    f"or of a bucket's rows ({', '.join(map(str, self.buckets))}); fix export.batches"
+                )
 
     @property
     def max_nodes(self) -> int:
@@ -157,6 +171,8 @@ def graph_modules(
         )
     if heads is not None:
         modules["heads"] = HeadsPass(model, heads, layout)
+    for sequences, rows in shapes.batches if shapes.span else ():
+        modules[batch_method(sequences, rows)] = BatchStepPass(model, sequences, rows)
     return modules
 
 
@@ -179,6 +195,7 @@ def graph_spec(
         heads,
         head_ids=model.kept_vocab(),
         engine_cache=shapes.span,
+        batches=shapes.batches if shapes.span else (),
     )
 
 
@@ -207,6 +224,10 @@ def example_inputs(model: SpeculativeStreamingLM, shapes: GraphShapes) -> dict[s
     if shapes.span:  # a commit moving nothing: the example's values must be valid, the moves' cost is not traced
         commit = torch.full((shapes.max_nodes,), -1, dtype=torch.long)
         inputs = {name: (*tensors, commit) for name, tensors in inputs.items()}
+        for sequences, rows in shapes.batches:
+            inputs[batch_method(sequences, rows)] = batch_example(
+                model, sequences, rows, keys, values, shapes.max_nodes
+            )
     return inputs
 
 

@@ -42,7 +42,8 @@ def strip_debug_info(model, keep_shapes: bool = False) -> None:
 
 def combine_methods(models: dict):
     """{method: ModelProto, each self-contained} -> one ModelProto: inputs are the union of the methods'
-    (plus METHOD_INPUT), a dim the methods disagree on is named; outputs <method>.<name>. METHOD_INPUT
+    (plus METHOD_INPUT), a dim the methods disagree on is named, a rank they disagree on leaves the input's shape
+    open; outputs <method>.<name>. METHOD_INPUT
     picks a method by its index in `models`, an order the model's metadata keeps."""
     from onnx import TensorProto, helper
 
@@ -152,20 +153,21 @@ def _content_key(tensor) -> str:
 def _union_inputs(models: dict) -> list:
     from onnx import helper
 
-    shapes: dict[str, tuple[int, list]] = {}
+    shapes: dict[str, tuple[int, list | None]] = {}
     for model in models.values():
         for value in model.graph.input:
             dims = [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
             dtype, known = shapes.get(value.name, (value.type.tensor_type.elem_type, dims))
-            if len(known) != len(dims):
-                raise ValueError(f"input {value.name} has rank {len(dims)} in one method and {len(known)} in another")
+            if known is None or len(known) != len(dims):  # a batched step's tree [B, T, T] beside step's [T, T]
+                shapes[value.name] = (dtype, None)
+                continue
             shapes[value.name] = (dtype, [a if a == b else None for a, b in zip(known, dims)])
-    return [
-        helper.make_tensor_value_info(
-            name, dtype, [d if d is not None else f"{name}_{axis}" for axis, d in enumerate(dims)]
-        )
-        for name, (dtype, dims) in shapes.items()
-    ]
+    return [helper.make_tensor_value_info(name, kind, _named_dims(name, dims)) for name, (kind, dims) in shapes.items()]
+
+
+def _named_dims(name: str, dims: list | None) -> list | None:
+    """An input's dims, each the methods disagree on named after the input and axis; None: any shape."""
+    return None if dims is None else [d if d is not None else f"{name}_{axis}" for axis, d in enumerate(dims)]
 
 
 def _union_opsets(models: dict) -> list:

@@ -11,7 +11,7 @@
     <artifact>/drafters/<m>/   method m's drafter (sd: the draft model checkpoint, run on torch; medusa:
                                its heads, also in the graphs' heads method, graphs.heads)
     <artifact>/model.pte       ExecuTorch (XNNPACK), methods prefill/decode/streams, step_T/greedy_step_T per size
-                               bucket T, the tree an input (and heads)
+                               bucket T, the tree an input (and heads), batch_step_BxT per graphs.batches
     <artifact>/onnx/           model.onnx (every method, one If branch each) + weights.bin
     <artifact>/model.mlpackage Core ML multifunction package (runs on macOS)
     <artifact>/model-coreml.pte ExecuTorch with the Core ML delegate (runs in an Apple app)
@@ -48,7 +48,7 @@ from streamfuse.runtime.tree import TreeSpec
 
 __all__ = ["ArtifactError", "file_digest"]  # re-exported: the artifact's error and digest live in artifact_files
 
-SCHEMA = "streamfuse.artifact/21"  # /21: a declared schema; tokenizer.files, draft_vocab, adapter digests
+SCHEMA = "streamfuse.artifact/22"  # /22: graphs.batches (the batched steps)
 MANIFEST = "manifest.json"
 LOCK = ".manifest.lock"  # every write to the artifact holds this file's lock (runtime/durable.py)
 MAX_MANIFEST_BYTES = 1 << 26  # a real manifest is well under 1 MiB
@@ -384,6 +384,7 @@ class Artifact:
             graphs["heads"]["count"],
             head_ids=self.head_ids(),
             engine_cache=owner[backend] == ENGINE_CACHE,
+            batches=tuple((count, rows) for count, rows in graphs["batches"]) if owner[backend] == ENGINE_CACHE else (),
         )
 
     def head_ids(self) -> np.ndarray | None:

@@ -15,6 +15,9 @@ Every method is a function of explicit tensors; the host allocates the KV cache 
                                                                -> targets [T], accepted [1], drafts [gamma,K],
                                                                   new_keys, new_values, stream_states [gamma,H]
     heads  (anchor [1,H], cache_len [1], keys, values)         -> head_logits [heads,V]   (Medusa heads only)
+    batch_step_BxT(ids [1,B*T], cache_len [B], tree [B,T,T], depths [B,T], keys_0, values_0, .., keys_{B-1},
+                   values_{B-1}, commit [B,max_nodes])     -> logits [B*T,V], anchor [B*T,H], hidden [B*T,H]
+                                                              (engine-cache graphs only: ExecuTorch, ONNX Runtime)
 
 keys / values are the cache [L, kv_heads, C, d] (CACHE_INPUTS), new_keys / new_values a call's rows
 [L, kv_heads, T, d] (NEW_ROWS). Who writes the cache (GraphSpec.engine_cache; the manifest's kv_layout owner):
@@ -25,6 +28,13 @@ keys / values are the cache [L, kv_heads, C, d] (CACHE_INPUTS), new_keys / new_v
 A tree is data: step and greedy_step take it as inputs (tree_inputs), one graph per row count (a size bucket),
 named bucket_method(method, rows); a smaller tree runs in the smallest bucket that holds it, its pad rows seeing
 only themselves at depth PAD_DEPTH.
+
+A batched step (batch_method(B, T)) runs B sequences' trees of T rows in one call: row b*T + t of its outputs is
+row t of sequence b's own step_T call (decode's for T = 1), bit for bit. Each sequence keeps its own cache
+(keys_b, values_b, the same [L, kv, C, d] buffers its single calls take), its own cache_len and its own pending
+commit (row b of `commit`, COMMIT_INPUT's meaning on its cache): the linears see all B*T rows at once, attention
+runs per sequence. GraphSpec.batches lists the (B, T) pairs an artifact has; the host pads a batch of fewer
+sequences with a scratch one (batch_inputs).
 """
 
 from __future__ import annotations
@@ -87,19 +97,74 @@ EMBEDDING_METADATA = "streamfuse.gathered"
 TASK_PREFIX = "task."
 
 
+# Batched steps (the module docstring): batch_step_{B}x{T}, inputs BATCH_INPUTS, each sequence's cache
+# (batch_cache_names), then COMMIT_INPUT; outputs BATCH_OUTPUTS. T is 1 (decode rows) or a bucket.
+BATCH_METHOD = "batch_step"
+BATCH_INPUTS = ("ids", "cache_len", "tree", "depths")
+BATCH_OUTPUTS = ("logits", "anchor", "hidden")
+
+
 def base_method(name: str) -> str:
-    """The method an exported name runs (greedy_step_8 -> greedy_step), which gives its tensors' names."""
+    """The method an exported name runs (greedy_step_8 -> greedy_step, batch_step_4x4 -> batch_step), which gives
+    its tensors' names."""
     head, _, rows = name.rpartition("_")
+    if head == BATCH_METHOD and batch_shape(name) is not None:
+        return BATCH_METHOD
     return head if rows.isdigit() and head in BUCKET_METHODS else name
 
 
+def batch_method(sequences: int, rows: int) -> str:
+    """The name of the batched step of `sequences` sequences of `rows` rows each: batch_step_4x4, ..."""
+    return f"{BATCH_METHOD}_{sequences}x{rows}"
+
+
+def batch_shape(name: str) -> tuple[int, int] | None:
+    """(sequences, rows) of a batched step's name (batch_step_4x4 -> (4, 4)); None for any other name."""
+    head, _, shape = name.rpartition("_")
+    count, x, rows = shape.partition("x")
+    if head != BATCH_METHOD or not x or not count.isdigit() or not rows.isdigit():
+        return None
+    return int(count), int(rows)
+
+
+def batch_cache_names(sequences: int) -> list[str]:
+    """Each sequence's cache inputs of a batched step: keys_0, values_0, keys_1, values_1, ..."""
+    return [f"{name}_{index}" for index in range(sequences) for name in CACHE_INPUTS]
+
+
+def cache_of(name: str) -> str | None:
+    """The cache tensor an input is (keys, values; a batched step's keys_b, values_b: keys, values), else None."""
+    head, _, index = name.rpartition("_")
+    if name in CACHE_INPUTS:
+        return name
+    return head if head in CACHE_INPUTS and index.isdigit() else None
+
+
+def parse_batches(text: str) -> tuple[tuple[int, int], ...]:
+    """ "2x1,4x4" -> ((2, 1), (4, 4)), sorted; "" -> () (the export's batches setting)."""
+    pairs = set()
+    for part in (p.strip() for p in text.replace(";", ",").split(",")):
+        if not part:
+            continue
+        shape = batch_shape(f"{BATCH_METHOD}_{part}")
+        if shape is None or shape[0] < 1 or shape[1] < 1:
+            raise ValueError(f"export.batches: {part!r} is not SEQUENCESxROWS (e.g. 4x4); write e.g. 2x1,4x1,4x4")
+        pairs.add(shape)
+    return tuple(sorted(pairs, key=lambda pair: (pair[1], pair[0])))
+
+
 def input_names(method: str, engine_cache: bool) -> list[str]:
-    """The inputs of `method` (step_8: step's) in order."""
+    """The inputs of `method` (step_8: step's; batch_step_4x4: its four sequences' caches) in order."""
+    shape = batch_shape(method)
+    if shape is not None:
+        return [*BATCH_INPUTS, *batch_cache_names(shape[0]), COMMIT_INPUT]
     return INPUT_NAMES[base_method(method)] + ([COMMIT_INPUT] if engine_cache else [])
 
 
 def output_names(method: str, engine_cache: bool) -> list[str]:
     """The outputs of `method` (step_8: step's) in order."""
+    if batch_shape(method) is not None:
+        return list(BATCH_OUTPUTS)
     return [name for name in OUTPUT_NAMES[base_method(method)] if not (engine_cache and name in NEW_ROWS)]
 
 
@@ -110,11 +175,12 @@ def bucket_method(method: str, rows: int) -> str:
     return f"{method}_{rows}"
 
 
-def method_names(buckets: Sequence[int], heads: bool = False) -> list[str]:
-    """Every method of an artifact with step graphs of `buckets` rows (and Medusa heads), in the order
-    exporters list them."""
+def method_names(buckets: Sequence[int], heads: bool = False, batches: Sequence[tuple[int, int]] = ()) -> list[str]:
+    """Every method of an artifact with step graphs of `buckets` rows (and Medusa heads, and the batched steps
+    of `batches`, engine-cache graphs only), in the order exporters list them."""
     bucketed = [bucket_method(m, rows) for rows in buckets for m in BUCKET_METHODS]
-    return ["prefill", "decode", "streams", *bucketed, *(["heads"] if heads else [])]
+    batched = [batch_method(sequences, rows) for sequences, rows in batches]
+    return ["prefill", "decode", "streams", *bucketed, *(["heads"] if heads else []), *batched]
 
 
 def method_output(method: str, name: str) -> str:
@@ -132,6 +198,13 @@ def tree_inputs(tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.n
     depths = np.array(tree.depths + [PAD_DEPTH] * (rows - count), dtype=np.int64)
     parents = np.array([0, *tree.parents[1:]] + [0] * (rows - count), dtype=np.int64)
     return visible, depths, parents
+
+
+def batch_inputs(trees: Sequence[TreeSpec], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batched step's tree [B, rows, rows] and depths [B, rows]: each sequence's tree_inputs, stacked (a scratch
+    sequence that pads a batch: any tree, e.g. the root alone TreeSpec(()), its outputs ignored)."""
+    pairs = [tree_inputs(tree, rows)[:2] for tree in trees]
+    return np.stack([tree for tree, _ in pairs]), np.stack([depths for _, depths in pairs])
 
 
 @dataclass(frozen=True)
@@ -156,6 +229,8 @@ class GraphSpec:
     head_ids: np.ndarray | None = field(default=None, compare=False)
     # The graphs write the cache themselves and take each commit as input (COMMIT_INPUT); else the host does.
     engine_cache: bool = False
+    # (sequences, rows) of the batched steps (batch_method), ordered by rows then sequences; engine cache only.
+    batches: tuple[tuple[int, int], ...] = ()
 
     def full_logits(self, logits: np.ndarray) -> np.ndarray:
         """[..., V] float32 logits from a graph's [..., V] or, with head_ids, [..., D]."""
@@ -186,6 +261,12 @@ class GraphSpec:
     def drafts_from(self, tree: TreeSpec) -> bool:
         """Whether greedy_step's ranked drafts cover every level of `tree`."""
         return max(tree.widths) <= self.width
+
+    def batch(self, sequences: int, rows: int) -> tuple[int, int] | None:
+        """The smallest batched step that holds `sequences` sequences of `rows` rows (the host pads the rest with
+        scratch sequences); None where the graphs have none."""
+        fits = [pair for pair in self.batches if pair[1] == rows and pair[0] >= sequences]
+        return min(fits) if fits else None
 
     def schedule(self, rows: int) -> str:
         return self.greedy_schedules[0 if self.dynamic else self.buckets.index(rows)]

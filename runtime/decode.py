@@ -8,6 +8,10 @@ One target call per step; a drafter's own calls (a draft model's) are counted be
 drafters (runtime/drafter.py) differ in what they propose; acceptance, the commit, stop rules,
 the fallback (plain steps while speculation does not pay, runtime/fallback.py) and the trace are
 this loop's, so every method emits what plain decoding would.
+
+A `Generation` is one sequence's loop unrolled into its steps (begin, start, then propose -> target
+call -> finish until done), so a batch (runtime/batch.py) can make one call for several sequences'
+steps and a chat session can start a generation over the cache its last one left (`keep`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 
 from streamfuse.methods import registry
 from streamfuse.runtime.accept import Acceptance, accept, accept_sampled
-from streamfuse.runtime.backends.base import Backend, PruneConfig, StepOutput
+from streamfuse.runtime.backends.base import Backend, EngineError, StepOutput
 from streamfuse.runtime.drafter import Draft, Drafter, top_chain
 from streamfuse.runtime.emitter import Emitter, StopRules
 from streamfuse.runtime.fallback import Fallback
@@ -47,6 +51,17 @@ class GenerationResult:
     run: RunRecord
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the next target call verifies: the draft, whether the call runs the streams, and whether the run
+    speculates this step (its fallback may have switched to plain steps)."""
+
+    draft: Draft
+    streams: bool
+    speculating: bool
+    drafted: float  # seconds the drafter took
+
+
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -69,6 +84,32 @@ def required_capacity(prompt_len: int, rules: StopRules, step_rows: int, max_pos
     return needed
 
 
+def kept_prefix(keep: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """Cache rows a generation keeps: the longest common prefix of what the cache holds and the prompt, less
+    the prompt's last token, whose prefill gives the first token's logits."""
+    limit = min(len(keep), len(prompt_ids) - 1)
+    length = 0
+    while length < limit and int(keep[length]) == int(prompt_ids[length]):
+        length += 1
+    return length
+
+
+def start_cache(backend: Backend, keep: Sequence[int] | None, prompt_ids: Sequence[int], capacity: int) -> int:
+    """Make the backend's cache ready for the prompt -> the rows kept. A backend whose last call failed holds an
+    unknown cache: it starts empty, as without `keep`."""
+    if keep is not None:
+        kept = kept_prefix(keep, prompt_ids)
+        try:
+            backend.rollback(kept)
+        except EngineError:
+            pass
+        else:
+            backend.reserve(capacity)
+            return kept
+    backend.reset(capacity)
+    return 0
+
+
 @dataclass
 class DecodeRun:
     """What one generation carries through its loop (speculative or plain)."""
@@ -80,6 +121,7 @@ class DecodeRun:
     emitter: Emitter
     started: float
     capacity: int  # KV positions the run may touch
+    kept: int = 0  # prompt rows the cache held already
 
     @classmethod
     def begin(
@@ -91,10 +133,11 @@ class DecodeRun:
         trace: Trace | None,
         run_id: str,
         decode,
+        keep: Sequence[int] | None = None,
     ) -> DecodeRun:
-        """Validate the request, then reset the backend; nothing runs before the checks pass. The reset is what
-        makes a generation independent of the last one, even one that raised mid-step (a pending commit, a
-        failed call: runtime/backends/static_graph.py), whoever calls."""
+        """Validate the request, then reset the backend (or keep the rows `keep` shares with the prompt); nothing
+        runs before the checks pass. The reset is what makes a generation independent of the last one, even one
+        that raised mid-step (a pending commit, a failed call: runtime/backends/static_graph.py), whoever calls."""
         check_prompt(prompt_ids, backend.vocab_size)
         capacity = required_capacity(
             len(prompt_ids), settings.rules, backend.step_rows(drafter.tree), backend.max_positions
@@ -109,7 +152,7 @@ class DecodeRun:
             time.perf_counter(),
             capacity,
         )
-        backend.reset(capacity)
+        run.kept = start_cache(backend, keep, prompt_ids, capacity)
         return run
 
     def span(self, name: str):
@@ -124,6 +167,118 @@ class DecodeRun:
         return GenerationResult(emitter.tokens, emitter.stop_reason, record)
 
 
+class Generation:
+    """One sequence's decode, advanced a step at a time: `start` (the prefill), then `step` until `done`, or
+    `propose` -> a target call made elsewhere (one batched call for several sequences) -> `finish`.
+    `cached_ids` are the token ids the backend's cache holds, in order: the prompt, then each step's committed
+    path (its root and accepted drafts, also those the stop rules cut off), which a next generation on the same
+    backend passes as `keep`."""
+
+    def __init__(self, run: DecodeRun, drafter: Drafter, settings: DecodeSettings, prompt_ids: Sequence[int]):
+        self.run, self.drafter, self.settings = run, drafter, settings
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.verify = Verifier(settings.sampling, run.generator)
+        self.cached_ids: list[int] = self.prompt_ids[: run.kept]
+        self.prefilled = 0
+        self.root: int | None = None
+        use_switch = settings.fallback is not None and drafter.tree is not None
+        self.switch = Fallback(settings.fallback) if use_switch else None
+
+    @classmethod
+    def begin(
+        cls,
+        backend: Backend,
+        prompt_ids: Sequence[int],
+        settings: DecodeSettings,
+        drafter: Drafter | None = None,
+        trace: Trace | None = None,
+        run_id: str = "0",
+        decode: Callable[[Sequence[int]], str] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> Generation:
+        """Check the request and ready the backend's cache (see DecodeRun.begin); drafter None: the method's
+        engine_drafter."""
+        drafter = drafter or engine_drafter(settings, backend)
+        if drafter.name != settings.method:
+            raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
+        run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep)
+        return cls(run, drafter, settings, prompt_ids)
+
+    @property
+    def backend(self) -> Backend:
+        return self.run.backend
+
+    @property
+    def done(self) -> bool:
+        return self.run.emitter.done
+
+    def start(self, on_step: Callable[[StepEvent], None] | None = None) -> None:
+        """Prefill the prompt's tokens past the kept rows, start the drafter, emit the first token (the root)."""
+        run, drafter = self.run, self.drafter
+        new = self.prompt_ids[run.kept :]
+        with run.span("prefill"):
+            out = self.backend.prefill(new, with_streams=drafter.uses_streams)
+            self.root = self.verify.choose(out.main_logits[0])
+        self.prefilled = len(new)
+        self.cached_ids = list(self.prompt_ids)
+        with run.span("draft"):
+            run.record.draft_calls = drafter.start(self.prompt_ids, out, self.root, run.capacity)
+        run.record.model_calls = 1
+        notify(on_step, run.emitter.emit([self.root]), 0, [])
+
+    def propose(self) -> PlannedStep:
+        """The next step's draft: the drafter's, or the root alone while the fallback has speculation off."""
+        switch, drafter = self.switch, self.drafter
+        speculating = switch is None or switch.speculating
+        started = time.perf_counter()
+        with self.run.span("draft"):
+            draft = drafter.propose(self.root) if speculating else Draft.plain(self.root)
+        streams = drafter.uses_streams and (speculating or switch.last_plain_token)
+        return PlannedStep(draft, streams, speculating, time.perf_counter() - started)
+
+    def forward(self, planned: PlannedStep) -> StepOutput:
+        """The target call that verifies `planned` on this generation's backend."""
+        draft = planned.draft
+        with self.run.span("forward"):
+            return self.backend.step(
+                draft.tokens,
+                draft.tree,
+                with_streams=planned.streams,
+                prune=self.settings.prune if draft.speculative else None,
+                greedy=self.verify.greedy,
+            )
+
+    def finish(self, planned: PlannedStep, out: StepOutput, on_step: Callable[[StepEvent], None] | None = None):
+        """After the target call: accept, commit, let the drafter observe, emit; the correction is the next root."""
+        run, drafter, draft = self.run, self.drafter, planned.draft
+        with run.span("accept"):
+            result = self.verify(draft, out)
+        with run.span("cache"):
+            self.backend.commit(result.path)
+        self.cached_ids.extend(draft.tokens[n] for n in result.path)
+        with run.span("streams"):
+            drafter.observe(draft, out, result.path, result.correction)
+        with run.span("host"):
+            accepted = [draft.tokens[n] for n in result.path[1:]]
+            emitted = run.emitter.emit(accepted + [result.correction])
+        _record(run.record, draft, out, result, planned.drafted)
+        if on_step is not None and draft.speculative:  # the top-1 chain is only for the callback, not the hot path
+            notify(on_step, emitted, min(len(accepted), len(emitted)), top_chain(draft.tree, draft.tokens))
+        else:
+            notify(on_step, emitted, 0, [], plain=drafter.tree is not None)
+        self.root = result.correction
+        if self.switch is not None:
+            _fallback(run, self.switch, planned.speculating, len(result.path), draft.tree)
+
+    def step(self, on_step: Callable[[StepEvent], None] | None = None) -> None:
+        """One step on this generation's own backend: propose, one target call, finish."""
+        planned = self.propose()
+        self.finish(planned, self.forward(planned), on_step)
+
+    def result(self) -> GenerationResult:
+        return self.run.finish()
+
+
 def generate(
     backend: Backend,
     prompt_ids: Sequence[int],
@@ -134,33 +289,17 @@ def generate(
     run_id: str = "0",
     on_step: Callable[[StepEvent], None] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
+    keep: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Decode with settings.method's drafter (one built from the engine alone, the method's engine_drafter, unless
-    given; a method with a model of its own is given its drafter). decode: token ids -> text, for stop strings."""
-    drafter = drafter or engine_drafter(settings, backend)
-    if drafter.name != settings.method:
-        raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
-    run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode)
-    verify = Verifier(settings.sampling, run.generator)
-    with run.span("prefill"):
-        out = backend.prefill(prompt_ids, with_streams=drafter.uses_streams)
-        root = verify.choose(out.main_logits[0])
-    with run.span("draft"):
-        run.record.draft_calls = drafter.start(prompt_ids, out, root, run.capacity)
-    run.record.model_calls = 1
-    notify(on_step, run.emitter.emit([root]), 0, [])
-    switch = Fallback(settings.fallback) if settings.fallback is not None and drafter.tree is not None else None
-    while not run.emitter.done:
-        speculating = switch is None or switch.speculating
-        started = time.perf_counter()
-        with run.span("draft"):
-            draft = drafter.propose(root) if speculating else Draft.plain(root)
-        drafted = time.perf_counter() - started
-        streams = drafter.uses_streams and (speculating or switch.last_plain_token)
-        root, tokens = step(run, drafter, draft, streams, verify, settings.prune, drafted, on_step)
-        if switch is not None:
-            _fallback(run, switch, speculating, tokens, draft.tree)
-    return run.finish()
+    given; a method with a model of its own is given its drafter). decode: token ids -> text, for stop strings.
+    keep: what the backend's cache holds from its last generation (that one's Generation.cached_ids), whose
+    prefix shared with the prompt is not prefilled again."""
+    generation = Generation.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep)
+    generation.start(on_step)
+    while not generation.done:
+        generation.step(on_step)
+    return generation.result()
 
 
 def engine_drafter(settings: DecodeSettings, backend: Backend) -> Drafter:
@@ -172,44 +311,6 @@ def engine_drafter(settings: DecodeSettings, backend: Backend) -> Drafter:
         f"method {settings.method!r} drafts with its own model: pass its drafter (the artifact's "
         f"Loaded.drafter(settings))"
     )
-
-
-def step(
-    run: DecodeRun,
-    drafter: Drafter,
-    draft: Draft,
-    streams: bool,
-    verify: Verifier,
-    prune: PruneConfig | None,
-    drafted: float,
-    on_step,
-) -> tuple[int, int]:
-    """One target call over `draft`: accept, commit, let the drafter observe, emit. Returns the next
-    root and how many tokens the step made (the emitter may stop early)."""
-    backend = run.backend
-    with run.span("forward"):
-        out = backend.step(
-            draft.tokens,
-            draft.tree,
-            with_streams=streams,
-            prune=prune if draft.speculative else None,
-            greedy=verify.greedy,
-        )
-    with run.span("accept"):
-        result = verify(draft, out)
-    with run.span("cache"):
-        backend.commit(result.path)
-    with run.span("streams"):
-        drafter.observe(draft, out, result.path, result.correction)
-    with run.span("host"):
-        accepted = [draft.tokens[n] for n in result.path[1:]]
-        emitted = run.emitter.emit(accepted + [result.correction])
-    _record(run.record, draft, out, result, drafted)
-    if on_step is not None and draft.speculative:  # the top-1 chain is only for the callback, not the hot path
-        notify(on_step, emitted, min(len(accepted), len(emitted)), top_chain(draft.tree, draft.tokens))
-    else:
-        notify(on_step, emitted, 0, [], plain=drafter.tree is not None)
-    return result.correction, len(result.path)
 
 
 def _record(record: RunRecord, draft: Draft, out: StepOutput, result: Acceptance, drafted: float) -> None:

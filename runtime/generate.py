@@ -1,4 +1,5 @@
-"""streamfuse generate: run Speculative Streaming (or plain decoding) on prompts.
+"""streamfuse generate: run Speculative Streaming (or plain decoding) on prompts, through the Python API
+(runtime/api.py), so the command prints what `model.generate` returns.
 
     streamfuse generate --artifact checkpoints/dialogsum-cpu/ss \
         --task dialogsum --input-file ../shared/data/dialogsum/dialogsum.test.jsonl --limit 5 --json
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from streamfuse.methods import registry
 from streamfuse.runtime import errors
-from streamfuse.runtime.decode import GenerationResult
+from streamfuse.runtime.api import Completion, Model
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.options import add_model_options, check_model_options
 from streamfuse.runtime.prompt import check_text
@@ -29,29 +30,27 @@ from streamfuse.runtime.session import (
     new_trace,
     prompt_ids,
     read_input_file,
-    run,
     source_overflow,
-    text_of,
 )
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
 
 
-def result_record(item: Input, loaded: Loaded, result: GenerationResult, settings: DecodeSettings) -> dict:
+def result_record(item: Input, model: Model, done: Completion, settings: DecodeSettings) -> dict:
     """One input's JSON line (--json)."""
-    run_record = result.run
+    stats = done.stats
     return {
         "id": item.id,
-        "text": text_of(loaded, result),
-        "token_ids": result.token_ids,
-        "model_calls": run_record.model_calls,
-        "new_tokens": run_record.new_tokens,
-        "call_reduction": run_record.new_tokens / run_record.model_calls,
-        "seconds": round(run_record.seconds, 4),
-        "tokens_per_second": round(run_record.new_tokens / run_record.seconds, 2) if run_record.seconds else None,
-        "stop_reason": result.stop_reason,
+        "text": done.text,
+        "token_ids": done.token_ids,
+        "model_calls": stats.model_calls,
+        "new_tokens": stats.new_tokens,
+        "call_reduction": stats.tokens_per_call,
+        "seconds": round(stats.seconds, 4),
+        "tokens_per_second": round(stats.tokens_per_second, 2) if stats.seconds else None,
+        "stop_reason": done.stop_reason,
         "method": settings.method,
-        "backend": loaded.backend.name,
+        "backend": model.loaded.backend.name,
     }
 
 
@@ -194,15 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     if as_task:
         errors.usage(lambda: check_task(loaded, args.task, "--task"))
     trace = new_trace(loaded, settings, args.trace is not None, args.device, threads)
+    model, request = Model(loaded), request_from(args)
     for item in inputs(args, loaded, as_task):
         over = source_overflow(loaded, item.text, as_task)
         if over:
             warn_overflow(args, loaded, item, over)
-        result = run(
-            loaded, prompt_ids(loaded, item.text, as_task, cut_source=args.cut_source), settings, trace, item.id
-        )
+        ids = prompt_ids(loaded, item.text, as_task, cut_source=args.cut_source)
+        done = model.run(ids, request, trace=trace, run_id=item.id)
         show(
-            {**result_record(item, loaded, result, settings), "source_truncated": bool(over and args.cut_source)},
+            {**result_record(item, model, done, settings), "source_truncated": bool(over and args.cut_source)},
             args.json,
         )
     if args.trace is not None:

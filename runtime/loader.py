@@ -9,7 +9,7 @@ Two kinds of folder load:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -84,6 +84,12 @@ class Loaded:
             view.calibration(self.engine) if self.calibration is not None else None,
             self.threads,
         )
+
+    def lane(self) -> Loaded:
+        """The same model on a backend with a KV cache of its own (StaticGraphBackend.lane): a sequence of a batch,
+        or a chat session, decodes on it beside others. Its resources start empty, so a method with a model of its
+        own (a draft model, with its own cache) loads one for this lane."""
+        return replace(self, backend=self.backend.lane(), resources={})
 
     @property
     def loader(self) -> Callable[..., Loaded]:

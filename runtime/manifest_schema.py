@@ -342,6 +342,8 @@ GRAPHS = Record(
         "capacity": COUNT,
         "prefill_chunk": COUNT,
         "buckets": ListOf(Int(2, 1 << 12), 1, 64),
+        # [sequences, rows] of each batched step (runtime/contract.py batch_method): the engine-cache graphs' only
+        "batches": ListOf(ListOf(Int(1, 1 << 12), 2, 2), 0, 64),
         "dtype": KEY,
         "stream_schedule": KEY,
         "quantize": MapOf(KEY),
@@ -403,6 +405,10 @@ def check(manifest: object) -> None:
         raise SchemaError(
             "graphs.greedy_step.schedules", f"must have one schedule per bucket ({len(buckets)}), got {len(schedules)}"
         )
+    for index, (sequences, rows) in enumerate(graphs["batches"]):
+        if sequences < 2 or rows not in (1, *buckets):
+            problem = f"must be [2 or more sequences, 1 or a bucket's rows], got {[sequences, rows]}"
+            raise SchemaError(child("graphs.batches", index), problem)
     if set(manifest["kv_layout"]["owner"]) != set(files):
         raise SchemaError(
             "kv_layout.owner", f"must name the backends of `files` ({', '.join(sorted(files)) or 'none'})"

@@ -63,10 +63,16 @@ def check_task(loaded: Loaded, task: str, name: str = "task") -> None:
     if loaded.info.get("task") != task:
         serves = f"serves {', '.join(served)}" if len(served) > 1 else f"was fine-tuned for {loaded.info.get('task')!r}"
         raise ValueError(f"{name} {task}: {_where(loaded)} {serves}; use that task name or drop {name}")
+    check_prompt_format(loaded, f"{name} {task}")
+
+
+def check_prompt_format(loaded: Loaded, name: str = "as_task") -> None:
+    """ValueError unless `loaded` records its task's prompt format (what formats a task's source); `name`: the
+    setting that asked for it."""
     if loaded.prompt is None:
         raise ValueError(
-            f"{name} {task}: {_where(loaded)} records no prompt format; build the artifact again (the "
-            f"build adds it without retraining) or pass plain prompts without {name}"
+            f"{name}: {_where(loaded)} records no prompt format; build the artifact again (the "
+            f"build adds it without retraining) or pass plain prompts without {name.split()[0]}"
         )
 
 

@@ -12,7 +12,7 @@ from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
-from streamfuse.runtime.contract import method_names
+from streamfuse.runtime.contract import method_names, parse_batches
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
 from streamfuse.runtime.loader import load
@@ -65,7 +65,9 @@ def test_manifest_describes_the_graphs(artifact):
     assert [tree["hash"] for tree in data["trees"]] == [tree.hash() for tree in TREES]
     assert data["calibration"] == {"acceptance": None, "backends": {}}  # the builder was given no acceptance model
     assert data["kv_layout"]["shape"] == [4, data["model"]["num_kv_heads"], 128, data["model"]["head_dim"]]
-    assert list(data["graphs"]["methods"]) == method_names((4, 15), heads=True) and data["graphs"]["buckets"] == [4, 15]
+    assert list(data["graphs"]["methods"]) == method_names(
+        (4, 15), heads=True, batches=parse_batches(CONFIG.batches)
+    ) and data["graphs"]["buckets"] == [4, 15]
     assert data["graphs"]["methods"]["step_4"]["inputs"][0]["shape"] == [1, 4]
     step = data["graphs"]["methods"]["step_15"]
     assert step["inputs"][:4] == [
@@ -130,8 +132,8 @@ def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
     assert set(spec) == set(method_names((4, 15), heads=True))
     assert data["kv_layout"]["owner"]["coreml"] == "host"  # no commit input; a call's rows come out
-    for method, signature in data["graphs"]["methods"].items():  # the span graphs' signatures
-        inputs = {i["name"]: i for i in signature["inputs"]}
+    for method in spec:  # the span graphs' signatures (the batched steps are the engine-cache graphs' only)
+        inputs = {i["name"]: i for i in data["graphs"]["methods"][method]["inputs"]}
         want = [
             (name, inputs[name]["shape"], "int32" if inputs[name]["dtype"] == "int64" else "float32")
             for name in input_names(method, engine_cache=False)
@@ -168,7 +170,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    methods = method_names((4, 15), heads=True)
+    methods = method_names((4, 15), heads=True, batches=parse_batches(CONFIG.batches))
     assert [n.name for n in model.graph.node if n.op_type == "If"] == methods
     assert METHOD_INPUT in [i.name for i in model.graph.input]
     assert [o.name for o in model.graph.output] == [

@@ -43,7 +43,8 @@ EXPORTED = [
 
 # Two trees: the 15-node tree (the default) and the chain, both with streams beside every node (auto
 # would pick deferred for 15 nodes, which test_build runs), and a draft vocabulary of 60 of the tiny
-# model's 97 tokens; two export processes, as make build runs.
+# model's 97 tokens; two export processes, as make build runs; two batched steps (3 sequences of the 4-row
+# bucket, 4 of decode rows).
 CONFIG = ExportConfig(
     backends=HERE,
     trees=("gamma=3,k=2", "gamma=3,k=1"),
@@ -53,6 +54,7 @@ CONFIG = ExportConfig(
     parity_prompts=4,
     greedy_schedule="fused",
     workers=2,
+    batches="3x4,4x1",
 )
 TREES = tuple(TreeSpec.parse(tree) for tree in CONFIG.trees)
 DRAFT = DraftVocab(tuple(range(20, 80)), coverage=0.5)

@@ -27,7 +27,7 @@ from streamfuse.runtime import errors
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
-from streamfuse.runtime.contract import COMMIT_INPUT, base_method, bucket_method, tree_inputs
+from streamfuse.runtime.contract import COMMIT_INPUT, base_method, batch_inputs, bucket_method, tree_inputs
 from streamfuse.runtime.threads import threads_type
 from streamfuse.runtime.tree import TreeSpec
 
@@ -58,16 +58,25 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
     g = np.random.default_rng(span)
     rows = next((i["shape"][1] for i in signature["inputs"] if i["name"] == "ids"), 1)
     has_tree = any(i["name"] == "tree" for i in signature["inputs"])
-    tree_data = (
-        dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows))) if has_tree else {}
-    )
+    sequences = 1
+    if has_tree and len(next(i["shape"] for i in signature["inputs"] if i["name"] == "tree")) == 3:  # batched
+        sequences = next(i["shape"][0] for i in signature["inputs"] if i["name"] == "tree")
+        rows //= sequences
+        tree = bucket_tree(trees, rows, gamma) if rows > 1 else TreeSpec(())
+        tree_data = dict(zip(("tree", "depths"), batch_inputs([tree] * sequences, rows)))
+    else:
+        tree_data = (
+            dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows)))
+            if has_tree
+            else {}
+        )
     made = []
     for spec in signature["inputs"]:
         name, shape = spec["name"], spec["shape"]
         if name in tree_data:
             made.append(tree_data[name])
         elif name == "cache_len":
-            made.append(np.array([span]))
+            made.append(np.full(sequences, span))
         elif name == COMMIT_INPUT:
             made.append(np.full(shape, -1, dtype=np.int64))
         elif name == "ids":

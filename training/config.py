@@ -231,12 +231,14 @@ OWN_SECTIONS = ("streams", "lora", "data", "train", "distill", "eval", "export",
 # with one step bucket of 4 rows: the 8-row bucket's two methods take ~10 min of make build's lowering
 # here, and at 4 bits even a 4-row greedy step barely pays on ExecuTorch (1.87 plain calls for about 2
 # tokens: docs/benchmarks.md, each graph method's call time per engine); --set export.buckets=4,8 adds it.
+# Batched steps of 2, 4 and 8 sequences, of decode rows and of the 4-row bucket, for serving concurrent requests
+# (runtime/batch.py; export/batch_pass.py): --set export.batches= drops them.
 _CPU_BASE = BuildConfig(
     preset="cpu",
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
     data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
     eval=EvalConfig(max_new_tokens=80, batch_size=8),
-    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,)),
+    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,), batches="2x1,4x1,8x1,2x4,4x4,8x4"),
 )
 
 PRESETS: dict[str, BuildConfig] = {

@@ -128,5 +128,8 @@ class Backend(Protocol):
     def rollback(self, length: int) -> None:
         """Forget committed positions from `length` on (a draft model's rejected drafts)."""
 
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` positions, keeping the committed ones (a generation that keeps a prefix)."""
+
     def peak_memory_bytes(self) -> int | None:
         """Peak memory of the device, or None where it cannot be read."""

@@ -19,12 +19,12 @@ from streamfuse import seams
 from streamfuse.runtime.artifact_files import inside
 from streamfuse.runtime.backends.static_graph import Session
 from streamfuse.runtime.contract import (
-    CACHE_INPUTS,
     COMMIT_INPUT,
     EMBEDDING_METADATA,
     METHOD_INPUT,
     METHODS_METADATA,
     TASK_PREFIX,
+    cache_of,
     input_names,
     method_output,
     output_names,
@@ -151,11 +151,13 @@ class OnnxRuntimeSession:
             name: ort.OrtValue.ortvalue_from_numpy(table)
             for name, table in mapped_tables(Path(model), metadata).items()
         }
-        # Inputs a method does not read still need a value: zeros of the declared shape (every method reads the cache).
+        # Inputs a method does not read still need a value: zeros of the declared shape (an open shape: any), and
+        # for a cache input (a batched step's keys_b; the single methods' keys) a cache the call was given.
+        self.caches = [i.name for i in self.session.get_inputs() if cache_of(i.name) is not None]
         self.placeholders = {
-            i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _DTYPES[i.type])
+            i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape or []], _DTYPES[i.type])
             for i in self.session.get_inputs()
-            if not i.name.startswith(TASK_PREFIX) and i.name not in CACHE_INPUTS and i.name not in self.gathered
+            if not i.name.startswith(TASK_PREFIX) and i.name not in self.caches and i.name not in self.gathered
         }
         self.task_inputs = {i.name for i in self.session.get_inputs() if i.name.startswith(TASK_PREFIX)}
         self.task: dict = {}  # the bound task's tensors as ONNX Runtime values (bind_task)
@@ -187,6 +189,8 @@ class OnnxRuntimeSession:
     def _feed(self, method: str, inputs: list[np.ndarray]) -> dict:
         feed = dict(self.placeholders)
         feed.update(zip(input_names(method, self.engine_cache), inputs))
+        given = {cache_of(name): feed[name] for name in self.caches if name in feed}
+        feed.update({name: given[cache_of(name)] for name in self.caches if name not in feed and given})
         feed[METHOD_INPUT] = np.array(self.index[method], dtype=np.int64)
         feed.update(self.task)
         feed.update(self.gathered)

@@ -18,6 +18,7 @@ method on a list of arrays (numpy; the torch session keeps the cache as tensors 
 
 from __future__ import annotations
 
+import copy
 import functools
 import mmap
 import time
@@ -114,11 +115,8 @@ class StaticGraphBackend:
         self.keys = self.values = None
         if not spec.dynamic:
             self._allocate(spec.capacity)
-        self.length = 0
-        self._pending = None
         self._no_commit = np.full(spec.max_nodes or 0, -1, dtype=np.int64)
-        self._commit = self._no_commit  # the engine's pending commit (COMMIT_INPUT), sent with the next call
-        self._failed: str | None = None  # why the cache is unknown (a call raised) until the next reset
+        self._empty()
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
@@ -152,20 +150,31 @@ class StaticGraphBackend:
         """A tree runs in its size bucket: the bucket's rows, pad rows included."""
         return self.spec.bucket(tree) if tree is not None else 1
 
+    def lane(self) -> StaticGraphBackend:
+        """A backend over the same session (the graphs and weights loaded once) with a KV cache of its own, empty:
+        what one sequence of a batch, or a chat session, decodes on while others decode on theirs."""
+        lane = copy.copy(self)
+        lane.keys = lane.values = None
+        if not self.spec.dynamic:
+            lane._allocate(self.spec.capacity)
+        lane._empty()
+        return lane
+
     def reset(self, capacity: int) -> None:
-        if self.spec.dynamic:
-            if self.keys is None or self.keys.shape[2] < capacity:
-                self._allocate(capacity)
-        elif capacity > self.spec.capacity:
-            raise CapacityError(
-                f"a run needs {capacity} KV positions but the artifact was exported with capacity "
-                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger "
-                f"--set export.capacity=N"
-            )
-        self.length = 0
-        self._pending = None
-        self._commit = self._no_commit
-        self._failed = None
+        self._check_capacity(capacity)
+        if self.spec.dynamic and (self.keys is None or self.keys.shape[2] < capacity):
+            self._allocate(capacity)
+        self._empty()
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` positions, keeping the committed rows (a generation that starts from them)."""
+        self._check_capacity(capacity)
+        if self.spec.dynamic and (self.keys is None or self.keys.shape[2] < capacity):
+            kept = (self.keys, self.values) if self.keys is not None else None
+            self._allocate(capacity)
+            if kept is not None and self.length:
+                self.keys[:, :, : self.length] = kept[0][:, :, : self.length]
+                self.values[:, :, : self.length] = kept[1][:, :, : self.length]
 
     def prefill(self, token_ids: Sequence[int], with_streams: bool) -> StepOutput:
         tokens = list(token_ids)
@@ -196,12 +205,8 @@ class StaticGraphBackend:
     ) -> StepOutput:
         if prune is not None and not getattr(self.session, "prunes", False):
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
-        count = tree.num_nodes if tree is not None else 1
-        if len(tokens) != count:
-            raise ValueError(f"a step of {count} nodes takes {count} tokens, got {len(tokens)}")
-        rows = self.step_rows(tree)
-        self._check_room(rows)
-        ids = _ids(list(tokens) + [0] * (rows - count))  # pad rows see only themselves
+        ids = _ids(self.step_ids(tokens, tree))
+        rows, count = ids.shape[1], len(tokens)
         if tree is None:
             method, inputs = "decode", [ids, self._length(), self.keys, self.values]
         else:
@@ -218,6 +223,22 @@ class StaticGraphBackend:
                 method = bucket_method("step", rows)
                 inputs = [ids, self._length(), visible, depths, self.keys, self.values]
         out = {name: t[..., :count, :] if t.ndim > 1 else t for name, t in self._run(method, inputs).items()}
+        return self.step_output(out, tree, with_streams, prune)
+
+    def step_ids(self, tokens: Sequence[int], tree: TreeSpec | None) -> list[int]:
+        """A step's input ids, padded to its bucket's rows, once the tokens fit the tree and the rows the cache."""
+        count = tree.num_nodes if tree is not None else 1
+        if len(tokens) != count:
+            raise ValueError(f"a step of {count} nodes takes {count} tokens, got {len(tokens)}")
+        rows = self.step_rows(tree)
+        self._check_room(rows)
+        return list(tokens) + [0] * (rows - count)  # pad rows see only themselves
+
+    def step_output(
+        self, out: dict[str, np.ndarray], tree: TreeSpec | None, with_streams: bool, prune: PruneConfig | None = None
+    ) -> StepOutput:
+        """A step call's outputs (its nodes' rows: logits, anchor, hidden) -> what the decode loop reads; the rows
+        wait for the commit, and the streams (if on) run after it for the accepted node (the deferred schedule)."""
         logits, anchors, hidden = out["logits"], out["anchor"], out["hidden"]
         self._pending = out
         stream_logits, stream_states = (
@@ -231,6 +252,17 @@ class StaticGraphBackend:
             kept,
             extras=self._extras(hidden, stream_states, self._head_source(anchors, self.length, depths)),
         )
+
+    def take_commit(self) -> np.ndarray:
+        """The engine's pending commit for the next call, cleared so that no call sends it twice."""
+        self._check_usable()
+        commit, self._commit = self._commit, self._no_commit
+        return commit
+
+    def call_failed(self, method: str, error: BaseException) -> None:
+        """A call that took this backend's commit raised: its cache is unknown until a reset."""
+        self._failed = f"its last call ({method}) raised {type(error).__name__}, so its KV cache is unknown"
+        self._pending = None
 
     def _tree_inputs(self, tree: TreeSpec, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tree_inputs, built once per tree shape (the lookup branch fills nodes, it does not change them)."""
@@ -268,6 +300,21 @@ class StaticGraphBackend:
         return process_peak_rss_bytes()
 
     # --- helpers ----------------------------------------------------------------------------
+    def _empty(self) -> None:
+        """No committed rows, nothing pending, usable again."""
+        self.length = 0
+        self._pending = None
+        self._commit = self._no_commit  # the engine's pending commit (COMMIT_INPUT), sent with the next call
+        self._failed: str | None = None  # why the cache is unknown (a call raised) until the next reset
+
+    def _check_capacity(self, capacity: int) -> None:
+        if not self.spec.dynamic and capacity > self.spec.capacity:
+            raise CapacityError(
+                f"a run needs {capacity} KV positions but the artifact was exported with capacity "
+                f"{self.spec.capacity}; lower max_new_tokens or rebuild with a larger "
+                f"--set export.capacity=N"
+            )
+
     def _allocate(self, rows: int) -> None:
         shape = (self.spec.num_layers, self.spec.num_kv_heads, rows, self.spec.head_dim)
         self.keys, self.values = self._zeros(shape), self._zeros(shape)
@@ -287,13 +334,11 @@ class StaticGraphBackend:
         """One call -> its outputs by name; where the engine keeps the cache, the pending commit goes with it. The
         commit is taken before the call, so it is never sent twice: a call that raises (having moved the rows or
         not) marks the backend failed until its reset."""
-        self._check_usable()
-        commit, self._commit = self._commit, self._no_commit
+        commit = self.take_commit()
         try:
             outputs = self.session.run(method, [*inputs, commit] if self.spec.engine_cache else inputs)
         except BaseException as error:
-            self._failed = f"its last call ({method}) raised {type(error).__name__}, so its KV cache is unknown"
-            self._pending = None
+            self.call_failed(method, error)
             raise
         return dict(zip(output_names(method, self.spec.engine_cache), outputs))
 

@@ -1,0 +1,166 @@
+"""Several sequences decoded together: each step of a BatchDecoder advances every active sequence by one step of
+its own decode loop (runtime/decode.py's Generation), in ONE target call where the graphs have a batched step for
+the sequences' drafts (runtime/backends/batched_step.py), else one call per sequence; the tokens are the same
+either way, each sequence's equal to its single-sequence output (greedy or sampled with its own seed).
+
+    decoder = BatchDecoder(loaded, max_sequences=8)
+    lane = decoder.add(prompt_ids, settings, on_step=...)   # checked now; it prefills on the next step
+    while decoder.active:
+        for finished in decoder.step():
+            print(finished.result.token_ids)
+
+Each sequence (a Lane) decodes on a lane of the loaded model (Loaded.lane: a cache of its own over the shared
+session and weights); a finished or cancelled lane's cache serves the next sequence added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+
+from streamfuse.runtime.backends.batched_step import BatchItem, batch_rows, batch_shapes, batched_step
+from streamfuse.runtime.decode import Generation, GenerationResult, PlannedStep, StepEvent
+from streamfuse.runtime.loader import Loaded
+from streamfuse.runtime.settings import DecodeSettings
+
+CANCELLED = "cancelled"  # a cancelled lane's stop reason
+
+
+@dataclass(eq=False)
+class Lane:
+    """One sequence of a batch: its generation, on its own lane of the model."""
+
+    id: str
+    generation: Generation
+    model: Loaded = field(repr=False)
+    on_step: Callable[[StepEvent], None] | None = None
+    started: bool = False  # prefilled
+    cancelled: bool = False
+    _result: GenerationResult | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or (self.started and self.generation.done)
+
+    @property
+    def result(self) -> GenerationResult:
+        """The sequence's tokens and record, once done (a cancelled one: what it emitted, stop reason cancelled)."""
+        if not self.done:
+            raise ValueError(f"lane {self.id} is still decoding: read its result once it is done")
+        return self._result if self._result is not None else self.close()
+
+    def close(self) -> GenerationResult:
+        """Its result, made once when the lane ends (its record's seconds end then, not when first read)."""
+        self._result = self.generation.result()
+        if self.cancelled and not self.generation.done:
+            self._result.stop_reason = self._result.run.stop_reason = CANCELLED
+        return self._result
+
+
+class BatchDecoder:
+    """Up to max_sequences sequences advanced together, one step of each per step()."""
+
+    def __init__(self, loaded: Loaded, max_sequences: int = 8):
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.loaded = loaded
+        self.max_sequences = max_sequences
+        self.active: list[Lane] = []
+        self._free: list[Loaded] = []  # lanes of the model whose sequence ended: their caches serve the next
+        self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
+        self._ids = count()
+
+    def add(
+        self,
+        ids: list[int],
+        settings: DecodeSettings,
+        on_step: Callable[[StepEvent], None] | None = None,
+        run_id: str = "0",
+    ) -> Lane:
+        """A new sequence, checked now (ValueError: a bad prompt or settings, or the batch full); it prefills on
+        the next step()."""
+        if len(self.active) >= self.max_sequences:
+            raise ValueError(
+                f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
+                f"max_sequences"
+            )
+        model = self._free.pop() if self._free else self.loaded.lane()
+        try:
+            generation = Generation.begin(
+                model.backend, ids, settings, model.drafter(settings), run_id=run_id, decode=self._decode
+            )
+        except BaseException:
+            self._free.append(model)
+            raise
+        lane = Lane(str(next(self._ids)), generation, model, on_step)
+        self.active.append(lane)
+        return lane
+
+    def step(self) -> list[Lane]:
+        """One step of every active sequence (those added since the last step prefill first) -> the lanes that
+        finished, no longer active."""
+        for lane in self.active:
+            if not lane.started:
+                lane.generation.start(lane.on_step)
+                lane.started = True
+        running = [lane for lane in self.active if not lane.done]
+        planned = {lane: lane.generation.propose() for lane in running}
+        for group in self._batches(planned):
+            self._advance(group, planned)
+        finished = [lane for lane in self.active if lane.done]
+        for lane in finished:
+            self._release(lane)
+        return finished
+
+    def cancel(self, lane: Lane) -> None:
+        """Stop a sequence at once; its cache serves the next sequence added."""
+        if lane in self.active:
+            lane.cancelled = True
+            self._release(lane)
+
+    def _release(self, lane: Lane) -> None:
+        lane.close()
+        self.active.remove(lane)
+        self._free.append(lane.model)
+
+    def _decode(self, ids) -> str:
+        return self.loaded.tokenizer.decode(ids)
+
+    def _batches(self, planned: dict[Lane, PlannedStep]) -> list[list[Lane]]:
+        """The lanes grouped into calls: those whose drafts fit a batched step of the same rows share one (as many
+        as its largest batch holds), the others one call each."""
+        by_rows: dict[int | None, list[Lane]] = {}
+        for lane, step in planned.items():
+            rows = batch_rows(lane.model.backend, step.draft.tree) if self._batchable(lane, step) else None
+            by_rows.setdefault(rows, []).append(lane)
+        groups = [[lane] for lane in by_rows.pop(None, [])]
+        for rows, lanes in by_rows.items():
+            spec = lanes[0].model.backend.spec
+            for sequences, _ in batch_shapes(spec, len(lanes), rows):
+                groups.append(lanes[:sequences])
+                lanes = lanes[sequences:]
+            groups.extend([lane] for lane in lanes)
+        return groups
+
+    @staticmethod
+    def _batchable(lane: Lane, step: PlannedStep) -> bool:
+        """A draft a batched step verifies: a tree or a plain step, unpruned (pruning is the torch session's)."""
+        return lane.generation.settings.prune is None or not step.draft.speculative
+
+    def _advance(self, group: list[Lane], planned: dict[Lane, PlannedStep]) -> None:
+        if len(group) == 1:
+            lane = group[0]
+            lane.generation.finish(planned[lane], lane.generation.forward(planned[lane]), lane.on_step)
+            return
+        backend = group[0].model.backend
+        rows = backend.step_rows(planned[group[0]].draft.tree)
+        shape = backend.spec.batch(len(group), rows)
+        if self._scratch is None:
+            self._scratch = backend.lane()
+        items = [
+            BatchItem(lane.model.backend, planned[lane].draft.tokens, planned[lane].draft.tree, planned[lane].streams)
+            for lane in group
+        ]
+        for lane, out in zip(group, batched_step(items, shape, self._scratch)):
+            lane.generation.finish(planned[lane], out, lane.on_step)

@@ -1,0 +1,145 @@
+"""Several sequences in one step (runtime/batch.py): every sequence of a batch decodes exactly its single-sequence
+output, whatever the batch (B = 1, 2, 4, 8 of different prompts, lengths, methods, one sampled), in one batched call
+per step where the graphs have one (the tiny artifact's ExecuTorch and ONNX Runtime graphs), one call per sequence
+elsewhere (torch); a cancelled sequence frees its cache at once, one that finishes early leaves the rest going."""
+
+import json
+
+import pytest
+
+from streamfuse.methods import registry
+from streamfuse.runtime.batch import CANCELLED, BatchDecoder
+from streamfuse.runtime.decode import generate
+from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.loader import load
+from streamfuse.runtime.sampling import SamplingConfig
+from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.tree import TreeSpec
+
+from tiny_export import EXPORTED, TREES, prompts
+
+CHAIN = TreeSpec.parse("gamma=3,k=1")  # 4 nodes: a batched 4-row step on the tiny artifact
+
+
+class CountingSession:
+    """The engine's session, counting each method's calls."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, {}
+
+    def run(self, method, inputs):
+        self.calls[method] = self.calls.get(method, 0) + 1
+        return self.inner.run(method, inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def requests(count: int, trees: tuple[TreeSpec, ...]) -> list[tuple[list[int], DecodeSettings]]:
+    """Different prompts, lengths and methods; the third one sampled with its own seed."""
+    out = []
+    for index, ids in enumerate(prompts(count, seed=count)):
+        rules = StopRules(14 - 3 * (index % 4))  # the later ones shorter: they finish first
+        if index % 2:
+            settings = DecodeSettings(registry.plain(), rules)
+        else:
+            sampling = SamplingConfig(temperature=0.8, top_k=30) if index % 4 == 2 else SamplingConfig()
+            tree = trees[(index // 2) % len(trees)]
+            settings = DecodeSettings(registry.default(), rules, tree=tree, sampling=sampling, seed=index)
+        out.append((ids, settings))
+    return out
+
+
+def single(loaded, ids, settings) -> list[int]:
+    return generate(loaded.backend, ids, settings, drafter=loaded.drafter(settings)).token_ids
+
+
+def decode_all(decoder: BatchDecoder, lanes) -> list[str]:
+    """Step until every lane is done -> lane ids in the order they finished."""
+    order = []
+    while decoder.active:
+        order.extend(lane.id for lane in decoder.step())
+    assert all(lane.done for lane in lanes)
+    return order
+
+
+def check_batches(loaded, trees) -> None:
+    for sequences in (1, 2, 4, 8):
+        batch = requests(sequences, trees)
+        decoder = BatchDecoder(loaded, max_sequences=8)
+        lanes = [decoder.add(ids, settings) for ids, settings in batch]
+        order = decode_all(decoder, lanes)
+        assert sorted(order) == sorted(lane.id for lane in lanes)
+        for lane, (ids, settings) in zip(lanes, batch):
+            assert lane.result.token_ids == single(loaded, ids, settings), (sequences, lane.id)
+        if sequences >= 4:
+            assert order != [lane.id for lane in lanes]  # a shorter one finished first while others went on
+
+
+@pytest.fixture(scope="module")
+def torch_model(checkpoint):
+    return load(checkpoint / "ckpt")
+
+
+def test_every_sequence_of_a_batch_equals_its_single_output_on_torch(torch_model):
+    check_batches(torch_model, (CHAIN,))
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_every_sequence_of_a_batch_equals_its_single_output_on_an_engine(artifact, backend):
+    loaded = load(artifact, backend)
+    counting = loaded.backend.session = CountingSession(loaded.backend.session)
+    check_batches(loaded, (TREES[1], TREES[0]))
+    batched = {method: calls for method, calls in counting.calls.items() if method.startswith("batch_step")}
+    if loaded.backend.spec.batches:
+        assert batched, counting.calls  # the 4-row chains and the plain steps shared calls
+    else:
+        assert not batched
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch"), *EXPORTED])
+def test_a_cancelled_sequence_frees_its_cache_for_the_next(artifact, backend):
+    loaded = load(artifact, backend)
+    batch = requests(3, (TREES[1],))
+    decoder = BatchDecoder(loaded, max_sequences=3)
+    lanes = [decoder.add(ids, settings) for ids, settings in batch]
+    decoder.step()
+    decoder.step()
+    decoder.cancel(lanes[1])
+    assert lanes[1].done and lanes[1] not in decoder.active and lanes[1].result.stop_reason == CANCELLED
+    ids, settings = batch[1][0][::-1], batch[1][1]
+    added = decoder.add(ids, settings)
+    assert added.model is lanes[1].model  # the cancelled lane's cache serves it
+    decode_all(decoder, [lanes[0], lanes[2], added])
+    for lane, (prompt, options) in zip((lanes[0], lanes[2], added), (batch[0], batch[2], (ids, settings))):
+        assert lane.result.token_ids == single(loaded, prompt, options)
+
+
+def test_a_bad_sequence_is_refused_when_added_and_a_full_batch_says_so(torch_model):
+    decoder = BatchDecoder(torch_model, max_sequences=1)
+    settings = DecodeSettings(registry.plain(), StopRules(3))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        decoder.add([], settings)
+    decoder.add([5, 6], settings)
+    with pytest.raises(ValueError, match="decodes 1 sequences already"):
+        decoder.add([5, 6], settings)
+    assert len(decoder.active) == 1 and not decoder._free  # the refused sequence's lane went to the next one
+    (lane,) = decoder.active
+    decode_all(decoder, [lane])
+    assert lane.result.token_ids == single(torch_model, [5, 6], settings) and len(lane.result.token_ids) == 3
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_the_batch_bench_measures_every_b_and_checks_every_output(artifact, backend, tmp_path, capsys):
+    from streamfuse.tools import batch_bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--artifact", str(artifact), "--backends", backend, "--batches", "1,2", "--prompts", "3"]
+    argv += ["--max-new-tokens", "6", "--input-file", str(artifact.parent / "data" / "dialogsum.dev.jsonl")]
+    assert batch_bench.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["backend"], row["batch"]) for row in rows] == [(backend, 1), (backend, 2)]
+    assert all(row["all_equal_to_single"] and row["tokens_per_second"] > 0 for row in rows)
+    assert 3 <= rows[0]["tokens"] == rows[1]["tokens"] <= 18
+    assert rows[0]["ratio_to_b1"] == 1.0 and rows[1]["ttft_p95_ms"] >= rows[1]["ttft_p50_ms"] > 0
+    assert f"| {backend} | 2 |" in capsys.readouterr().out
