@@ -14,7 +14,7 @@ from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
-from tiny_export import EXPORTED, TREES, prompts
+from tiny_export import EXPORTED, TREES, path_of, prompts
 
 CHAIN = TreeSpec.parse("gamma=3,k=1")
 SAMPLED = SamplingConfig(temperature=0.8, top_k=30, top_p=0.95)
@@ -100,13 +100,6 @@ def test_keeping_the_cache_on_an_engine_equals_fresh_generations(artifact, backe
         assert any(count < 6 for count in prefilled[1:])
 
 
-def path_to(tree: TreeSpec, node: int) -> list[int]:
-    path = [node]
-    while path[0] != 0:
-        path.insert(0, tree.parents[path[0]])
-    return path
-
-
 @pytest.mark.parametrize("backend", EXPORTED)
 def test_a_rollback_lands_the_engines_pending_commit_below_it(artifact, backend):
     """After a step's commit the engine moves the accepted rows into place on its next call; a rollback to a
@@ -114,7 +107,7 @@ def test_a_rollback_lands_the_engines_pending_commit_below_it(artifact, backend)
     engine, fresh_engine = load(artifact, backend).backend, load(artifact, backend).backend
     prompt, tree = prompts(1, seed=4)[0], TREES[0]
     tokens = torch.randint(3, 97, (tree.num_nodes,), generator=torch.Generator().manual_seed(5)).tolist()
-    path = path_to(tree, tree.num_nodes - 1)
+    path = path_of(tree, tree.num_nodes - 1)
     assert path != list(range(len(path)))  # rows move: the path is not the first rows of the step
     cached = prompt + [tokens[node] for node in path]
     for length in (len(cached), len(prompt) + 2, len(prompt)):

@@ -17,7 +17,7 @@ from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.tree import TreeSpec
 
 from conftest import write_checkpoint
-from tiny_export import CONFIG, DRAFT, EXPORTED, TREES, needs, prompts
+from tiny_export import CONFIG, DRAFT, EXPORTED, TREES, needs, path_of, prompts
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
@@ -186,14 +186,6 @@ def test_every_row_returns_its_final_state_as_the_torch_model_does(artifact, bac
     for got, want, rows in zip(*outputs, (1, 1, sub_chain.num_nodes)):
         assert got.shape == want.shape == (rows, eager.model.parts.hidden_size)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-def path_of(tree: TreeSpec, node: int) -> list[int]:
-    """The nodes from the root to `node`, root first."""
-    path = [node]
-    while path[0] != 0:
-        path.insert(0, tree.parents[path[0]])
-    return path
 
 
 @pytest.mark.parametrize("backend", EXPORTED)

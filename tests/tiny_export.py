@@ -106,3 +106,11 @@ class Biased:
         if method == "decode":
             outputs[0][..., 42] += 100.0
         return outputs
+
+
+def path_of(tree: TreeSpec, node: int) -> list[int]:
+    """The nodes from the root to `node`, root first."""
+    path = [node]
+    while path[0] != 0:
+        path.insert(0, tree.parents[path[0]])
+    return path
