@@ -30,6 +30,7 @@ from pathlib import Path
 from streamfuse.apps.serving import Finished, Job, QueueFull, Scheduler, Tokens, check_fits
 from streamfuse.runtime import errors
 from streamfuse.runtime.api import Model, load
+from streamfuse.runtime.batch_policy import POLICIES, POLICY_HELP
 from streamfuse.runtime.options import BACKENDS
 from streamfuse.runtime.prompt import check_text
 from streamfuse.runtime.session import DEFAULT_METHOD, DecodeRequest, decode_settings
@@ -315,14 +316,14 @@ class Server:
             self.scheduler.cancel(job)  # a no-op once the job finished; frees the lane of a client gone mid-stream
 
 
-def create_app(model: Model, name: str = "streamfuse", max_sequences: int = 8, queue: int = 64):
+def create_app(model: Model, name: str = "streamfuse", max_sequences: int = 8, queue: int = 64, hold: bool = True):
     """The starlette app serving `model` (streamfuse.load's); its scheduler runs while the app's lifespan does
-    (app.state.scheduler)."""
+    (app.state.scheduler). hold: the batch policy's (runtime/batch_policy.py)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
-    scheduler = Scheduler(model.loaded, max_sequences, queue)
+    scheduler = Scheduler(model.loaded, max_sequences, queue, hold)
     server = Server(model, name, scheduler)
 
     @contextlib.asynccontextmanager
@@ -363,6 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000)")
     parser.add_argument("--max-sequences", type=int, default=8, help="requests decoded together in one step")
     parser.add_argument("--queue", type=int, default=64, help="requests that may wait; one more is a 503")
+    parser.add_argument("--batch-policy", choices=POLICIES, default=POLICIES[0], help=POLICY_HELP)
     return parser.parse_args(argv)
 
 
@@ -373,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     model = load(args.artifact, args.backend, args.task, args.threads)
-    app = create_app(model, args.artifact.resolve().name, args.max_sequences, args.queue)
+    hold = args.batch_policy == POLICIES[0]
+    app = create_app(model, args.artifact.resolve().name, args.max_sequences, args.queue, hold)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

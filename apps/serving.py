@@ -86,13 +86,13 @@ def check_fits(loaded: Loaded, ids: Sequence[int], settings: DecodeSettings) -> 
 class Scheduler:
     """Admits jobs into lanes of one decoder and steps them together on a worker thread."""
 
-    def __init__(self, loaded: Loaded, max_sequences: int = 8, queue_size: int = 64):
+    def __init__(self, loaded: Loaded, max_sequences: int = 8, queue_size: int = 64, hold: bool = True):
         if max_sequences < 1 or queue_size < 1:
             raise ValueError(f"need max_sequences >= 1 and queue >= 1, got {max_sequences} and {queue_size}")
         self.loaded = loaded
         self.max_sequences = max_sequences
         self.waiting: queue.Queue[Job | None] = queue.Queue(queue_size)
-        self.decoder = BatchDecoder(loaded, max_sequences)
+        self.decoder = BatchDecoder(loaded, max_sequences, hold)
         self.jobs: dict[str, Job] = {}  # lane id -> its job
         self.counter = itertools.count()
         self.thread: threading.Thread | None = None

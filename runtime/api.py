@@ -179,11 +179,12 @@ class Model:
         """A chat with a cache of its own, kept between turns (`system`: a first system message)."""
         return ChatSession(self, system)
 
-    def batch(self, max_sequences: int = 8):
-        """Several requests decoded together, one shared step per round (runtime/batch.py's BatchDecoder)."""
+    def batch(self, max_sequences: int = 8, hold: bool = True):
+        """Several requests decoded together, one shared step per round (runtime/batch.py's BatchDecoder; hold: its
+        batch policy, plain rows for greedy speculative sequences where they make more tokens/s)."""
         from streamfuse.runtime.batch import BatchDecoder
 
-        return BatchDecoder(self.loaded, max_sequences)
+        return BatchDecoder(self.loaded, max_sequences, hold)
 
     def prompt_ids(self, prompt: str | Sequence[int], as_task: bool = False) -> list[int]:
         """Token ids of a prompt: a user message in the chat template, a task source in the task's prompt format

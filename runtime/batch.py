@@ -10,17 +10,22 @@ either way, each sequence's equal to its single-sequence output (greedy or sampl
             print(finished.result.token_ids)
 
 Each sequence (a Lane) decodes on a lane of the loaded model (Loaded.lane: a cache of its own over the shared
-session and weights); a finished or cancelled lane's cache serves the next sequence added.
+session and weights); a finished or cancelled lane's cache serves the next sequence added, which keeps the rows
+its prompt shares with what that cache holds (Generation.begin's keep; the free lane sharing the most). With
+`hold` (the default) a step of several sequences runs its greedy speculative ones as plain steps while plain rows
+make more tokens per second at that batch size (runtime/batch_policy.py); the tokens are the same.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
 from streamfuse.runtime.backends.batched_step import BatchItem, batch_rows, batch_shapes, batched_step
-from streamfuse.runtime.decode import Generation, GenerationResult, PlannedStep, StepEvent
+from streamfuse.runtime.batch_policy import HoldPolicy
+from streamfuse.runtime.decode import Generation, GenerationResult, PlannedStep, StepEvent, kept_prefix
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.settings import DecodeSettings
 
@@ -61,13 +66,17 @@ class Lane:
 class BatchDecoder:
     """Up to max_sequences sequences advanced together, one step of each per step()."""
 
-    def __init__(self, loaded: Loaded, max_sequences: int = 8):
+    def __init__(self, loaded: Loaded, max_sequences: int = 8, hold: bool = True, policy: HoldPolicy | None = None):
+        """hold: apply a batch policy, `policy` (one that measured this model already) or a new one."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.loaded = loaded
         self.max_sequences = max_sequences
+        self.policy = (policy or HoldPolicy()) if hold else None
+        self.prefill_seconds = 0.0  # spent in new sequences' prefills, all steps together
+        self.steps = self.shared_steps = self.held_steps = 0  # steps; those of 2+ sequences; those held to plain
         self.active: list[Lane] = []
-        self._free: list[Loaded] = []  # lanes of the model whose sequence ended: their caches serve the next
+        self._free: list[tuple[Loaded, list[int]]] = []  # lanes whose sequence ended, with the ids their caches hold
         self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
         self._ids = count()
 
@@ -85,13 +94,13 @@ class BatchDecoder:
                 f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
                 f"max_sequences"
             )
-        model = self._free.pop() if self._free else self.loaded.lane()
+        model, cached = self._lane_for(ids)
         try:
             generation = Generation.begin(
-                model.backend, ids, settings, model.drafter(settings), run_id=run_id, decode=self._decode
+                model.backend, ids, settings, model.drafter(settings), run_id=run_id, decode=self._decode, keep=cached
             )
         except BaseException:
-            self._free.append(model)
+            self._free.append((model, []))
             raise
         lane = Lane(str(next(self._ids)), generation, model, on_step)
         self.active.append(lane)
@@ -100,18 +109,33 @@ class BatchDecoder:
     def step(self) -> list[Lane]:
         """One step of every active sequence (those added since the last step prefill first) -> the lanes that
         finished, no longer active."""
-        for lane in self.active:
-            if not lane.started:
-                lane.generation.start(lane.on_step)
-                lane.started = True
+        self._prefill_new()
         running = [lane for lane in self.active if not lane.done]
-        planned = {lane: lane.generation.propose() for lane in running}
+        holdable = self.policy is not None and any(map(_holdable, running))
+        hold = holdable and self.policy.hold(len(running))
+        planned = {lane: lane.generation.propose(hold and _holdable(lane)) for lane in running}
+        self.steps += 1
+        self.shared_steps += len(running) > 1
+        self.held_steps += any(step.held for step in planned.values())
+        cached = sum(len(lane.generation.cached_ids) for lane in running)
+        started = time.perf_counter()
         for group in self._batches(planned):
             self._advance(group, planned)
+        if holdable:  # the step's cost and tokens, for the policy's next choice
+            tokens = sum(len(lane.generation.cached_ids) for lane in running) - cached
+            self.policy.observe(len(running), hold, time.perf_counter() - started, tokens)
         finished = [lane for lane in self.active if lane.done]
         for lane in finished:
             self._release(lane)
         return finished
+
+    def _prefill_new(self) -> None:
+        started = time.perf_counter()
+        for lane in self.active:
+            if not lane.started:
+                lane.generation.start(lane.on_step)
+                lane.started = True
+        self.prefill_seconds += time.perf_counter() - started
 
     def cancel(self, lane: Lane) -> None:
         """Stop a sequence at once; its cache serves the next sequence added."""
@@ -122,7 +146,15 @@ class BatchDecoder:
     def _release(self, lane: Lane) -> None:
         lane.close()
         self.active.remove(lane)
-        self._free.append(lane.model)
+        self._free.append((lane.model, lane.generation.cached_ids))
+
+    def _lane_for(self, ids: list[int]) -> tuple[Loaded, list[int] | None]:
+        """The free lane whose cache shares the longest prefix with `ids` (a system prompt, a task's instructions:
+        those rows are not prefilled again), else a new lane."""
+        if not self._free:
+            return self.loaded.lane(), None
+        best = max(range(len(self._free)), key=lambda index: kept_prefix(self._free[index][1], ids))
+        return self._free.pop(best)
 
     def _decode(self, ids) -> str:
         return self.loaded.tokenizer.decode(ids)
@@ -164,3 +196,9 @@ class BatchDecoder:
         ]
         for lane, out in zip(group, batched_step(items, shape, self._scratch)):
             lane.generation.finish(planned[lane], out, lane.on_step)
+
+
+def _holdable(lane: Lane) -> bool:
+    """A sequence the batch policy may hold to plain steps: greedy (a sampled one keeps its seed's draws) and
+    speculative."""
+    return lane.generation.verify.greedy and lane.generation.drafter.tree is not None

@@ -54,12 +54,13 @@ class GenerationResult:
 @dataclass(frozen=True)
 class PlannedStep:
     """What the next target call verifies: the draft, whether the call runs the streams, and whether the run
-    speculates this step (its fallback may have switched to plain steps)."""
+    speculates this step (its fallback may have switched to plain steps, or a batch held it to a plain step)."""
 
     draft: Draft
     streams: bool
     speculating: bool
     drafted: float  # seconds the drafter took
+    held: bool = False  # a plain step the caller asked for (propose(hold=True)): the fallback does not count it
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
@@ -226,10 +227,13 @@ class Generation:
         run.record.model_calls = 1
         notify(on_step, run.emitter.emit([self.root]), 0, [])
 
-    def propose(self) -> PlannedStep:
-        """The next step's draft: the drafter's, or the root alone while the fallback has speculation off."""
+    def propose(self, hold: bool = False) -> PlannedStep:
+        """The next step's draft: the drafter's, or the root alone while the fallback has speculation off or
+        `hold` asks for a plain step (a batch where plain rows are cheaper; the drafter keeps its last streams)."""
         switch, drafter = self.switch, self.drafter
         speculating = switch is None or switch.speculating
+        if hold and speculating and drafter.tree is not None:
+            return PlannedStep(Draft.plain(self.root), False, False, 0.0, held=True)
         started = time.perf_counter()
         with self.run.span("draft"):
             draft = drafter.propose(self.root) if speculating else Draft.plain(self.root)
@@ -267,7 +271,7 @@ class Generation:
         else:
             notify(on_step, emitted, 0, [], plain=drafter.tree is not None)
         self.root = result.correction
-        if self.switch is not None:
+        if self.switch is not None and not planned.held:
             _fallback(run, self.switch, planned.speculating, len(result.path), draft.tree)
 
     def step(self, on_step: Callable[[StepEvent], None] | None = None) -> None:

@@ -9,8 +9,10 @@ import pytest
 
 from streamfuse.methods import registry
 from streamfuse.runtime.batch import CANCELLED, BatchDecoder
+from streamfuse.runtime.batch_policy import HoldPolicy
 from streamfuse.runtime.decode import generate
 from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.fallback import FallbackConfig
 from streamfuse.runtime.loader import load
 from streamfuse.runtime.sampling import SamplingConfig
 from streamfuse.runtime.settings import DecodeSettings
@@ -63,10 +65,18 @@ def decode_all(decoder: BatchDecoder, lanes) -> list[str]:
     return order
 
 
-def check_batches(loaded, trees) -> None:
+class EveryOther(HoldPolicy):
+    """Holds every other step of a batch, whatever it measured."""
+
+    def hold(self, sequences: int) -> bool:
+        return sequences > 1 and self.steps % 2 == 1
+
+
+def check_batches(loaded, trees, policy: HoldPolicy | None = None) -> None:
     for sequences in (1, 2, 4, 8):
         batch = requests(sequences, trees)
         decoder = BatchDecoder(loaded, max_sequences=8)
+        decoder.policy = policy or decoder.policy
         lanes = [decoder.add(ids, settings) for ids, settings in batch]
         order = decode_all(decoder, lanes)
         assert sorted(order) == sorted(lane.id for lane in lanes)
@@ -74,6 +84,8 @@ def check_batches(loaded, trees) -> None:
             assert lane.result.token_ids == single(loaded, ids, settings), (sequences, lane.id)
         if sequences >= 4:
             assert order != [lane.id for lane in lanes]  # a shorter one finished first while others went on
+        if policy is not None and sequences > 1:
+            assert 0 < decoder.held_steps < decoder.shared_steps <= decoder.steps
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +107,44 @@ def test_every_sequence_of_a_batch_equals_its_single_output_on_an_engine(artifac
         assert batched, counting.calls  # the 4-row chains and the plain steps shared calls
     else:
         assert not batched
+
+
+@pytest.mark.parametrize("backend", EXPORTED)
+def test_steps_held_to_plain_rows_emit_what_the_method_would(artifact, backend):
+    loaded = load(artifact, backend)
+    check_batches(loaded, (TREES[1], TREES[0]), EveryOther())
+
+
+def test_a_held_step_is_not_the_fallbacks_to_count(torch_model):
+    """A batch's hold leaves the fallback's block as it was: it judges the method's own steps only."""
+    settings = DecodeSettings(registry.default(), StopRules(14), tree=CHAIN, fallback=FallbackConfig(1.5, probe=8))
+    first, second = prompts(2, seed=3)
+    decoder = BatchDecoder(torch_model, max_sequences=2)
+    decoder.policy = EveryOther()
+    lanes = [decoder.add(first, settings), decoder.add(second, settings)]
+    switch = lanes[0].generation.switch
+    decoder.step()  # the prefills, then a step of the method
+    judged = len(switch._tokens)
+    decoder.step()  # held
+    assert decoder.held_steps == 1 and len(switch._tokens) == judged == 1
+    decode_all(decoder, lanes)
+    assert [lane.result.token_ids for lane in lanes] == [single(torch_model, ids, settings) for ids in (first, second)]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch"), *EXPORTED])
+def test_a_free_lane_serves_the_prompt_sharing_most_of_its_cache(artifact, backend):
+    loaded = load(artifact, backend)
+    settings = DecodeSettings(registry.default(), StopRules(6), tree=CHAIN)
+    first, second = prompts(2, seed=5)
+    decoder = BatchDecoder(loaded, max_sequences=2)
+    lanes = [decoder.add(first + [7] * 30, settings), decoder.add(second + [9] * 30, settings)]
+    decode_all(decoder, lanes)
+    shared = second + [9] * 12 + [11, 12]  # 12 + len(second) rows shared with the second lane's cache
+    added = decoder.add(shared, settings)
+    assert added.model is lanes[1].model and added.generation.run.kept == len(second) + 12
+    decode_all(decoder, [added])
+    assert added.result.token_ids == single(loaded, shared, settings)
+    assert added.generation.prefilled == 2  # only the rows past the shared prefix
 
 
 @pytest.mark.parametrize("backend", [pytest.param("torch"), *EXPORTED])

@@ -7,6 +7,10 @@ the time to first token (p50, p95) and whether every output equals its single-re
 Each setting B runs the same prompts as B closed-loop clients: B requests in flight, the next prompt added as soon as
 one finishes; a request's time to first token runs from its add to its first emitted token. The settings run
 round-robin (--rounds), so every B sees the same machine conditions; tokens/s is each B's total over its rounds.
+The prefill share is the part of that time spent in prefills, which a batch does not share (their rows are bound by
+arithmetic already): 1 / (B = 1's share) bounds what any B can gain. Decode tokens/s leaves the prefills out;
+"steps held plain" is the share of the steps of 2+ sequences the batch policy (runtime/batch_policy.py) ran as
+plain rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from streamfuse.runtime import errors
 from streamfuse.runtime.batch import BatchDecoder
+from streamfuse.runtime.batch_policy import POLICIES, POLICY_HELP, HoldPolicy
 from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.session import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
 from streamfuse.runtime.settings import DecodeSettings
@@ -36,7 +41,10 @@ class Setting:
     batch: int
     tokens: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0
     steps: int = 0
+    shared_steps: int = 0  # of 2+ sequences
+    held_steps: int = 0
     equal: bool = True
     first_token: list[float] = field(default_factory=list)  # seconds, every request of every round
 
@@ -44,13 +52,22 @@ class Setting:
         """Another round of the same setting."""
         self.tokens += other.tokens
         self.seconds += other.seconds
+        self.prefill_seconds += other.prefill_seconds
         self.steps += other.steps
+        self.shared_steps += other.shared_steps
+        self.held_steps += other.held_steps
         self.equal = self.equal and other.equal
         self.first_token.extend(other.first_token)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the steps alone, the prefills' time left out."""
+        decoding = self.seconds - self.prefill_seconds
+        return self.tokens / decoding if decoding > 0 else 0.0
 
     def summary(self, base: Setting) -> dict:
         first = np.array(self.first_token or [0.0])
@@ -60,8 +77,16 @@ class Setting:
             "tokens": self.tokens,
             "seconds": round(self.seconds, 4),
             "steps": self.steps,
+            "held_share": round(self.held_steps / self.shared_steps, 3) if self.shared_steps else 0.0,
             "tokens_per_second": round(self.tokens_per_second, 2),
             "ratio_to_b1": round(self.tokens_per_second / base.tokens_per_second, 3) if base.seconds else None,
+            "prefill_share": round(self.prefill_seconds / self.seconds, 3) if self.seconds else 0.0,
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
+            "decode_ratio_to_b1": (
+                round(self.decode_tokens_per_second / base.decode_tokens_per_second, 3)
+                if base.decode_tokens_per_second
+                else None
+            ),
             "ttft_p50_ms": round(1000 * float(np.percentile(first, 50)), 2),
             "ttft_p95_ms": round(1000 * float(np.percentile(first, 95)), 2),
             "all_equal_to_single": self.equal,
@@ -69,10 +94,16 @@ class Setting:
 
 
 def closed_loop(
-    loaded: Loaded, prompts: list[list[int]], settings: DecodeSettings, batch: int, expected: list[list[int]]
+    loaded: Loaded,
+    prompts: list[list[int]],
+    settings: DecodeSettings,
+    batch: int,
+    expected: list[list[int]],
+    policy: HoldPolicy | None = None,
 ) -> Setting:
-    """The prompts as `batch` clients send them, each its next once the last one finished."""
-    decoder = BatchDecoder(loaded, max_sequences=batch)
+    """The prompts as `batch` clients send them, each its next once the last one finished. policy: the batch policy
+    (None: the method's steps), shared by the runs as a server's lives on."""
+    decoder = BatchDecoder(loaded, max_sequences=batch, hold=policy is not None, policy=policy)
     setting = Setting(loaded.engine, batch)
     waiting = list(enumerate(prompts))
     lanes, added, first = {}, {}, {}
@@ -89,8 +120,9 @@ def closed_loop(
         while waiting and len(decoder.active) < batch:
             add(*waiting.pop(0))
         decoder.step()
-        setting.steps += 1
     setting.seconds = time.perf_counter() - started
+    setting.prefill_seconds = decoder.prefill_seconds
+    setting.steps, setting.shared_steps, setting.held_steps = decoder.steps, decoder.shared_steps, decoder.held_steps
     for index, lane in lanes.items():
         tokens = lane.result.token_ids
         setting.tokens += len(tokens)
@@ -107,24 +139,29 @@ def bench_backend(args: argparse.Namespace, backend: str) -> list[Setting]:
     prompts = [prompt_ids(loaded, item.text, True) for item in read_inputs(path, loaded.prompt, args.prompts)]
     settings = decode_settings(loaded, DecodeRequest(args.method, args.max_new_tokens, tree=args.tree))
     expected = [run(loaded, ids, settings).token_ids for ids in prompts]  # also the engine's warm-up
-    for batch in args.batches:  # each batched graph's first calls, untimed
-        closed_loop(loaded, prompts[:batch], settings, batch, expected)
+    policy = HoldPolicy() if args.batch_policy == POLICIES[0] else None
+    for batch in args.batches:  # each batched graph's first calls (and the policy's first measurements), untimed
+        closed_loop(loaded, prompts[:batch], settings, batch, expected, policy)
     totals = {batch: Setting(backend, batch) for batch in args.batches}
     for _ in range(args.rounds):
         for batch in args.batches:
-            totals[batch].add(closed_loop(loaded, prompts, settings, batch, expected))
+            totals[batch].add(closed_loop(loaded, prompts, settings, batch, expected, policy))
     return list(totals.values())
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| backend | B | tokens/s | x B=1 | TTFT p50 (ms) | TTFT p95 (ms) | all equal to single |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| backend | B | tokens/s | x B=1 | prefill share | decode tokens/s | x B=1 | steps held plain | TTFT p50 (ms) "
+        "| TTFT p95 (ms) | all equal to single |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         ratio = f"{row['ratio_to_b1']:.2f}" if row["ratio_to_b1"] is not None else "-"
+        decode = f"{row['decode_ratio_to_b1']:.2f}" if row["decode_ratio_to_b1"] is not None else "-"
         lines.append(
             f"| {row['backend']} | {row['batch']} | {row['tokens_per_second']:.1f} | {ratio} | "
+            f"{row['prefill_share']:.2f} | {row['decode_tokens_per_second']:.1f} | {decode} | "
+            f"{row['held_share']:.2f} | "
             f"{row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {'yes' if row['all_equal_to_single'] else 'no'} |"
         )
     return "\n".join(lines)
@@ -149,6 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--method", default=DEFAULT_METHOD, help=f"decoding method (default {DEFAULT_METHOD})")
     parser.add_argument("--tree", default=None, help="the draft tree (default: the method's own, e.g. calibrated)")
+    parser.add_argument("--batch-policy", choices=POLICIES, default=POLICIES[0], help=POLICY_HELP)
     parser.add_argument("--rounds", type=int, default=1, help="round-robin passes over the B settings")
     parser.add_argument("--input-file", type=Path, default=None, help="JSON lines of task inputs (default: validation)")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the task's data files are")
@@ -172,7 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(setting.summary(base) for setting in settings)
     print(table(rows))
     if args.out:
-        record = {"artifact": str(args.artifact), "method": args.method, "threads": args.threads, "rows": rows}
+        record = {
+            "artifact": str(args.artifact),
+            "method": args.method,
+            "batch_policy": args.batch_policy,
+            "threads": args.threads,
+            "rows": rows,
+        }
         record["command"] = " ".join(["streamfuse", "batch-bench", *(argv if argv is not None else sys.argv[1:])])
         args.out.write_text(json.dumps(record, indent=2))
     return 0 if all(row["all_equal_to_single"] for row in rows) else 1

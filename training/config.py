@@ -238,7 +238,7 @@ _CPU_BASE = BuildConfig(
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
     data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
     eval=EvalConfig(max_new_tokens=80, batch_size=8),
-    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,), batches="2x1,4x1,8x1,2x4,4x4,8x4"),
+    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,), batches="2x1,4x1,8x1,4x4"),
 )
 
 PRESETS: dict[str, BuildConfig] = {
