@@ -1,4 +1,5 @@
-"""What the demo does, without Qt: load an artifact, run one generation, report it step by step.
+"""What the demo does, without Qt: load an artifact, run one generation through the Python API (runtime/api.py),
+report it step by step.
 
 The worker thread calls these; tests call them directly.
 """
@@ -15,18 +16,10 @@ from pathlib import Path
 from streamfuse.apps.markup import Segment, SegmentBuilder
 from streamfuse.apps.stats import RunStats
 from streamfuse.methods import registry
+from streamfuse.runtime.api import Model
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.session import (
-    BASELINE_METHOD,
-    DEFAULT_METHOD,
-    DEFAULT_TREE,
-    DecodeRequest,
-    decode_settings,
-    prompt_ids,
-    run,
-)
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
 
 BUILD_HINT = (
     "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
@@ -133,29 +126,26 @@ class Session:
             f"{self.request.stream_schedule} streams schedule"
         )
 
-    def settings(self, request: GenerationRequest) -> DecodeSettings:
-        """The panes' request as the decode loop takes it (the library's checks, its tree choice and fallback)."""
-        return decode_settings(
-            self._loaded(),
-            DecodeRequest(
-                request.method,
-                request.max_new_tokens,
-                temperature=request.temperature,
-                seed=request.seed,
-                tree=request.tree or None,
-            ),
+    def decode_request(self, request: GenerationRequest) -> DecodeRequest:
+        """The panes' request as the API takes it (the library's checks, its tree choice and fallback)."""
+        return DecodeRequest(
+            request.method,
+            request.max_new_tokens,
+            temperature=request.temperature,
+            seed=request.seed,
+            tree=request.tree or None,
         )
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
-        """Run one generation; `on_update(new_segments, stats)` after every model call.
-        Setting `stop` ends it after the current step (stop_reason "stopped")."""
+        """Run one generation through the API (runtime/api.py's Model.run); `on_update(new_segments, stats)` after
+        every model call. Setting `stop` ends it after the current step (stop_reason "stopped")."""
         loaded = self._loaded()
-        settings = self.settings(request)
         if not request.text.strip():
             raise ValueError("the input is empty: paste a dialogue or pick an example")
+        model = Model(loaded)
         # Task artifacts were fine-tuned on a prompt format: format the text as in training, the source
         # kept whole up to the context (as the generate CLI does without --cut-source).
-        ids = prompt_ids(loaded, request.text, as_task=loaded.prompt is not None, cut_source=False)
+        ids = model.prompt_ids(request.text, as_task=loaded.prompt is not None)
         builder = SegmentBuilder(lambda tokens: loaded.tokenizer.decode(tokens, skip_special_tokens=True))
         stats = RunStats(request.method)
         started = time.perf_counter()
@@ -170,11 +160,11 @@ class Session:
             stats.stop_reason = "stopped"
             return stats
         try:
-            result = run(loaded, ids, settings, on_step=on_step)
+            completion = model.run(ids, self.decode_request(request), on_step=on_step)
         except Cancelled:
             stats.stop_reason = "stopped"
             return stats
-        stats.finish(result.run)
+        stats.finish(completion)
         return stats
 
     def _loaded(self) -> Loaded:

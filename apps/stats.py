@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from streamfuse.runtime.api import Completion
 from streamfuse.runtime.decode import StepEvent
-from streamfuse.runtime.trace import RunRecord
 
 STOP_LABELS = {"max_new_tokens": "max tokens", "stop_string": "stop string"}
 
@@ -38,10 +38,11 @@ class RunStats:
         self._last_plain = event.plain
         self.seconds = seconds
 
-    def finish(self, record: RunRecord) -> None:
+    def finish(self, completion: Completion) -> None:
         """The runtime's own counts and timing replace the live ones."""
-        self.new_tokens, self.model_calls = record.new_tokens, record.model_calls
-        self.seconds, self.stop_reason = record.seconds, record.stop_reason
+        stats = completion.stats
+        self.new_tokens, self.model_calls = stats.new_tokens, stats.model_calls
+        self.seconds, self.stop_reason = stats.seconds, completion.stop_reason
 
     @property
     def call_reduction(self) -> float | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from streamfuse.runtime.decode import Generation, GenerationResult
+from streamfuse.runtime.decode import Generation, GenerationResult, StepEvent
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.options import BACKENDS
 from streamfuse.runtime.prompt import check_text
@@ -118,6 +118,7 @@ class _Job:
     keep: bool = False  # start from the rows the engine's last generation left
     trace: Trace | None = None
     run_id: str = "0"
+    on_step: Callable[[StepEvent], None] | None = None  # each step's tokens and drafts (a demo marks them)
 
 
 class Model:
@@ -211,11 +212,14 @@ class Model:
         stream: bool = False,
         trace: Trace | None = None,
         run_id: str = "0",
+        on_step: Callable[[StepEvent], None] | None = None,
     ) -> Completion | TextStream:
         """Decode prompt token ids as a front end states its request (runtime/session.py's DecodeRequest: the CLI
-        from its flags, a server from its JSON); `trace` records the run under `run_id` (tools/profiler.py)."""
+        from its flags, a server from its JSON); `trace` records the run under `run_id` (tools/profiler.py);
+        `on_step` sees each step's StepEvent (the tokens, how many were accepted drafts, the draft verified), an
+        exception it raises ending the generation there."""
         job = _Job(checked_ids(ids, len(self.tokenizer)), decode_settings(self.loaded, request), tuple(request.stop))
-        return _start(self._engine, replace(job, trace=trace, run_id=run_id), stream)
+        return _start(self._engine, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
 
 def _start(engine: _Engine, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
@@ -251,8 +255,10 @@ def _decode(engine: _Engine, job: _Job, holder: TextStream, incremental: bool) -
     text = Detokenizer.for_tokenizer(loaded.tokenizer, job.stop)
     fresh: list[int] = []
 
-    def on_step(event) -> None:
+    def on_step(event: StepEvent) -> None:
         fresh.extend(event.tokens)
+        if job.on_step is not None:
+            job.on_step(event)
 
     def delta() -> str:
         tokens = list(fresh)

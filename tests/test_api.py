@@ -58,6 +58,27 @@ def test_generate_equals_the_session_run_on_exported_engines(engine, prompt):
     check_generate_equals_run(engine, prompt, DEFAULT_METHOD, max_new_tokens=16, temperature=1.0, seed=3)
 
 
+def test_on_step_sees_every_step_and_can_end_the_generation(model):
+    ids, request = model.prompt_ids(PROMPTS[1]), DecodeRequest(DEFAULT_METHOD, 12)
+    events = []
+    done = model.run(ids, request, on_step=events.append)
+    assert [t for event in events for t in event.tokens] == done.token_ids and len(events) == done.stats.model_calls
+    assert any(event.accepted_drafts for event in events) == (done.stats.accepted_per_step > 0)
+
+    class Enough(Exception):
+        pass
+
+    def stop_after_two(event) -> None:
+        if len(seen) == 2:
+            raise Enough
+        seen.append(event)
+
+    seen = []
+    with pytest.raises(Enough):
+        model.run(ids, request, on_step=stop_after_two)
+    assert len(seen) == 2 and model.run(ids, request).token_ids == done.token_ids  # the next call starts afresh
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_stream_deltas_join_to_the_completion(model, prompt):
     whole = model.generate(prompt, max_new_tokens=14)

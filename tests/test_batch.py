@@ -186,10 +186,17 @@ def test_the_batch_bench_measures_every_b_and_checks_every_output(artifact, back
     out = tmp_path / "bench.json"
     argv = ["--artifact", str(artifact), "--backends", backend, "--batches", "1,2", "--prompts", "3"]
     argv += ["--max-new-tokens", "6", "--input-file", str(artifact.parent / "data" / "dialogsum.dev.jsonl")]
-    assert batch_bench.main([*argv, "--out", str(out)]) == 0
+    assert batch_bench.main([*argv, "--batch-policy", "auto,method", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["backend"], row["batch"]) for row in rows] == [(backend, 1), (backend, 2)]
+    settings = [(row["backend"], row["batch"], row["batch_policy"]) for row in rows]
+    assert settings == [(backend, 1, "auto"), (backend, 1, "method"), (backend, 2, "auto"), (backend, 2, "method")]
     assert all(row["all_equal_to_single"] and row["tokens_per_second"] > 0 for row in rows)
-    assert 3 <= rows[0]["tokens"] == rows[1]["tokens"] <= 18
-    assert rows[0]["ratio_to_b1"] == 1.0 and rows[1]["ttft_p95_ms"] >= rows[1]["ttft_p50_ms"] > 0
-    assert f"| {backend} | 2 |" in capsys.readouterr().out
+    assert 3 <= rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"] <= 18
+    assert rows[0]["ratio_to_b1"] == rows[1]["ratio_to_b1"] == 1.0
+    assert rows[2]["ttft_p95_ms"] >= rows[2]["ttft_p50_ms"] > 0
+    for row in rows:
+        assert 0 < row["prefill_share"] < 1 and row["decode_tokens_per_second"] > row["tokens_per_second"]
+    assert rows[0]["held_share"] == rows[1]["held_share"] == rows[3]["held_share"] == 0  # B = 1, or policy method
+    assert f"| {backend} | method | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        batch_bench.parse_args([*argv, "--batch-policy", "auto,sometimes"])

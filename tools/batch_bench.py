@@ -6,7 +6,8 @@ the time to first token (p50, p95) and whether every output equals its single-re
 
 Each setting B runs the same prompts as B closed-loop clients: B requests in flight, the next prompt added as soon as
 one finishes; a request's time to first token runs from its add to its first emitted token. The settings run
-round-robin (--rounds), so every B sees the same machine conditions; tokens/s is each B's total over its rounds.
+round-robin (--rounds), so every B (and every --batch-policy given) sees the same machine conditions; tokens/s is
+each setting's total over its rounds, and x B=1 is against the same policy's B = 1.
 The prefill share is the part of that time spent in prefills, which a batch does not share (their rows are bound by
 arithmetic already): 1 / (B = 1's share) bounds what any B can gain. Decode tokens/s leaves the prefills out;
 "steps held plain" is the share of the steps of 2+ sequences the batch policy (runtime/batch_policy.py) ran as
@@ -35,10 +36,11 @@ from streamfuse.tools.bench_data import read_inputs, task_file
 
 @dataclass
 class Setting:
-    """One backend's measurements at one B, summed over its rounds."""
+    """One backend's measurements at one B and batch policy, summed over its rounds."""
 
     backend: str
     batch: int
+    policy: str = POLICIES[0]
     tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -73,6 +75,7 @@ class Setting:
         first = np.array(self.first_token or [0.0])
         return {
             "backend": self.backend,
+            "batch_policy": self.policy,
             "batch": self.batch,
             "tokens": self.tokens,
             "seconds": round(self.seconds, 4),
@@ -104,7 +107,7 @@ def closed_loop(
     """The prompts as `batch` clients send them, each its next once the last one finished. policy: the batch policy
     (None: the method's steps), shared by the runs as a server's lives on."""
     decoder = BatchDecoder(loaded, max_sequences=batch, hold=policy is not None, policy=policy)
-    setting = Setting(loaded.engine, batch)
+    setting = Setting(loaded.engine, batch, POLICIES[0] if policy is not None else POLICIES[1])
     waiting = list(enumerate(prompts))
     lanes, added, first = {}, {}, {}
 
@@ -139,27 +142,28 @@ def bench_backend(args: argparse.Namespace, backend: str) -> list[Setting]:
     prompts = [prompt_ids(loaded, item.text, True) for item in read_inputs(path, loaded.prompt, args.prompts)]
     settings = decode_settings(loaded, DecodeRequest(args.method, args.max_new_tokens, tree=args.tree))
     expected = [run(loaded, ids, settings).token_ids for ids in prompts]  # also the engine's warm-up
-    policy = HoldPolicy() if args.batch_policy == POLICIES[0] else None
-    for batch in args.batches:  # each batched graph's first calls (and the policy's first measurements), untimed
-        closed_loop(loaded, prompts[:batch], settings, batch, expected, policy)
-    totals = {batch: Setting(backend, batch) for batch in args.batches}
+    policies = {name: HoldPolicy() if name == POLICIES[0] else None for name in args.batch_policy}
+    runs = [(batch, name) for batch in args.batches for name in policies]
+    for batch, name in runs:  # each batched graph's first calls (and the policy's first measurements), untimed
+        closed_loop(loaded, prompts[:batch], settings, batch, expected, policies[name])
+    totals = {(batch, name): Setting(backend, batch, name) for batch, name in runs}
     for _ in range(args.rounds):
-        for batch in args.batches:
-            totals[batch].add(closed_loop(loaded, prompts, settings, batch, expected, policy))
+        for batch, name in runs:
+            totals[batch, name].add(closed_loop(loaded, prompts, settings, batch, expected, policies[name]))
     return list(totals.values())
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| backend | B | tokens/s | x B=1 | prefill share | decode tokens/s | x B=1 | steps held plain | TTFT p50 (ms) "
-        "| TTFT p95 (ms) | all equal to single |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| backend | batch policy | B | tokens/s | x B=1 | prefill share | decode tokens/s | x B=1 | steps held plain "
+        "| TTFT p50 (ms) | TTFT p95 (ms) | all equal to single |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         ratio = f"{row['ratio_to_b1']:.2f}" if row["ratio_to_b1"] is not None else "-"
         decode = f"{row['decode_ratio_to_b1']:.2f}" if row["decode_ratio_to_b1"] is not None else "-"
         lines.append(
-            f"| {row['backend']} | {row['batch']} | {row['tokens_per_second']:.1f} | {ratio} | "
+            f"| {row['backend']} | {row['batch_policy']} | {row['batch']} | {row['tokens_per_second']:.1f} | {ratio} | "
             f"{row['prefill_share']:.2f} | {row['decode_tokens_per_second']:.1f} | {decode} | "
             f"{row['held_share']:.2f} | "
             f"{row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {'yes' if row['all_equal_to_single'] else 'no'} |"
@@ -174,6 +178,13 @@ def integers(text: str) -> list[int]:
     return values
 
 
+def policies(text: str) -> list[str]:
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not names or any(name not in POLICIES for name in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch policies of {', '.join(POLICIES)}, comma-separated")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--artifact", type=Path, required=True, help="an exported artifact folder")
@@ -186,7 +197,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--method", default=DEFAULT_METHOD, help=f"decoding method (default {DEFAULT_METHOD})")
     parser.add_argument("--tree", default=None, help="the draft tree (default: the method's own, e.g. calibrated)")
-    parser.add_argument("--batch-policy", choices=POLICIES, default=POLICIES[0], help=POLICY_HELP)
+    parser.add_argument(
+        "--batch-policy",
+        type=policies,
+        default=[POLICIES[0]],
+        help=f"{POLICY_HELP}; several, comma-separated, interleave",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="round-robin passes over the B settings")
     parser.add_argument("--input-file", type=Path, default=None, help="JSON lines of task inputs (default: validation)")
     parser.add_argument("--data-dir", type=Path, default=None, help="where the task's data files are")
@@ -206,14 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for backend in args.backends:
         settings = bench_backend(args, backend)
-        base = next((s for s in settings if s.batch == 1), settings[0])
-        rows.extend(setting.summary(base) for setting in settings)
+        for setting in settings:
+            same = [s for s in settings if s.policy == setting.policy]
+            rows.append(setting.summary(next((s for s in same if s.batch == 1), same[0])))
     print(table(rows))
     if args.out:
         record = {
             "artifact": str(args.artifact),
             "method": args.method,
-            "batch_policy": args.batch_policy,
+            "batch_policies": args.batch_policy,
             "threads": args.threads,
             "rows": rows,
         }

@@ -231,14 +231,15 @@ OWN_SECTIONS = ("streams", "lora", "data", "train", "distill", "eval", "export",
 # with one step bucket of 4 rows: the 8-row bucket's two methods take ~10 min of make build's lowering
 # here, and at 4 bits even a 4-row greedy step barely pays on ExecuTorch (1.87 plain calls for about 2
 # tokens: docs/benchmarks.md, each graph method's call time per engine); --set export.buckets=4,8 adds it.
-# Batched steps of 2, 4 and 8 sequences, of decode rows and of the 4-row bucket, for serving concurrent requests
-# (runtime/batch.py; export/batch_pass.py): --set export.batches= drops them.
+# No batched steps: each adds ~4 min of single-threaded ExecuTorch lowering on the slowest 2-core machine here,
+# which four of them put past make build's hour (docs/results.md); a server's build adds them with
+# --set export.batches=2x1,4x1,8x1,4x4 (runtime/batch.py; export/batch_pass.py), the training reused.
 _CPU_BASE = BuildConfig(
     preset="cpu",
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
     data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
     eval=EvalConfig(max_new_tokens=80, batch_size=8),
-    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,), batches="2x1,4x1,8x1,4x4"),
+    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,)),
 )
 
 PRESETS: dict[str, BuildConfig] = {
