@@ -117,7 +117,7 @@ class BatchDecoder:
         self.steps += 1
         self.shared_steps += len(running) > 1
         self.held_steps += any(step.held for step in planned.values())
-        cached = sum(len(lane.generation.cached_ids) for lane in running)
+        cached = sum(len(lane.generation.cached_ids) for lane in running) if holdable else 0
         started = time.perf_counter()
         for group in self._batches(planned):
             self._advance(group, planned)
