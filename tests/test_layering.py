@@ -22,8 +22,11 @@ ALLOWED = {
     "training": {"training", "export", "adapters", "runtime", "metrics", "base"},
     "tools": {"tools", "runtime", "metrics", "export", "adapters", "base"},  # measurement tools time torch too
     "apps": {"apps", "runtime"},
-    "cli": {"runtime"},  # the console script: runtime.errors; a command's module only when it runs (by name)
+    # the console script, and export/build.py (the build run by path, through it): runtime.errors; a command's
+    # module only when it runs (by name)
+    "cli": {"cli", "runtime"},
 }
+ENTRY_SCRIPTS = {"cli.py", "export/build.py"}  # the layer "cli"
 # a method folder's files, by name -> their layer
 METHOD_FILES = {
     "__init__": "runtime",
@@ -44,11 +47,13 @@ METHOD_FILES = {
 
 def layer_of_file(path: Path) -> str:
     rel = path.relative_to(ROOT)
+    if rel.as_posix() in ENTRY_SCRIPTS:
+        return "cli"
     if rel.parts[0] == "methods":
         assert path.stem in METHOD_FILES, f"{rel}: give its kind a layer in METHOD_FILES"
         return METHOD_FILES[path.stem]
     if len(rel.parts) == 1:
-        return "cli" if path.stem == "cli" else "base" if path.stem in BASE else "root"
+        return "base" if path.stem in BASE else "root"
     return rel.parts[0]
 
 
