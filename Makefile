@@ -26,8 +26,9 @@ kernels: $(STAMP)
 build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/streamfuse build --task dialogsum $(ARGS)
 
+# --durations=20: the twenty slowest tests, listed at the end (the suite's budget: 30 min on 2 cores, docs/build.md)
 test: kernels
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 # ruff's lint and its formatter (pinned in the dev extra), as CI runs them: `$(BIN)/ruff format .` formats.
 lint: $(STAMP)
