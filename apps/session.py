@@ -22,8 +22,8 @@ from streamfuse.runtime.loader import Loaded, load
 from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
 
 BUILD_HINT = (
-    "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it, ~1.5 h on 2 cores) "
-    "or `streamfuse build --task dialogsum --preset smoke` (minutes), then open "
+    "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it: 32-89 min on 2 cores, "
+    "by machine: README's set-up) or `streamfuse build --task dialogsum --preset smoke` (minutes), then open "
     "artifacts/dialogsum (every backend) or checkpoints/dialogsum-<preset>/ss (torch only)."
 )
 

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--preset",
         default="cpu",
         choices=sorted(PRESETS),
-        help="smoke: minutes, tests the pipeline; cpu (default): about an hour on 2 cores; "
+        help="smoke: minutes, tests the pipeline; cpu (default): 32-89 min on 2 cores (README); "
         "cpu-distill: the benchmarked model, hours on 2 cores; paper: the paper's recipe, GPU",
     )
     parser.add_argument(
