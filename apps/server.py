@@ -1,17 +1,32 @@
 """streamfuse serve --artifact A: an OpenAI-compatible HTTP server on one loaded model.
 
     GET  /v1/models             the model this server runs
-    POST /v1/completions        {"prompt": str, "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+    POST /v1/completions        {"prompt": str, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
     POST /v1/chat/completions   {"messages": [{"role", "content"}, ...], same fields}
-    GET  /health                lanes decoding and requests waiting
+    GET  /health                {"status": "ok", lanes decoding, requests waiting}; 503 with the reason when unhealthy
+    GET  /metrics               Prometheus text: requests, tokens, latency histograms, lanes, queue (apps/metrics.py)
+    GET  /                      a chat page (apps/web_page.py)
 
 Concurrent requests decode together: apps/serving.py's scheduler batches them into shared steps (--max-sequences
 lanes) behind a bounded queue (--queue: a request beyond it is a 503 at once). `stream: true` answers server-sent
-events in OpenAI's chunk format ending with `data: [DONE]`. Every response carries `usage` and a `streamfuse`
-object with the speculative stats (the API's Stats); the extra field `method` picks a decoding method, and
-`as_task: true` reads a completion's prompt as a task source in the task's prompt format. A malformed request or
-one over the context is a 400 with a one-line message; a client that goes away frees its lane; the server keeps
-serving.
+events in OpenAI's chunk format ending with `data: [DONE]`, with a `: keep-alive` comment while no token comes.
+Every response carries `usage` and a `streamfuse` object with the speculative stats (the API's Stats); the extra
+field `method` picks a decoding method, `as_task: true` reads a completion's prompt as a task source in the task's
+prompt format, `cache_salt` keeps a request's cached prefix to requests of the same salt, and
+`streamfuse_steps: true` (streamed only) sends a chunk for every decode step with an extra top-level field
+`"streamfuse_step": {"step": n, "pieces": [{"text", "draft"}], "rejected": k, "plain": bool}`: the step's tokens
+detokenized one at a time (joined, the chunk's text; a piece may be "" while bytes are held back), draft true for
+an accepted draft token, the drafted tokens the step threw away, whether it was a plain step; the last chunk (its
+finish reason and usage) has none. Fields the server does not use are ignored, as OpenAI's API does, and named in
+the X-Streamfuse-Ignored-Fields header; a `model` other than the served one is a 404 `model_not_found`.
+
+Bounded: a body over --max-body-bytes is a 413 (read in chunks, never held whole); JSON with NaN, Infinity, deep
+nesting or huge integers, a wrong type, a prompt over the context: a 400 of one line in OpenAI's error shape;
+a body that is not `Content-Type: application/json` a 415. Parsing and tokenizing run off the event loop. Every
+request has a deadline (--request-timeout: a 504, or an error event in a stream); a failed step fails the request
+that caused it (500), the others go on; a dead worker is replaced (or /health says why not and new requests get
+503). Access: apps/http_guard.py (Host and Origin checks, --api-key, --cors-origins); --cache-isolation
+none|key|request: whose cached prompt prefix a request may reuse (and so see in its `prefill_tokens`).
 """
 
 from __future__ import annotations
@@ -19,212 +34,62 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from streamfuse.apps.serving import Finished, Job, QueueFull, Scheduler, Tokens, check_fits
+from streamfuse.apps.answers import Answer, error_body, error_response, sse
+from streamfuse.apps.http_guard import KEY_SCOPE, Access, Guard, is_loopback, read_keys
+from streamfuse.apps.metrics import Metrics
+from streamfuse.apps.request_body import MAX_BODY_BYTES, Limits, Parsed, RequestError, parse, read_body
+from streamfuse.apps.serving import QueueFull, Scheduler
+from streamfuse.apps.slot import Delta, Failed, Finished, Slot
 from streamfuse.runtime import errors
 from streamfuse.runtime.api import Model, load
 from streamfuse.runtime.batch_policy import POLICIES, POLICY_HELP
 from streamfuse.runtime.options import BACKENDS
-from streamfuse.runtime.prompt import check_text
-from streamfuse.runtime.session import DEFAULT_METHOD, DecodeRequest, decode_settings
-from streamfuse.runtime.text_stream import Detokenizer
 from streamfuse.runtime.threads import threads_type
 
-DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it names none
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+KEEPALIVE_SECONDS = 5.0  # a stream with no token for this long gets a comment line
+SEND_SECONDS = 60.0  # a stream's client that reads nothing for this long is let go
+DEADLINE_GRACE = 2.0  # a handler gives up this long after its request's deadline, if the worker did not end it
+ISOLATIONS = ("none", "key", "request")
 
 
-class BadRequest(ValueError):
-    """A request the server refuses with a 400: its one line says what to fix."""
+class EventStream:
+    """Server-sent events whose every send must complete within SEND_SECONDS; the slot is cancelled however the
+    stream ends (done, client gone, client stalled)."""
 
+    def __init__(self, events, slot: Slot, headers: dict):
+        from starlette.responses import StreamingResponse
 
-# --- requests ------------------------------------------------------------------------------------
+        self.response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        self.slot = slot
 
+    async def __call__(self, scope, receive, send):
+        from starlette.requests import ClientDisconnect
 
-@dataclass(frozen=True)
-class Parsed:
-    """A checked request: its prompt ids, decode settings and how to answer."""
+        async def timed(message):
+            await asyncio.wait_for(send(message), SEND_SECONDS)
 
-    chat: bool
-    ids: list[int]
-    request: DecodeRequest
-    stream: bool
-
-
-FIELD_TYPES = {  # field -> (accepted types, what the error calls them)
-    "model": ((str,), "a string"),
-    "max_tokens": ((int,), "an integer"),
-    "max_completion_tokens": ((int,), "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_p": ((int, float), "a number"),
-    "seed": ((int,), "an integer"),
-    "stream": ((bool,), "true or false"),
-    "method": ((str,), "a string"),
-    "n": ((int,), "an integer"),
-}
-
-
-def check_types(body: dict) -> None:
-    for name, (types, what) in FIELD_TYPES.items():
-        value = body.get(name)
-        if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
-            raise BadRequest(f"'{name}' must be {what}, got {json.dumps(value)[:40]}")
-    if body.get("n", 1) != 1:
-        raise BadRequest("'n' must be 1: this server returns one choice per request")
-    if (body.get("seed") or 0) < 0:
-        raise BadRequest(f"'seed' must be >= 0, got {body['seed']}")
-
-
-def stop_strings(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value) or len(value) > 4:
-        raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them")
-    return tuple(value)
-
-
-def decode_request(body: dict) -> DecodeRequest:
-    check_types(body)
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    fields = {
-        "method": body.get("method") or DEFAULT_METHOD,
-        "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "stop": stop_strings(body.get("stop")),
-        "temperature": float(body.get("temperature", 0.0) if body.get("temperature") is not None else 0.0),
-        "top_p": float(body.get("top_p") if body.get("top_p") is not None else 1.0),
-        "seed": body.get("seed") or 0,
-    }
-    return DecodeRequest(**fields)
-
-
-def completion_ids(model: Model, prompt: object, as_task: object) -> list[int]:
-    """A completion's prompt: its text as it is (as_task: a task source in the task's prompt format)."""
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(as_task, bool):
-        raise BadRequest(f"'as_task' must be true or false, got {json.dumps(as_task)[:40]}")
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("'prompt' must be a non-empty string")
-    check_text(prompt, "the prompt")
-    if as_task:
-        return model.prompt_ids(prompt, as_task=True)
-    return model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-
-
-def parse(model: Model, body: object, chat: bool) -> tuple[Parsed, object]:
-    """The request checked (BadRequest / ValueError of one line) and its decode settings."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    request = decode_request(body)
-    if chat:
-        ids = model.chat_ids(body.get("messages"))  # the task's chat template, each message checked
-    else:
-        ids = completion_ids(model, body.get("prompt"), body.get("as_task", False))
-    settings = decode_settings(model.loaded, request)
-    check_fits(model.loaded, ids, settings)
-    return Parsed(chat, ids, request, bool(body.get("stream", False))), settings
-
-
-# --- responses -----------------------------------------------------------------------------------
-
-
-def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
-    return {"error": {"message": " ".join(str(message).split()), "type": kind, "param": None, "code": code}}
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error"):
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(error_body(message, kind), status_code=status)
-
-
-def stats(done: Finished, method: str, first: float) -> dict:
-    """The API's Stats of a finished job and its method; first: seconds from the request's arrival to its first
-    token (its wait in the queue included)."""
-    return {"method": method, **asdict(replace(done.completion.stats, time_to_first_token=first))}
-
-
-def usage(done: Finished) -> dict:
-    prompt, new = done.completion.stats.prompt_tokens, len(done.completion.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
-
-
-class Answer:
-    """One response's envelope: its id, model and the shape of its choices (completion or chat)."""
-
-    def __init__(self, parsed: Parsed, model: str):
-        self.parsed = parsed
-        self.model = model
-        self.id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.arrived = time.perf_counter()
-        self.first: float | None = None  # when the first token came
-
-    def tokens(self, event: Tokens) -> None:
-        if self.first is None:
-            self.first = time.perf_counter()
-
-    def envelope(self, kind: str, choice: dict, **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            **extra,
-        }
-
-    def extra(self, done: Finished) -> dict:
-        """The usage and speculative stats every finished answer carries."""
-        first = (self.first or time.perf_counter()) - self.arrived
-        return {"usage": usage(done), "streamfuse": stats(done, self.parsed.request.method, first)}
-
-    def whole(self, done: Finished) -> dict:
-        text = done.completion.text
-        finish = FINISH_REASONS.get(done.completion.stop_reason, "stop")
-        extra = self.extra(done)
-        if self.parsed.chat:
-            message = {"role": "assistant", "content": text}
-            return self.envelope("chat.completion", {"index": 0, "message": message, "finish_reason": finish}, **extra)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self.envelope("text_completion", choice, **extra)
-
-    def chunk(self, text: str, finish: str | None = None, first: bool = False, **extra) -> dict:
-        if self.parsed.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return self.envelope("chat.completion.chunk", choice, **extra)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self.envelope("text_completion", choice, **extra)
-
-    def last_chunk(self, text: str, done: Finished) -> dict:
-        return self.chunk(text, FINISH_REASONS.get(done.completion.stop_reason, "stop"), **self.extra(done))
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-# --- the app -------------------------------------------------------------------------------------
+        try:
+            await self.response(scope, receive, timed)
+        except (TimeoutError, OSError, ClientDisconnect):
+            pass  # the client left or stopped reading: the connection closes
+        finally:
+            Scheduler.cancel(self.slot)
 
 
 class Server:
     """The handlers over one loaded model and its scheduler."""
 
-    def __init__(self, model: Model, name: str, scheduler: Scheduler):
-        self.model = model
-        self.name = name
-        self.scheduler = scheduler
+    def __init__(self, model: Model, name: str, scheduler: Scheduler, limits: Limits, timeout: float, isolation: str):
+        self.model, self.name, self.scheduler = model, name, scheduler
+        self.limits, self.timeout, self.isolation = limits, timeout, isolation
+        self.keepalive = KEEPALIVE_SECONDS
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="streamfuse-parse")  # one: the tokenizer's caller
 
     async def models(self, request):
         from starlette.responses import JSONResponse
@@ -235,7 +100,28 @@ class Server:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"active": self.scheduler.active, "queued": self.scheduler.queued})
+        scheduler, reason = self.scheduler, self.scheduler.health()
+        body = {"status": "ok" if reason is None else "unavailable", "active": scheduler.active}
+        body |= {"queued": scheduler.queued, "restarts": scheduler.restarts, "faults": scheduler.faults}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if reason is None else 503)
+
+    async def metrics(self, request):
+        from starlette.responses import PlainTextResponse
+
+        s = self.scheduler
+        gauges = {
+            "streamfuse_lanes_busy": ("gauge", "lanes decoding a request", s.active),
+            "streamfuse_queue_depth": ("gauge", "requests waiting for a lane", s.queued),
+            "streamfuse_held_steps_total": ("counter", "batch steps held to plain rows", s.held_steps),
+            "streamfuse_steps_total": ("counter", "batch steps", s.steps),
+            "streamfuse_worker_up": ("gauge", "1 while a worker serves", int(s.health() is None)),
+            "streamfuse_worker_restarts_total": ("counter", "workers replaced after dying", s.restarts),
+            "streamfuse_worker_faults_total": ("counter", "steps or cycles that raised", s.faults),
+        }
+        text = s.metrics.render(gauges)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request):
         return await self.answer(request, chat=False)
@@ -244,87 +130,134 @@ class Server:
         return await self.answer(request, chat=True)
 
     async def answer(self, request, chat: bool):
-        from starlette.responses import JSONResponse, StreamingResponse
+        """Any failure is an answer of one line: 4xx for the request's, 5xx for the server's."""
+        try:
+            return await self._answer(request, chat)
+        except RequestError as error:
+            return error_response(error.status, str(error), "invalid_request_error", error.code)
+        except (ValueError, TypeError, KeyError, RecursionError) as error:  # the runtime's checks of the request
+            return error_response(400, str(error) or type(error).__name__)
+        except Exception as error:  # the server's fault: this request's 500, the server keeps serving
+            return error_response(500, f"{type(error).__name__}: {error}", "server_error")
 
+    async def _answer(self, request, chat: bool):
+        from starlette.responses import JSONResponse
+
+        check_json(request.headers.get("content-type", ""))
+        raw = await read_body(request, self.limits.max_body_bytes)
+        loop = asyncio.get_running_loop()
+        parsed = await loop.run_in_executor(self.parser, parse, self.model, raw, chat, self.name, self.limits)
+        if (reason := self.scheduler.health()) is not None:
+            return error_response(503, f"the server is unhealthy ({reason})", "server_error")
+        slot = Slot(parsed.ids, parsed.settings, loop, parsed.stream, parsed.steps, self.tag(request, parsed))
+        slot.timeout, slot.fault_after = self.timeout, parsed.fault_after
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return error_response(400, f"the request body is not valid JSON ({getattr(error, 'msg', error)})")
-        try:
-            parsed, settings = parse(self.model, body, chat)
-        except ValueError as error:
-            return error_response(400, str(error))
-        answer = Answer(parsed, self.name)
-        job = Job(parsed.ids, settings, asyncio.get_running_loop())
-        try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(slot)
         except QueueFull as error:
             return error_response(503, f"{error}; retry later", "server_busy")
+        answer = Answer(parsed, self.name)
+        headers = {"X-Streamfuse-Ignored-Fields": ", ".join(parsed.ignored)} if parsed.ignored else {}
         if parsed.stream:
-            return StreamingResponse(self.events(job, answer), media_type="text/event-stream")
-        try:
-            done = await self.collect(job, answer, request)
-        except ValueError as error:
-            return error_response(400, str(error))
-        except Exception as error:  # an engine failure: this request's 500, the server keeps serving
-            return error_response(500, f"{type(error).__name__}: {error}", "server_error")
-        if done is None:
+            return EventStream(self.events(slot, answer), slot, headers)
+        event = await self.collect(slot, request)
+        if event is None:
             return error_response(499, "the client closed the request")
-        return JSONResponse(answer.whole(done))
+        if isinstance(event, Failed):
+            return error_response(event.status, event.message, event.kind)
+        return JSONResponse(answer.whole(event.completion), headers=headers)
 
-    def detokenizer(self, job: Job) -> Detokenizer:
-        return Detokenizer.for_tokenizer(self.model.tokenizer, job.settings.rules.stop_strings)
+    def tag(self, request, parsed: Parsed) -> object:
+        """Whose cached prefix the request may reuse: anyone's (none), its key's (key), no one's (request); a
+        cache_salt narrows it further."""
+        if self.isolation == "request":
+            return object()  # equal to nothing else
+        key = request.scope.get(KEY_SCOPE, "") if self.isolation == "key" else ""
+        return (key, parsed.salt) if key or parsed.salt else None
 
-    async def collect(self, job: Job, answer: Answer, request) -> Finished | None:
-        """The job's end; None when its client went away (the job is cancelled)."""
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.scheduler.cancel(job)
-                    return None
-                continue
-            if isinstance(event, Tokens):
-                answer.tokens(event)
-            elif isinstance(event, Finished):
-                return event
-            else:
-                raise event.error
-
-    async def events(self, job: Job, answer: Answer) -> AsyncIterator[str]:
-        """Server-sent events of a job; the job is cancelled if the client goes away (the task is cancelled)."""
-        deltas = self.detokenizer(job)
+    async def next_event(self, slot: Slot, wait: float):
+        """The slot's next event, or None after `wait` seconds without one."""
         try:
-            if answer.parsed.chat:
-                yield sse(answer.chunk("", first=True))
-            while True:
-                event = await job.events.get()
-                if isinstance(event, Tokens):
-                    answer.tokens(event)
-                    text = deltas.push(event.ids)
-                    if text:
-                        yield sse(answer.chunk(text))
-                elif isinstance(event, Finished):
-                    yield sse(answer.last_chunk(deltas.finish(), event))
-                    break
-                else:
-                    yield sse(error_body(str(event.error), "server_error"))
-                    break
-            yield sse("[DONE]")
-        finally:
-            self.scheduler.cancel(job)  # a no-op once the job finished; frees the lane of a client gone mid-stream
+            return await asyncio.wait_for(slot.events.get(), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            return None
+
+    def timed_out(self, slot: Slot) -> Failed | None:
+        """A request still waiting past its deadline (the worker did not end it: a step stuck): its failure."""
+        if time.monotonic() < slot.deadline + DEADLINE_GRACE:
+            return None
+        Scheduler.cancel(slot)
+        return Failed(f"the request ran past its deadline of {slot.timeout:g} s (--request-timeout)", 504)
+
+    async def collect(self, slot: Slot, request) -> Finished | Failed | None:
+        """The slot's end; None when its client went away (the slot is cancelled)."""
+        while True:
+            event = await self.next_event(slot, DISCONNECT_POLL_SECONDS)
+            if isinstance(event, (Finished, Failed)):
+                return event
+            if event is None and await request.is_disconnected():
+                Scheduler.cancel(slot)
+                return None
+            if (late := self.timed_out(slot)) is not None:
+                return late
+
+    async def events(self, slot: Slot, answer: Answer):
+        """Server-sent events of a slot, a keep-alive comment while none comes; ends at the slot's end or past its
+        deadline (an error event, then [DONE])."""
+        if answer.parsed.chat:
+            yield sse(answer.chunk("", first=True))
+        while True:
+            event = await self.next_event(slot, min(self.keepalive, slot.deadline + DEADLINE_GRACE - time.monotonic()))
+            if event is None:
+                event = self.timed_out(slot)
+            if event is None:
+                yield ": keep-alive\n\n"
+            elif isinstance(event, Delta):
+                if event.text or event.step is not None:
+                    yield sse(answer.chunk(event.text, step=event.step))
+            elif isinstance(event, Finished):
+                yield sse(answer.last_chunk(event.rest, event.completion))
+                break
+            else:
+                yield sse(error_body(event.message, event.kind))
+                break
+        yield sse("[DONE]")
 
 
-def create_app(model: Model, name: str = "streamfuse", max_sequences: int = 8, queue: int = 64, hold: bool = True):
-    """The starlette app serving `model` (streamfuse.load's); its scheduler runs while the app's lifespan does
-    (app.state.scheduler). hold: the batch policy's (runtime/batch_policy.py)."""
+def check_json(content_type: str) -> None:
+    """RequestError 415 unless the body is declared JSON (a browser's text/plain form post is not)."""
+    media, _, params = content_type.partition(";")
+    charset = params.strip().lower().removeprefix("charset=").strip('"') if "charset=" in params.lower() else "utf-8"
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        shown = content_type[:60] or "none"
+        raise RequestError(f"the body must be JSON: send 'Content-Type: application/json' (got {shown})", 415)
+
+
+def create_app(
+    model: Model,
+    name: str = "streamfuse",
+    max_sequences: int = 8,
+    queue: int = 64,
+    hold: bool = True,
+    *,
+    limits: Limits | None = None,
+    access: Access | None = None,
+    request_timeout: float = 600.0,
+    cache_isolation: str = "key",
+    max_restarts: int = 3,
+):
+    """The starlette app serving `model` (streamfuse.load's) as `name`; its scheduler runs while the app's lifespan
+    does (app.state.scheduler, app.state.server). hold: the batch policy's (runtime/batch_policy.py)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
-    scheduler = Scheduler(model.loaded, max_sequences, queue, hold)
-    server = Server(model, name, scheduler)
+    from streamfuse.apps import web_page
+
+    if cache_isolation not in ISOLATIONS:
+        raise ValueError(f"cache_isolation must be one of {', '.join(ISOLATIONS)}, got {cache_isolation!r}")
+    metrics = Metrics()
+    scheduler = Scheduler(model.loaded, max_sequences, queue, hold, metrics, max_restarts)
+    server = Server(model, name, scheduler, limits or Limits(), request_timeout, cache_isolation)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -333,19 +266,27 @@ def create_app(model: Model, name: str = "streamfuse", max_sequences: int = 8, q
             yield
         finally:
             await asyncio.to_thread(scheduler.close)
+            server.parser.shutdown(wait=False)
 
     async def http_error(request, error: HTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return error_response(error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind)
+
+    async def server_error(request, error: Exception):
+        return error_response(500, f"{type(error).__name__}: {error}", "server_error")
 
     routes = [
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        *web_page.routes(),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    app.state.scheduler = scheduler
+    handlers = {HTTPException: http_error, Exception: server_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.state.scheduler, app.state.server = scheduler, server
+    app.add_middleware(Guard, access=access or Access(), metrics=metrics)
     return app
 
 
@@ -362,21 +303,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", default=None, help="on an artifact of several tasks, the one to serve")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000)")
+    parser.add_argument("--model-name", default=None, help="the model's name in the API (default: the folder's)")
     parser.add_argument("--max-sequences", type=int, default=8, help="requests decoded together in one step")
     parser.add_argument("--queue", type=int, default=64, help="requests that may wait; one more is a 503")
     parser.add_argument("--batch-policy", choices=POLICIES, default=POLICIES[0], help=POLICY_HELP)
+    parser.add_argument("--api-key", default=None, help="the key clients send as 'Authorization: Bearer <key>'")
+    parser.add_argument("--api-key-file", type=Path, default=None, help="keys, one a line (each may be used)")
+    parser.add_argument("--allowed-hosts", default="", help="more Host names to answer, comma-separated ('*': any)")
+    parser.add_argument("--cors-origins", default="", help="other origins browsers may call from, comma-separated")
+    parser.add_argument(
+        "--cache-isolation", choices=ISOLATIONS, default="key", help="whose cached prefix a request reuses (key)"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="a larger body is a 413")
+    parser.add_argument("--max-prompt-chars", type=int, default=None, help="default: 16 x the model's context")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (600)")
+    parser.add_argument("--fault-injection", action="store_true", help="honour streamfuse_fault_after (load tests)")
     return parser.parse_args(argv)
+
+
+def access_of(args: argparse.Namespace) -> Access:
+    """The access rules of the command line; UsageError when a server beyond loopback would have no key."""
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as error:
+        raise errors.UsageError(f"--api-key-file: {error}") from None
+    if not keys and not is_loopback(args.host):
+        raise errors.UsageError(
+            f"--host {args.host} is reachable beyond this machine: give --api-key or --api-key-file"
+        )
+    return Access.for_server(args.host, keys, _names(args.allowed_hosts), _names(args.cors_origins))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.max_sequences < 1 or args.queue < 1:
         raise errors.UsageError(f"--max-sequences and --queue must be >= 1, got {args.max_sequences}, {args.queue}")
+    if args.max_body_bytes < 1024 or args.request_timeout <= 0:
+        raise errors.UsageError("--max-body-bytes must be >= 1024 and --request-timeout > 0")
+    access = access_of(args)
     import uvicorn
 
     model = load(args.artifact, args.backend, args.task, args.threads)
-    hold = args.batch_policy == POLICIES[0]
-    app = create_app(model, args.artifact.resolve().name, args.max_sequences, args.queue, hold)
+    limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.fault_injection)
+    app = create_app(
+        model,
+        args.model_name or args.artifact.resolve().name,
+        args.max_sequences,
+        args.queue,
+        args.batch_policy == POLICIES[0],
+        limits=limits,
+        access=access,
+        request_timeout=args.request_timeout,
+        cache_isolation=args.cache_isolation,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

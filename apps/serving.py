@@ -1,76 +1,45 @@
 """The server's scheduler: one worker thread owns the batch decoder and advances every admitted request together.
 
-    HTTP handler --submit(job)--> bounded queue --worker--> BatchDecoder.add / step / cancel
+    HTTP handler --submit(slot)--> bounded queue --worker--> BatchDecoder.add / step / cancel
          ^                                                      |
-         +---- job.events (asyncio.Queue, call_soon_threadsafe) <+  tokens of each step, then the result
+         +---- slot.events (asyncio.Queue, call_soon_threadsafe) <+  each step's text, then the result
 
 One thread owns the decoder, so the engines see one caller and requests share each step; the handlers only wait on
-their job's events. A full queue refuses a request at once (QueueFull: the server's 503); a cancelled job (its
-client went away) leaves its lane before the next step, so its cache serves the next request. With nothing to do
-the worker blocks on the queue.
+their slot's events (apps/slot.py: a request's life in one object). A full queue refuses a request at once
+(QueueFull: the server's 503); a cancelled slot (its client went away) leaves its lane before the next step, so
+its cache serves the next request; a slot past its deadline fails with a 504.
+
+Supervised: a request whose own prefill, draft or step raises fails alone (the decoder's isolate); any other
+fault in a cycle fails that cycle's requests with a 500 each and the worker goes on; a worker thread that dies
+(or faults MAX_FAULTS cycles in a row) fails its requests and is replaced by a fresh one on a fresh decoder, up
+to max_restarts times; after that the scheduler is down (`down` says why: /health's 503) and refuses new work.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Sequence
 
+from streamfuse.apps.metrics import Metrics
+from streamfuse.apps.slot import Slot, State
 from streamfuse.methods import registry
-from streamfuse.runtime.api import Completion, completion_of
+from streamfuse.runtime.api import completion_of
 from streamfuse.runtime.batch import BatchDecoder
-from streamfuse.runtime.decode import StepEvent, required_capacity
+from streamfuse.runtime.decode import required_capacity
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.text_stream import Detokenizer
+
+MAX_FAULTS = 3  # cycles in a row that raise before the worker counts as dead
+WAKE_SECONDS = 1.0  # an idle worker still wakes this often (deadlines of queued requests, close)
 
 
 class QueueFull(Exception):
-    """The admission queue holds its maximum of waiting requests."""
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """New tokens of one step of a job."""
-
-    ids: list[int]
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A job's last event: its generation as the API reports it (text, token ids, stop reason, stats)."""
-
-    completion: Completion
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A job's last event when its decode raised: the error, for the handler to report."""
-
-    error: Exception
-
-
-Event = Tokens | Finished | Failed
-
-
-@dataclass
-class Job:
-    """One request in the scheduler: its prompt and settings, and the asyncio queue its handler reads."""
-
-    ids: list[int]
-    settings: DecodeSettings
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False  # set by the handler's thread, read by the worker: a plain flag is enough
-    id: str = ""
-
-    def push(self, event: Event) -> None:
-        """Hand an event to the handler's event loop (from the worker thread)."""
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for the event
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    """The admission queue holds its maximum of waiting requests, or the scheduler takes no more work."""
 
 
 def check_fits(loaded: Loaded, ids: Sequence[int], settings: DecodeSettings) -> None:
@@ -84,133 +53,206 @@ def check_fits(loaded: Loaded, ids: Sequence[int], settings: DecodeSettings) -> 
 
 
 class Scheduler:
-    """Admits jobs into lanes of one decoder and steps them together on a worker thread."""
+    """Admits slots into lanes of one decoder and steps them together on a supervised worker thread."""
 
-    def __init__(self, loaded: Loaded, max_sequences: int = 8, queue_size: int = 64, hold: bool = True):
+    def __init__(
+        self,
+        loaded: Loaded,
+        max_sequences: int = 8,
+        queue_size: int = 64,
+        hold: bool = True,
+        metrics: Metrics | None = None,
+        max_restarts: int = 3,
+    ):
         if max_sequences < 1 or queue_size < 1:
             raise ValueError(f"need max_sequences >= 1 and queue >= 1, got {max_sequences} and {queue_size}")
         self.loaded = loaded
         self.max_sequences = max_sequences
-        self.waiting: queue.Queue[Job | None] = queue.Queue(queue_size)
-        self.decoder = BatchDecoder(loaded, max_sequences, hold)
-        self.jobs: dict[str, Job] = {}  # lane id -> its job
+        self.hold = hold
+        self.metrics = metrics or Metrics()
+        self.max_restarts = max_restarts
+        self.waiting: queue.Queue[Slot | None] = queue.Queue(queue_size)
+        self.decoder = self._new_decoder()
+        self.slots: dict[str, Slot] = {}  # lane id -> its slot
         self.counter = itertools.count()
         self.thread: threading.Thread | None = None
         self.closed = False
+        self.down: str | None = None  # why no worker serves (None: one does)
         self.dropped = 0  # lanes freed before their end because their client went away
+        self.restarts = self.faults = 0
+        self.held_before = self.steps_before = 0  # steps of the decoders replaced by restarts
+
+    def _new_decoder(self) -> BatchDecoder:
+        return BatchDecoder(self.loaded, self.max_sequences, self.hold, isolate=True)
 
     @property
     def active(self) -> int:
         """Lanes decoding now."""
-        return len(self.jobs)
+        return len(self.slots)
 
     @property
     def queued(self) -> int:
         return self.waiting.qsize()
 
+    @property
+    def held_steps(self) -> int:
+        return self.held_before + self.decoder.held_steps
+
+    @property
+    def steps(self) -> int:
+        return self.steps_before + self.decoder.steps
+
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._work, name="streamfuse-scheduler", daemon=True)
+        self.thread = threading.Thread(target=self._main, name="streamfuse-scheduler", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
-        """Stop the worker after its current step; jobs left get a Failed event."""
+        """Stop the worker after its current step; slots left get a Failed event."""
         self.closed = True
         with contextlib.suppress(queue.Full):
             self.waiting.put_nowait(None)
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job; QueueFull at once when the queue holds its maximum."""
+    def submit(self, slot: Slot) -> None:
+        """Queue a slot; QueueFull at once when the queue holds its maximum or no worker serves."""
         if self.closed:
             raise QueueFull("the server is shutting down")
-        job.id = str(next(self.counter))
+        if self.down is not None:
+            raise QueueFull(f"the server is unhealthy ({self.down})")
+        slot.id, slot.metrics = str(next(self.counter)), self.metrics
         try:
-            self.waiting.put_nowait(job)
+            self.waiting.put_nowait(slot)
         except queue.Full:
             raise QueueFull(f"the server's queue holds its maximum of {self.waiting.maxsize} requests") from None
 
     @staticmethod
-    def cancel(job: Job) -> None:
-        """Drop a job (its client went away): its lane is freed before the next step."""
-        job.cancelled = True
+    def cancel(slot: Slot) -> None:
+        """Drop a slot (its client went away): its lane is freed before the next step."""
+        slot.cancelled = True
 
     # --- the worker thread ---
 
+    def _main(self) -> None:
+        try:
+            self._work()
+        except BaseException as error:  # the loop itself died: its requests fail, a fresh worker takes over
+            self._died(f"the worker stopped: {type(error).__name__}: {error}")
+
     def _work(self) -> None:
+        faults = 0
         while not self.closed:
-            if not self.jobs and not self._admit(block=True):
-                continue
-            self._admit(block=False)
-            self._drop_cancelled()
-            if self.jobs:
-                self._step()
-        stopped = RuntimeError("the server is shutting down")
-        self._fail_all(stopped)
-        while True:  # the jobs still waiting
             try:
-                job = self.waiting.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.push(Failed(stopped))
+                self._cycle()
+                faults = 0
+            except Exception as error:  # outside any one request: this cycle's requests fail, the worker goes on
+                faults, self.faults = faults + 1, self.faults + 1
+                self._fail_all(f"the server failed this request's step ({type(error).__name__}: {error})")
+                if faults >= MAX_FAULTS:
+                    raise
+        self._fail_all("the server is shutting down", 503)
+        self._fail_waiting("the server is shutting down")
+
+    def _cycle(self) -> None:
+        if not self.slots and not self._admit(block=True):
+            return
+        self._admit(block=False)
+        self._drop_ended()
+        if self.slots:
+            self._step()
 
     def _admit(self, block: bool) -> bool:
-        """Move queued jobs into free lanes (block: wait for the first); False when none was admitted."""
+        """Move queued slots into free lanes (block: wait a while for the first); False when none was admitted."""
         admitted = False
-        while len(self.jobs) < self.max_sequences:
+        while len(self.slots) < self.max_sequences:
             try:
-                job = self.waiting.get(block=block and not admitted)
+                slot = self.waiting.get(block=block and not admitted, timeout=WAKE_SECONDS)
             except queue.Empty:
                 break
-            if job is None:  # close()'s wake-up
+            if slot is None:  # close()'s wake-up
                 break
-            admitted |= self._add(job)
+            admitted |= self._add(slot)
         return admitted
 
-    def _add(self, job: Job) -> bool:
-        if job.cancelled:
+    def _add(self, slot: Slot) -> bool:
+        if slot.cancelled:
+            slot.state = State.CANCELLED
             return False
+        if time.monotonic() > slot.deadline:
+            slot.fail(f"the request waited past its deadline of {slot.timeout:g} s (--request-timeout)", 504)
+            return False
+        if slot.stream:
+            slot.detokenizer = Detokenizer.for_tokenizer(self.loaded.tokenizer, slot.settings.rules.stop_strings)
         try:
-            lane = self.decoder.add(job.ids, job.settings, on_step=_pusher(job), run_id=job.id)
+            slot.lane = self.decoder.add(slot.ids, slot.settings, slot.on_step, run_id=slot.id, tag=slot.tag)
         except Exception as error:  # a request the decoder refuses fails alone
-            job.push(Failed(error))
+            slot.fail(f"the request was refused: {error}", 400, "invalid_request_error")
             return False
-        self.jobs[lane.id] = job
+        slot.state = State.PREFILLING
+        self.slots[slot.lane.id] = slot
         return True
 
-    def _drop_cancelled(self) -> None:
-        for lane in list(self.decoder.active):
-            job = self.jobs.get(lane.id)
-            if job is not None and job.cancelled:
-                self.decoder.cancel(lane)
-                del self.jobs[lane.id]
-                self.dropped += 1
+    def _drop_ended(self) -> None:
+        """Free the lanes of slots whose client went away or whose deadline passed."""
+        now = time.monotonic()
+        for lane_id, slot in list(self.slots.items()):
+            if slot.cancelled or now > slot.deadline:
+                self.decoder.cancel(slot.lane)
+                del self.slots[lane_id]
+                if slot.cancelled:
+                    slot.state = State.CANCELLED
+                    self.dropped += 1
+                else:
+                    slot.fail(f"the request ran past its deadline of {slot.timeout:g} s (--request-timeout)", 504)
 
     def _step(self) -> None:
-        try:
-            finished = self.decoder.step()
-        except Exception as error:  # an engine failure fails the lanes of this step, not the server
-            self._fail_all(error)  # each lane's next generation starts from a reset cache
-            return
-        for lane in finished:
-            job = self.jobs.pop(lane.id, None)
-            if job is not None:
-                stop = job.settings.rules.stop_strings
-                job.push(Finished(completion_of(self.loaded, lane.result, stop, lane.generation, 0.0)))
+        for lane in self.decoder.step():  # isolate: a lane whose own work raised is among these, lane.error set
+            slot = self.slots.pop(lane.id, None)
+            if slot is None:
+                continue
+            if lane.error is not None:
+                self.faults += 1
+                error = lane.error
+                slot.fail(f"this request's decode failed ({type(error).__name__}: {error}); other requests go on")
+                continue
+            stop = slot.settings.rules.stop_strings
+            slot.finish(completion_of(self.loaded, lane.result, stop, lane.generation, slot.first_token or 0.0))
 
-    def _fail_all(self, error: Exception) -> None:
-        for lane in list(self.decoder.active):
+    def _fail_all(self, message: str, status: int = 500) -> None:
+        """Fail every admitted slot and free its lane (the decoder may be in any state: nothing here raises)."""
+        for slot in list(self.slots.values()):
             with contextlib.suppress(Exception):
-                self.decoder.cancel(lane)
-        for job in self.jobs.values():
-            job.push(Failed(error))
-        self.jobs.clear()
+                self.decoder.cancel(slot.lane)
+            slot.fail(message, status)
+        self.slots.clear()
 
+    def _fail_waiting(self, message: str) -> None:
+        while True:
+            try:
+                slot = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if slot is not None:
+                slot.fail(message, 503)
 
-def _pusher(job: Job) -> Callable[[StepEvent], None]:
-    def on_step(event: StepEvent) -> None:
-        if not job.cancelled:
-            job.push(Tokens(list(event.tokens)))
+    def _died(self, reason: str) -> None:
+        """The worker thread's end by an error: fail its slots; a fresh worker on a fresh decoder, or down."""
+        self._fail_all(reason)
+        if self.closed:
+            return
+        if self.restarts >= self.max_restarts:
+            self.down = f"{reason}; {self.restarts} restarts used: restart the server"
+            self._fail_waiting(f"the server is unhealthy ({self.down})")
+            return
+        self.restarts += 1
+        self.held_before, self.steps_before = self.held_steps, self.steps
+        self.decoder = self._new_decoder()  # the old lanes' caches are in an unknown state
+        self.start()
 
-    return on_step
+    def health(self) -> str | None:
+        """None while a worker serves, else why not."""
+        if self.down is not None:
+            return self.down
+        if self.thread is not None and not self.thread.is_alive() and not self.closed:
+            return "the worker thread is not running"
+        return None

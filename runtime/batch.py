@@ -13,13 +13,16 @@ Each sequence (a Lane) decodes on a lane of the loaded model (Loaded.lane: a cac
 session and weights); a finished or cancelled lane's cache serves the next sequence added, which keeps the rows
 its prompt shares with what that cache holds (Generation.begin's keep; the free lane sharing the most). With
 `hold` (the default) a step of several sequences runs its greedy speculative ones as plain steps while plain rows
-make more tokens per second at that batch size (runtime/batch_policy.py); the tokens are the same.
+make more tokens per second at that batch size (runtime/batch_policy.py); the tokens are the same. A sequence's
+`tag` says whose prefix a free cache may keep (a server isolating its users' caches: only the same tag's); with
+`isolate`, a sequence whose own prefill, draft or step raises ends alone (Lane.error) and the others go on.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -30,6 +33,7 @@ from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.settings import DecodeSettings
 
 CANCELLED = "cancelled"  # a cancelled lane's stop reason
+FAILED = "error"  # the stop reason of a lane whose own step raised (BatchDecoder isolate)
 
 
 @dataclass(eq=False)
@@ -42,11 +46,13 @@ class Lane:
     on_step: Callable[[StepEvent], None] | None = None
     started: bool = False  # prefilled
     cancelled: bool = False
+    tag: object = None  # whose sequences may keep this lane's cache rows once it ends (add's tag)
+    error: Exception | None = None  # what ended it: its own prefill, draft or step raised (isolate)
     _result: GenerationResult | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
-        return self.cancelled or (self.started and self.generation.done)
+        return self.cancelled or self.error is not None or (self.started and self.generation.done)
 
     @property
     def result(self) -> GenerationResult:
@@ -58,25 +64,37 @@ class Lane:
     def close(self) -> GenerationResult:
         """Its result, made once when the lane ends (its record's seconds end then, not when first read)."""
         self._result = self.generation.result()
-        if self.cancelled and not self.generation.done:
-            self._result.stop_reason = self._result.run.stop_reason = CANCELLED
+        if (self.cancelled or self.error is not None) and not self.generation.done:
+            reason = FAILED if self.error is not None else CANCELLED
+            self._result.stop_reason = self._result.run.stop_reason = reason
         return self._result
 
 
 class BatchDecoder:
     """Up to max_sequences sequences advanced together, one step of each per step()."""
 
-    def __init__(self, loaded: Loaded, max_sequences: int = 8, hold: bool = True, policy: HoldPolicy | None = None):
-        """hold: apply a batch policy, `policy` (one that measured this model already) or a new one."""
+    def __init__(
+        self,
+        loaded: Loaded,
+        max_sequences: int = 8,
+        hold: bool = True,
+        policy: HoldPolicy | None = None,
+        isolate: bool = False,
+    ):
+        """hold: apply a batch policy, `policy` (one that measured this model already) or a new one; isolate: a
+        sequence whose own work raises ends alone, its lane among step()'s finished with .error set (else the
+        step raises)."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.loaded = loaded
         self.max_sequences = max_sequences
         self.policy = (policy or HoldPolicy()) if hold else None
+        self.isolate = isolate
         self.prefill_seconds = 0.0  # spent in new sequences' prefills, all steps together
         self.steps = self.shared_steps = self.held_steps = 0  # steps; those of 2+ sequences; those held to plain
         self.active: list[Lane] = []
-        self._free: list[tuple[Loaded, list[int]]] = []  # lanes whose sequence ended, with the ids their caches hold
+        # lanes whose sequence ended: the ids their caches hold (None: unknown after a failure) and their tag
+        self._free: list[tuple[Loaded, list[int] | None, object]] = []
         self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
         self._ids = count()
 
@@ -86,23 +104,24 @@ class BatchDecoder:
         settings: DecodeSettings,
         on_step: Callable[[StepEvent], None] | None = None,
         run_id: str = "0",
+        tag: object = None,
     ) -> Lane:
         """A new sequence, checked now (ValueError: a bad prompt or settings, or the batch full); it prefills on
-        the next step()."""
+        the next step(). tag: it keeps cache rows only of a sequence of the same tag."""
         if len(self.active) >= self.max_sequences:
             raise ValueError(
                 f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
                 f"max_sequences"
             )
-        model, cached = self._lane_for(ids)
+        model, cached = self._lane_for(ids, tag)
         try:
             generation = Generation.begin(
                 model.backend, ids, settings, model.drafter(settings), run_id=run_id, decode=self._decode, keep=cached
             )
         except BaseException:
-            self._free.append((model, []))
+            self._free.append((model, None, None))
             raise
-        lane = Lane(str(next(self._ids)), generation, model, on_step)
+        lane = Lane(str(next(self._ids)), generation, model, on_step, tag=tag)
         self.active.append(lane)
         return lane
 
@@ -113,7 +132,10 @@ class BatchDecoder:
         running = [lane for lane in self.active if not lane.done]
         holdable = self.policy is not None and any(map(_holdable, running))
         hold = holdable and self.policy.hold(len(running))
-        planned = {lane: lane.generation.propose(hold and _holdable(lane)) for lane in running}
+        planned: dict[Lane, PlannedStep] = {}
+        for lane in running:
+            with self._guard([lane]):
+                planned[lane] = lane.generation.propose(hold and _holdable(lane))
         self.steps += 1
         self.shared_steps += len(running) > 1
         self.held_steps += any(step.held for step in planned.values())
@@ -133,7 +155,8 @@ class BatchDecoder:
         started = time.perf_counter()
         for lane in self.active:
             if not lane.started:
-                lane.generation.start(lane.on_step)
+                with self._guard([lane]):
+                    lane.generation.start(lane.on_step)
                 lane.started = True
         self.prefill_seconds += time.perf_counter() - started
 
@@ -146,15 +169,31 @@ class BatchDecoder:
     def _release(self, lane: Lane) -> None:
         lane.close()
         self.active.remove(lane)
-        self._free.append((lane.model, lane.generation.cached_ids))
+        cached = None if lane.error is not None else lane.generation.cached_ids  # a failed step: the cache is unknown
+        self._free.append((lane.model, cached, lane.tag))
 
-    def _lane_for(self, ids: list[int]) -> tuple[Loaded, list[int] | None]:
-        """The free lane whose cache shares the longest prefix with `ids` (a system prompt, a task's instructions:
-        those rows are not prefilled again), else a new lane."""
+    @contextmanager
+    def _guard(self, lanes: list[Lane]):
+        """With isolate, an exception in the lanes' own work ends those lanes (their .error), not the step."""
+        try:
+            yield
+        except Exception as error:
+            if not self.isolate:
+                raise
+            for lane in lanes:
+                lane.error = lane.error or error
+
+    def _lane_for(self, ids: list[int], tag: object) -> tuple[Loaded, list[int] | None]:
+        """The free lane of the same tag whose cache shares the longest prefix with `ids` (a system prompt, a task's
+        instructions: those rows are not prefilled again), else any free lane, reset, else a new lane."""
         if not self._free:
             return self.loaded.lane(), None
-        best = max(range(len(self._free)), key=lambda index: kept_prefix(self._free[index][1], ids))
-        return self._free.pop(best)
+        mine = [index for index, (_, cached, owner) in enumerate(self._free) if cached is not None and owner == tag]
+        if not mine:
+            return self._free.pop(0)[0], None
+        best = max(mine, key=lambda index: kept_prefix(self._free[index][1], ids))
+        model, cached, _ = self._free.pop(best)
+        return model, cached
 
     def _decode(self, ids) -> str:
         return self.loaded.tokenizer.decode(ids)
@@ -183,7 +222,8 @@ class BatchDecoder:
     def _advance(self, group: list[Lane], planned: dict[Lane, PlannedStep]) -> None:
         if len(group) == 1:
             lane = group[0]
-            lane.generation.finish(planned[lane], lane.generation.forward(planned[lane]), lane.on_step)
+            with self._guard(group):
+                lane.generation.finish(planned[lane], lane.generation.forward(planned[lane]), lane.on_step)
             return
         backend = group[0].model.backend
         rows = backend.step_rows(planned[group[0]].draft.tree)
@@ -194,8 +234,12 @@ class BatchDecoder:
             BatchItem(lane.model.backend, planned[lane].draft.tokens, planned[lane].draft.tree, planned[lane].streams)
             for lane in group
         ]
-        for lane, out in zip(group, batched_step(items, shape, self._scratch)):
-            lane.generation.finish(planned[lane], out, lane.on_step)
+        outs = []
+        with self._guard(group):  # the shared call: its failure is every lane's of the group
+            outs = batched_step(items, shape, self._scratch)
+        for lane, out in zip(group, outs):
+            with self._guard([lane]):
+                lane.generation.finish(planned[lane], out, lane.on_step)
 
 
 def _holdable(lane: Lane) -> bool:

@@ -47,9 +47,21 @@ class Emitter:
         if token in self.rules.stop_token_ids:
             return "eos"
         if self.rules.stop_strings and self.decode is not None:
-            tail = self.decode(self.tokens[-16:])  # a stop string ends within the last few tokens
+            tail = self._tail()
             if any(stop in tail for stop in self.rules.stop_strings):
                 return "stop_string"
         if len(self.tokens) >= self.rules.max_new_tokens:
             return "max_new_tokens"
         return ""
+
+    def _tail(self) -> str:
+        """The decoded end of the tokens, long enough to hold any stop string that the newest token completed:
+        the longest stop string plus the newest token's own text (a stop string of any length is found; the
+        window doubles from 16 tokens, so short stops cost one short decode)."""
+        need = max(map(len, self.rules.stop_strings)) + len(self.decode(self.tokens[-1:]))
+        size = 16
+        while True:
+            tail = self.decode(self.tokens[-size:])
+            if len(tail) >= need or size >= len(self.tokens):
+                return tail
+            size *= 2

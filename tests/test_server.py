@@ -21,7 +21,8 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server extra (pip install '
 openai = pytest.importorskip("openai", reason="the dev extra's official client")
 
 from streamfuse.apps.server import create_app  # noqa: E402
-from streamfuse.apps.serving import Finished, Job, Scheduler, Tokens  # noqa: E402
+from streamfuse.apps.serving import Scheduler  # noqa: E402
+from streamfuse.apps.slot import Delta, Finished, Slot  # noqa: E402
 from streamfuse.runtime import api, session  # noqa: E402
 
 from tiny_export import EXPORTED  # noqa: E402
@@ -49,9 +50,9 @@ class Served:
         self.thread.join(timeout=30)
 
 
-def serve(loaded, lifespan: str = "on", **options) -> Served:
+def serve(loaded, lifespan: str = "on", name: str = "tiny", **options) -> Served:
     """The app on a free loopback port, uvicorn in a thread (lifespan "off": the scheduler never starts)."""
-    app = create_app(loaded, "tiny", **options)
+    app = create_app(loaded, name, **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", lifespan=lifespan)
@@ -290,7 +291,7 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
         model.loaded, session.DecodeRequest(max_new_tokens=8, method=session.BASELINE_METHOD)
     )
     prompts = [PROMPT, "what time is it", "they said you are not there", "how many people"]
-    jobs = [Job(model.tokenizer(p, add_special_tokens=False)["input_ids"], settings, loop) for p in prompts]
+    jobs = [Slot(model.tokenizer(p, add_special_tokens=False)["input_ids"], settings, loop) for p in prompts]
     for job in jobs:
         scheduler.submit(job)
     scheduler.start()
@@ -310,9 +311,9 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
         assert done.completion.token_ids == alone.generate(ids, 8, method=session.BASELINE_METHOD).token_ids
 
 
-async def last_event(job: Job) -> Finished:
-    while not isinstance(event := await job.events.get(), Finished):
-        assert isinstance(event, Tokens), event
+async def last_event(slot: Slot) -> Finished:
+    while not isinstance(event := await slot.events.get(), Finished):
+        assert isinstance(event, Delta), event
     return event
 
 
@@ -320,7 +321,7 @@ def test_a_full_queue_is_a_503_at_once(loaded):
     stalled = serve(loaded, lifespan="off", max_sequences=1, queue=1)  # no scheduler thread: nothing leaves the queue
     try:
         settings = session.decode_settings(loaded.loaded, session.DecodeRequest(max_new_tokens=4))
-        stalled.scheduler.submit(Job([5, 6], settings, loop=None))
+        stalled.scheduler.submit(Slot([5, 6], settings, loop=None))
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:
             stalled.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
