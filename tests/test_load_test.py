@@ -9,6 +9,7 @@ pytest.importorskip("starlette", reason="the server extra (pip install 'streamfu
 pytest.importorskip("uvicorn", reason="the server extra (pip install 'streamfuse[server]')")
 
 from streamfuse.tools import load_test  # noqa: E402
+from streamfuse.tools.load_probes import Probe, Probes, expect  # noqa: E402
 from streamfuse.tools.load_test import Ask, Outcome, Report, judge  # noqa: E402
 
 
@@ -21,6 +22,17 @@ def test_a_small_run_passes_and_reports_the_server_memory(artifact, tmp_path, ca
     assert summary.strip().endswith("**passed**") and "12 requests" in summary
     assert "server RSS:" in summary and "after the warm-up" in summary
     assert summary.strip() == capsys.readouterr().out.strip()
+    for row in ("| 10 MB body | 413 | 413 | yes |", '| "messages": 5 | 400 | 400 | yes |', "| bad Host | 421 | 421 |"):
+        assert row in summary
+    assert (
+        "| worker fault in one lane mid-batch | 500 for it, 200 for the others and after | 200, 500, 200, 200 |"
+        in summary
+    )
+    assert (
+        "| wrong API key | 401 | 401 | yes |" in summary and "| foreign Origin | 403, no body | 403 | yes |" in summary
+    )
+    assert "| client stalls reading a stream | others served, lane freed | 200, freed | yes |" in summary
+    assert "10 MB body: /health answered within" in summary and "MiB after it" in summary
 
 
 def test_the_plan_mixes_every_kind_and_is_reproducible():
@@ -45,3 +57,21 @@ def test_memory_growth_past_the_bound_fails_the_run():
     fine = Report([Outcome(Ask("whole"), 200, "a", "stop", 1)], 1.0, rss=(100 << 20, 102 << 20))
     grown = Report(fine.outcomes, 1.0, rss=(100 << 20, 110 << 20))
     assert fine.passed and not grown.passed and "FAILED" in grown.markdown() and "+10.00%" in grown.markdown()
+
+
+def test_a_probe_fails_on_a_wrong_status_a_long_message_or_a_body_where_none_belongs():
+    one_line = b'{"error": {"message": "bad", "type": "invalid_request_error", "param": null, "code": null}}'
+    assert not expect(Probe("p", "400"), (400, one_line), 400).problem
+    assert "status 500" in expect(Probe("p", "400"), (500, one_line), 400).problem
+    assert "several lines" in expect(Probe("p", "400"), (400, one_line.replace(b"bad", b"bad\\nworse")), 400).problem
+    assert "not an OpenAI error" in expect(Probe("p", "400"), (400, b"Internal Server Error"), 400).problem
+    assert "a body of" in expect(Probe("p", "403"), (403, one_line), 403, empty=True).problem
+
+
+def test_a_failed_probe_or_missing_metrics_fail_the_run():
+    fine = Report([Outcome(Ask("whole"), 200, "a", "stop", 1)], 1.0, probes=Probes([Probe("p", "400", "400")]))
+    assert fine.passed and "| p | 400 | 400 | yes |" in fine.markdown()
+    probed = Report(fine.outcomes, 1.0, probes=Probes([Probe("p", "400", "500", "status 500")], 0.5, 3 << 20))
+    assert not probed.passed and "| p | 400 | 500 | no: status 500 |" in probed.markdown()
+    assert "within 500 ms" in probed.markdown() and "+3.0 MiB" in probed.markdown()
+    assert not Report(fine.outcomes, 1.0, metrics=["/metrics: no streamfuse_lanes_busy"]).passed

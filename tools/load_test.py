@@ -8,8 +8,11 @@ drops after the first event, and malformed requests. First each distinct request
 its reference. Then the run checks that every well-formed answer is complete (a finish reason, usage) and equal to
 its reference, text and token count; that every bad request gets a 4xx; and, with --artifact (the tool starts the
 server on loopback itself and reads its /proc/<pid>/status), that the server's resident memory after the run is
-within --max-growth of what it was after a warm-up round. Prints a markdown summary (--out: also to a file); exits
-1 when a check fails.
+within --max-growth of what it was after a warm-up round. Then /metrics must carry its histograms, and the fault
+probes (tools/load_probes.py) send each bad input and bad client once: a 10 MB body (with /health's latency and the
+RSS it left), NaN, deep JSON, huge integers, wrong types, a wrong model, key, Origin or Host, clients that stall
+reading or leave, a fault injected in one lane of a batch (a server the tool starts runs with --fault-injection
+and an API key of its own). Prints a markdown summary (--out: also to a file); exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import http.client
 import json
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -30,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from streamfuse.runtime import errors
+from streamfuse.tools.load_probes import Probes, Target, metrics_problems, run_probes
 
 PROMPTS = (  # words most vocabularies hold, so a tiny test model's tokenizer reads them too
     "what time is it",
@@ -71,7 +76,7 @@ class Ask:
     def body(self, max_tokens: int) -> bytes:
         if self.kind == "malformed":
             return BAD_BODIES[self.prompt % len(BAD_BODIES)]
-        body: dict = {"model": "streamfuse", "max_tokens": max_tokens, "stream": self.kind != "whole"}
+        body: dict = {"max_tokens": max_tokens, "stream": self.kind != "whole"}  # no model: the served one
         if self.chat:
             body["messages"] = [MESSAGES[self.prompt % len(MESSAGES)]]
             body["stream"] = self.kind == "chat-stream"
@@ -109,9 +114,10 @@ def plan(clients: int, requests: int, seed: int, shares: dict[str, float]) -> li
 
 
 class Client:
-    def __init__(self, url: str, timeout: float = 600):
+    def __init__(self, url: str, timeout: float = 600, key: str | None = None):
         parts = urlsplit(url)
-        self.host, self.port, self.timeout = parts.hostname, parts.port or 80, timeout
+        self.host, self.port, self.timeout, self.key = parts.hostname, parts.port or 80, timeout, key
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
@@ -119,7 +125,7 @@ class Client:
     def get(self, path: str) -> dict:
         connection = self.connection()
         try:
-            connection.request("GET", path)
+            connection.request("GET", path, headers=self.headers)
             return json.loads(connection.getresponse().read())
         finally:
             connection.close()
@@ -128,7 +134,7 @@ class Client:
         started = time.perf_counter()
         connection = self.connection()
         try:
-            connection.request("POST", ask.path, ask.body(max_tokens), {"Content-Type": "application/json"})
+            connection.request("POST", ask.path, ask.body(max_tokens), self.headers)
             response = connection.getresponse()
             if response.status != 200 or ask.kind in ("whole", "chat"):
                 outcome = whole(ask, response)
@@ -206,9 +212,11 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, log) -> tuple[subprocess.Popen, str]:
-    """`streamfuse serve` on loopback in a process of its own; returns it once /health answers."""
+    """`streamfuse serve` on loopback in a process of its own, with fault injection and args.api_key; returns it
+    once /health answers."""
     port = free_port()
     command = [sys.executable, "-m", "streamfuse.cli", "serve", "--artifact", str(args.artifact), "--port", str(port)]
+    command += ["--fault-injection", "--api-key", args.api_key]
     command += ["--backend", args.backend, "--max-sequences", str(args.max_sequences), "--queue", str(args.queue)]
     if args.threads:
         command += ["--threads", str(args.threads)]
@@ -253,6 +261,8 @@ class Report:
     seconds: float = 0.0
     rss: tuple[int, int] | None = None  # after the warm-up round, after the run
     max_growth: float = MAX_GROWTH
+    probes: Probes | None = None
+    metrics: list[str] = field(default_factory=list)  # what /metrics lacked after the run
 
     @property
     def problems(self) -> list[Outcome]:
@@ -264,7 +274,10 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return not self.problems and (self.growth is None or self.growth < self.max_growth)
+        probed = self.probes is None or not self.probes.problems
+        return (
+            not self.problems and not self.metrics and probed and (self.growth is None or self.growth < self.max_growth)
+        )
 
     def markdown(self) -> str:
         kinds = Counter(o.ask.kind for o in self.outcomes)
@@ -280,6 +293,9 @@ class Report:
                 f"({self.growth:+.2%}; at most {self.max_growth:.0%})"
             )
         lines += [f"- {o.ask.kind} #{o.ask.prompt}: {o.problem}" for o in self.problems[:20]]
+        lines += [f"- {problem}" for problem in self.metrics]
+        if self.probes is not None:
+            lines += ["", self.probes.markdown()]
         lines.append(f"\n**{'passed' if self.passed else 'FAILED'}**")
         return "\n".join(lines)
 
@@ -304,7 +320,7 @@ def load(client: Client, asks: list[list[Ask]], max_tokens: int) -> list[Outcome
 
 
 def run(args: argparse.Namespace, url: str, pid: int | None) -> Report:
-    client = Client(url)
+    client = Client(url, key=args.api_key)
     shares = dict(zip(KINDS, (args.whole, args.stream, args.chat, args.chat_stream, args.disconnect, args.malformed)))
     asks = plan(args.clients, args.requests, args.seed, shares)
     truth = references(client, [ask for mine in asks for ask in mine], args.max_tokens)
@@ -314,9 +330,13 @@ def run(args: argparse.Namespace, url: str, pid: int | None) -> Report:
     started = time.perf_counter()
     outcomes = load(client, asks, args.max_tokens)
     report = Report([judge(o, truth) for o in outcomes], time.perf_counter() - started, max_growth=args.max_growth)
+    target = Target(client.host, client.port, args.api_key)
+    report.metrics = metrics_problems(target)
     wait_idle(client)
     if pid is not None:
         report.rss = (before, rss_bytes(pid))
+    if args.probes:
+        report.probes = run_probes(target, pid, args.max_tokens, fault=args.artifact is not None)
     return report
 
 
@@ -338,7 +358,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-growth", type=float, default=MAX_GROWTH, help="RSS the run may add (0.05: 5 %%)")
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds the server may take to load")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown summary here")
+    parser.add_argument("--api-key", default=None, help="--url: the server's key (--artifact: a fresh one)")
+    parser.add_argument("--no-probes", dest="probes", action="store_false", help="skip the fault probes")
     args = parser.parse_args(argv)
+    if args.artifact is not None:
+        args.api_key = secrets.token_urlsafe(16)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         raise errors.UsageError("--clients, --requests and --max-tokens must be >= 1")
     return args
