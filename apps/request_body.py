@@ -233,13 +233,13 @@ def parse(model: Model, body: object, chat: bool, name: str, limits: Limits) -> 
         body = loads(body)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    request = decode_request(body)  # the types first: a model that is no string is a 400
     if body.get("model") not in (None, name):
         raise RequestError(
-            f"the model {str(body['model'])[:80]!r} does not exist: this server serves {name!r} (GET /v1/models)",
+            f"the model {body['model'][:80]!r} does not exist: this server serves {name!r} (GET /v1/models)",
             404,
             "model_not_found",
         )
-    request = decode_request(body)
     limit = limits.max_prompt_chars or CHARS_PER_POSITION * model.loaded.backend.max_positions
     ids = chat_ids(model, body.get("messages"), limit) if chat else completion_ids(model, body, limit)
     settings = decode_settings(model.loaded, request)

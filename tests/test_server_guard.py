@@ -82,6 +82,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "stop": "x" * 129}).encode(), "at most 128 characters"),
     (json.dumps({"prompt": "the " * 600}).encode(), "at most 2000 fit"),
     (json.dumps({"prompt": "hi", "n": 2}).encode(), "'n' must be 1"),
+    (json.dumps({"prompt": "hi", "model": 5}).encode(), "'model' must be a string"),
 ]
 
 
