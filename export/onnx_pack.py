@@ -1,8 +1,9 @@
 """`pack_linears`: linear layers of a method that read the same activations become one layer and a Split.
 
 q / k / v and gate / up, each with its low-rank term, -> one product, one term and a Split; streamfuse.Q4Linear
-siblings -> one Q4Linear (activations quantized once) and a Split. Both products stay row-wise (see
-export/onnx_passes.py), and a column sums the same terms in the same order as its own layer did.
+siblings -> one Q4Linear (activations quantized once, each sibling's LoRA its own segment) and a Split. Both
+products stay row-wise (see export/onnx_passes.py), and a column sums the same terms in the same order as its own
+layer did.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from streamfuse.export.onnx_nodes import Graph, branches
+from streamfuse.runtime import q4_linear
 
 OWN_LINEAR, OWN_WIDTH, OWN_TILE = "Q4Linear", "out_features", 16  # streamfuse's 4-bit op (runtime/q4_linear.py)
 
@@ -98,7 +100,7 @@ def _whole_tiles(graph: Graph, siblings: list[_Linear]) -> bool:
 
 def _constant_product(graph: Graph, node) -> bool:
     if node.op_type == OWN_LINEAR:
-        return len(node.input) == 4 and all(graph.dims(name) is not None for name in node.input[1:])
+        return len(node.input) == 5 and all(graph.dims(name) is not None for name in node.input[1:])
     if node.op_type == "MatMulNBits":
         return len(node.input) <= 4 and all(graph.dims(name) is not None for name in node.input[1:])
     return node.op_type == "MatMul" and graph.dims(node.input[0]) is None and _matrix(graph, node.input[1])
@@ -172,23 +174,18 @@ def _packed(model, siblings: list[_Linear], graph: Graph, made: dict) -> list:
 
 
 def _packed_own(siblings: list[_Linear], graph: Graph, tensor) -> list[str]:
-    """Q4Linear siblings' weights, LoRA A and LoRA U as one layer's: the weights' tiles stacked, the ranks side by
-    side, U block-diagonal (each column's own rank terms in their order, exact zeros for the others' ranks)."""
-    names = [[linear.product.input[slot] for linear in siblings] for slot in (1, 2, 3)]
+    """Q4Linear siblings' weights and LoRA as one layer's: the weights' tiles stacked, and each sibling's LoRA its own
+    segment (q4_linear.join_lora: A's columns side by side, U's blocks one after another, rank_splits listing each
+    sibling's tiles and rank), so a column sums its own layer's rank terms and no zeros of the others'."""
+    names = [[linear.product.input[slot] for linear in siblings] for slot in (1, 2, 3, 4)]
 
-    def block_diagonal() -> np.ndarray:
-        ups = [graph.value(name) for name in names[2]]
-        out = np.zeros((sum(u.shape[0] for u in ups), sum(u.shape[1] for u in ups), OWN_TILE), np.float32)
-        tile = rank = 0
-        for up in ups:
-            out[tile : tile + up.shape[0], rank : rank + up.shape[1]] = up
-            tile, rank = tile + up.shape[0], rank + up.shape[1]
-        return out
+    @functools.cache  # built once, for the first method that packs these layers
+    def lora() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return q4_linear.join_lora([tuple(graph.value(n[i]) for n in names[1:]) for i in range(len(siblings))])
 
     return [
         tensor(names[0], lambda: np.concatenate([graph.value(n) for n in names[0]], axis=0)),
-        tensor(names[1], lambda: np.concatenate([graph.value(n) for n in names[1]], axis=1)),
-        tensor(names[2], block_diagonal),
+        *(tensor(names[1 + part], lambda part=part: lora()[part]) for part in range(3)),
     ]
 
 

@@ -23,7 +23,8 @@ from streamfuse.runtime import q4_linear, q8_linear
 
 class KernelQ4Linear(nn.Module):
     """A Q4Linear's weights and LoRA in the op's layout; `left` / `right` are the LoRA (A^T [K, r], s·B^T by tile
-    [tiles, r, 16]), the names task inputs look for (export/task_inputs.py)."""
+    [tiles·r, 16]), the names task inputs look for (export/task_inputs.py); `rank_splits` [[tiles, r]]: one segment
+    (export/onnx_pack.py joins siblings' into one node's)."""
 
     def __init__(self, layer: Q4Linear):
         super().__init__()
@@ -38,14 +39,15 @@ class KernelQ4Linear(nn.Module):
         if layer.adapted:
             down = layer.left[:, groups:].T.numpy()  # A [r, K]
             up = layer.right[groups:].T.numpy()  # s·B [N, r], the scaling already in
-        left, right = q4_linear.pack_lora(down, up, 1.0, self.out_features, self.in_features)
+        left, right, splits = q4_linear.pack_lora(down, up, 1.0, self.out_features, self.in_features)
         self.register_buffer("left", _tensor(left))
         self.register_buffer("right", _tensor(right))
+        self.register_buffer("rank_splits", torch.from_numpy(splits))
         self.adapted = layer.adapted
         self.task_input = False  # the op's LoRA is row-wise either way (export/task_inputs.py sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return q4_linear.torch_op()(x, self.weights, self.left, self.right, self.out_features)
+        return q4_linear.torch_op()(x, self.weights, self.left, self.right, self.rank_splits, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float64: d·q + m, the GGUF's weights (LoRA aside)."""

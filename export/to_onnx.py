@@ -153,8 +153,8 @@ def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     def commit_rows(k_cache, v_cache, start, accepted):
         return commit(k_cache, v_cache, start, accepted)
 
-    def linear_q4(x, weights, lora_a, lora_up, out_features: int):
-        return own_linear(x, weights, lora_a, lora_up, out_features=out_features)
+    def linear_q4(x, weights, lora_a, lora_up, rank_splits, out_features: int):
+        return own_linear(x, weights, lora_a, lora_up, rank_splits, out_features=out_features)
 
     def head_q8(x, codes, scales, out_features: int):
         return own_head(x, codes, scales, out_features=out_features)
@@ -221,11 +221,11 @@ def _register_schemas() -> None:
                 ONNX_DOMAIN,
                 1,
                 inputs=[
-                    schema.FormalParameter(name, "T3" if name == "weights" else "T1")
-                    for name in ("x", "weights", "lora_a", "lora_up")
+                    schema.FormalParameter(name, {"weights": "T3", "rank_splits": "T2"}.get(name, "T1"))
+                    for name in ("x", "weights", "lora_a", "lora_up", "rank_splits")
                 ],
                 outputs=[schema.FormalParameter("out", "T1")],
-                type_constraints=[*types[:1], ("T3", ["tensor(uint8)"], "")],
+                type_constraints=[*types, ("T3", ["tensor(uint8)"], "")],
                 attributes=[schema.Attribute("out_features", schema.AttrType.INT, "", required=True)],
             )
         )

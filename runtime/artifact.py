@@ -48,7 +48,7 @@ from streamfuse.runtime.tree import TreeSpec
 
 __all__ = ["ArtifactError", "file_digest"]  # re-exported: the artifact's error and digest live in artifact_files
 
-SCHEMA = "streamfuse.artifact/22"  # /22: graphs.batches (the batched steps)
+SCHEMA = "streamfuse.artifact/23"  # /23: streamfuse.Q4Linear takes rank_splits (each packed sibling its own LoRA)
 MANIFEST = "manifest.json"
 LOCK = ".manifest.lock"  # every write to the artifact holds this file's lock (runtime/durable.py)
 MAX_MANIFEST_BYTES = 1 << 26  # a real manifest is well under 1 MiB

@@ -2,15 +2,17 @@
 (runtime/kernels/q4_linear.h) for torch (streamfuse::q4_linear, through ctypes) and ONNX Runtime
 (streamfuse.Q4Linear), its packing, and a NumPy reference of the same arithmetic, the tests' oracle.
 
-    q4_linear(x [.., K] float32, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16],
-              out_features N) -> [.., N]
+    q4_linear(x [.., K] float32, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [Σ tiles_s·r_s, 16],
+              rank_splits [S, 2] int64, out_features N) -> [.., N]
 
 ExecuTorch runs it too (streamfuse::q4_linear.out, in runtime/kernels/tree_attention_et.cpp's library).
 weights come from pack() (the GGUF's codes, fp16 scales and minimums, re-laid in tiles of 16 columns: the same
-bytes as the file's blocks), the LoRA from pack_lora() (r = 0: none). Activations are quantized inside the op
-to int8 per row and block of 32 with their sums; the integer dot products go on AVX-512 VNNI, AVX2 or portable
-C++, each weight tile-block loaded once for all the call's rows, and a row's bits do not depend on how many rows
-the call has, on the thread count or on the path (the header gives the arithmetic).
+bytes as the file's blocks), the LoRA from pack_lora() (r = 0: none) as (lora_a, lora_up, rank_splits): one
+segment (tiles, r). join_lora() puts several layers' LoRA into one node's (export/onnx_pack.py: q / k / v, gate /
+up), each segment (its tiles, its rank) keeping its own terms: no zeros for the others' ranks. Activations are
+quantized inside the op to int8 per row and block of 32 with their sums; the integer dot products go on AVX-512
+VNNI, AVX2 or portable C++, each weight tile-block loaded once for all the call's rows, and a row's bits do not
+depend on how many rows the call has, on the thread count or on the path (the header gives the arithmetic).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from streamfuse.runtime import tree_attention as kernels
 
 BLOCK, TILE, TILE_BYTES, SCALES_AT, MINS_AT = 32, 16, 320, 256, 288  # q4_linear.h's constants
 PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512_vnni": 3}
-SCHEMA = "q4_linear(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, int out_features) -> Tensor"
+SCHEMA = (
+    "q4_linear(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, Tensor rank_splits, int out_features) -> Tensor"
+)
 OUT_SCHEMA = (
-    "q4_linear.out(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, int out_features, *, "
+    "q4_linear.out(Tensor x, Tensor weights, Tensor lora_a, Tensor lora_up, Tensor rank_splits, int out_features, *, "
     "Tensor(a!) out) -> Tensor(a!)"
 )
 # The ONNX Runtime custom op (runtime/kernels/tree_attention_ort.cpp): the torch op's inputs, out_features an
@@ -78,12 +82,13 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
 
 def pack_lora(
     down: np.ndarray | None, up: np.ndarray | None, scaling: float, out_features: int, in_features: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A LoRA update (down = A [r, K], up = B [N, r], scaling s) -> (A^T [K, r], s·B^T by tile [tiles, r, 16]),
-    float32; (None, None) -> rank 0."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A LoRA update (down = A [r, K], up = B [N, r], scaling s) -> (A^T [K, r], s·B^T by tile [tiles·r, 16] (tile
+    t's r rows at t·r), rank_splits [[tiles, r]] int64), float32; (None, None) -> rank 0."""
     tiles = tiles_of(out_features)
+    splits = np.array([[tiles, 0 if down is None else down.shape[0]]], np.int64)
     if down is None:
-        return np.zeros((in_features, 0), np.float32), np.zeros((tiles, 0, TILE), np.float32)
+        return np.zeros((in_features, 0), np.float32), np.zeros((0, TILE), np.float32), splits
     rank = down.shape[0]
     if down.shape != (rank, in_features) or up.shape != (out_features, rank):
         raise Q4LinearError(
@@ -93,7 +98,20 @@ def pack_lora(
     scaled[:out_features] = np.asarray(up, np.float32) * np.float32(scaling)
     return (
         np.ascontiguousarray(np.asarray(down, np.float32).T),
-        np.ascontiguousarray(scaled.reshape(tiles, TILE, rank).transpose(0, 2, 1)),
+        np.ascontiguousarray(scaled.reshape(tiles, TILE, rank).transpose(0, 2, 1).reshape(tiles * rank, TILE)),
+        splits,
+    )
+
+
+def join_lora(loras: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layers' (lora_a, lora_up, rank_splits), in the order their tiles are stacked, -> one node's: A's columns side
+    by side, U's segments one after another, the segments listed in order. Each column keeps its own layer's terms
+    and only those (runtime/kernels/q4_linear.h, Segments)."""
+    downs, ups, splits = zip(*loras)
+    return (
+        np.ascontiguousarray(np.concatenate(downs, axis=1), np.float32),
+        np.ascontiguousarray(np.concatenate(ups, axis=0), np.float32),
+        np.ascontiguousarray(np.concatenate(splits, axis=0), np.int64),
     )
 
 
@@ -125,9 +143,15 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def reference(
-    x: np.ndarray, weights: np.ndarray, lora_a: np.ndarray, lora_up: np.ndarray, out_features: int
+    x: np.ndarray,
+    weights: np.ndarray,
+    lora_a: np.ndarray,
+    lora_up: np.ndarray,
+    rank_splits: np.ndarray,
+    out_features: int,
 ) -> np.ndarray:
-    """The kernel's arithmetic in NumPy, operation by operation (float32, each a rounding): x [M, K] -> [M, N]."""
+    """The kernel's arithmetic in NumPy, operation by operation (float32, each a rounding): x [M, K] -> [M, N]; each
+    segment's columns sum their own rank terms only."""
     x = np.asarray(x, np.float32)
     codes, scales, mins = unpack(weights, out_features)
     q, xd, xs = quantize_rows(x)
@@ -140,16 +164,19 @@ def reference(
             np.float32
         )
     rank = lora_a.shape[1]
-    if rank == 0:
-        return acc + np.float32(0)
     xa = np.zeros((x.shape[0], rank), np.float32)
-    for k in range(x.shape[1]):
+    for k in range(x.shape[1] if rank else 0):
         xa = (xa + x[:, k, None] * lora_a[k][None]).astype(np.float32)
-    up = lora_up.transpose(1, 0, 2).reshape(rank, -1)[:, :out_features]  # [r, N]
-    lora = np.zeros_like(acc)
-    for j in range(rank):
-        lora = (lora + xa[:, j, None] * up[j][None]).astype(np.float32)
-    return (acc + lora).astype(np.float32)
+    lora = np.zeros((x.shape[0], tiles_of(out_features) * TILE), np.float32)
+    tile = column = row = 0
+    for tiles, own in np.asarray(rank_splits, np.int64).tolist():
+        up = lora_up[row : row + tiles * own].reshape(tiles, own, TILE).transpose(1, 0, 2).reshape(own, tiles * TILE)
+        part = np.zeros((x.shape[0], tiles * TILE), np.float32)
+        for j in range(own):
+            part = (part + xa[:, column + j, None] * up[j][None]).astype(np.float32)
+        lora[:, tile * TILE : (tile + tiles) * TILE] = part
+        tile, column, row = tile + tiles, column + own, row + tiles * own
+    return (acc + lora[:, :out_features]).astype(np.float32)
 
 
 # --- the kernel ----------------------------------------------------------------------------------
@@ -181,6 +208,7 @@ def linear(
     weights: np.ndarray,
     lora_a: np.ndarray,
     lora_up: np.ndarray,
+    rank_splits: np.ndarray,
     out_features: int,
     path: str = "auto",
     threads: int = 1,
@@ -192,9 +220,9 @@ def linear(
     if path not in PATHS:
         raise Q4LinearError(f"q4_linear: path one of {', '.join(PATHS)}, got {path!r}")
     x = np.ascontiguousarray(x, np.float32)
-    weights, lora_a, lora_up = (np.ascontiguousarray(a) for a in (weights, lora_a, lora_up))
+    weights, lora_a, lora_up, rank_splits = (np.ascontiguousarray(a) for a in (weights, lora_a, lora_up, rank_splits))
     out = output("q4_linear", x, out_features) if out is None else out
-    arguments = [kernels.views(x, weights, lora_a, lora_up, out), out_features, PATHS[path], threads]
+    arguments = [kernels.views(x, weights, lora_a, lora_up, rank_splits, out), out_features, PATHS[path], threads]
     kernels.run_checked(c_library().streamfuse_q4_linear, arguments, Q4LinearError)
     return out
 
@@ -241,7 +269,7 @@ def _torch_library():
         "q4_linear",
         SCHEMA,
         OUT_SCHEMA,
-        lambda x, w, a, u, n, threads, out: linear(x, w, a, u, n, threads=threads, out=out),
+        lambda x, w, a, u, s, n, threads, out: linear(x, w, a, u, s, n, threads=threads, out=out),
     )
 
 

@@ -104,7 +104,7 @@ TAMPERED = [
         setter("calibration/acceptance", {"max_rank": 8, "depth": 3, "positions": 5, "answers": [[]]}),
         r"calibration\.acceptance\.positions is 5, its answers hold 0",
     ),
-    (setter("schema", "streamfuse.artifact/20"), r"schema 'streamfuse.artifact/20'; this streamfuse reads .*/22"),
+    (setter("schema", "streamfuse.artifact/20"), r"schema 'streamfuse.artifact/20'; this streamfuse reads .*/23"),
 ]
 
 

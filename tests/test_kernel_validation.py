@@ -237,7 +237,7 @@ def q4_layer(rows: int = 3, depth: int = 64, width: int = 20, rank: int = 2) -> 
     codes = rng.integers(0, 16, (width, depth), dtype=np.uint8)
     scales = rng.uniform(0.01, 0.1, (width, depth // 32)).astype(np.float16).astype(np.float32)
     weights = q4_linear.pack(codes, scales, -scales)
-    down, up = q4_linear.pack_lora(
+    down, up, splits = q4_linear.pack_lora(
         rng.standard_normal((rank, depth)), rng.standard_normal((width, rank)), 0.5, width, depth
     )
     return {
@@ -245,6 +245,7 @@ def q4_layer(rows: int = 3, depth: int = 64, width: int = 20, rank: int = 2) -> 
         "weights": torch.from_numpy(weights),
         "lora_a": torch.from_numpy(down),
         "lora_up": torch.from_numpy(up),
+        "rank_splits": torch.from_numpy(splits),
         "out_features": width,
     }
 
@@ -283,6 +284,21 @@ BAD_Q4 = [
         "x of rank 5",
         lambda lin: {**lin, "x": lin["x"].reshape(1, 1, 1, 3, 64)},
         "x must be a float32 tensor of rank 1 to 4",
+    ),
+    (
+        "rank_splits of int32",
+        lambda lin: {**lin, "rank_splits": lin["rank_splits"].int()},
+        "rank_splits must be a rank-2 int64 tensor, got rank 2 int32",
+    ),
+    (
+        "rank_splits past the tiles",
+        lambda lin: {**lin, "rank_splits": torch.tensor([[1, 2], [2, 0]])},
+        "rank_splits' tiles must be >= 1 each and sum to ceil(out_features / 16) = 2, row 1 has 2",
+    ),
+    (
+        "rank_splits short of the rank",
+        lambda lin: {**lin, "rank_splits": torch.tensor([[2, 1]])},
+        "rank_splits must cover every tile and rank column",
     ),
     ("out_features 0", lambda lin: {**lin, "out_features": 0}, "out_features must be in [1, 2^24], got 0"),
     ("out_features huge", lambda lin: {**lin, "out_features": 2**40}, "out_features must be in [1, 2^24]"),

@@ -362,23 +362,32 @@ def test_the_fused_ops_give_a_row_the_same_bits_in_a_call_of_any_size():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q4_linear_siblings_pack_into_one_node_with_each_columns_bits(threads):
-    """Three streamfuse.Q4Linear on one input (q / k / v; LoRA ranks 4, 0 and 2) -> one Q4Linear and a Split: every
-    output the unpacked graph's bits, for 1 to 16 rows; a sibling whose columns do not fill its last tile of 16
-    keeps the graph as it is."""
+    """Three streamfuse.Q4Linear on one input (q / k / v; LoRA ranks 4, 0 and 2) -> one Q4Linear, each its own LoRA
+    segment (no zeros for the others' ranks), and a Split: every output the unpacked graph's bits and the packed
+    form's before segments (U block-diagonal), for 1 to 16 rows; a sibling whose columns do not fill its last tile
+    of 16 keeps the graph as it is."""
     from streamfuse.tools import q4_bench
 
     rng = np.random.default_rng(0)
     layers = [q4_bench.random_layer(rng, n, 64, rank) for n, rank in ((48, 4), (16, 0), (32, 2))]
     model = as_method(q4_bench.onnx_model(layers, "ours"))
     before = q4_bench.onnx_session(model.SerializeToString(), threads)
-    assert pack_linears(model) == 3 and drop_unused_initializers(model) == 9
+    # the packed form before segments: the ranks side by side, U block-diagonal with exact zeros, one segment
+    zeros = q4_bench.onnx_session(q4_bench.onnx_model([q4_bench.stacked(layers)], "zero_blocks"), threads)
+    assert pack_linears(model) == 3 and drop_unused_initializers(model) == 12
     (body,) = [a.g for a in model.graph.node[0].attribute if a.name == "then_branch"]
     assert [n.op_type for n in body.node] == ["Q4Linear", "Split"]
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    up, splits = (values[name] for name in body.node[0].input[3:])
+    assert splits.tolist() == [[3, 4], [1, 0], [2, 2]] and up.shape == (3 * 4 + 2 * 2, 16)  # each its own rank
     after = q4_bench.onnx_session(model.SerializeToString(), threads)
     for rows in (1, 2, 5, 16):
         feed = {"x64": rng.standard_normal((1, rows, 64)).astype(np.float32), "run": np.array(True)}
-        for old, new in zip(before.run(None, feed), after.run(None, feed)):
+        unpacked, packed = before.run(None, feed), after.run(None, feed)
+        for old, new in zip(unpacked, packed):
             assert np.array_equal(old.view(np.uint32), new.view(np.uint32)), rows
+        (former,) = zeros.run(None, {"x64": feed["x64"]})
+        assert np.array_equal(former.view(np.uint32), np.concatenate(packed, axis=-1).view(np.uint32)), rows
     ragged = as_method(q4_bench.onnx_model(layers[:2] + [q4_bench.random_layer(rng, 40, 64, 1)], "ours"))
     assert pack_linears(ragged) == 0
 

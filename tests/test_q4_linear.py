@@ -1,5 +1,6 @@
 """The 4-bit linear op (runtime/q4_linear.py, runtime/kernels/q4_linear.h): the layout, the kernel against its
-NumPy reference bit for bit on every instruction-set path, rows, threads and LoRA, and its errors."""
+NumPy reference bit for bit on every instruction-set path, rows, threads, LoRA and segments (siblings packed in one
+node, each with its own rank), and its errors."""
 
 import numpy as np
 import pytest
@@ -105,6 +106,68 @@ def test_kernel_is_the_reference_bit_for_bit_on_every_path(n, blocks, rows, rank
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), path
 
 
+def siblings(rng, widths: list[int], ranks: list[int], k: int):
+    """Layers on one input as one node (export/onnx_pack.py): (weights stacked, LoRA joined, each layer's own)."""
+    layers = [random_layer(rng, n, k, r) for n, r in zip(widths, ranks)]
+    weights = np.concatenate([packed for _, packed, _ in layers], axis=0)
+    return weights, q4.join_lora([lora for _, _, lora in layers]), layers
+
+
+def zero_blocks(lora):
+    """The packed LoRA before segments: ranks side by side, U block-diagonal with exact zeros, one segment."""
+    down, up, splits = lora
+    tiles, rank = int(splits[:, 0].sum()), down.shape[1]
+    dense, row, tile, column = np.zeros((tiles, rank, q4.TILE), np.float32), 0, 0, 0
+    for own_tiles, own in splits.tolist():
+        block = up[row : row + own_tiles * own].reshape(own_tiles, own, q4.TILE)
+        dense[tile : tile + own_tiles, column : column + own] = block
+        row, tile, column = row + own_tiles * own, tile + own_tiles, column + own
+    return down, dense.reshape(tiles * rank, q4.TILE), np.array([[tiles, rank]], np.int64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tiles=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    ranks=st.lists(st.sampled_from([0, 1, 5, 32]), min_size=4, max_size=4),
+    ragged=st.integers(0, 15),
+    rows=st.integers(1, 9),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31),
+)
+def test_segments_keep_each_layers_bits(tiles, ranks, ragged, rows, threads, seed):
+    """Siblings in one node, each its own LoRA segment: the reference's bits on every path; each layer's columns
+    the bits of that layer alone, and of the packed form before segments (ranks side by side, U block-diagonal):
+    its terms of the others' ranks were xa_j · 0 = ±0, which leave a finite partial sum as it is."""
+    rng = np.random.default_rng(seed)
+    widths = [16 * t for t in tiles]
+    widths[-1] -= min(ragged, widths[-1] - 1)  # the last layer may end inside its tile
+    weights, lora, layers = siblings(rng, widths, ranks[: len(widths)], 64)
+    n = sum(widths)
+    assert lora[1].shape == (sum(t * r for t, r in zip(tiles, ranks)), 16)  # compact: no zero blocks
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    expected = q4.reference(x, weights, *lora, n)
+    alone = np.concatenate([q4.linear(x, w, *own, m) for m, (_, w, own) in zip(widths, layers)], axis=1)
+    assert np.array_equal(expected.view(np.uint32), alone.view(np.uint32))
+    for path in q4.available_paths():
+        for form in (lora, zero_blocks(lora)):
+            got = q4.linear(x, weights, *form, n, path=path, threads=threads)
+            assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), path
+
+
+def test_a_segments_infinity_stays_in_its_own_columns():
+    """An infinite x · A of one layer reaches only that layer's columns, as unpacked (in the zero-block form
+    inf · 0 made every column NaN)."""
+    rng = np.random.default_rng(7)
+    weights, (down, up, splits), layers = siblings(rng, [32, 16], [2, 3], 64)
+    down = down.copy()
+    down[0, 0] = np.inf  # layer 0's first rank column
+    x = np.abs(rng.standard_normal((2, 64))).astype(np.float32) + 1
+    got = q4.linear(x, weights, down, up, splits, 48)
+    assert not np.isfinite(got[:, :32]).any()
+    assert np.array_equal(got[:, 32:], q4.linear(x, layers[1][1], *layers[1][2], 16))
+    assert np.isnan(q4.linear(x, weights, *zero_blocks((down, up, splits)), 48)[:, 32:]).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_bits_do_not_depend_on_the_call(threads):
     """Row r of an M-row call equals row r alone, for M = 1..64, at real shapes (576 -> 1536, LoRA rank 8)."""
@@ -123,7 +186,7 @@ def test_close_to_the_exact_product():
     (codes, scales, mins), weights, lora = random_layer(rng, 192, 576, 8)
     x = rng.standard_normal((4, 576)).astype(np.float32)
     dense = (codes.reshape(192, -1, 32) * scales[..., None] + mins[..., None]).reshape(192, 576)
-    up = lora[1].transpose(1, 0, 2).reshape(8, -1)[:, :192]
+    up = lora[1].reshape(-1, 8, 16).transpose(1, 0, 2).reshape(8, -1)[:, :192]
     exact = x.astype(np.float64) @ dense.T + (x.astype(np.float64) @ lora[0]) @ up
     got = q4.linear(x, weights, *lora, 192)
     scale = np.abs(x).max() / 127 * np.abs(dense).sum(axis=1).max()
@@ -136,20 +199,36 @@ def test_close_to_the_exact_product():
     [
         (lambda a: {**a, "weights": a["weights"][:-1]}, "packed weights must be"),
         (lambda a: {**a, "x": a["x"][:, :16]}, "in_features must be a positive multiple of 32"),
-        (lambda a: {**a, "lora_up": a["lora_up"][:, :1]}, "the LoRA must be"),
+        (lambda a: {**a, "lora_up": a["lora_up"][:, :1]}, "the LoRA's U must be"),
+        (
+            lambda a: {**a, "lora_up": a["lora_up"][:-1]},
+            r"the LoRA's U must be \[Σ tiles · rank over rank_splits, 16\]",
+        ),
+        (lambda a: {**a, "lora_a": a["lora_a"][:-32]}, "the LoRA's A must be"),
+        (lambda a: {**a, "rank_splits": a["rank_splits"].astype(np.int32)}, "rank_splits must be a rank-2 int64"),
+        (lambda a: {**a, "rank_splits": a["rank_splits"][:, :1]}, r"rank_splits must be \[segments, 2\]"),
+        (lambda a: {**a, "rank_splits": a["rank_splits"][:0]}, r"1 to 64 of them, got \[0, 2\]"),
+        (lambda a: {**a, "rank_splits": np.tile([[1, 0]], (65, 1))}, r"1 to 64 of them, got \[65, 2\]"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 2], [0, 0], [1, 0]])}, "tiles must be >= 1 each"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 2], [2, 0]])}, "tiles must be >= 1 each and sum to"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 3], [1, -1]])}, "ranks must be >= 0 each"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 1], [1, 2]])}, "ranks must be >= 0 each and sum to"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 1], [1, 0]])}, "must cover every tile and rank column"),
+        (lambda a: {**a, "rank_splits": np.array([[1, 2]])}, "must cover every tile and rank column"),
         (lambda a: {**a, "out_features": 0}, "out_features must be in"),
         (lambda a: {**a, "path": "neon"}, "path one of"),
     ],
 )
 def test_bad_calls_are_one_line_errors(change, message):
     rng = np.random.default_rng(2)
-    _, weights, (down, up) = random_layer(rng, 20, 64, 2)
+    _, weights, (down, up, splits) = random_layer(rng, 20, 64, 2)
     call = change(
         {
             "x": rng.standard_normal((3, 64)).astype(np.float32),
             "weights": weights,
             "lora_a": down,
             "lora_up": up,
+            "rank_splits": splits,
             "out_features": 20,
             "path": "auto",
         }
@@ -171,12 +250,12 @@ def test_torch_op_and_its_fake():
     torch = pytest.importorskip("torch")
     op = q4.torch_op()
     rng = np.random.default_rng(3)
-    _, weights, (down, up) = random_layer(rng, 40, 64, 4)
+    _, weights, lora = random_layer(rng, 40, 64, 4)
     x = rng.standard_normal((1, 5, 64)).astype(np.float32)
-    tensors = [torch.from_numpy(a) for a in (weights, down, up)]
+    tensors = [torch.from_numpy(a) for a in (weights, *lora)]
     got = op(torch.from_numpy(x), *tensors, 40)
     assert got.shape == (1, 5, 40)
-    assert np.array_equal(got.numpy()[0], q4.reference(x[0], weights, down, up, 40))
+    assert np.array_equal(got.numpy()[0], q4.reference(x[0], weights, *lora, 40))
 
     class Layer(torch.nn.Module):
         def forward(self, x):
@@ -214,8 +293,8 @@ def test_onnx_runtime_op_refuses_bad_shapes():
     layer = q4_bench.random_layer(np.random.default_rng(5), 32, 64, rank=2)
     weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])[:, :1]  # half the blocks
     lora = q4.pack_lora(layer["down"], layer["up"], 2.0, 32, 64)
-    inits = [numpy_helper.from_array(a, n) for n, a in (("w", weights), ("a", lora[0]), ("u", lora[1]))]
-    node = helper.make_node("Q4Linear", ["x", "w", "a", "u"], ["y"], domain="streamfuse", out_features=32)
+    inits = [numpy_helper.from_array(a, n) for n, a in zip("wabs", (weights, *lora))]
+    node = helper.make_node("Q4Linear", ["x", "w", "a", "b", "s"], ["y"], domain="streamfuse", out_features=32)
     graph = helper.make_graph(
         [node],
         "bad",
@@ -234,7 +313,8 @@ def test_onnx_runtime_op_refuses_bad_shapes():
 
 
 def test_executorch_kernel_is_the_reference():
-    """streamfuse::q4_linear.out in an ExecuTorch program (beside an XNNPACK-delegated op): the reference's bits."""
+    """streamfuse::q4_linear.out in an ExecuTorch program (beside an XNNPACK-delegated op): the reference's bits, for
+    a layer of two segments and one without LoRA."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("executorch", reason="the executorch extra is not installed")
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -245,21 +325,22 @@ def test_executorch_kernel_is_the_reference():
     from streamfuse.runtime.kernel_library import load_executorch_kernels
 
     rng = np.random.default_rng(6)
-    _, weights, lora = random_layer(rng, 40, 64, 4)
+    weights, lora, _ = siblings(rng, [32, 8], [4, 2], 64)  # a packed node: two segments
     empty = no_lora(40, 64)  # a layer without LoRA: empty tensors, which ExecuTorch takes with torch's strides
     op = q4.torch_op()
 
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            for name, array in zip(("weights", "lora_a", "lora_up", "none_a", "none_up"), (weights, *lora, *empty)):
+            names = ("weights", "lora_a", "lora_up", "splits", "none_a", "none_up", "none_splits")
+            for name, array in zip(names, (weights, *lora, *empty)):
                 self.register_buffer(name, _tensor(array))
 
         def forward(self, x):
             return (
                 torch.relu(x) + 1,
-                op(x, self.weights, self.lora_a, self.lora_up, 40),
-                op(x, self.weights, self.none_a, self.none_up, 40),
+                op(x, self.weights, self.lora_a, self.lora_up, self.splits, 40),
+                op(x, self.weights, self.none_a, self.none_up, self.none_splits, 40),
             )
 
     x = rng.standard_normal((1, 3, 64)).astype(np.float32)

@@ -2,19 +2,24 @@
 runs, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
 weights' values; --scope call puts the LoRA on the top 10 layers, as the default build does).
 
-  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside; the Q8_0 LM head
-               on streamfuse.Q8Linear (runtime/q8_linear.py)
+  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside (a packed
+               node's siblings each their own segment of it); the Q8_0 LM head on streamfuse.Q8Linear
+               (runtime/q8_linear.py)
   matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
                LoRA: MatMul, MatMul, Add), the 4 nodes a q4-native ONNX linear takes without our op;
                the head as MatMulNBits (8 bits)
+  zero_blocks  ours with a packed node's LoRA as one segment: the siblings' ranks side by side and U
+               block-diagonal, exact zeros for the others' ranks (the packed form before segments), for A/B
 
---scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs held
-them) and the LM head; --scope call puts every linear of the 30 layers and the head into one graph (~97 MB of
-codes: each call streams them from memory as a real call does), the linear part of a whole call. Engines
-alternate call by call, fixed threads; medians in microseconds and each row count's cost in 1-row calls.
+--scope layer times each linear of a decoder layer alone (q/k/v packed, gate/up packed, as the graphs hold
+them: each sibling its own rank-32 LoRA) and the LM head; --scope call puts every linear of the 30 layers and
+the head into one graph (~97 MB of codes: each call streams them from memory as a real call does), the linear
+part of a whole call. Forms alternate call by call, fixed threads; medians in microseconds and each row count's
+cost in 1-row calls; the fp32 LoRA bytes each form of our op reads a call.
 
     OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope layer --rows 1,2,4,8,16,64 --threads 2
     OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope call --rows 1,2,4,8,16,64 --threads 2
+    OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope call --rows 1,4 --forms ours,zero_blocks --threads 2
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from streamfuse.runtime.threads import threads_type
 
 HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
 VOCAB = 49152
-# (name, in_features, out_features): a decoder layer's linears as the graphs hold them (q/k/v and gate/up packed)
+# (name, in_features, siblings' out_features): a decoder layer's linears as the graphs hold them (q/k/v and
+# gate/up packed)
 LINEARS = [
-    ("qkv", HIDDEN, HIDDEN + 2 * 192),
-    ("o", HIDDEN, HIDDEN),
-    ("gate_up", HIDDEN, 2 * MLP),
-    ("down", MLP, HIDDEN),
+    ("qkv", HIDDEN, (HIDDEN, 192, 192)),
+    ("o", HIDDEN, (HIDDEN,)),
+    ("gate_up", HIDDEN, (MLP, MLP)),
+    ("down", MLP, (HIDDEN,)),
 ]
 
 
@@ -49,7 +55,52 @@ def random_layer(rng, n: int, k: int, rank: int = RANK) -> dict:
     mins = (-scales * rng.uniform(6, 10, scales.shape)).astype(np.float16).astype(np.float32)
     down = (rng.standard_normal((rank, k)) * 0.02).astype(np.float32)  # rank 0: no LoRA
     up = (rng.standard_normal((n, rank)) * 0.02).astype(np.float32)
-    return {"codes": codes, "scales": scales, "mins": mins, "down": down, "up": up, "n": n, "k": k}
+    return {
+        "codes": codes,
+        "scales": scales,
+        "mins": mins,
+        "down": down,
+        "up": up,
+        "n": n,
+        "k": k,
+        "parts": [(n, rank)],
+    }
+
+
+def packed_layer(rng, widths: tuple[int, ...], k: int, rank: int = RANK) -> dict:
+    """Siblings on one input, each with a LoRA of `rank`, as one packed layer (stacked())."""
+    return stacked([random_layer(rng, n, k, rank) for n in widths])
+
+
+def stacked(layers: list[dict]) -> dict:
+    """Siblings on one input as one packed layer: weights stacked, ranks side by side, `up` block-diagonal (each
+    sibling's B in its own columns); `parts` [(out_features, rank)] keeps each sibling's share."""
+    packed = {name: np.concatenate([layer[name] for layer in layers]) for name in ("codes", "scales", "mins", "down")}
+    parts = [part for layer in layers for part in layer["parts"]]
+    up = np.zeros((sum(n for n, _ in parts), sum(r for _, r in parts)), np.float32)
+    column = rank = 0
+    for layer in layers:
+        n, r = layer["up"].shape
+        up[column : column + n, rank : rank + r] = layer["up"]
+        column, rank = column + n, rank + r
+    return {**packed, "up": up, "n": column, "k": layers[0]["k"], "parts": parts}
+
+
+def lora_of(layer: dict, form: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The op's (lora_a, lora_up, rank_splits): each sibling its own segment, or one for all (zero_blocks)."""
+    if form == "zero_blocks":
+        return q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
+    loras, column, rank = [], 0, 0
+    for n, r in layer["parts"]:
+        down, up = layer["down"][rank : rank + r], layer["up"][column : column + n, rank : rank + r]
+        loras.append(q4.pack_lora(down, up, 2.0, n, layer["k"]))
+        column, rank = column + n, rank + r
+    return q4.join_lora(loras)
+
+
+def lora_bytes(layers: list[dict], form: str) -> int:
+    """The fp32 LoRA (A and U) a call of the op reads."""
+    return sum(a.nbytes + u.nbytes for a, u, _ in (lora_of(layer, form) for layer in layers if "parts" in layer))
 
 
 def head_layer(rng, n: int = VOCAB, k: int = HIDDEN) -> dict:
@@ -59,7 +110,7 @@ def head_layer(rng, n: int = VOCAB, k: int = HIDDEN) -> dict:
     return {"kind": "q8", "codes": codes, "scales": scales, "n": n, "k": k}
 
 
-def _nodes_ours(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]:
+def _nodes_ours(layer: dict, x: str, out: str, prefix: str, form: str = "ours") -> tuple[list, list]:
     from onnx import helper, numpy_helper
 
     from streamfuse.runtime import q8_linear
@@ -73,11 +124,8 @@ def _nodes_ours(layer: dict, x: str, out: str, prefix: str) -> tuple[list, list]
         return [node], inits
 
     weights = q4.pack(layer["codes"], layer["scales"], layer["mins"])
-    lora_a, lora_up = q4.pack_lora(layer["down"], layer["up"], 2.0, layer["n"], layer["k"])
-    inits = [
-        numpy_helper.from_array(a, f"{prefix}.{name}")
-        for name, a in (("weights", weights), ("lora_a", lora_a), ("lora_up", lora_up))
-    ]
+    arrays = {"weights": weights, **dict(zip(("lora_a", "lora_up", "rank_splits"), lora_of(layer, form)))}
+    inits = [numpy_helper.from_array(a, f"{prefix}.{name}") for name, a in arrays.items()]
     node = helper.make_node(
         q4.ONNX_OP, [x, *(i.name for i in inits)], [out], domain="streamfuse", out_features=layer["n"]
     )
@@ -143,7 +191,11 @@ def _nodes_matmulnbits(layer: dict, x: str, out: str, prefix: str) -> tuple[list
     return nodes, inits
 
 
-FORMS = {"ours": _nodes_ours, "matmulnbits": _nodes_matmulnbits}
+FORMS = {
+    "ours": _nodes_ours,
+    "matmulnbits": _nodes_matmulnbits,
+    "zero_blocks": lambda *args: _nodes_ours(*args, form="zero_blocks"),
+}
 
 
 def onnx_model(layers: list[dict], form: str) -> bytes:
@@ -189,8 +241,10 @@ def time_interleaved(calls: dict, reps: int) -> dict[str, float]:
     return {name: 1e6 * statistics.median(values) for name, values in samples.items()}
 
 
-def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int) -> list[dict]:
-    sessions = {form: onnx_session(onnx_model(layers, form), threads) for form in FORMS}
+def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, forms: list[str]) -> list[dict]:
+    sessions = {form: onnx_session(onnx_model(layers, form), threads) for form in forms}
+    for form in (f for f in forms if f != "matmulnbits"):
+        print(f"  {form}: {lora_bytes(layers, form) / 1e6:.2f} MB of fp32 LoRA read a call", flush=True)
     rng, results = np.random.default_rng(1), []
     for rows in rows_list:
         feeds = {
@@ -207,14 +261,14 @@ def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int) -> 
 def table(results: list[dict]) -> str:
     names = list(results[0]["us"])
     lines = [
-        "| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + " | ours / matmulnbits |",
+        "| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + f" | {names[0]} / {names[-1]} |",
         "|---:|" + "---:|" * (len(names) + 1),
     ]
     one = results[0]["us"]
     for result in results:
         us = result["us"]
         cells = [f"{us[n]:.0f} ({us[n] / one[n]:.2f})" for n in names]
-        lines.append(f"| {result['rows']} | " + " | ".join(cells) + f" | {us['ours'] / us['matmulnbits']:.2f} |")
+        lines.append(f"| {result['rows']} | " + " | ".join(cells) + f" | {us[names[0]] / us[names[-1]]:.2f} |")
     return "\n".join(lines)
 
 
@@ -224,6 +278,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts (M)")
     parser.add_argument("--threads", type=threads_type, default=2)
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--forms", default="ours,matmulnbits", help=f"comma-separated, of {', '.join(FORMS)}")
     parser.add_argument("--out", type=Path, help="write q4_bench.json and q4_bench.md here")
     args = parser.parse_args(argv)
     try:
@@ -232,6 +287,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --rows must be comma-separated integers, got {args.rows!r}") from None
     if not rows or min(rows) < 1 or args.threads < 1 or args.threads > 256:
         raise SystemExit("error: --rows must be >= 1 and --threads in [1, 256]")
+    forms = args.forms.split(",")
+    if len(forms) < 2 or not set(forms) <= set(FORMS):
+        raise SystemExit(f"error: --forms must name two or more of {', '.join(FORMS)}, got {args.forms!r}")
     rng = np.random.default_rng(0)
     report = {
         "scope": args.scope,
@@ -239,23 +297,24 @@ def main(argv=None) -> int:
         "reps": args.reps,
         "path": q4.available_paths()[-1],
         "rank": RANK,
+        "forms": forms,
         "results": {},
     }
     print(f"q4_bench --scope {args.scope}, {args.threads} threads, kernel path {report['path']}")
     if args.scope == "layer":
-        for name, k, n in LINEARS:
-            print(f"{name}: {k} -> {n}")
-            report["results"][name] = sweep([random_layer(rng, n, k)], rows, args.threads, args.reps)
+        for name, k, widths in LINEARS:
+            print(f"{name}: {k} -> {' + '.join(map(str, widths))}")
+            report["results"][name] = sweep([packed_layer(rng, widths, k)], rows, args.threads, args.reps, forms)
         print(f"head: {HIDDEN} -> {VOCAB} (Q8_0)")
-        report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps)
+        report["results"]["head"] = sweep([head_layer(rng)], rows, args.threads, args.reps, forms)
     else:
         layers = [
-            random_layer(rng, n, k, RANK if index >= LAYERS - ADAPTED else 0)
+            packed_layer(rng, widths, k, RANK if index >= LAYERS - ADAPTED else 0)
             for index in range(LAYERS)
-            for _, k, n in LINEARS
+            for _, k, widths in LINEARS
         ] + [head_layer(rng)]
         print(f"every linear of {LAYERS} layers and the head ({len(layers)} nodes in one graph)")
-        report["results"]["call"] = sweep(layers, rows, args.threads, args.reps)
+        report["results"]["call"] = sweep(layers, rows, args.threads, args.reps, forms)
     markdown = "\n\n".join(f"{name}\n\n{table(results)}" for name, results in report["results"].items())
     print(markdown)
     if args.out:

@@ -14,11 +14,26 @@
 //   xs = xd · Σ q.
 // Row r, column n: acc = 0, then for each block b in order
 //   acc = acc + ((d · xd) · float(Σ_i q_w,i · q_x,i) + m · xs)        (the integer sum is exact in any order)
-// and y = acc + lora, lora = 0 then lora = lora + xa_j · U[j, n] for j in order, xa_j = Σ_k x_k · A[k, j] in
-// order of k (fp32, from 0). Every float operation is a separate rounding (built with -ffp-contract=off, no
-// fast-math), so the NumPy reference in runtime/q4_linear.py repeats it bit for bit. Threads split the columns
-// (tiles) only and every path (AVX-512 VNNI, AVX2, portable) computes the same integers and the same
-// float operations lane by lane: a row's bits depend on nothing but that row, the weights and the LoRA.
+// and y = acc + lora, lora = 0 then lora = lora + xa_j · U[j, n] for j in column n's segment's rank range in
+// order, xa_j = Σ_k x_k · A[k, j] in order of k (fp32, from 0). Every float operation is a separate rounding
+// (built with -ffp-contract=off, no fast-math), so the NumPy reference in runtime/q4_linear.py repeats it bit for
+// bit. Threads split the columns (tiles) only and every path (AVX-512 VNNI, AVX2, portable) computes the same
+// integers and the same float operations lane by lane: a row's bits depend on nothing but that row, the weights
+// and the LoRA.
+//
+// Segments (rank_splits): one node may hold several layers that read the same x (q / k / v, gate / up: packed by
+// export/onnx_pack.py), each with its own LoRA. rank_splits [S, 2] int64 lists them in order as (tiles, rank):
+// segment s owns the next tiles_s output tiles and the next rank_s columns of A, and U holds each segment's
+// [tiles_s, rank_s, 16] block after the last (U [Σ tiles_s · rank_s, 16]: no zeros for the other layers' ranks).
+// A column sums only its own segment's rank terms, in their order: exactly its own layer's sum (xa_j does not
+// depend on the other columns of A). An unpacked layer is one segment, (tiles, rank).
+// The former packed form (ranks side by side, U block-diagonal, one segment) gives the same bits wherever xa is
+// finite: a term of another layer's rank is xa_j · 0 = ±0, and adding ±0 to the partial sum leaves a finite
+// non-zero sum as it is and turns a +0 sum into +0 (+0 + -0 = +0 in round-to-nearest), so before a column's own
+// terms the sum stays the +0 it starts from, and after them it is unchanged unless it is -0 (then +0 or -0 by
+// xa_j's sign, and y = acc + lora differs only when acc is -0 too). Skipping them skips only that work (2/3 of a
+// packed q / k / v's LoRA loop); an infinite or NaN xa_j, which made every column of the former form NaN
+// (inf · 0), now reaches only its own layer's columns, as it does unpacked.
 #pragma once
 
 #include <cmath>
@@ -38,6 +53,7 @@ namespace streamfuse::q4 {
 
 constexpr int64_t BLOCK = 32, TILE = 16, TILE_BYTES = 320, SCALES_AT = 256, MINS_AT = 288;
 constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in registers
+constexpr int64_t MAX_SEGMENTS = 64;  // layers in one node (a packed one holds 2 or 3)
 // Tile-blocks ahead that a path asks the memory for while it computes this one: a call streams its weights from
 // memory once, and the hardware's prefetch alone leaves the cores waiting (all linears of a call, 2 threads,
 // streamfuse q4-bench --scope call: 1 row 6.17 ms against 6.63 without, 4 rows 7.77 against 8.80; 4 to 16
@@ -58,18 +74,47 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* tile, int6
 
 enum Path : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512Vnni = 3 };
 
+// One layer's part of a node (rank_splits' row, with where it starts): tiles [first_tile, first_tile + tiles),
+// the rank columns [first_rank, first_rank + rank) of A (and of xa), U's elements from `up_at`.
+struct Segment {
+  int64_t first_tile, tiles, first_rank, rank, up_at;
+};
+
+struct Segments {
+  int64_t count = 0;
+  Segment at[MAX_SEGMENTS];
+};
+
 struct Args {
   const int8_t* xq;        // [rows, K] quantized activations
   const float* xd;         // [rows, K / 32] their block scales
   const float* xs;         // [rows, K / 32] xd · Σ q per block
   const uint8_t* weights;  // [tiles, K / 32, TILE_BYTES]
   const float* xa;         // [rows, rank] x · A, or null when rank is 0
-  const float* up;         // [tiles, rank, TILE] U by tile
+  const float* up;         // [Σ tiles_s · rank_s, TILE] U by segment and tile
   float* out;              // [rows, N]
   int64_t rows, in_features, out_features, rank;
+  const Segments* segments;
 };
 
 inline int64_t tiles_of(int64_t out_features) { return (out_features + TILE - 1) / TILE; }
+
+// Tile t's LoRA: its segment's U block for t, its rank columns' offset in an xa row and their count.
+struct TileLora {
+  const float* up;
+  int64_t first_rank, rank;
+};
+
+inline TileLora lora_of(const Args& a, int64_t t) {
+  const Segment* s = a.segments->at;
+  int64_t low = 0, high = a.segments->count - 1;  // the last segment whose first tile is <= t
+  while (low < high) {
+    const int64_t middle = (low + high + 1) / 2;
+    if (s[middle].first_tile <= t) low = middle; else high = middle - 1;
+  }
+  const Segment& own = s[low];
+  return {a.up + own.up_at + (t - own.first_tile) * own.rank * TILE, own.first_rank, own.rank};
+}
 
 // Whether a call's sizes are sound: every buffer's size follows from these, so the validators check the buffers
 // against them (and the products below cannot overflow once these pass).
@@ -160,9 +205,10 @@ inline int32_t code_at(const uint8_t* tile, int64_t c, int64_t k) {
 inline void finish_tile(const Args& a, int64_t tile, int64_t r, const float* acc) {
   const int64_t n0 = tile * TILE, width = a.out_features - n0 < TILE ? a.out_features - n0 : TILE;
   float lora[TILE] = {};
-  const float* up = a.up + tile * a.rank * TILE;
-  for (int64_t j = 0; j < a.rank; ++j) {
-    for (int64_t c = 0; c < TILE; ++c) lora[c] = lora[c] + a.xa[r * a.rank + j] * up[j * TILE + c];
+  const TileLora own = lora_of(a, tile);
+  const float* xa = a.xa + r * a.rank + own.first_rank;
+  for (int64_t j = 0; j < own.rank; ++j) {
+    for (int64_t c = 0; c < TILE; ++c) lora[c] = lora[c] + xa[j] * own.up[j * TILE + c];
   }
   for (int64_t c = 0; c < width; ++c) a.out[r * a.out_features + n0 + c] = acc[c] + lora[c];
 }
@@ -237,14 +283,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"), always_inline)) 
       acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(product, offset));
     }
   }
-  const float* up = a.up + t * a.rank * TILE;
+  const TileLora own = lora_of(a, t);
   const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
   const __mmask16 store = static_cast<__mmask16>((1u << width) - 1u);
   for (int r = 0; r < R; ++r) {
-    const float* xa = a.xa + (r0 + r) * a.rank;
+    const float* xa = a.xa + (r0 + r) * a.rank + own.first_rank;
     __m512 lora = _mm512_setzero_ps();
-    for (int64_t j = 0; j < a.rank; ++j) {
-      lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(up + j * TILE)));
+    for (int64_t j = 0; j < own.rank; ++j) {
+      lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(own.up + j * TILE)));
     }
     _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora));
   }
@@ -310,14 +356,15 @@ __attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64
           }
         }
       }
-      const float* up = a.up + t * a.rank * TILE;
+      const TileLora own = lora_of(a, t);
       for (int64_t r = 0; r < count; ++r) {
-        const float* xa = a.xa + (r0 + r) * a.rank;
+        const float* xa = a.xa + (r0 + r) * a.rank + own.first_rank;
         __m256 lora[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t j = 0; j < a.rank; ++j) {
+        for (int64_t j = 0; j < own.rank; ++j) {
           const __m256 scale = _mm256_set1_ps(xa[j]);
           for (int half = 0; half < 2; ++half) {
-            lora[half] = _mm256_add_ps(lora[half], _mm256_mul_ps(scale, _mm256_loadu_ps(up + j * TILE + 8 * half)));
+            lora[half] =
+                _mm256_add_ps(lora[half], _mm256_mul_ps(scale, _mm256_loadu_ps(own.up + j * TILE + 8 * half)));
           }
         }
         alignas(32) float lanes[TILE];
@@ -398,22 +445,62 @@ inline bool out_valid(const char* op, const View* out, const Rows& shape, Error&
 
 // The tensors of a q4_linear call as its wrapper got them; out null where the wrapper allocates it (Rows).
 struct Views {
-  const View *x, *weights, *lora_a, *lora_up, *out;
+  const View *x, *weights, *lora_a, *lora_up, *rank_splits, *out;
 };
 
 struct Checked {
   Rows shape;
   int64_t out_features, rank;
+  Segments segments;  // rank_splits' rows as read once here: the kernel never reads the tensor again
 };
 
-// Whether a q4_linear call is sound: x [.., K] float32, weights [ceil(N / 16), K / 32, 320] uint8, lora_a [K, r] and
-// lora_up [ceil(N / 16), r, 16] float32, out [.., N] float32, all dense; sizes_valid. Fills `call`, else `error`.
+// Whether rank_splits [S, 2] int64 (1 <= S <= MAX_SEGMENTS) splits the node's `tiles` and A's `rank` columns:
+// every segment at least one tile and a rank >= 0, both summing to the whole. Fills `segments` and `up_rows`
+// (U's rows: Σ tiles_s · rank_s, at most tiles · rank).
+inline bool segments_valid(const char* op, const View& splits, int64_t tiles, int64_t rank, Segments& segments,
+                           int64_t& up_rows, Error& error) {
+  if (!check_tensor(op, "rank_splits", splits, kInt64, 2, 2, error)) return false;
+  const int64_t count = splits.sizes[0];
+  if (splits.sizes[1] != 2 || count < 1 || count > MAX_SEGMENTS) {
+    return error.set("%s: rank_splits must be [segments, 2] (tiles, rank) rows, 1 to %lld of them, got [%lld, %lld]",
+                     op, (long long)MAX_SEGMENTS, (long long)count, (long long)splits.sizes[1]);
+  }
+  const int64_t* row = static_cast<const int64_t*>(splits.data);
+  int64_t tile = 0, column = 0;
+  up_rows = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t own_tiles = row[2 * s], own_rank = row[2 * s + 1];
+    if (own_tiles < 1 || own_tiles > tiles - tile) {
+      return error.set("%s: rank_splits' tiles must be >= 1 each and sum to ceil(out_features / 16) = %lld, row %lld "
+                       "has %lld", op, (long long)tiles, (long long)s, (long long)own_tiles);
+    }
+    if (own_rank < 0 || own_rank > rank - column) {
+      return error.set("%s: rank_splits' ranks must be >= 0 each and sum to lora_a's %lld columns, row %lld has %lld",
+                       op, (long long)rank, (long long)s, (long long)own_rank);
+    }
+    segments.at[s] = {tile, own_tiles, column, own_rank, up_rows * TILE};
+    tile += own_tiles;
+    column += own_rank;
+    up_rows += own_tiles * own_rank;  // at most tiles · rank <= 2^20 · 4096
+  }
+  if (tile != tiles || column != rank) {
+    return error.set("%s: rank_splits must cover every tile and rank column: its rows sum to %lld tiles and rank "
+                     "%lld, the node has %lld and %lld", op, (long long)tile, (long long)column, (long long)tiles,
+                     (long long)rank);
+  }
+  segments.count = count;
+  return true;
+}
+
+// Whether a q4_linear call is sound: x [.., K] float32, weights [ceil(N / 16), K / 32, 320] uint8, lora_a [K, r],
+// rank_splits [S, 2] int64 (segments_valid), lora_up [Σ tiles_s · rank_s, 16] float32, out [.., N] float32, all
+// dense; sizes_valid. Fills `call`, else `error`.
 inline bool validate(const Views& in, int64_t out_features, Checked& call, Error& error) {
   constexpr const char* op = "q4_linear";
   if (!rows_valid(op, *in.x, out_features, call.shape, error) ||
       !check_tensor(op, "weights", *in.weights, kUint8, 3, 3, error) ||
       !check_tensor(op, "lora_a", *in.lora_a, kFloat32, 2, 2, error) ||
-      !check_tensor(op, "lora_up", *in.lora_up, kFloat32, 3, 3, error)) {
+      !check_tensor(op, "lora_up", *in.lora_up, kFloat32, 2, 2, error)) {
     return false;
   }
   const int64_t depth = call.shape.in_features, rank = in.lora_a->sizes[1];
@@ -425,9 +512,15 @@ inline bool validate(const Views& in, int64_t out_features, Checked& call, Error
                      "320] bytes, got [%lld, %lld, %lld]", op, (long long)tiles, (long long)blocks, (long long)w[0],
                      (long long)w[1], (long long)w[2]);
   }
-  if (in.lora_a->sizes[0] != depth || up[0] != tiles || up[1] != rank || up[2] != TILE) {
-    return error.set("%s: the LoRA must be A [in_features, rank] = [%lld, r] and U [ceil(out_features / 16), rank, "
-                     "16] = [%lld, r, 16]", op, (long long)depth, (long long)tiles);
+  if (in.lora_a->sizes[0] != depth) {
+    return error.set("%s: the LoRA's A must be [in_features, rank] = [%lld, r], got [%lld, %lld]", op,
+                     (long long)depth, (long long)in.lora_a->sizes[0], (long long)rank);
+  }
+  int64_t up_rows = 0;
+  if (!segments_valid(op, *in.rank_splits, tiles, rank, call.segments, up_rows, error)) return false;
+  if (up[0] != up_rows || up[1] != TILE) {
+    return error.set("%s: the LoRA's U must be [Σ tiles · rank over rank_splits, 16] = [%lld, 16], got [%lld, %lld]",
+                     op, (long long)up_rows, (long long)up[0], (long long)up[1]);
   }
   if (!out_valid(op, in.out, call.shape, error)) return false;
   call.out_features = out_features;
@@ -439,18 +532,17 @@ inline bool validate(const Views& in, int64_t out_features, Checked& call, Error
 // then columns, that a wrapper hands to its threads in any grouping: a row's bits never depend on the grouping.
 class Call {
  public:
-  Call(const float* x, const uint8_t* weights, const float* lora_a, const float* lora_up, float* out, int64_t rows,
-       int64_t in_features, int64_t out_features, int64_t rank, int64_t path)
-      : x_(x), lora_a_(lora_a), path_(path), xq_(rows * in_features), xd_(rows * (in_features / BLOCK)),
-        xs_(xd_.size()), xa_(rows * rank),
-        args_{xq_.data(), xd_.data(), xs_.data(), weights, xa_.data(), lora_up, out, rows, in_features, out_features,
-              rank} {}
-
   // A validated call into `out` (the views' or the one its wrapper allocated); may throw std::bad_alloc.
   Call(const Views& in, const Checked& c, float* out, int64_t path)
-      : Call(static_cast<const float*>(in.x->data), static_cast<const uint8_t*>(in.weights->data),
-             static_cast<const float*>(in.lora_a->data), static_cast<const float*>(in.lora_up->data), out,
-             c.shape.rows, c.shape.in_features, c.out_features, c.rank, path) {}
+      : x_(static_cast<const float*>(in.x->data)), lora_a_(static_cast<const float*>(in.lora_a->data)), path_(path),
+        segments_(c.segments), xq_(c.shape.rows * c.shape.in_features),
+        xd_(c.shape.rows * (c.shape.in_features / BLOCK)), xs_(xd_.size()), xa_(c.shape.rows * c.rank),
+        args_{xq_.data(), xd_.data(), xs_.data(), static_cast<const uint8_t*>(in.weights->data), xa_.data(),
+              static_cast<const float*>(in.lora_up->data), out, c.shape.rows, c.shape.in_features, c.out_features,
+              c.rank, &segments_} {}
+
+  Call(const Call&) = delete;  // args_ points into this object
+  Call& operator=(const Call&) = delete;
 
   int64_t rows() const { return args_.rows; }
   int64_t tiles() const { return tiles_of(args_.out_features); }
@@ -468,6 +560,7 @@ class Call {
   const float* x_;
   const float* lora_a_;
   int64_t path_;
+  Segments segments_;
   std::vector<int8_t> xq_;
   std::vector<float> xd_, xs_, xa_;
   Args args_;

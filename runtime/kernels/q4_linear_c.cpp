@@ -8,12 +8,12 @@
 // The path a request resolves to on this CPU (0: the fastest), or -1 if this CPU cannot run it.
 extern "C" int64_t streamfuse_q4_path(int64_t wanted) { return streamfuse::q4::resolve_path(wanted); }
 
-// views: x, weights, lora_a, lora_up, out. Tiles go to `threads` threads in contiguous shares.
+// views: x, weights, lora_a, lora_up, rank_splits, out. Tiles go to `threads` threads in contiguous shares.
 extern "C" int streamfuse_q4_linear(const streamfuse::View* views, int64_t out_features, int64_t path,
                                    int64_t threads, char* message, int64_t size) noexcept {
   using namespace streamfuse::q4;
   try {
-    const Views in{&views[0], &views[1], &views[2], &views[3], &views[4]};
+    const Views in{&views[0], &views[1], &views[2], &views[3], &views[4], &views[5]};
     Checked checked;
     streamfuse::Error error;
     if (!validate(in, out_features, checked, error)) return streamfuse::report(error.text(), message, size);
@@ -21,7 +21,7 @@ extern "C" int streamfuse_q4_linear(const streamfuse::View* views, int64_t out_f
     if (path < 0) {
       return streamfuse::report("q4_linear: this CPU cannot run the instruction-set path asked for", message, size);
     }
-    Call call(in, checked, static_cast<float*>(views[4].data), path);
+    Call call(in, checked, static_cast<float*>(views[5].data), path);
     call.prepare(0, call.rows());
     if (!run_on_threads(call, threads)) return streamfuse::report("q4_linear: a thread failed", message, size);
     return 0;

@@ -125,14 +125,15 @@ void run_linear(C& call) {
   parallel_for(0, call.tiles(), 4, [&](int64_t first, int64_t last) { call.run(first, last); });
 }
 
-// x [.., K] float, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16] -> out [.., N]: the
-// columns (tiles) split over ExecuTorch's threadpool, never the rows (q4_linear.h says why).
+// x [.., K] float, weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [Σ tiles·r, 16], rank_splits [S, 2]
+// int64 -> out [.., N]: the columns (tiles) split over ExecuTorch's threadpool, never the rows (q4_linear.h says why).
 Tensor& q4_linear_out(KernelRuntimeContext& context, const Tensor& x, const Tensor& weights, const Tensor& lora_a,
-                      const Tensor& lora_up, int64_t out_features, Tensor& out) {
+                      const Tensor& lora_up, const Tensor& rank_splits, int64_t out_features, Tensor& out) {
   using namespace streamfuse::q4;
   guarded(context, "q4_linear", [&] {
-    const streamfuse::View views[5] = {view_of(x), view_of(weights), view_of(lora_a), view_of(lora_up), view_of(out)};
-    const Views in{&views[0], &views[1], &views[2], &views[3], &views[4]};
+    const streamfuse::View views[6] = {view_of(x),       view_of(weights),     view_of(lora_a),
+                                       view_of(lora_up), view_of(rank_splits), view_of(out)};
+    const Views in{&views[0], &views[1], &views[2], &views[3], &views[4], &views[5]};
     Checked checked;
     streamfuse::Error error;
     if (!validate(in, out_features, checked, error)) return refuse(context, error.text());

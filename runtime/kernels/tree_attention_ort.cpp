@@ -5,8 +5,8 @@
 //                 k_extra, v_extra [1, kv_heads, extra, dim], visible [rows, extra]; layer: int, scale: float,
 //                 store: int) -> out [1, rows, heads, dim]
 //   CommitRows(k_cache, v_cache, start [1] int64, accepted [A] int64) -> out [1] int64 (a copy of start)
-//   Q4Linear(x [.., K] (rank 2 to 4), weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [tiles, r, 16];
-//            out_features: int) -> out [.., out_features]   (runtime/q4_linear.py)
+//   Q4Linear(x [.., K] (rank 2 to 4), weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [Σ tiles·r, 16],
+//            rank_splits [S, 2] int64; out_features: int) -> out [.., out_features]   (runtime/q4_linear.py)
 //   Q8Linear(x [.., K], codes [tiles·K/32·512] int8, scales [tiles·K/32·16]; out_features: int) -> out [.., N]
 //            (runtime/q8_linear.py)
 //
@@ -302,8 +302,8 @@ OrtStatus* commit(const Kernel&, OrtKernelContext* context) {
   return nullptr;
 }
 
-// --- Q4Linear(x, weights, lora_a, lora_up; out_features) -> out --------------------------------------------------
-constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat};
+// --- Q4Linear(x, weights, lora_a, lora_up, rank_splits; out_features) -> out -------------------------------------
+constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat, kInt64};
 constexpr int64_t kTilesPerPart = 4;  // ~5 KB of codes a row: parts enough for the threads, few enough to be cheap
 
 template <typename C>
@@ -337,9 +337,9 @@ OrtStatus* q4_attributes(const OrtKernelInfo* info, Kernel& kernel) {
 
 OrtStatus* q4_linear(const Kernel& kernel, OrtKernelContext* context) {
   using namespace streamfuse::q4;
-  streamfuse::View views[4];
+  streamfuse::View views[5];
   RETURN_IF_ERROR(read_inputs(context, views));
-  const Views in{&views[0], &views[1], &views[2], &views[3], nullptr};
+  const Views in{&views[0], &views[1], &views[2], &views[3], &views[4], nullptr};
   Checked checked;
   streamfuse::Error error;
   if (!validate(in, kernel.out_features, checked, error)) return fail(error.text());
@@ -370,7 +370,7 @@ OrtStatus* q8_linear(const Kernel& kernel, OrtKernelContext* context) {
 
 constexpr Signature kAttention{"TreeAttention", 7, kAttentionTypes, kFloat, attention_attributes, attend};
 constexpr Signature kCommit{"CommitRows", 4, kCommitTypes, kInt64, nullptr, commit};
-constexpr Signature kQ4Linear{"Q4Linear", 4, kQ4Types, kFloat, q4_attributes, q4_linear};
+constexpr Signature kQ4Linear{"Q4Linear", 5, kQ4Types, kFloat, q4_attributes, q4_linear};
 constexpr Signature kQ8Linear{"Q8Linear", 3, kQ8Types, kFloat, q4_attributes, q8_linear};
 
 // `body`'s status, or a failed one for a C++ exception (none may cross into ONNX Runtime).

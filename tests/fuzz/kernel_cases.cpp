@@ -3,11 +3,14 @@
 // bit; q4 / q8 on every instruction-set path this CPU has, all agreeing bit for bit; the store and commit_rows
 // equal to plain loops), and every unsound one is refused by its validator with the message named, the cases the
 // review of the C++ ops found among them. Exit status 1 with each failure on stderr.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "../../runtime/kernels/q8_linear.h"
 #include "../../runtime/kernels/tree_attention.h"
@@ -351,65 +354,158 @@ bool paths_agree(int64_t elements, const Run& run) {
   return agree;
 }
 
-void q4_cases() {
-  // (rows, in_features, out_features, rank)
-  const int64_t sound[][4] = {{1, 32, 1, 0}, {3, 64, 17, 2}, {9, 96, 40, 3}, {0, 32, 16, 1}, {17, 64, 33, 0}};
-  for (const auto& c : sound) {
-    const int64_t rows = c[0], depth = c[1], width = c[2], rank = c[3], tiles = q4::tiles_of(width);
-    Values values(static_cast<uint32_t>(rows * 7 + width));
-    fuzz::Tensor t[4];
+// A q4_linear call of `segments` (tiles, rank) rows on `rows` rows of x [1, rows, depth], out_features `width`,
+// its buffers filled from `values` (finite fp16 scales and minimums), on every path: the paths' bits if they agree.
+struct Q4Call {
+  int64_t rows, depth, width;
+  std::vector<int64_t> segments;  // (tiles, rank) pairs
+  fuzz::Tensor t[5];              // x, weights, lora_a, lora_up, rank_splits
+
+  Q4Call(int64_t rows_, int64_t depth_, int64_t width_, std::vector<int64_t> segments_, Values& values)
+      : rows(rows_), depth(depth_), width(width_), segments(std::move(segments_)) {
+    int64_t rank = 0, up_rows = 0;
+    for (size_t s = 0; s < segments.size(); s += 2) {
+      rank += segments[s + 1];
+      up_rows += segments[s] * segments[s + 1];
+    }
     t[0].shape(kFloat32, {1, rows, depth});
-    t[1].shape(kUint8, {tiles, depth / 32, 320});
+    t[1].shape(kUint8, {q4::tiles_of(width), depth / 32, 320});
     t[2].shape(kFloat32, {depth, rank});
-    t[3].shape(kFloat32, {tiles, rank, 16});
+    t[3].shape(kFloat32, {up_rows, 16});
+    t[4].shape(kInt64, {static_cast<int64_t>(segments.size() / 2), 2});
     for (fuzz::Tensor& tensor : t) tensor.allocate(values.in);
-    for (int64_t i = 0; i < tiles * depth / 32; ++i) {  // finite fp16 scales and minimums (0x3C00 = 1.0)
+    for (int64_t i = 0; i < q4::tiles_of(width) * depth / 32; ++i) {  // finite fp16 scales and minimums
       for (int64_t c16 = 0; c16 < 32; ++c16) t[1].as<uint8_t>()[i * 320 + 256 + 2 * c16 + 1] &= 0x3B;
     }
+    std::memcpy(t[4].as<int64_t>(), segments.data(), segments.size() * sizeof(int64_t));
+  }
+
+  std::vector<float> run(int64_t path, const std::string& name) const {
+    Values values(1);
+    fuzz::Tensor out(kFloat32, {1, rows, width});
+    out.allocate(values.in);
+    const q4::Views in{&t[0].view, &t[1].view, &t[2].view, &t[3].view, &t[4].view, &out.view};
+    q4::Checked checked;
+    Error error;
+    const bool valid = q4::validate(in, width, checked, error);
+    expect(valid, name + ": refused: " + error.text());
+    if (!valid) return std::vector<float>();
+    q4::Call call(in, checked, out.as<float>(), path);
+    call.prepare(0, call.rows());
+    expect(q4::run_on_threads(call, path), name + ": threads failed");
+    return std::vector<float>(out.as<float>(), out.as<float>() + rows * width);
+  }
+};
+
+void q4_cases() {
+  // (rows, in_features, out_features, rank): one segment
+  const int64_t sound[][4] = {{1, 32, 1, 0}, {3, 64, 17, 2}, {9, 96, 40, 3}, {0, 32, 16, 1}, {17, 64, 33, 0}};
+  for (const auto& c : sound) {
+    const int64_t rows = c[0], depth = c[1], width = c[2], rank = c[3];
+    Values values(static_cast<uint32_t>(rows * 7 + width));
+    const Q4Call call(rows, depth, width, {q4::tiles_of(width), rank}, values);
     const std::string name = "q4 rows " + std::to_string(rows) + " N " + std::to_string(width);
-    const bool agree = paths_agree(rows * width, [&](int64_t path) {
-      fuzz::Tensor out(kFloat32, {1, rows, width});
-      out.allocate(values.in);
-      const q4::Views in{&t[0].view, &t[1].view, &t[2].view, &t[3].view, &out.view};
-      q4::Checked checked;
-      Error error;
-      const bool valid = q4::validate(in, width, checked, error);
-      expect(valid, name + ": refused: " + error.text());
-      if (!valid) return std::vector<float>();
-      q4::Call call(in, checked, out.as<float>(), path);
-      call.prepare(0, call.rows());
-      expect(q4::run_on_threads(call, path), name + ": threads failed");
-      return std::vector<float>(out.as<float>(), out.as<float>() + rows * width);
-    });
+    const bool agree = paths_agree(rows * width, [&](int64_t path) { return call.run(path, name); });
     expect(agree, name + ": the paths' bits differ");
   }
-  const std::pair<std::function<void(fuzz::Tensor*, int64_t&)>, const char*> unsound[] = {
-      {[](fuzz::Tensor* t, int64_t&) { t[1].shape(kUint8, {2, 1, 320}); }, "the packed weights must be"},
-      {[](fuzz::Tensor* t, int64_t&) { t[1].shape(kInt8, {2, 2, 320}); }, "weights must be a rank-3 uint8"},
-      {[](fuzz::Tensor* t, int64_t&) { t[3].shape(kFloat32, {2, 1, 16}); }, "the LoRA must be"},
-      {[](fuzz::Tensor* t, int64_t&) { t[2].shape(kFloat32, {32, 2}); }, "the LoRA must be"},
-      {[](fuzz::Tensor* t, int64_t&) { t[4].shape(kFloat32, {1}); }, "out must be a rank-3 float32"},
-      {[](fuzz::Tensor* t, int64_t&) { t[4].shape(kFloat32, {1, 3, 19}); }, "out must have x's shape"},
-      {[](fuzz::Tensor* t, int64_t&) { t[0].shape(kFloat32, {1, 1, 1, 3, 64}); },
+  // Packed nodes: several segments (tiles, rank) on one x, the last layer ending inside its tile or not. Every
+  // path agrees, and each segment's columns are the bits of its layer alone (its own weights and LoRA, one segment).
+  const std::vector<std::vector<int64_t>> packed[] = {{{2, 3, 1, 0, 1, 2}}, {{1, 0, 3, 4}}, {{1, 5, 1, 5, 2, 5}}};
+  const int64_t ragged[] = {0, 7, 15};
+  for (size_t p = 0; p < std::size(packed); ++p) {
+    const std::vector<int64_t>& segments = packed[p][0];
+    int64_t tiles = 0;
+    for (size_t s = 0; s < segments.size(); s += 2) tiles += segments[s];
+    const int64_t rows = 5, depth = 64, width = 16 * tiles - ragged[p];
+    Values values(static_cast<uint32_t>(100 + p));
+    const Q4Call whole(rows, depth, width, segments, values);
+    const std::string name = "q4 segments case " + std::to_string(p);
+    const bool agree = paths_agree(rows * width, [&](int64_t path) { return whole.run(path, name); });
+    expect(agree, name + ": the paths' bits differ");
+    const std::vector<float> together = whole.run(q4::kPortable, name);
+    int64_t tile = 0, column = 0, up_row = 0;
+    for (size_t s = 0; s < segments.size(); s += 2) {  // the layer alone: its slices of every buffer
+      const int64_t own_tiles = segments[s], own_rank = segments[s + 1];
+      const int64_t own_width = std::min(16 * own_tiles, width - 16 * tile);
+      Values unused(1);
+      Q4Call alone(rows, depth, own_width, {own_tiles, own_rank}, unused);
+      std::memcpy(alone.t[0].as<float>(), whole.t[0].as<float>(), rows * depth * sizeof(float));
+      std::memcpy(alone.t[1].as<uint8_t>(), whole.t[1].as<uint8_t>() + tile * (depth / 32) * 320,
+                  own_tiles * (depth / 32) * 320);
+      for (int64_t k = 0; k < depth; ++k) {
+        for (int64_t j = 0; j < own_rank; ++j) {
+          alone.t[2].as<float>()[k * own_rank + j] = whole.t[2].as<float>()[k * whole.t[2].view.sizes[1] + column + j];
+        }
+      }
+      if (own_rank > 0) {
+        std::memcpy(alone.t[3].as<float>(), whole.t[3].as<float>() + up_row * 16, own_tiles * own_rank * 16 * 4);
+      }
+      const std::vector<float> own = alone.run(q4::kPortable, name + " alone");
+      bool same = !own.empty() && !together.empty();
+      for (int64_t r = 0; same && r < rows; ++r) {
+        same = std::memcmp(own.data() + r * own_width, together.data() + r * width + 16 * tile,
+                           own_width * sizeof(float)) == 0;
+      }
+      expect(same, name + ": segment " + std::to_string(s / 2) + " differs from its layer alone");
+      tile += own_tiles;
+      column += own_rank;
+      up_row += own_tiles * own_rank;
+    }
+  }
+  // (change to the shapes, out_features or rank_splits' values; the message it must get) on x [1, 3, 64], weights
+  // [2, 2, 320], A [64, 2], U [4, 16], rank_splits [[2, 2]], out [1, 3, 20]
+  using Change = std::function<void(fuzz::Tensor*, int64_t&, std::vector<int64_t>&)>;
+  const std::pair<Change, const char*> unsound[] = {
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[1].shape(kUint8, {2, 1, 320}); }, "the packed weights must be"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[1].shape(kInt8, {2, 2, 320}); }, "weights must be a rank-3 uint8"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[3].shape(kFloat32, {2, 16}); }, "the LoRA's U must be"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[3].shape(kFloat32, {2, 2, 16}); }, "lora_up must be a rank-2"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[2].shape(kFloat32, {32, 2}); }, "the LoRA's A must be"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[4].shape(kInt32, {1, 2}); }, "rank_splits must be a rank-2 int64"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {2, 2}); s = {1, 2, 1, 2}; },
+       "ranks must be >= 0 each and sum to lora_a's 2 columns, row 1 has 2"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {2, 2}); s = {2, 1, 1, 1}; },
+       "tiles must be >= 1 each and sum to ceil(out_features / 16) = 2, row 1 has 1"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {2, 2}); s = {0, 1, 2, 1}; },
+       "tiles must be >= 1 each"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {2, 2}); s = {1, INT64_MAX, 1, 2}; },
+       "ranks must be >= 0 each"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {2, 2}); s = {1, -1, 1, 3}; },
+       "ranks must be >= 0 each"},
+      {[](fuzz::Tensor*, int64_t&, auto& s) { s = {1, 2}; }, "must cover every tile and rank column"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {0, 2}); s = {}; }, "1 to 64 of them, got [0, 2]"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {65, 2}); s.assign(130, 1); },
+       "1 to 64 of them, got [65, 2]"},
+      {[](fuzz::Tensor* t, int64_t&, auto& s) { t[4].shape(kInt64, {1, 3}); s = {2, 2, 0}; },
+       "rank_splits must be [segments, 2]"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[5].shape(kFloat32, {1}); }, "out must be a rank-3 float32"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[5].shape(kFloat32, {1, 3, 19}); }, "out must have x's shape"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[0].shape(kFloat32, {1, 1, 1, 3, 64}); },
        "x must be a float32 tensor of rank 1 to 4"},
-      {[](fuzz::Tensor* t, int64_t&) { t[0].shape(kFloat32, {3, 48}); },
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[0].shape(kFloat32, {3, 48}); },
        "in_features must be a positive multiple of 32"},
-      {[](fuzz::Tensor*, int64_t& n) { n = 0; }, "out_features must be in [1, 2^24], got 0"},
-      {[](fuzz::Tensor*, int64_t& n) { n = INT64_MAX; }, "out_features must be in"},
-      {[](fuzz::Tensor* t, int64_t&) { t[0].view.strides[0] = 1; t[0].view.strides[1] = 1; }, "x must be contiguous"},
+      {[](fuzz::Tensor*, int64_t& n, auto&) { n = 0; }, "out_features must be in [1, 2^24], got 0"},
+      {[](fuzz::Tensor*, int64_t& n, auto&) { n = INT64_MAX; }, "out_features must be in"},
+      {[](fuzz::Tensor* t, int64_t&, auto&) { t[0].view.strides[0] = 1; t[0].view.strides[1] = 1; },
+       "x must be contiguous"},
   };
   for (const auto& [change, message] : unsound) {
     Values values(5);
     int64_t width = 20;
-    fuzz::Tensor t[5];
+    std::vector<int64_t> splits = {2, 2};
+    fuzz::Tensor t[6];
     t[0].shape(kFloat32, {1, 3, 64});
     t[1].shape(kUint8, {2, 2, 320});
     t[2].shape(kFloat32, {64, 2});
-    t[3].shape(kFloat32, {2, 2, 16});
-    t[4].shape(kFloat32, {1, 3, 20});
-    change(t, width);
+    t[3].shape(kFloat32, {4, 16});
+    t[4].shape(kInt64, {1, 2});
+    t[5].shape(kFloat32, {1, 3, 20});
+    change(t, width, splits);
     for (fuzz::Tensor& tensor : t) tensor.allocate(values.in);
-    const q4::Views in{&t[0].view, &t[1].view, &t[2].view, &t[3].view, &t[4].view};
+    if (!splits.empty() && t[4].view.dtype == kInt64 && fuzz::span(t[4].view) >= static_cast<int64_t>(splits.size())) {
+      std::memcpy(t[4].as<int64_t>(), splits.data(), splits.size() * sizeof(int64_t));
+    }
+    const q4::Views in{&t[0].view, &t[1].view, &t[2].view, &t[3].view, &t[4].view, &t[5].view};
     q4::Checked checked;
     Error error;
     const bool valid = q4::validate(in, width, checked, error);
