@@ -2,10 +2,11 @@
 
 Chromium runs over the DevTools protocol (its websocket, the `websockets` client): the test types a message,
 clicks Send and reads the page. Against the real server on the tiny model, the streamed answer equals the server's
-non-streamed one, turn after turn, with accepted drafts and verified tokens marked and the figures shown; against a
-scripted stream, the page ignores keep-alive comments, shows model text as text and shows one-line errors. The
-routes themselves are checked with starlette's TestClient. Without Chromium the browser tests skip (.ci/run
-installs it). STREAMFUSE_WEB_SCREENSHOT=docs/img/web.png saves the page after its answer (the README's picture).
+non-streamed one, turn after turn, with accepted drafts and verified tokens marked and the figures shown (the page
+loads without the server's API key and asks for it); against a scripted stream, the page ignores keep-alive
+comments, shows model text as text and shows one-line errors. The routes themselves are checked with starlette's
+TestClient. Without Chromium the browser tests skip (.ci/run installs it). STREAMFUSE_WEB_SCREENSHOT=docs/img/web.png
+saves the page after its answers (the README's picture).
 """
 
 from __future__ import annotations
@@ -207,12 +208,18 @@ def stop(server: uvicorn.Server, thread: threading.Thread) -> None:
 # --- the page against the real server ------------------------------------------------------------
 
 
+KEY = "sk-page-test"
+
+
 @pytest.fixture(scope="module")
 def served(checkpoint):
+    """The real server on the tiny model, behind an API key (the page itself needs none)."""
+    from streamfuse.apps.http_guard import Access
     from streamfuse.apps.server import create_app
     from streamfuse.runtime import api
 
-    url, server, thread = serve(create_app(api.load(checkpoint / "ckpt"), "tiny", max_sequences=2, queue=4))
+    app = create_app(api.load(checkpoint / "ckpt"), "tiny", max_sequences=2, queue=4, access=Access(keys=(KEY,)))
+    url, server, thread = serve(app)
     yield url
     stop(server, thread)
 
@@ -222,14 +229,22 @@ def whole(url: str, messages: list[dict], max_tokens: int) -> str:
     body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens}
     request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode())
     request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {KEY}")
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
 
 @needs_chromium
 def test_the_page_streams_the_servers_answer_with_its_drafts_marked(browser, served):
-    browser.open(f"{served}/")
+    browser.open(f"{served}/")  # the page loads without the key; the API asks for it
+    assert "API key" in browser.wait(
+        "!document.getElementById('error').hidden && document.getElementById('error').textContent"
+    )
+    browser.evaluate(
+        f"const key = document.getElementById('key'); key.value = '{KEY}'; key.dispatchEvent(new Event('change'))"
+    )
     browser.wait("document.getElementById('model').textContent === 'tiny'")
+    assert browser.evaluate("document.getElementById('error').hidden")
     first = browser.send(STORY, 32)
     assert first["state"] == "done" and not first["error"], first
     assert first["text"] == whole(served, [{"role": "user", "content": STORY}], 32) and first["text"]
@@ -244,6 +259,8 @@ def test_the_page_streams_the_servers_answer_with_its_drafts_marked(browser, ser
     if os.environ.get("STREAMFUSE_WEB_SCREENSHOT"):
         browser.screenshot(Path(os.environ["STREAMFUSE_WEB_SCREENSHOT"]))
     assert not browser.problems, browser.problems  # no script error, nothing the CSP blocked
+    with urllib.request.urlopen(f"{served}/", timeout=10) as page:  # the real server's page has the CSP too
+        assert "script-src 'self'" in page.headers["Content-Security-Policy"]
 
 
 # --- the page against a scripted stream ----------------------------------------------------------
