@@ -4,7 +4,7 @@
     POST /v1/completions        {"prompt": str, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
     POST /v1/chat/completions   {"messages": [{"role", "content"}, ...], same fields}
     GET  /health                {"status": "ok", lanes decoding, requests waiting}; 503 with the reason when unhealthy
-    GET  /metrics               Prometheus text: requests, tokens, latency histograms, lanes, queue (apps/metrics.py)
+    GET  /metrics               Prometheus text: requests, tokens, latencies, lanes, queue (apps/server_metrics.py)
     GET  /                      a chat page (apps/web_page.py)
 
 Concurrent requests decode together: apps/serving.py's scheduler batches them into shared steps (--max-sequences
@@ -41,8 +41,8 @@ from pathlib import Path
 
 from streamfuse.apps.answers import Answer, error_body, error_response, sse
 from streamfuse.apps.http_guard import KEY_SCOPE, Access, Guard, is_loopback, read_keys
-from streamfuse.apps.metrics import Metrics
 from streamfuse.apps.request_body import MAX_BODY_BYTES, Limits, Parsed, RequestError, parse, read_body
+from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.serving import QueueFull, Scheduler
 from streamfuse.apps.slot import Delta, Failed, Finished, Slot
 from streamfuse.runtime import errors

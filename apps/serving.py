@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from streamfuse.apps.metrics import Metrics
+from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.slot import Slot, State
 from streamfuse.methods import registry
 from streamfuse.runtime.api import completion_of

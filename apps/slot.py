@@ -18,7 +18,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from streamfuse.apps.metrics import Metrics
+from streamfuse.apps.server_metrics import Metrics
 from streamfuse.runtime.api import Completion
 from streamfuse.runtime.decode import StepEvent
 from streamfuse.runtime.settings import DecodeSettings
