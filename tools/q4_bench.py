@@ -15,7 +15,7 @@ weights' values; --scope call puts the LoRA on the top 10 layers, as the default
 them: each sibling its own rank-32 LoRA) and the LM head; --scope call puts every linear of the 30 layers and
 the head into one graph (~97 MB of codes: each call streams them from memory as a real call does), the linear
 part of a whole call. Forms alternate call by call, fixed threads; medians in microseconds and each row count's
-cost in 1-row calls; the fp32 LoRA bytes each form of our op reads a call.
+cost in 1-row calls, the median of the rounds' ratios first form / last; the fp32 LoRA bytes our op reads a call.
 
     OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope layer --rows 1,2,4,8,16,64 --threads 2
     OMP_WAIT_POLICY=PASSIVE streamfuse q4-bench --scope call --rows 1,2,4,8,16,64 --threads 2
@@ -229,16 +229,19 @@ def onnx_session(model: bytes, threads: int):
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def time_interleaved(calls: dict, reps: int) -> dict[str, float]:
-    """Median microseconds of each call, the calls alternating (a few warm-up rounds first)."""
+def time_interleaved(calls: dict, reps: int) -> tuple[dict[str, float], float]:
+    """Median microseconds of each call, the calls alternating (a few warm-up rounds first), and the median of each
+    round's ratio first call / last call (what a shared machine's changing load disturbs least)."""
     samples = {name: [] for name in calls}
     for round_ in range(reps + 3):
-        for name, call in calls.items():
+        for name, call in list(calls.items())[:: 1 if round_ % 2 else -1]:  # ABBA: neither goes first always
             start = time.perf_counter()
             call()
             if round_ >= 3:
                 samples[name].append(time.perf_counter() - start)
-    return {name: 1e6 * statistics.median(values) for name, values in samples.items()}
+    first, *_, last = samples.values()
+    paired = statistics.median(a / b for a, b in zip(first, last))
+    return {name: 1e6 * statistics.median(values) for name, values in samples.items()}, paired
 
 
 def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, forms: list[str]) -> list[dict]:
@@ -251,7 +254,8 @@ def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, for
             f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in {layer["k"] for layer in layers}
         }
         calls = {form: (lambda s=session: s.run(None, feeds)) for form, session in sessions.items()}
-        results.append({"rows": rows, "us": time_interleaved(calls, reps)})
+        us, paired = time_interleaved(calls, reps)
+        results.append({"rows": rows, "us": us, "paired": paired})
         print(
             f"  M={rows:<3} " + "   ".join(f"{name} {us:8.0f} us" for name, us in results[-1]["us"].items()), flush=True
         )
@@ -261,14 +265,14 @@ def sweep(layers: list[dict], rows_list: list[int], threads: int, reps: int, for
 def table(results: list[dict]) -> str:
     names = list(results[0]["us"])
     lines = [
-        "| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + f" | {names[0]} / {names[-1]} |",
+        "| rows | " + " | ".join(f"{n} µs (x 1 row)" for n in names) + f" | {names[0]} / {names[-1]} (paired) |",
         "|---:|" + "---:|" * (len(names) + 1),
     ]
     one = results[0]["us"]
     for result in results:
         us = result["us"]
         cells = [f"{us[n]:.0f} ({us[n] / one[n]:.2f})" for n in names]
-        lines.append(f"| {result['rows']} | " + " | ".join(cells) + f" | {us[names[0]] / us[names[-1]]:.2f} |")
+        lines.append(f"| {result['rows']} | " + " | ".join(cells) + f" | {result['paired']:.3f} |")
     return "\n".join(lines)
 
 
