@@ -16,10 +16,17 @@ import math
 import re
 from dataclasses import dataclass
 
-from streamfuse.apps.serving import check_fits
 from streamfuse.runtime.api import Model
 from streamfuse.runtime.prompt import check_text
-from streamfuse.runtime.session import DEFAULT_METHOD, DecodeRequest, decode_settings
+from streamfuse.runtime.request import (
+    DEFAULT_METHOD,
+    DecodeRequest,
+    check_fits,
+    check_prompt_format,
+    decode_settings,
+    step_tree,
+)
+from streamfuse.runtime.session import prompt_ids
 from streamfuse.runtime.settings import DecodeSettings
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it names none
@@ -60,6 +67,7 @@ class Parsed:
     ids: list[int]
     request: DecodeRequest
     settings: DecodeSettings
+    capacity: int = 0  # the KV positions check_fits granted it (the decode trusts it: checked once, here)
     stream: bool = False
     steps: bool = False  # streamfuse_steps: each streamed chunk carries its step's tokens
     salt: str | None = None  # cache_salt: a prefix is reused only between requests of the same salt
@@ -195,12 +203,13 @@ def decode_request(body: dict) -> DecodeRequest:
     )
 
 
-def checked_text(value: object, what: str, limit: int) -> str:
+def bounded_text(value: object, what: str, limit: int) -> str:
+    """A non-empty string within `limit` characters (its text is checked where it is tokenized: check_text)."""
     if not isinstance(value, str) or not value:
         raise RequestError(f"{what} must be a non-empty string")
     if len(value) > limit:
         raise RequestError(f"{what} has {len(value)} characters: at most {limit} fit this model's context")
-    return check_text(value, what)
+    return value
 
 
 def completion_ids(model: Model, body: dict, limit: int) -> list[int]:
@@ -208,9 +217,10 @@ def completion_ids(model: Model, body: dict, limit: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    prompt = checked_text(prompt, "'prompt'", limit)
+    prompt = check_text(bounded_text(prompt, "'prompt'", limit), "'prompt'")
     if body.get("as_task"):
-        return model.prompt_ids(prompt, as_task=True)
+        check_prompt_format(model.loaded, "as_task")
+        return prompt_ids(model.loaded, prompt, as_task=True, cut_source=False, checked=True)
     return model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -221,10 +231,10 @@ def chat_ids(model: Model, messages: object, limit: int) -> list[int]:
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{number}] must be an object with a string 'role'")
-        checked_text(message.get("content"), f"messages[{number}]'s content", limit)
+        bounded_text(message.get("content"), f"messages[{number}]'s content", limit)
     if sum(len(m["content"]) for m in messages) > limit:
         raise RequestError(f"the messages have more than {limit} characters: more than this model's context")
-    return model.chat_ids(messages)
+    return model.chat_ids(messages)  # roles and text: api.checked_messages
 
 
 def parse(model: Model, body: object, chat: bool, name: str, limits: Limits) -> Parsed:
@@ -243,13 +253,14 @@ def parse(model: Model, body: object, chat: bool, name: str, limits: Limits) -> 
     limit = limits.max_prompt_chars or CHARS_PER_POSITION * model.loaded.backend.max_positions
     ids = chat_ids(model, body.get("messages"), limit) if chat else completion_ids(model, body, limit)
     settings = decode_settings(model.loaded, request)
-    check_fits(model.loaded, ids, settings)
+    capacity = check_fits(model.loaded.backend, ids, settings.rules, step_tree(settings))  # 400 before the queue
     used = USED if limits.fault_injection else USED - {"streamfuse_fault_after"}
     return Parsed(
         chat,
         ids,
         request,
         settings,
+        capacity,
         bool(body.get("stream")),
         bool(body.get("streamfuse_steps")),
         body.get("cache_salt"),

@@ -150,7 +150,7 @@ class Server:
         if (reason := self.scheduler.health()) is not None:
             return error_response(503, f"the server is unhealthy ({reason})", "server_error")
         slot = Slot(parsed.ids, parsed.settings, loop, parsed.stream, parsed.steps, self.tag(request, parsed))
-        slot.timeout, slot.fault_after = self.timeout, parsed.fault_after
+        slot.timeout, slot.fault_after, slot.capacity = self.timeout, parsed.fault_after, parsed.capacity
         try:
             self.scheduler.submit(slot)
         except QueueFull as error:

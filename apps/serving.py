@@ -22,16 +22,12 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
 
 from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.slot import Slot, State
-from streamfuse.methods import registry
 from streamfuse.runtime.api import completion_of
 from streamfuse.runtime.batch import BatchDecoder
-from streamfuse.runtime.decode import required_capacity
 from streamfuse.runtime.loader import Loaded
-from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.text_stream import Detokenizer
 
 MAX_FAULTS = 3  # cycles in a row that raise before the worker counts as dead
@@ -40,16 +36,6 @@ WAKE_SECONDS = 1.0  # an idle worker still wakes this often (deadlines of queued
 
 class QueueFull(Exception):
     """The admission queue holds its maximum of waiting requests, or the scheduler takes no more work."""
-
-
-def check_fits(loaded: Loaded, ids: Sequence[int], settings: DecodeSettings) -> None:
-    """ValueError (one line) unless the prompt plus settings' max_new_tokens fit the model's context: what the
-    handler refuses with a 400 before the request waits in the queue."""
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    backend = loaded.backend
-    tree = settings.tree if registry.get(settings.method).speculative else None  # a plain step: one row
-    required_capacity(len(ids), settings.rules, backend.step_rows(tree), backend.max_positions)
 
 
 class Scheduler:
@@ -184,7 +170,9 @@ class Scheduler:
         if slot.stream:
             slot.detokenizer = Detokenizer.for_tokenizer(self.loaded.tokenizer, slot.settings.rules.stop_strings)
         try:
-            slot.lane = self.decoder.add(slot.ids, slot.settings, slot.on_step, run_id=slot.id, tag=slot.tag)
+            slot.lane = self.decoder.add(
+                slot.ids, slot.settings, slot.on_step, run_id=slot.id, tag=slot.tag, capacity=slot.capacity
+            )
         except Exception as error:  # a request the decoder refuses fails alone
             slot.fail(f"the request was refused: {error}", 400, "invalid_request_error")
             return False

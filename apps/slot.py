@@ -96,6 +96,7 @@ class Slot:
     tag: object = None  # cache isolation: whose cached prefix it may keep (apps/serving.py)
     timeout: float = 600.0  # seconds from arrival to its deadline
     fault_after: int | None = None  # raise InjectedFault after this many steps (serve --fault-injection)
+    capacity: int | None = None  # KV positions its parse granted (runtime/request.py's check_fits); None: check it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: State = State.QUEUED
     id: str = ""

@@ -14,7 +14,6 @@ between its turns. Bad values are ValueErrors of one line, raised when the call 
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -24,14 +23,8 @@ from streamfuse.runtime.decode import Generation, GenerationResult, StepEvent
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.options import BACKENDS
 from streamfuse.runtime.prompt import check_text
-from streamfuse.runtime.session import (
-    DEFAULT_METHOD,
-    DecodeRequest,
-    check_prompt_format,
-    decode_settings,
-    load_model,
-    prompt_ids,
-)
+from streamfuse.runtime.request import DEFAULT_METHOD, DecodeRequest, check_prompt_format, decode_settings
+from streamfuse.runtime.session import load_model, prompt_ids
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.text_stream import Detokenizer, final_text
 from streamfuse.runtime.threads import check_threads, use_threads
@@ -189,21 +182,18 @@ class Model:
 
     def prompt_ids(self, prompt: str | Sequence[int], as_task: bool = False) -> list[int]:
         """Token ids of a prompt: a user message in the chat template, a task source in the task's prompt format
-        (as_task), or ids given as they are."""
+        (as_task), or ids given as they are (checked when they run: runtime/request.py's check_fits)."""
         if isinstance(prompt, str):
             if as_task:
                 check_prompt_format(self.loaded, "as_task")
             return prompt_ids(self.loaded, prompt, as_task, cut_source=False)
         if as_task:
             raise ValueError("as_task formats a source text: pass the source as a str, or drop as_task")
-        return checked_ids(prompt, len(self.tokenizer))
+        return list(prompt)
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a conversation on the chat template, ending where the assistant's answer starts."""
-        rendered = self.tokenizer.apply_chat_template(
-            checked_messages(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return chat_template_ids(self.tokenizer, checked_messages(messages))
 
     def run(
         self,
@@ -213,12 +203,15 @@ class Model:
         trace: Trace | None = None,
         run_id: str = "0",
         on_step: Callable[[StepEvent], None] | None = None,
+        settings: DecodeSettings | None = None,
     ) -> Completion | TextStream:
-        """Decode prompt token ids as a front end states its request (runtime/session.py's DecodeRequest: the CLI
+        """Decode prompt token ids as a front end states its request (runtime/request.py's DecodeRequest: the CLI
         from its flags, a server from its JSON); `trace` records the run under `run_id` (tools/profiler.py);
         `on_step` sees each step's StepEvent (the tokens, how many were accepted drafts, the draft verified), an
-        exception it raises ending the generation there."""
-        job = _Job(checked_ids(ids, len(self.tokenizer)), decode_settings(self.loaded, request), tuple(request.stop))
+        exception it raises ending the generation there. settings: the request's decode_settings where the caller
+        made them already (the CLI, for its trace's header); the prompt ids are checked as the generation begins."""
+        settings = settings or decode_settings(self.loaded, request)
+        job = _Job(list(ids), settings, tuple(request.stop))
         return _start(self._engine, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
 
@@ -227,7 +220,7 @@ def _start(engine: _Engine, job: _Job, stream: bool, on_done=None) -> Completion
     as a stream. on_done: called with the Completion once the generation ends."""
     holder = TextStream(iter(()), on_done)
     deltas = _decode(engine, job, holder, incremental=stream)
-    next(deltas)  # Generation.begin: the checks, then the cache reset (or the rows it keeps)
+    next(deltas)  # Generation.begin: the prompt's checks (request.check_fits), then the cache reset (or kept rows)
     holder._deltas = deltas
     if stream:
         return holder
@@ -339,7 +332,8 @@ class ChatSession:
         request = make_request(max_new_tokens, method, temperature, stop, options)
         messages = [*self.messages, *checked_messages([{"role": "user", "content": text}])]
         loaded = self._engine.loaded
-        job = _Job(self.model.chat_ids(messages), decode_settings(loaded, request), tuple(request.stop), keep=True)
+        ids = chat_template_ids(loaded.tokenizer, messages)  # each message checked as it joined
+        job = _Job(ids, decode_settings(loaded, request), tuple(request.stop), keep=True)
         return _start(self._engine, job, stream, lambda done: self._record(messages, done))
 
     def _record(self, messages: list[dict], completion: Completion) -> None:
@@ -379,7 +373,8 @@ def row_bytes(backend) -> int:
 
 
 def make_request(max_new_tokens, method, temperature, stop, options: dict) -> DecodeRequest:
-    """A DecodeRequest from the API's arguments, checked (one-line ValueError naming the field)."""
+    """A DecodeRequest from the API's arguments (unknown options refused; its fields are checked once, by
+    decode_settings, when the call runs it)."""
     unknown = sorted(set(options) - set(DecodeRequest.__dataclass_fields__))
     if unknown:
         raise ValueError(f"unknown option {unknown[0]!r}: use one of {', '.join(DecodeRequest.__dataclass_fields__)}")
@@ -393,20 +388,13 @@ def make_request(max_new_tokens, method, temperature, stop, options: dict) -> De
         stop=tuple(stop),
         **options,
     )
-    request.check()
     return request
 
 
-def checked_ids(ids: Sequence[int], vocab: int) -> list[int]:
-    """Prompt token ids as ints within the vocabulary."""
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-        raise ValueError("a prompt is a str or a sequence of int token ids")
-    if len(ids) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [int(t) for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return [int(t) for t in ids]
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Checked messages on the chat template, ending where the assistant's answer starts."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def checked_messages(messages: Sequence[dict]) -> list[dict]:

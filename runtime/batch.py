@@ -105,9 +105,11 @@ class BatchDecoder:
         on_step: Callable[[StepEvent], None] | None = None,
         run_id: str = "0",
         tag: object = None,
+        capacity: int | None = None,
     ) -> Lane:
         """A new sequence, checked now (ValueError: a bad prompt or settings, or the batch full); it prefills on
-        the next step(). tag: it keeps cache rows only of a sequence of the same tag."""
+        the next step(). tag: it keeps cache rows only of a sequence of the same tag. capacity: the KV positions
+        its caller's runtime/request.py check_fits granted (the prompt checked there; None: checked here)."""
         if len(self.active) >= self.max_sequences:
             raise ValueError(
                 f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
@@ -116,7 +118,14 @@ class BatchDecoder:
         model, cached = self._lane_for(ids, tag)
         try:
             generation = Generation.begin(
-                model.backend, ids, settings, model.drafter(settings), run_id=run_id, decode=self._decode, keep=cached
+                model.backend,
+                ids,
+                settings,
+                model.drafter(settings),
+                run_id=run_id,
+                decode=self._decode,
+                keep=cached,
+                capacity=capacity,
             )
         except BaseException:
             self._free.append((model, None, None))

@@ -26,8 +26,9 @@ from streamfuse.methods import registry
 from streamfuse.runtime.accept import Acceptance, accept, accept_sampled
 from streamfuse.runtime.backends.base import Backend, EngineError, StepOutput
 from streamfuse.runtime.drafter import Draft, Drafter, top_chain
-from streamfuse.runtime.emitter import Emitter, StopRules
+from streamfuse.runtime.emitter import Emitter
 from streamfuse.runtime.fallback import Fallback
+from streamfuse.runtime.request import check_fits
 from streamfuse.runtime.sampling import SamplingConfig, choose, target_probs
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.trace import RunRecord, StepRecord, Switch, Trace
@@ -61,28 +62,6 @@ class PlannedStep:
     speculating: bool
     drafted: float  # seconds the drafter took
     held: bool = False  # a plain step the caller asked for (propose(hold=True)): the fallback does not count it
-
-
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
-    if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-
-
-def required_capacity(prompt_len: int, rules: StopRules, step_rows: int, max_positions: int) -> int:
-    """KV positions a run can touch: prompt, every emitted token, and one step's scratch rows (a static
-    graph's size bucket). Checked before any work, so a run never stops half-way for lack of context."""
-    needed = prompt_len + rules.max_new_tokens + step_rows
-    if needed > max_positions:
-        raise ValueError(
-            f"prompt of {prompt_len} tokens + max_new_tokens {rules.max_new_tokens} + a step's "
-            f"{step_rows} rows exceeds the model's context of {max_positions} positions; shorten the "
-            f"prompt, lower max_new_tokens, or (an exported artifact) rebuild it with a larger "
-            f"--set export.capacity=N"
-        )
-    return needed
 
 
 def kept_prefix(keep: Sequence[int], prompt_ids: Sequence[int]) -> int:
@@ -135,14 +114,14 @@ class DecodeRun:
         run_id: str,
         decode,
         keep: Sequence[int] | None = None,
+        capacity: int | None = None,
     ) -> DecodeRun:
-        """Validate the request, then reset the backend (or keep the rows `keep` shares with the prompt); nothing
+        """Check the prompt and its fit (runtime/request.py's check_fits) unless the caller did and gives the
+        `capacity` it granted, then reset the backend (or keep the rows `keep` shares with the prompt); nothing
         runs before the checks pass. The reset is what makes a generation independent of the last one, even one
         that raised mid-step (a pending commit, a failed call: runtime/backends/static_graph.py), whoever calls."""
-        check_prompt(prompt_ids, backend.vocab_size)
-        capacity = required_capacity(
-            len(prompt_ids), settings.rules, backend.step_rows(drafter.tree), backend.max_positions
-        )
+        if capacity is None:
+            capacity = check_fits(backend, prompt_ids, settings.rules, drafter.tree)
         trace = trace or Trace(enabled=False)
         run = cls(
             backend,
@@ -196,13 +175,14 @@ class Generation:
         run_id: str = "0",
         decode: Callable[[Sequence[int]], str] | None = None,
         keep: Sequence[int] | None = None,
+        capacity: int | None = None,
     ) -> Generation:
-        """Check the request and ready the backend's cache (see DecodeRun.begin); drafter None: the method's
-        engine_drafter."""
+        """Check the request and ready the backend's cache (see DecodeRun.begin; `capacity`: the caller checked
+        the prompt's fit, runtime/request.py's check_fits); drafter None: the method's engine_drafter."""
         drafter = drafter or engine_drafter(settings, backend)
         if drafter.name != settings.method:
             raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
-        run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep)
+        run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep, capacity)
         return cls(run, drafter, settings, prompt_ids)
 
     @property

@@ -19,19 +19,8 @@ from streamfuse.runtime.api import Completion, Model
 from streamfuse.runtime.loader import Loaded
 from streamfuse.runtime.options import add_model_options, check_model_options
 from streamfuse.runtime.prompt import check_text
-from streamfuse.runtime.session import (
-    DEFAULT_METHOD,
-    DEFAULT_TREE,
-    DecodeRequest,
-    Input,
-    check_task,
-    decode_settings,
-    load_model,
-    new_trace,
-    prompt_ids,
-    read_input_file,
-    source_overflow,
-)
+from streamfuse.runtime.request import DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest, check_task, decode_settings
+from streamfuse.runtime.session import Input, load_model, new_trace, prompt_ids, read_input_file, source_overflow
 from streamfuse.runtime.settings import DecodeSettings
 from streamfuse.runtime.threads import use_threads
 
@@ -142,15 +131,16 @@ def request_from(args: argparse.Namespace) -> DecodeRequest:
     )
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Refuse bad values before the (slow) model load."""
+def check_flags(args: argparse.Namespace) -> DecodeRequest:
+    """Refuse bad values before the (slow) model load -> the request, checked (runtime/request.py)."""
     check_model_options(args)
     errors.check(args.limit is None or args.limit >= 1, f"--limit must be >= 1, got {args.limit}")
     errors.check(args.input_file is None or args.input_file.is_file(), f"--input-file {args.input_file}: no such file")
-    texts = [(args.prompt, "--prompt")] if args.prompt is not None else []
-    for text, flag in texts + [(stop, "--stop") for stop in args.stop]:
-        errors.usage(lambda: check_text(text, flag))  # named by their flags, before the request's own checks
-    errors.usage(request_from(args).check)
+    if args.prompt is not None:
+        errors.usage(lambda: check_text(args.prompt, "--prompt"))  # --input-file's rows: read_input_file's
+    request = request_from(args)
+    errors.usage(lambda: request.check("--stop"))
+    return request
 
 
 def inputs(args: argparse.Namespace, loaded: Loaded, as_task: bool) -> Iterable[Input]:
@@ -185,21 +175,21 @@ def show(record: dict, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    check_flags(args)
+    request = check_flags(args)
     loaded = load_model(args.artifact, args.backend, args.device, args.stream_schedule, args.threads, args.task)
     threads = use_threads(args.threads)
-    settings = errors.usage(lambda: decode_settings(loaded, request_from(args)))
+    settings = errors.usage(lambda: decode_settings(loaded, request, checked=True))
     as_task = args.task is not None
     if as_task:
         errors.usage(lambda: check_task(loaded, args.task, "--task"))
     trace = new_trace(loaded, settings, args.trace is not None, args.device, threads)
-    model, request = Model(loaded), request_from(args)
+    model = Model(loaded)
     for item in inputs(args, loaded, as_task):
-        over = source_overflow(loaded, item.text, as_task)
+        over = source_overflow(loaded, item.text, as_task, checked=True)  # check_flags, read_input_file
         if over:
             warn_overflow(args, loaded, item, over)
-        ids = prompt_ids(loaded, item.text, as_task, cut_source=args.cut_source)
-        done = model.run(ids, request, trace=trace, run_id=item.id)
+        ids = prompt_ids(loaded, item.text, as_task, cut_source=args.cut_source, checked=True)
+        done = model.run(ids, request, trace=trace, run_id=item.id, settings=settings)
         show(
             {**result_record(item, model, done, settings), "source_truncated": bool(over and args.cut_source)},
             args.json,

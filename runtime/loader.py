@@ -150,8 +150,8 @@ class Loaded:
 
     def method_tree(self, method: str) -> TreeSpec | None:
         """The draft shape a method uses unless told otherwise (ss: the calibrated tree; sd: the chain the build
-        recorded; ...; None for plain decoding)."""
-        self.check_method(method)
+        recorded; ...; None for plain decoding). `method` is one this model carries (runtime/request.py's
+        check_method)."""
         return methods.get(method).default_tree(self)
 
     def tree_choice(self, max_nodes: int | None = None) -> TreeChoice:
@@ -171,19 +171,9 @@ class Loaded:
         return self.cached(f"tree-choice:{max_nodes}", make)
 
     def drafter(self, settings: DecodeSettings) -> Drafter:
-        """settings.method's drafter for the decode loop, built by its registry entry (runtime/methods)."""
-        self.check_method(settings.method)
+        """settings.method's drafter for the decode loop, built by its registry entry (runtime/methods); settings
+        from runtime/request.py's decode_settings (the method checked there)."""
         return methods.get(settings.method).drafter(self, settings)
-
-    def check_method(self, method: str) -> None:
-        """ValueError naming the build flags that add `method`, unless this model carries its drafters."""
-        if method not in self.methods:
-            where = "a bare checkpoint" if self.artifact is None else str(self.artifact.path)
-            flags = methods.get(method).build_flags
-            raise ValueError(
-                f"method {method}: {where} has no drafter for it (methods here: "
-                f"{', '.join(self.methods)}); add it with streamfuse build {flags} and load the artifact"
-            )
 
     def fallback(self, tree: TreeSpec) -> FallbackConfig | None:
         """Plain decoding where `tree` does not pay: needs its step cost, measured by calibration; every

@@ -47,15 +47,17 @@ class PromptFormat:
                 f"{self.source_template!r} fields or a 'source' field"
             ) from None
 
-    def overflow(self, tokenizer, source: str) -> int:
-        """Tokens of the source past max_source_tokens, which render(cut=True) cuts off."""
-        ids = tokenizer(check_text(source, "the source"), add_special_tokens=False)["input_ids"]
+    def overflow(self, tokenizer, source: str, checked: bool = False) -> int:
+        """Tokens of the source past max_source_tokens, which render(cut=True) cuts off; checked: the caller ran
+        check_text on the source already."""
+        ids = tokenizer(source if checked else check_text(source, "the source"), add_special_tokens=False)["input_ids"]
         return max(0, len(ids) - self.max_source_tokens)
 
-    def render(self, tokenizer, source: str, cut: bool = True) -> str:
+    def render(self, tokenizer, source: str, cut: bool = True, checked: bool = False) -> str:
         """Chat-formatted prompt text ending where the assistant's answer starts; `cut`: the source's
-        first max_source_tokens only, as training saw it (evaluation and benchmarks), else whole."""
-        ids = tokenizer(check_text(source, "the source"), add_special_tokens=False)["input_ids"]
+        first max_source_tokens only, as training saw it (evaluation and benchmarks), else whole; checked: the
+        caller ran check_text on the source already."""
+        ids = tokenizer(source if checked else check_text(source, "the source"), add_special_tokens=False)["input_ids"]
         if cut and len(ids) > self.max_source_tokens:
             source = tokenizer.decode(ids[: self.max_source_tokens])
         message = self.instruction_template.replace("{source}", source)
