@@ -67,7 +67,7 @@ class Parsed:
     ids: list[int]
     request: DecodeRequest
     settings: DecodeSettings
-    capacity: int = 0  # the KV positions check_fits granted it (the decode trusts it: checked once, here)
+    capacity: int | None = None  # KV positions check_fits granted it (the decode trusts it); None: unchecked
     stream: bool = False
     steps: bool = False  # streamfuse_steps: each streamed chunk carries its step's tokens
     salt: str | None = None  # cache_salt: a prefix is reused only between requests of the same salt

@@ -188,5 +188,6 @@ def check_fits(backend: Backend, ids: Sequence[int], rules: StopRules, tree: Tre
 
 
 def step_tree(settings: DecodeSettings) -> TreeSpec | None:
-    """The tree a run's steps verify at most (None: plain steps, one row)."""
+    """The tree whose step rows bound a run's (None: plain steps, one row); a method's drafter steps in it or in
+    smaller trees (ss-adaptive: calibrated candidates of at most its nodes)."""
     return settings.tree if registry.get(settings.method).speculative else None
