@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from streamfuse.runtime.api import Model
+from streamfuse.runtime.api import Model, chat_template_ids, checked_messages
 from streamfuse.runtime.prompt import check_text
 from streamfuse.runtime.request import (
     DEFAULT_METHOD,
@@ -225,16 +225,17 @@ def completion_ids(model: Model, body: dict, limit: int) -> list[int]:
 
 
 def chat_ids(model: Model, messages: object, limit: int) -> list[int]:
-    """A chat's prompt on the chat template; each message a {"role": str, "content": str} object."""
+    """A chat's prompt on the chat template; each message a {"role": str, "content": str} object (roles and text:
+    runtime/api.py's checked_messages, the API's own check)."""
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise RequestError(f'\'messages\' must be a list of 1 to {MAX_MESSAGES} {{"role", "content"}} objects')
     for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{number}] must be an object with a string 'role'")
-        bounded_text(message.get("content"), f"messages[{number}]'s content", limit)
-    if sum(len(m["content"]) for m in messages) > limit:
+        if isinstance(message, dict):
+            bounded_text(message.get("content"), f"messages[{number}]'s content", limit)
+    checked = checked_messages(messages)
+    if sum(len(m["content"]) for m in checked) > limit:
         raise RequestError(f"the messages have more than {limit} characters: more than this model's context")
-    return model.chat_ids(messages)  # roles and text: api.checked_messages
+    return chat_template_ids(model.tokenizer, checked)
 
 
 def parse(model: Model, body: object, chat: bool, name: str, limits: Limits) -> Parsed:

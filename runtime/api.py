@@ -403,7 +403,9 @@ def checked_messages(messages: Sequence[dict]) -> list[dict]:
         raise ValueError('messages: give a non-empty list of {"role": ..., "content": ...} dicts')
     checked = []
     for number, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        if not isinstance(message, dict):
+            raise ValueError(f'messages[{number}] must be an object {{"role": ..., "content": ...}}')
+        if message.get("role") not in ROLES:
             raise ValueError(f"messages[{number}]: needs a role among {', '.join(ROLES)}")
         check_text(message.get("content"), f"messages[{number}]'s content")
         checked.append({"role": message["role"], "content": message["content"]})

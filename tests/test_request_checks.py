@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import streamfuse
-from streamfuse.runtime import errors, generate, prompt, request
+from streamfuse.runtime import api, errors, generate, prompt, request
 from streamfuse.runtime.emitter import StopRules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +77,10 @@ def model(checkpoint):
     return streamfuse.load(checkpoint / "ckpt", backend="torch")
 
 
-def server_parse(model, body: dict):
+def server_parse(model, body: dict, chat: bool = False):
     from streamfuse.apps.request_body import Limits, parse
 
-    return parse(model, body, False, "tiny", Limits())
+    return parse(model, body, chat, "tiny", Limits())
 
 
 def sources_with(fragment: str) -> list[str]:
@@ -112,6 +112,17 @@ def test_every_entry_raises_the_home_message(name, model, checkpoint, capsys):
             server_parse(model, body)
 
 
+def test_a_chat_message_is_checked_by_the_api_only(model):
+    """A conversation's roles and text: runtime/api.py's checked_messages, for Model.chat and the server alike."""
+    fragment = "needs a role among"
+    assert fragment in inspect.getsource(api.checked_messages) and sources_with(fragment) == ["runtime/api.py"]
+    bad = [{"role": "bot", "content": "x"}]
+    with pytest.raises(ValueError, match=fragment):
+        model.chat(bad)
+    with pytest.raises(ValueError, match=fragment):
+        server_parse(model, {"messages": bad}, chat=True)
+
+
 # --- each check runs once on a path ------------------------------------------------------------------
 
 COUNTED = {
@@ -122,6 +133,7 @@ COUNTED = {
     "check_prompt_format": request.check_prompt_format,
     "check_fits": request.check_fits,
     "check_prompt_ids": request.check_prompt_ids,
+    "checked_messages": api.checked_messages,
 }
 PROMPT = "the water"
 
@@ -178,3 +190,10 @@ def test_a_server_request_is_checked_once_from_parse_to_admission(model, counts)
     scheduler = Scheduler(model.loaded)
     assert scheduler._add(slot)  # the worker's admission: BatchDecoder.add -> Generation.begin
     assert counts == {**dict.fromkeys(counts, 0), **dict.fromkeys(ONCE, 1)}
+
+
+def test_a_server_chat_and_model_chat_check_each_message_once(model, counts):
+    messages = [{"role": "user", "content": PROMPT}]
+    server_parse(model, {"messages": messages, "max_tokens": 3}, chat=True)
+    model.chat(messages, max_new_tokens=3)
+    assert counts["checked_messages"] == 2 and counts["check_fits"] == 2 and counts["decode_settings"] == 2
