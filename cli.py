@@ -33,6 +33,7 @@ TOOLS: dict[str, Command] = {
     "footprint": Command("streamfuse.tools.footprint", "a decoding process's import time, memory and modules"),
     "task-switch": Command("streamfuse.tools.task_switch", "an artifact's tasks in turn on one loaded engine"),
     "call-times": Command("streamfuse.tools.call_times", "each method's call time on one engine, by cache slots used"),
+    "op-profile": Command("streamfuse.tools.op_profile", "where each ms of decode, step and greedy step goes, per op"),
     "latency": Command("streamfuse.tools.latency", "per-call latency of a plain step vs a tree step (torch)"),
     "graph-latency": Command("streamfuse.tools.graph_latency", "per-call latency of the exported graphs (onnxruntime)"),
     "span-sweep": Command("streamfuse.tools.span_sweep", "step time of the exported graphs by engine, span and rows"),

@@ -27,9 +27,9 @@ from streamfuse.runtime import errors
 from streamfuse.runtime.artifact import Artifact
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
-from streamfuse.runtime.contract import COMMIT_INPUT, base_method, batch_inputs, bucket_method, tree_inputs
+from streamfuse.runtime.contract import COMMIT_INPUT, base_method, bucket_method
 from streamfuse.runtime.threads import threads_type
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.tools.graph_inputs import method_inputs
 
 ENGINES = ("executorch", "onnxruntime")
 SKIPPED = ("prefill",)  # its time is per prompt chunk, not per decoded token: the calibration reports it
@@ -45,45 +45,6 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here")
     errors.add_debug_flag(parser)
     return parser.parse_args(argv)
-
-
-def bucket_tree(trees: tuple[TreeSpec, ...], rows: int, gamma: int) -> TreeSpec:
-    """The tree a step bucket of `rows` rows is timed with: the first of the artifact's that fits."""
-    fitting = [tree for tree in trees if tree.num_nodes <= rows]
-    return fitting[0] if fitting else TreeSpec.filling(rows, gamma)
-
-
-def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma: int, vocab: int) -> list[np.ndarray]:
-    """One call's inputs from the manifest's signature of a method, its cache `span` slots full."""
-    g = np.random.default_rng(span)
-    rows = next((i["shape"][1] for i in signature["inputs"] if i["name"] == "ids"), 1)
-    has_tree = any(i["name"] == "tree" for i in signature["inputs"])
-    sequences = 1
-    if has_tree and len(next(i["shape"] for i in signature["inputs"] if i["name"] == "tree")) == 3:  # batched
-        sequences = next(i["shape"][0] for i in signature["inputs"] if i["name"] == "tree")
-        rows //= sequences
-        tree = bucket_tree(trees, rows, gamma) if rows > 1 else TreeSpec(())
-        tree_data = dict(zip(("tree", "depths"), batch_inputs([tree] * sequences, rows)))
-    else:
-        tree_data = (
-            dict(zip(("tree", "depths", "parents"), tree_inputs(bucket_tree(trees, rows, gamma), rows)))
-            if has_tree
-            else {}
-        )
-    made = []
-    for spec in signature["inputs"]:
-        name, shape = spec["name"], spec["shape"]
-        if name in tree_data:
-            made.append(tree_data[name])
-        elif name == "cache_len":
-            made.append(np.full(sequences, span))
-        elif name == COMMIT_INPUT:
-            made.append(np.full(shape, -1, dtype=np.int64))
-        elif name == "ids":
-            made.append(g.integers(0, vocab, shape))
-        else:  # caches and stream anchors: values of a trained model's scale
-            made.append(g.standard_normal(shape, dtype=np.float32) * 0.5)
-    return made
 
 
 def with_commit(signature: dict, inputs: list[np.ndarray]) -> tuple[list[np.ndarray], int]:

@@ -64,7 +64,8 @@ def set_executorch_threads(threads: int) -> None:
 class ExecuTorchSession:
     """The .pte through ExecuTorch's Python runtime (XNNPACK kernels on CPU)."""
 
-    def __init__(self, pte: Path, threads: int | None = None):
+    def __init__(self, pte: Path, threads: int | None = None, etdump: bool = False):
+        """etdump: record every call's op events (tools/op_profile.py reads them with write_etdump)."""
         check_threads(threads)
         runtime = _require("executorch.runtime", "executorch")
         import torch
@@ -76,7 +77,8 @@ class ExecuTorchSession:
             raise MissingBackend(str(error)) from None
         self.shares_weights = seams.share_xnnpack_weights()  # one packed copy for all methods, not one each
         self.tensor = torch.from_numpy  # ExecuTorch's Python runtime takes torch tensors: zero-copy views
-        program = runtime.Runtime.get().load_program(Path(pte))
+        program = runtime.Runtime.get().load_program(Path(pte), enable_etdump=etdump)
+        self.write_etdump = program.write_etdump_result_to_file  # (etdump path, debug buffer path)
         self.methods = {name: program.load_method(name) for name in program.method_names}
         self.task: list = []  # the bound task's tensors, in name order (bind_task)
         self.name = "executorch:xnnpack"
@@ -117,7 +119,10 @@ class OnnxRuntimeSession:
     op, and the host's cache read in place (whole, contiguous arrays go in without a copy). The provider is
     the first of OP_PROVIDERS, named in the trace; asking for another is an error."""
 
-    def __init__(self, model: Path, provider: str | None = None, threads: int | None = None):
+    def __init__(
+        self, model: Path, provider: str | None = None, threads: int | None = None, profile: Path | None = None
+    ):
+        """profile: a file prefix; ONNX Runtime's profiler then records every call (session.end_profiling)."""
         check_threads(threads)
         if provider is not None and provider not in OP_PROVIDERS:
             raise MissingBackend(
@@ -128,6 +133,8 @@ class OnnxRuntimeSession:
         ort = _require("onnxruntime", "onnxruntime")
         provider = provider or OP_PROVIDERS[0]
         options = ort_options(ort, threads)
+        if profile is not None:
+            options.enable_profiling, options.profile_file_prefix = True, str(profile)
         try:  # the graphs' attention kernel, registered before the model that calls it loads
             options.register_custom_ops_library(str(onnxruntime_library_path()))
         except KernelUnavailable as error:
