@@ -210,7 +210,7 @@ class Model:
         `on_step` sees each step's StepEvent (the tokens, how many were accepted drafts, the draft verified), an
         exception it raises ending the generation there. settings: the request's decode_settings where the caller
         made them already (the CLI, for its trace's header); the prompt ids are checked as the generation begins."""
-        settings = settings or decode_settings(self.loaded, request)
+        settings = decode_settings(self.loaded, request) if settings is None else settings
         job = _Job(list(ids), settings, tuple(request.stop))
         return _start(self._engine, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
