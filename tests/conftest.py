@@ -13,16 +13,6 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import (the demo's 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`): a test file's tests stay on one worker, and every test of the
-    shared tiny artifact on one, so each module's and the session's builds run once, not once per worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = "tiny-artifact" if "artifact" in item.fixturenames else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def make_tiny_llama(seed: int = 0, layers: int = 4, vocab: int = 97, hidden: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
