@@ -26,9 +26,10 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     (r"tree_attention|attend_|validate_attention", "attention kernel"),
     (r"commit_rows", "cache commit"),
     (r"q4_linear|q8_tiles|run_linear|q4_|q8_", "linears: streamfuse op (all)"),
-    # XNNPACK's microkernels carry no symbols: a sample in its library without one is its compute (linears)
+    # XNNPACK's microkernels carry no symbols: a sample in its library (the runtime's Python binding, which links
+    # XNNPACK in) without one is its compute (linears)
     (
-        r"xnn_.*(gemm|igemm|fully_connected|batch_matrix|qc4w|qc8w|qd8|qp8)|\[unknown\] \(.*_portable_lib",
+        r"xnn_.*(gemm|igemm|fully_connected|batch_matrix|qc4w|qc8w|qd8|qp8)|\[unknown\] \(.*/pybindings/",
         "linears: XNNPACK (all)",
     ),
     (r"topk|argmax|argmin|max_out", "top-k / accept"),
