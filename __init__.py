@@ -1,7 +1,7 @@
 """streamfuse: Speculative Streaming for on-device LLM inference (fine-tune, export, run).
 
     import streamfuse
-    model = streamfuse.load("artifacts/dialogsum")   # runtime/api.py: generate, stream, chat, chat sessions
+    model = streamfuse.load("artifacts/dialogsum")   # runtime/request/api.py: generate, stream, chat, chat sessions
 
 Importing the package sets OMP_WAIT_POLICY=PASSIVE unless it is set: it takes effect only if it comes
 before torch's OpenMP runtime loads, which every `python -m streamfuse...` entry point guarantees (the
@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def load(artifact, backend: str = "auto", task: str | None = None, threads: int | None = None):
-    """Open an artifact (or a fine-tuned checkpoint) for generation -> runtime.api.Model (see its load)."""
-    from streamfuse.runtime.api import load as load_model
+    """Open an artifact (or a fine-tuned checkpoint) for generation -> runtime.request.api.Model (see its load)."""
+    from streamfuse.runtime.request.api import load as load_model
 
     return load_model(artifact, backend, task, threads)

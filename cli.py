@@ -19,7 +19,7 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "build": Command("streamfuse.training.build", "fine-tune, evaluate, calibrate, export, verify and profile a model"),
-    "generate": Command("streamfuse.runtime.generate", "decode prompts or a task's inputs with an artifact"),
+    "generate": Command("streamfuse.runtime.commands.generate", "decode prompts or a task's inputs with an artifact"),
     "bench": Command("streamfuse.tools.bench", "methods x backends x peers on a task split, interleaved"),
     "calibrate": Command("streamfuse.tools.calibrate", "choose the draft tree for this device and backend"),
     "profile": Command("streamfuse.tools.profiler", "call reduction, acceptance and time split of a decode trace"),
@@ -86,7 +86,7 @@ def unknown(name: str) -> str:
 def run(name: str, argv: list[str]) -> int:
     """`streamfuse <name> argv`: the command's main under the project's one-line errors, its prog `streamfuse
     <name>` (argparse reads its default prog from sys.argv[0])."""
-    from streamfuse.runtime.errors import run as with_one_line_errors
+    from streamfuse.runtime.commands.errors import run as with_one_line_errors
 
     prog = f"streamfuse {name}"
     main = importlib.import_module(ALL[name].module).main

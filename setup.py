@@ -1,6 +1,6 @@
 """The build hook: streamfuse's C++ kernels compiled into the package when it is built or installed (pip install .,
 pip install -e ., pip wheel .), so the wheel carries them and nothing compiles at run time
-(runtime/kernel_library.py). Everything else is declared in pyproject.toml."""
+(runtime/ops/kernel_library.py). Everything else is declared in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class BuildKernels(Command):
         self.set_undefined_options("build", ("build_lib", "build_lib"))
 
     def run(self) -> None:
-        kernels = _load("_streamfuse_kernel_library", ROOT / "runtime" / "kernel_library.py")
+        kernels = _load("_streamfuse_kernel_library", ROOT / "runtime" / "ops" / "kernel_library.py")
         seams = _load("_streamfuse_seams", ROOT / "seams.py")
         target = (
             kernels.LIBRARIES if self.editable_mode else Path(self.build_lib, "streamfuse", "runtime", "kernels", "lib")

@@ -1,5 +1,5 @@
 """SpecDec++'s acceptance-prediction head (Huang et al. 2024): on the draft model's last hidden state
-(method specdec++), or on the SS model's stream states (method ss-adaptive, runtime/tree_choice.py).
+(method specdec++), or on the SS model's stream states (method ss-adaptive, runtime/speculation/tree_choice.py).
 
 Read at a draft token's own position (its state has seen the token), the head predicts the
 probability that the target accepts that token, given that every draft before it was accepted.

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from streamfuse.apps.examples import DEFAULT_EXAMPLES, read_examples
-from streamfuse.runtime import errors
-from streamfuse.runtime.loader import BACKENDS, fastest_backend
-from streamfuse.runtime.options import add_model_options
-from streamfuse.runtime.threads import check_threads
+from streamfuse.runtime.backends.threads import check_threads
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.commands.options import add_model_options
+from streamfuse.runtime.request.loader import BACKENDS, fastest_backend
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from streamfuse.runtime.decode import StepEvent
+from streamfuse.runtime.request.decode import StepEvent
 
 ACCEPTED, REJECTED, CORRECTION, PLAIN = "accepted", "rejected", "correction", "plain"
 

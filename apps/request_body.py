@@ -16,9 +16,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from streamfuse.runtime.api import Model, chat_template_ids, checked_messages
-from streamfuse.runtime.prompt import check_text
-from streamfuse.runtime.request import (
+from streamfuse.runtime.artifact.prompt import check_text
+from streamfuse.runtime.request.api import Model, chat_template_ids, checked_messages
+from streamfuse.runtime.request.checks import (
     DEFAULT_METHOD,
     DecodeRequest,
     check_fits,
@@ -26,8 +26,8 @@ from streamfuse.runtime.request import (
     decode_settings,
     step_tree,
 )
-from streamfuse.runtime.session import prompt_ids
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.request.session import prompt_ids
+from streamfuse.runtime.request.settings import DecodeSettings
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it names none
 MAX_BODY_BYTES = 1 << 20
@@ -226,7 +226,7 @@ def completion_ids(model: Model, body: dict, limit: int) -> list[int]:
 
 def chat_ids(model: Model, messages: object, limit: int) -> list[int]:
     """A chat's prompt on the chat template; each message a {"role": str, "content": str} object (roles and text:
-    runtime/api.py's checked_messages, the API's own check)."""
+    runtime/request/api.py's checked_messages, the API's own check)."""
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise RequestError(f'\'messages\' must be a list of 1 to {MAX_MESSAGES} {{"role", "content"}} objects')
     for number, message in enumerate(messages):

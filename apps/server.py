@@ -45,11 +45,11 @@ from streamfuse.apps.request_body import MAX_BODY_BYTES, Limits, Parsed, Request
 from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.serving import QueueFull, Scheduler
 from streamfuse.apps.slot import Delta, Failed, Finished, Slot
-from streamfuse.runtime import errors
-from streamfuse.runtime.api import Model, load
-from streamfuse.runtime.batch_policy import POLICIES, POLICY_HELP
-from streamfuse.runtime.options import BACKENDS
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.request.api import Model, load
+from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP
+from streamfuse.runtime.request.loader import BACKENDS
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
 KEEPALIVE_SECONDS = 5.0  # a stream with no token for this long gets a comment line
@@ -246,7 +246,7 @@ def create_app(
     max_restarts: int = 3,
 ):
     """The starlette app serving `model` (streamfuse.load's) as `name`; its scheduler runs while the app's lifespan
-    does (app.state.scheduler, app.state.server). hold: the batch policy's (runtime/batch_policy.py)."""
+    does (app.state.scheduler, app.state.server). hold: the batch policy's (runtime/request/batch_policy.py)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route

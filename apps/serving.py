@@ -25,10 +25,10 @@ import time
 
 from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.slot import Slot, State
-from streamfuse.runtime.api import completion_of
-from streamfuse.runtime.batch import BatchDecoder
-from streamfuse.runtime.loader import Loaded
-from streamfuse.runtime.text_stream import Detokenizer
+from streamfuse.runtime.request.api import completion_of
+from streamfuse.runtime.request.batch import BatchDecoder
+from streamfuse.runtime.request.loader import Loaded
+from streamfuse.runtime.request.text_stream import Detokenizer
 
 MAX_FAULTS = 3  # cycles in a row that raise before the worker counts as dead
 WAKE_SECONDS = 1.0  # an idle worker still wakes this often (deadlines of queued requests, close)

@@ -1,4 +1,4 @@
-"""What the demo does, without Qt: load an artifact, run one generation through the Python API (runtime/api.py),
+"""What the demo does, without Qt: load an artifact, run one generation through the Python API (runtime/request/api.py),
 report it step by step.
 
 The worker thread calls these; tests call them directly.
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from streamfuse.apps.markup import Segment, SegmentBuilder
 from streamfuse.apps.stats import RunStats
-from streamfuse.methods import registry
-from streamfuse.runtime.api import Model
-from streamfuse.runtime.decode import StepEvent
-from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.api import Model
+from streamfuse.runtime.request.decode import StepEvent
+from streamfuse.runtime.request.loader import Loaded, load
+from streamfuse.runtime.request.session import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
 
 BUILD_HINT = (
     "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it: 32-89 min on 2 cores, "
@@ -137,8 +137,8 @@ class Session:
         )
 
     def generate(self, request: GenerationRequest, on_update: Update, stop: threading.Event) -> RunStats:
-        """Run one generation through the API (runtime/api.py's Model.run); `on_update(new_segments, stats)` after
-        every model call. Setting `stop` ends it after the current step (stop_reason "stopped")."""
+        """Run one generation through the API (runtime/request/api.py's Model.run); `on_update(new_segments, stats)`
+        after every model call. Setting `stop` ends it after the current step (stop_reason "stopped")."""
         loaded = self._loaded()
         if not request.text.strip():
             raise ValueError("the input is empty: paste a dialogue or pick an example")

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.runtime.api import Completion
-from streamfuse.runtime.decode import StepEvent
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.text_stream import Detokenizer
+from streamfuse.runtime.request.api import Completion
+from streamfuse.runtime.request.decode import StepEvent
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.text_stream import Detokenizer
 
 
 class State(enum.Enum):
@@ -96,7 +96,9 @@ class Slot:
     tag: object = None  # cache isolation: whose cached prefix it may keep (apps/serving.py)
     timeout: float = 600.0  # seconds from arrival to its deadline
     fault_after: int | None = None  # raise InjectedFault after this many steps (serve --fault-injection)
-    capacity: int | None = None  # KV positions its parse granted (runtime/request.py's check_fits); None: check it
+    capacity: int | None = (
+        None  # KV positions its parse granted (runtime/request/checks.py's check_fits); None: check it
+    )
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: State = State.QUEUED
     id: str = ""
@@ -104,7 +106,7 @@ class Slot:
     first_token: float | None = None  # seconds from arrival to the first token
     detokenizer: Detokenizer | None = None  # a stream's, made at admission
     completion: Completion | None = None
-    lane: object = None  # its runtime/batch.py Lane while it decodes
+    lane: object = None  # its runtime/request/batch.py Lane while it decodes
     cancelled: bool = False  # set from the event loop, read by the worker: a plain flag is enough
     metrics: Metrics | None = None
     _count: int = 0  # steps so far

@@ -1,6 +1,6 @@
 """Live figures of one generation: tokens/s, model calls, call reduction, mean accepted length.
 
-Definitions match the README and runtime/trace_profile.py: CR = new tokens / model calls with the
+Definitions match the README and runtime/measure/trace_profile.py: CR = new tokens / model calls with the
 prefill counted as a call (plain decoding: CR = 1); mean accepted length = accepted draft
 tokens per verify step (the profiler's mean_accepted_depth; the correction token not counted).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from streamfuse.runtime.api import Completion
-from streamfuse.runtime.decode import StepEvent
+from streamfuse.runtime.request.api import Completion
+from streamfuse.runtime.request.decode import StepEvent
 
 STOP_LABELS = {"max_new_tokens": "max tokens", "stop_string": "stop string"}
 

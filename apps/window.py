@@ -30,9 +30,9 @@ from streamfuse.apps.panes import RunPane, legend_html
 from streamfuse.apps.session import BUILD_HINT, DEFAULT_METHODS, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
 from streamfuse.apps.worker import Engine
-from streamfuse.runtime.contract import STREAM_SCHEDULES
-from streamfuse.runtime.loader import BACKENDS, artifact_tasks, fastest_backend
-from streamfuse.runtime.session import DEFAULT_TREE
+from streamfuse.runtime.artifact.contract import STREAM_SCHEDULES
+from streamfuse.runtime.request.loader import BACKENDS, artifact_tasks, fastest_backend
+from streamfuse.runtime.request.session import DEFAULT_TREE
 
 SEQUENTIAL_NOTE = (
     "Both panes run one after the other on the same input: run at once, they would share "

@@ -1,4 +1,4 @@
-"""Write an exported artifact (format: runtime/artifact.py) from a fine-tuned checkpoint.
+"""Write an exported artifact (format: runtime/artifact/format.py) from a fine-tuned checkpoint.
 
 Stages run in a staging folder beside the target, each leaving a marker when complete, so an
 interrupted build resumes where it stopped; the folder is renamed into place only when every
@@ -39,7 +39,9 @@ from streamfuse.export.formats import (  # noqa: F401  (the export's settings: c
 )
 from streamfuse.export.task_adder import TaskAdder, model_shape
 from streamfuse.methods.medusa.model import load_heads, read_heads_manifest
-from streamfuse.runtime.artifact import (
+from streamfuse.runtime.artifact.contract import GraphSpec, method_names, parse_batches
+from streamfuse.runtime.artifact.durable import replace_folder, write_atomic
+from streamfuse.runtime.artifact.format import (
     DRAFT_VOCAB,
     HEAD_VOCAB,
     LOCK,
@@ -53,9 +55,7 @@ from streamfuse.runtime.artifact import (
     save_vocab,
     write_manifest,
 )
-from streamfuse.runtime.contract import GraphSpec, method_names, parse_batches
-from streamfuse.runtime.durable import replace_folder, write_atomic
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -90,7 +90,7 @@ class ExportConfig:
     # the artifact (--task a,b sets it). Off for one task: XNNPACK repacks an input weight on every call, which
     # makes a decode call slower (docs/export.md, "Several tasks on one base").
     task_inputs: bool = False
-    # q4-native's linears on ONNX Runtime: streamfuse's own 4-bit op (one node, runtime/q4_linear.py) or ONNX
+    # q4-native's linears on ONNX Runtime: streamfuse's own 4-bit op (one node, runtime/ops/q4_linear.py) or ONNX
     # Runtime's MatMulNBits with an fp32 low-rank term for the minimums and the LoRA (4 nodes)
     onnx_linear: str = "streamfuse"
     # ... and on ExecuTorch: XNNPACK's 8da4w with fp32 side terms (one delegate call for the whole method), or

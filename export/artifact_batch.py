@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from streamfuse.export.verify import ParityError
+from streamfuse.runtime.artifact.contract import GraphSpec, batch_inputs, batch_method, bucket_method, tree_inputs
 from streamfuse.runtime.backends.static_graph import Session
-from streamfuse.runtime.contract import GraphSpec, batch_inputs, batch_method, bucket_method, tree_inputs
-from streamfuse.runtime.tree import MAX_DEPTH, TreeSpec
+from streamfuse.runtime.speculation.tree import MAX_DEPTH, TreeSpec
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The manifest an artifact's build writes (ArtifactBuilder's part: export/artifact.py; the format:
-runtime/artifact.py): the model, its streams and trees, the graphs and their formats, the cache layout, the files
+runtime/artifact/format.py): the model, its streams and trees, the graphs and their formats, the cache layout, the files
 and their digests, the parity, the versions that made it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from streamfuse.adapters.checkpoint import read_manifest, weights_digest
 from streamfuse.export import graph
 from streamfuse.export.formats import SPAN
-from streamfuse.runtime.artifact import DRAFT_VOCAB, HEAD_VOCAB, SCHEMA, TASKS, file_digest
-from streamfuse.runtime.artifact_files import folder_files
-from streamfuse.runtime.contract import ENGINE_CACHE, HOST_CACHE
+from streamfuse.runtime.artifact.contract import ENGINE_CACHE, HOST_CACHE
+from streamfuse.runtime.artifact.files import folder_files
+from streamfuse.runtime.artifact.format import DRAFT_VOCAB, HEAD_VOCAB, SCHEMA, TASKS, file_digest
 
 VERSIONED = (
     "torch",
@@ -121,7 +121,8 @@ class ManifestRecord:
             },
             "adapter": self.adapter_entry(self.staging, "adapter"),
             "task_files": task_files,  # backend -> this task's tensors, where its graphs take them as inputs
-            # other tasks on these graphs (runtime/artifact.py TASK_FIELDS each), kept while the graphs are the same
+            # other tasks on these graphs (runtime/artifact/format.py TASK_FIELDS each), kept while the graphs are the
+            # same
             TASKS: {} if lending is None else lending[TASKS],
             "drafters": {},  # other methods' drafters, added by install_drafter (their own build stages)
             "files": files,

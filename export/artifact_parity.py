@@ -19,7 +19,7 @@ from streamfuse.export.verify import (
     eager_tokens,
     main_graph_lines,
 )
-from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.request.emitter import StopRules
 
 
 class ParityGate:

@@ -14,7 +14,7 @@ from streamfuse.export import graph
 from streamfuse.export.formats import FORMATS, LOW_BIT_ACTIVATIONS, PTE_FILES, SPAN
 from streamfuse.export.task_inputs import input_names as task_input_names
 from streamfuse.export.task_inputs import save_task_tensors, with_task_inputs
-from streamfuse.runtime.artifact import TASKS, file_digest
+from streamfuse.runtime.artifact.format import TASKS, file_digest
 
 
 class BackendExports:

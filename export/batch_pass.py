@@ -1,4 +1,5 @@
-"""The batched step (runtime/contract.py batch_method): B sequences' trees of T rows in one call, for the engine-cache
+"""The batched step (runtime/artifact/contract.py batch_method): B sequences' trees of T rows in one call, for the
+engine-cache
 graphs (ExecuTorch, ONNX Runtime). Every linear sees the B * T rows at once, so the weights are read once for all
 sequences; attention runs per sequence (BatchSpanKeyValues: the exact kernel over that sequence's own cache, from
 its own start, among its own rows), so row b * T + t is row t of sequence b's own step_T call, bit for bit, as long
@@ -12,9 +13,9 @@ from torch import nn
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import BatchSpanKeyValues
 from streamfuse.export.passes import tree_mask
-from streamfuse.runtime.contract import batch_inputs
-from streamfuse.runtime.tree import TreeSpec
-from streamfuse.runtime.tree_attention import commit_op
+from streamfuse.runtime.artifact.contract import batch_inputs
+from streamfuse.runtime.ops.tree_attention import commit_op
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 class BatchStepPass(nn.Module):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from streamfuse import cli
 
     try:  # what the command line needs, imported before the build runs: a missing package is this python's lack
-        importlib.import_module("streamfuse.runtime.errors")
+        importlib.import_module("streamfuse.runtime.commands.errors")
         importlib.import_module(cli.COMMANDS["build"].module)
     except ModuleNotFoundError as missing:
         if (missing.name or "").partition(".")[0] == "streamfuse":

@@ -27,10 +27,7 @@ from streamfuse.export.passes import (
     StepPass,
     StreamsPass,
 )
-from streamfuse.runtime.artifact import Artifact
-from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-from streamfuse.runtime.contract import (
+from streamfuse.runtime.artifact.contract import (
     CACHE_INPUTS,
     INPUT_NAMES,
     NEW_ROWS,
@@ -39,6 +36,9 @@ from streamfuse.runtime.contract import (
     GraphSpec,
     base_method,
 )
+from streamfuse.runtime.artifact.format import Artifact
+from streamfuse.runtime.backends.base import process_peak_rss_bytes
+from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
 # Ranks per stream a greedy step drafts: trees with a wider level run step + streams instead.
 DRAFT_WIDTH = 16
@@ -195,8 +195,8 @@ def open_checkpoint(
     folder: Path, device: str = "cpu", stream_schedule: str = "fused", artifact: Artifact | None = None
 ) -> tuple[TorchBackend, object, dict]:
     """The torch backend over a fine-tuned checkpoint folder -> (backend, tokenizer, the checkpoint's manifest): the
-    `torch` entry point of group streamfuse.backends, which runtime/loader.py opens. artifact: the exported artifact
-    the checkpoint is the adapter of (its pruned head, its other tasks), None for a bare checkpoint."""
+    `torch` entry point of group streamfuse.backends, which runtime/request/loader.py opens. artifact: the exported
+    artifact the checkpoint is the adapter of (its pruned head, its other tasks), None for a bare checkpoint."""
     from streamfuse.adapters.checkpoint import load_checkpoint
 
     several = artifact is not None and len(artifact.tasks) > 1

@@ -8,7 +8,7 @@ DEFAULT_BACKENDS = ("torch", "executorch", "onnxruntime")
 # backend -> (.pte file, ExecuTorch delegate). The Core ML one is built here, run in an app on the device.
 PTE_FILES = {"executorch": ("model.pte", "xnnpack"), "executorch_coreml": ("model-coreml.pte", "coreml")}
 # Backends whose graphs attend over the cache's used span with streamfuse's exact kernel (graph.GraphShapes.span),
-# registered into the engine as a custom op (runtime/tree_attention.py): ExecuTorch on XNNPACK, ONNX Runtime.
+# registered into the engine as a custom op (runtime/ops/tree_attention.py): ExecuTorch on XNNPACK, ONNX Runtime.
 SPAN = ("executorch", "onnxruntime")
 RUNS_HERE = ("executorch", "onnxruntime")  # the exported backends whose parity is checked here
 # What MatMulNBits does with activations in the low-bit ONNX graphs (export/to_onnx.py ACCURACY_LEVEL).

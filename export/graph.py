@@ -1,14 +1,14 @@
 """Static-shape graphs of a Speculative Streaming model: what ExecuTorch, ONNX and Core ML compile.
 
 Every method is a function of explicit tensors, its inputs, outputs and shapes the contract's
-(runtime/contract.py: INPUT_NAMES, OUTPUT_NAMES, and the table there); the host allocates the KV cache and hands it
-to every call.
+(runtime/artifact/contract.py: INPUT_NAMES, OUTPUT_NAMES, and the table there); the host allocates the KV cache and
+hands it to every call.
 
 The draft tree is data: step_T and greedy_step_T exist for each size bucket T (GraphShapes.buckets)
 and take the tree as inputs: `tree` row i is 1 at node i's ancestors and itself, `depths` gives each
 node's position past cache_len, `parents` each node's parent (the root its own). Any tree of up to T
 nodes runs in the bucket; the host pads the rest with rows that see only themselves at depth -1
-(runtime/contract.py tree_inputs), which no real row sees and greedy_step never accepts.
+(runtime/artifact/contract.py tree_inputs), which no real row sees and greedy_step never accepts.
 Calibration may pick any tree up to the largest bucket with no re-export, and a method may change its
 tree every step.
 
@@ -18,7 +18,7 @@ ones into its cache. On ExecuTorch and ONNX Runtime (GraphShapes.span) the engin
 attention kernel reads only rows < cache_len, in place, and writes the call's rows into slots cache_len.. of the
 given buffers; every method takes one more input, commit [max_nodes] (the nodes of the previous call the host
 accepted, ascending, then -1), and first moves those rows into place; no method returns new_keys/new_values
-(runtime/contract.py COMMIT_INPUT). prefill is a causal chunk of P tokens (a constant chain), decode a
+(runtime/artifact/contract.py COMMIT_INPUT). prefill is a causal chunk of P tokens (a constant chain), decode a
 chain of 1.
 anchor is each row's main-stream state at layer N - N_s: the streams method runs
 the gamma streams of the last accepted node after its commit (the deferred schedule, whose
@@ -65,7 +65,7 @@ from streamfuse.export.passes import (
     StepPass,
     StreamsPass,
 )
-from streamfuse.runtime.contract import (
+from streamfuse.runtime.artifact.contract import (
     STREAM_SCHEDULES,
     GraphSpec,
     batch_method,
@@ -74,7 +74,7 @@ from streamfuse.runtime.contract import (
     output_names,
     tree_inputs,
 )
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class GraphShapes:
     # are not node counts, and calibration's trees reach rank MAX_RANK - 1 with a lookup branch one rank
     # further (training/calibration.py MAX_RANK = 8).
     draft_width: int = 9
-    # (sequences, rows) of the batched steps (runtime/contract.py batch_method; export/batch_pass.py): the span
+    # (sequences, rows) of the batched steps (runtime/artifact/contract.py batch_method; export/batch_pass.py): the span
     # graphs only (they keep each sequence's cache in the engine); rows 1 (decode rows) or a bucket.
     batches: tuple[tuple[int, int], ...] = ()
 

@@ -4,8 +4,8 @@ ONNX has one entry point per model, and a session per method graph prepacks its 
 weight (5 graphs: 811 MiB of RSS for a 132 MiB q4 artifact). Here each method's graph becomes the
 then-branch of an If at the top of one model; the input `method` (its index in the model's method
 list, kept in its metadata under METHODS_METADATA) picks the branch, every weight is an initializer of the top
-graph, and each method's outputs are <method>.<name> (runtime/contract.py owns these names). Measured with ONNX Runtime
-1.31.1 on SmolLM2's layers: one session prepacks the weights once for all the If branches that
+graph, and each method's outputs are <method>.<name> (runtime/artifact/contract.py owns these names). Measured with
+ONNX Runtime 1.31.1 on SmolLM2's layers: one session prepacks the weights once for all the If branches that
 read them from the enclosing graph (docs/export.md; an If nested in another If's branch would not
 find them there and run unpacked, so the Ifs sit side by side). An If whose condition is false
 runs its else-branch: empty constants, a few microseconds.
@@ -21,7 +21,7 @@ import copy
 import hashlib
 import json
 
-from streamfuse.runtime.contract import METHOD_INPUT, METHODS_METADATA, method_output
+from streamfuse.runtime.artifact.contract import METHOD_INPUT, METHODS_METADATA, method_output
 
 
 def strip_debug_info(model, keep_shapes: bool = False) -> None:

@@ -14,9 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from streamfuse.export.onnx_nodes import Graph, branches
-from streamfuse.runtime import q4_linear
+from streamfuse.runtime.ops import q4_linear
 
-OWN_LINEAR, OWN_WIDTH, OWN_TILE = "Q4Linear", "out_features", 16  # streamfuse's 4-bit op (runtime/q4_linear.py)
+OWN_LINEAR, OWN_WIDTH, OWN_TILE = "Q4Linear", "out_features", 16  # streamfuse's 4-bit op (runtime/ops/q4_linear.py)
 
 
 class _Linear(NamedTuple):

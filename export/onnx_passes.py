@@ -31,7 +31,7 @@ import json
 import numpy as np
 
 from streamfuse.export.onnx_nodes import Graph, branches
-from streamfuse.runtime.contract import EMBEDDING_METADATA
+from streamfuse.runtime.artifact.contract import EMBEDDING_METADATA
 
 ROTARY_OPSET = 23  # ONNX's RotaryEmbedding
 GATHERS = ("Gather", "GatherND")

@@ -1,12 +1,12 @@
 """The graphs' functions as torch modules: what export/ traces into static-shape graphs and what the torch
-backend runs eagerly (export/eager.py). Their inputs and outputs are the contract's (runtime/contract.py
+backend runs eagerly (export/eager.py). Their inputs and outputs are the contract's (runtime/artifact/contract.py
 INPUT_NAMES, OUTPUT_NAMES); export/graph.py says what each computes.
 
 A layout says where a call's new rows sit for attention:
 - "append": after the cache rows given (all C, or fewer: the graph reads the count from its inputs);
 - "span": read by the exact kernel over the cache's used span (export/span_attention.py), which also writes
   them into slots cache_len.. of the given cache in place; the call first moves the rows the host accepted from
-  the previous call into place (its commit input, runtime/tree_attention.py commit_rows), and returns no rows;
+  the previous call into place (its commit input, runtime/ops/tree_attention.py commit_rows), and returns no rows;
 - "scratch" (eager only): written into the given cache's free slots cache_len.. in place, attention reading
   a view of slots [0, cache_len + T): no copy of the cache, and the host's commit moves the accepted rows
   down. The passes then also read only the used span for the streams and heads.
@@ -22,8 +22,8 @@ from torch import nn
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import LowerState, SpeculativeStreamingLM
 from streamfuse.adapters.msa import KeyValues, ScratchKeyValues, SpanKeyValues, StepKeyValues
-from streamfuse.runtime.contract import STREAM_SCHEDULES
-from streamfuse.runtime.tree_attention import commit_op
+from streamfuse.runtime.artifact.contract import STREAM_SCHEDULES
+from streamfuse.runtime.ops.tree_attention import commit_op
 
 Cache = torch.Tensor  # the K or V cache as a graph input: [L, kv, C, d]
 APPEND, SPAN, SCRATCH = "append", "span", "scratch"
@@ -377,7 +377,7 @@ def as_scores(mask: torch.Tensor, keys: torch.Tensor, layout: str) -> torch.Tens
 def accepted_node(
     ids: torch.Tensor, targets: torch.Tensor, tree: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor
 ) -> torch.Tensor:
-    """[1]: the deepest node whose every ancestor's target is its child's token (runtime/accept.py's greedy
+    """[1]: the deepest node whose every ancestor's target is its child's token (runtime/speculation/accept.py's greedy
     rule; sibling tokens are distinct, so at most one node per depth qualifies). Rows are weighed by
     depth + 1, so the root (1) always beats a pad row (depth -1: 0)."""
     matched = torch.cat(

@@ -1,5 +1,5 @@
-"""q4-native on streamfuse's own ops: the linears on the 4-bit op (runtime/q4_linear.py), the tied LM head and
-embedding on the Q8_0 op's codes (runtime/q8_linear.py): one node a layer.
+"""q4-native on streamfuse's own ops: the linears on the 4-bit op (runtime/ops/q4_linear.py), the tied LM head and
+embedding on the Q8_0 op's codes (runtime/ops/q8_linear.py): one node a layer.
 
 Q4Linear (export/low_bit.py) keeps the GGUF's codes with ONNX Runtime's MatMulNBits and puts the Q4_1 minimums
 and the LoRA into an fp32 low-rank term (4 nodes, a [K, K/32] block-sum matrix and fp32 offsets beside the
@@ -18,7 +18,7 @@ from torch import nn
 
 from streamfuse.adapters.gguf_codes import BLOCK
 from streamfuse.export.low_bit import Q4Linear, Q8Embedding, Q8Linear, unpack_nibbles
-from streamfuse.runtime import q4_linear, q8_linear
+from streamfuse.runtime.ops import q4_linear, q8_linear
 
 
 class KernelQ4Linear(nn.Module):
@@ -132,7 +132,7 @@ def use_kernel_linears(model: nn.Module, head: bool = False) -> dict:
         raise ValueError("use_kernel_linears takes a q4-native model (low_bit.use_base_codes): it has no Q4Linear")
     model.replace_modules(lambda m: isinstance(m, Q4Linear), convert)
     details = {
-        "linear": "q4_1 codes in streamfuse's own op (runtime/q4_linear.py), LoRA unmerged in fp32",
+        "linear": "q4_1 codes in streamfuse's own op (runtime/ops/q4_linear.py), LoRA unmerged in fp32",
         "max_weight_error": {"linear": error},
     }
     if head:
@@ -150,6 +150,6 @@ def _use_kernel_head(model: nn.Module) -> dict:
     model.replace_modules(lambda m: isinstance(m, Q8Embedding), lambda _: KernelQ8Embedding(kernel))
     model.replace_modules(lambda m: m is heads[0], lambda _: kernel)
     return {
-        "lm_head": "q8_0 codes in streamfuse's own op (runtime/q8_linear.py), tied to the embedding",
+        "lm_head": "q8_0 codes in streamfuse's own op (runtime/ops/q8_linear.py), tied to the embedding",
         "head_error": head_error,
     }

@@ -1,5 +1,5 @@
 """Attention over the used span of the cache, for the exported graphs (ExecuTorch, ONNX Runtime): HF's attention
-interface backed by the exact kernel (runtime/tree_attention.py). The layer's cache and `start` come from the
+interface backed by the exact kernel (runtime/ops/tree_attention.py). The layer's cache and `start` come from the
 SpanKeyValues provider (adapters/msa.py); the keys HF hands over are the call's own rows, and the mask
 [1, 1, rows, those rows] says which each row sees. The kernel writes the provider's `stored` first rows into the
 cache at slots start.. (the engine keeps the cache). A row's result is bit-identical whatever the call's size
@@ -18,7 +18,7 @@ from streamfuse.adapters import hf
 from streamfuse.adapters.masks import GRAPH_MASKED
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.adapters.msa import BatchSpanKeyValues, KeyValues, SpanKeyValues
-from streamfuse.runtime.tree_attention import torch_op
+from streamfuse.runtime.ops.tree_attention import torch_op
 
 SPAN_ATTENTION = "streamfuse_span"
 

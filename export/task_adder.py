@@ -8,15 +8,15 @@ from datetime import datetime, timezone
 from streamfuse.adapters.checkpoint import read_manifest
 from streamfuse.export.backend_export import tensors_stage
 from streamfuse.export.formats import RUNS_HERE
-from streamfuse.runtime.artifact import TASKS, Artifact, ArtifactError, lock
-from streamfuse.runtime.durable import replace_folder
+from streamfuse.runtime.artifact.durable import replace_folder
+from streamfuse.runtime.artifact.format import TASKS, Artifact, ArtifactError, lock
 
 
 class TaskAdder:
     """A task joins an artifact whose graphs another task's build made (the same base, streams and LoRA shape, in a
     format whose graphs take the task's tensors): only its tensor files, its adapter and its parity are new. They are
     staged in <artifact>/tasks/.<task>.partial-<key> and renamed into tasks/<task> once parity passed; the manifest
-    then records the task (runtime/artifact.py TASK_FIELDS)."""
+    then records the task (runtime/artifact/format.py TASK_FIELDS)."""
 
     def __init__(self, builder):
         self.builder = builder

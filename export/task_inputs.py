@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamfuse.runtime.contract import TASK_PREFIX  # graph input names: task.<name in the model>
+from streamfuse.runtime.artifact.contract import TASK_PREFIX  # graph input names: task.<name in the model>
 
 TRAINED_MODULES = ("stream_init", "pruning_head")  # adapters/checkpoint.py extra_state: the non-LoRA trained parts
 

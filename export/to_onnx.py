@@ -103,15 +103,15 @@ ACCURACY_LEVEL = 4
 
 def custom_translations(accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """ONNX for streamfuse's custom ops: the low-bit products (export/low_bit.py) as ONNX Runtime's MatMulNBits,
-    the attention kernel and the cache's commit (runtime/tree_attention.py) as streamfuse's TreeAttention and
-    CommitRows, and streamfuse's own 4-bit linear and Q8_0 head (runtime/q4_linear.py, q8_linear.py) as
+    the attention kernel and the cache's commit (runtime/ops/tree_attention.py) as streamfuse's TreeAttention and
+    CommitRows, and streamfuse's own 4-bit linear and Q8_0 head (runtime/ops/q4_linear.py, q8_linear.py) as
     streamfuse.Q4Linear and Q8Linear."""
     from onnxscript.values import Opset
 
     from streamfuse.export import low_bit  # noqa: F401  (registers the ops translated here)
-    from streamfuse.runtime import q4_linear
-    from streamfuse.runtime import q8_linear as q8_tiles  # (q8_linear below is MatMulNBits' translation)
-    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP, commit_op, torch_op
+    from streamfuse.runtime.ops import q4_linear
+    from streamfuse.runtime.ops import q8_linear as q8_tiles  # (q8_linear below is MatMulNBits' translation)
+    from streamfuse.runtime.ops.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP, commit_op, torch_op
 
     _register_schemas()
     own_linear = getattr(Opset(ONNX_DOMAIN, 1), q4_linear.ONNX_OP)
@@ -175,9 +175,9 @@ def _register_schemas() -> None:
     against its own definitions at load."""
     from onnx import defs
 
-    from streamfuse.runtime.q4_linear import ONNX_OP as Q4_OP
-    from streamfuse.runtime.q8_linear import ONNX_OP as Q8_OP
-    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
+    from streamfuse.runtime.ops.q4_linear import ONNX_OP as Q4_OP
+    from streamfuse.runtime.ops.q8_linear import ONNX_OP as Q8_OP
+    from streamfuse.runtime.ops.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     schema = defs.OpSchema
     types = [("T1", ["tensor(float)"], ""), ("T2", ["tensor(int64)"], "")]

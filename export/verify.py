@@ -28,17 +28,17 @@ import torch
 from torch import nn
 
 from streamfuse.export.eager import TorchBackend
-from streamfuse.methods import registry
 from streamfuse.methods.ar import METHOD as PLAIN
 from streamfuse.methods.sd import METHOD as CHAIN  # a chain drafted beside the streams: the draft-model methods'
 from streamfuse.methods.ss import METHOD as SS
+from streamfuse.runtime.artifact.contract import CACHE_INPUTS, GraphSpec, input_names, output_names
 from streamfuse.runtime.backends.static_graph import Session, StaticGraphBackend
-from streamfuse.runtime.contract import CACHE_INPUTS, GraphSpec, input_names, output_names
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 # Absolute tolerance per output, relative to the output's largest magnitude (fp32 graphs).
 RELATIVE_TOLERANCE = 1e-4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from streamfuse.runtime import errors
+from streamfuse.runtime.commands import errors
 
 
 def start(function, *args) -> Future:

@@ -12,7 +12,7 @@ refusals and their replacements (same arithmetic):
 - SDPA's decomposition (a "safe softmax" for fully masked rows: any / where / logical_not) and
   4D matmuls (expand_copy): attention is streamfuse's exact kernel over the cache's used span
   (export/span_attention.py), one op per layer between two XNNPACK partitions, registered into
-  ExecuTorch's runtime by runtime/tree_attention.py;
+  ExecuTorch's runtime by runtime/ops/tree_attention.py;
 - unsqueeze on any but the trailing dim (the rotary embedding's cos / sin, per layer): a view;
 - alias copies of the new K/V rows: dropped.
 

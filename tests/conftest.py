@@ -189,7 +189,7 @@ def write_checkpoint(root: Path, layers: int = 4, msa_layers: int = 2, gguf: boo
     from streamfuse.adapters.config import LoraSettings, StreamConfig
     from streamfuse.adapters.lora import add_lora
     from streamfuse.adapters.model import SpeculativeStreamingLM
-    from streamfuse.runtime.prompt import PromptFormat
+    from streamfuse.runtime.artifact.prompt import PromptFormat
 
     prompt = PromptFormat("summarize {source}", "{dialogue}", 64)
     base = root / "base"

@@ -1,5 +1,6 @@
-"""runtime/api.py, `streamfuse.load`: generate, stream, chat and chat sessions on the tiny checkpoint (torch) and the
-tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what runtime/session.py's run decodes."""
+"""runtime/request/api.py, `streamfuse.load`: generate, stream, chat and chat sessions on the tiny checkpoint (torch)
+and the tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what runtime/request/session.py's run
+decodes."""
 
 import subprocess
 import sys
@@ -7,8 +8,15 @@ import sys
 import pytest
 
 import streamfuse
-from streamfuse.runtime.decode import kept_prefix
-from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run, text_of
+from streamfuse.runtime.request.decode import kept_prefix
+from streamfuse.runtime.request.session import (
+    BASELINE_METHOD,
+    DEFAULT_METHOD,
+    DecodeRequest,
+    decode_settings,
+    run,
+    text_of,
+)
 
 from tiny_export import EXPORTED
 
@@ -27,7 +35,7 @@ def engine(artifact, request):
 
 
 def reference(model, ids, **fields):
-    """What runtime/session.py's run decodes for these prompt ids."""
+    """What runtime/request/session.py's run decodes for these prompt ids."""
     loaded = model.loaded
     return run(loaded, ids, decode_settings(loaded, DecodeRequest(**fields)))
 
@@ -119,7 +127,7 @@ def test_chat_renders_the_conversation_on_the_chat_template(model):
 
 
 def test_a_task_source_is_rendered_in_the_task_prompt_format(model):
-    from streamfuse.runtime.session import prompt_ids
+    from streamfuse.runtime.request.session import prompt_ids
 
     source = "#Person1#: the time #Person2#: it is"
     done = model.generate(source, max_new_tokens=10, as_task=True)

@@ -1,4 +1,4 @@
-"""The artifact's contract (runtime/artifact.py): the manifest checked against its declared schema, every path
+"""The artifact's contract (runtime/artifact/format.py): the manifest checked against its declared schema, every path
 confined to the folder, every file that changes behaviour hashed before it is parsed, writes under one lock.
 Tampered copies of a tiny real artifact (torch only: built in seconds) each give one ArtifactError line."""
 
@@ -17,12 +17,20 @@ from hypothesis import strategies as st
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.runtime import durable
-from streamfuse.runtime.artifact import LOCK, MANIFEST, Artifact, ArtifactError, lock, parse_manifest, write_manifest
-from streamfuse.runtime.calibration import BackendCalibration, TreeCost
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.onnx_external import check_external_data
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.artifact import durable
+from streamfuse.runtime.artifact.format import (
+    LOCK,
+    MANIFEST,
+    Artifact,
+    ArtifactError,
+    lock,
+    parse_manifest,
+    write_manifest,
+)
+from streamfuse.runtime.artifact.onnx_external import check_external_data
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.speculation.calibration import BackendCalibration, TreeCost
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import write_checkpoint
 
@@ -134,7 +142,7 @@ def test_bytes_that_are_no_manifest_are_one_line(data, message):
 
 
 def test_the_cli_says_one_line_and_exits_nonzero(copy, capsys):
-    from streamfuse.runtime import errors, generate
+    from streamfuse.runtime.commands import errors, generate
 
     edit(copy, deleter("graphs/buckets"))
     code = errors.run(generate.main, ["--artifact", str(copy), "--backend", "torch", "--prompt", "hi"])

@@ -1,4 +1,5 @@
-"""Several sequences in one step (runtime/batch.py): every sequence of a batch decodes exactly its single-sequence
+"""Several sequences in one step (runtime/request/batch.py): every sequence of a batch decodes exactly its
+single-sequence
 output, whatever the batch (B = 1, 2, 4, 8 of different prompts, lengths, methods, one sampled), in one batched call
 per step where the graphs have one (the tiny artifact's ExecuTorch and ONNX Runtime graphs), one call per sequence
 elsewhere (torch); a cancelled sequence frees its cache at once, one that finishes early leaves the rest going."""
@@ -7,16 +8,16 @@ import json
 
 import pytest
 
-from streamfuse.methods import registry
-from streamfuse.runtime.batch import CANCELLED, BatchDecoder
-from streamfuse.runtime.batch_policy import HoldPolicy
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.fallback import FallbackConfig
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.batch import CANCELLED, BatchDecoder
+from streamfuse.runtime.request.batch_policy import HoldPolicy
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.fallback import FallbackConfig
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import EXPORTED, TREES, prompts
 

@@ -12,9 +12,7 @@ import pytest
 from streamfuse.export import graph
 from streamfuse.export.artifact_batch import batch_case, batch_parity, batched_call, check_batches, single_calls
 from streamfuse.export.verify import ParityError
-from streamfuse.runtime.artifact import Artifact, ArtifactError, parse_manifest
-from streamfuse.runtime.backends.sessions import open_session
-from streamfuse.runtime.contract import (
+from streamfuse.runtime.artifact.contract import (
     GraphSpec,
     base_method,
     batch_inputs,
@@ -26,7 +24,9 @@ from streamfuse.runtime.contract import (
     output_names,
     parse_batches,
 )
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.artifact.format import Artifact, ArtifactError, parse_manifest
+from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import CONFIG, EXPORTED, manifest
 

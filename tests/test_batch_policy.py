@@ -1,10 +1,10 @@
-"""The batch policy (runtime/batch_policy.py) as a table: what it measures first, when it holds a batch's greedy
+"""The batch policy (runtime/request/batch_policy.py) as a table: what it measures first, when it holds a batch's greedy
 speculative sequences to plain steps, and that a shape's first step (its warm-up) and a stale measurement count
 as unknown."""
 
 import pytest
 
-from streamfuse.runtime.batch_policy import HoldPolicy
+from streamfuse.runtime.request.batch_policy import HoldPolicy
 
 # (steps observed so far as (sequences, held, seconds, tokens), sequences asked about) -> hold?
 CASES = [

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamfuse.metrics import rouge
-from streamfuse.runtime.prompt import PromptFormat
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.artifact.prompt import PromptFormat
+from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools import bench, bench_data
 
 
@@ -58,7 +58,7 @@ BENCH_PROBES = [
 
 @pytest.mark.parametrize("argv, status, message", BENCH_PROBES, ids=[p[2] for p in BENCH_PROBES])
 def test_bench_bad_input_is_one_line(checkpoint, tmp_path, capsys, argv, status, message):
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
 
     argv = [
         "--artifact",
@@ -244,12 +244,12 @@ def test_rouge_takes_the_best_reference_and_splits_sentences():
 def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
     from dataclasses import replace
 
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.loader import load
-    from streamfuse.runtime.measure import interleaved, summarise
-    from streamfuse.runtime.session import DEFAULT_TREE, Input
-    from streamfuse.runtime.trace import Trace
-    from streamfuse.runtime.tree import TreeSpec
+    from streamfuse.runtime.measure.timing import interleaved, summarise
+    from streamfuse.runtime.request.emitter import StopRules
+    from streamfuse.runtime.request.loader import load
+    from streamfuse.runtime.request.session import DEFAULT_TREE, Input
+    from streamfuse.runtime.request.trace import Trace
+    from streamfuse.runtime.speculation.tree import TreeSpec
 
     loaded = load(checkpoint / "ckpt")
     ss = DecodeSettings("ss", StopRules(6, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))

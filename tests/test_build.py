@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.checkpoint import weights_digest
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.calibration import AcceptanceModel
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.calibration import AcceptanceModel
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training import build, stages
 
 from conftest import end_half_the_answers, smoke_build_args, write_tiny_dialogsum
@@ -176,10 +176,10 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     falcon = drafters["falcon"]  # k = 2, scratch for 2 passes past its 32 rows
     assert (falcon["block"], falcon["vocab"], falcon["slots"], falcon["max_passes"]) == (2, 40, 34, 2)
     assert set(falcon["graphs"]) == {"onnxruntime"} and falcon["parity"]["onnxruntime"] <= 1e-4
-    from streamfuse.runtime.decode import generate
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.loader import load
-    from streamfuse.runtime.settings import DecodeSettings
+    from streamfuse.runtime.request.decode import generate
+    from streamfuse.runtime.request.emitter import StopRules
+    from streamfuse.runtime.request.loader import load
+    from streamfuse.runtime.request.settings import DecodeSettings
 
     loaded = load(tmp_path / "artifact", "torch")
     assert loaded.methods == ("ar", "ss", "sd", "medusa", "specdec++", "ss-adaptive", "pearl", "parallelspec", "falcon")
@@ -315,8 +315,8 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert [0 < len(row) <= 8 for row in json.loads((tmp_path / "matches.json").read_text())["matches"]] == [True] * 2
 
     # A profile whose SS output differs from plain decoding fails the build, naming the inputs.
-    from streamfuse.runtime import errors
-    from streamfuse.runtime.artifact import Artifact
+    from streamfuse.runtime.artifact.format import Artifact
+    from streamfuse.runtime.commands import errors
 
     opened = Artifact.open(tmp_path / "artifact")
     opened.update(

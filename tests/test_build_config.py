@@ -107,7 +107,7 @@ def test_contradictory_or_unknown_settings_are_refused_naming_the_field(name, as
 
 
 def test_q4_native_without_base_codes_is_refused_before_training(tiny_base_dir, tmp_path, capsys):
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
 
     argv = [
         "--task",
@@ -281,7 +281,7 @@ def test_new_models_start_from_the_training_seed_whatever_the_generator_held(tin
     ],
 )
 def test_bad_export_flags_are_one_line_before_any_work(tiny_base_dir, tmp_path, capsys, argv, message):
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
 
     argv = ["--preset", "smoke", "--base-model", str(tiny_base_dir), "--work-dir", str(tmp_path / "work"), *argv]
     assert errors.run(build.main, argv, prog="build.py") == 2
@@ -299,7 +299,7 @@ def test_threads_below_one_is_an_argparse_usage_error(capsys):
 def test_a_second_build_into_the_same_folder_refuses_with_one_line(tiny_base_dir, tmp_path, capsys):
     import os
 
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
     from streamfuse.training.lock import FolderBusy, exclusive
 
     out = tmp_path / "artifact"

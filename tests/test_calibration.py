@@ -2,8 +2,8 @@
 
 import pytest
 
-from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, Timings, TreeCost, calibrate
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.calibration import AcceptanceModel, BackendCalibration, Timings, TreeCost, calibrate
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 # Two answers. Per position: the rank of the true token in stream 1, 2, 3 (a rank >= 4 or -1 is a miss,
 # which ends the path), and lookup's matching tokens (-1: it proposed none).

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from streamfuse.methods import registry
-from streamfuse.runtime.decode import Generation, generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.decode import Generation, generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import EXPORTED, TREES, path_of, prompts
 

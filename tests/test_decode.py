@@ -12,12 +12,12 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.eager import TorchBackend
 from streamfuse.runtime.backends.base import PruneConfig, StepOutput
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig, target_probs
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.sampling import SamplingConfig, target_probs
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 

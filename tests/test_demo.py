@@ -17,10 +17,10 @@ from streamfuse.apps.examples import read_examples
 from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
 from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
 from streamfuse.apps.stats import RunStats, comparison, stat_fields
-from streamfuse.methods import registry as methods
-from streamfuse.runtime.api import Completion, Stats
-from streamfuse.runtime.decode import StepEvent
-from streamfuse.runtime.loader import BACKENDS
+from streamfuse.runtime.methods import registry as methods
+from streamfuse.runtime.request.api import Completion, Stats
+from streamfuse.runtime.request.decode import StepEvent
+from streamfuse.runtime.request.loader import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = "zero one two three four five six seven eight nine ten eleven".split()

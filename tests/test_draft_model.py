@@ -10,10 +10,10 @@ from streamfuse.adapters.hf import decoder_parts, keep_first_layers
 from streamfuse.export.eager import TorchBackend
 from streamfuse.methods.sd.drafter import ModelDrafter
 from streamfuse.methods.sd.model import draft_model
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.config import TrainConfig
 from streamfuse.training.data import Encoded
 from streamfuse.training.train import train

@@ -17,11 +17,11 @@ from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.backends.base import EngineError
 from streamfuse.runtime.backends.sessions import MissingBackend, OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 

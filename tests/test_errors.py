@@ -1,4 +1,4 @@
-"""runtime/errors.py: what an entry point does with an error, and the libraries' known noise."""
+"""runtime/commands/errors.py: what an entry point does with an error, and the libraries' known noise."""
 
 import subprocess
 import sys
@@ -6,10 +6,10 @@ import warnings
 
 import pytest
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.artifact import ArtifactError
+from streamfuse.runtime.artifact.format import ArtifactError
 from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.commands import errors
 
 # raised by main -> exit status (None: not the user's to fix, so the traceback stays)
 OUTCOMES = [
@@ -50,7 +50,7 @@ def test_a_multi_line_message_becomes_one_line(capsys):
 
 
 LOUD = (
-    "import warnings; from streamfuse.runtime import errors; {quiet}; import torchao; "
+    "import warnings; from streamfuse.runtime.commands import errors; {quiet}; import torchao; "
     "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed', FutureWarning)"
 )
 
@@ -77,7 +77,7 @@ def test_known_library_noise_is_hidden():
 
 
 NATIVE = """import os, sys, time
-from streamfuse.runtime import errors
+from streamfuse.runtime.commands import errors
 errors.filter_native_stderr()
 os.write(2, b"[cpuinfo_utils.cpp:71] Reading file /sys/devices/soc0/image_version\\n")
 os.write(2, b"a native line that matters\\n")

@@ -9,15 +9,15 @@ import pytest
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
-from streamfuse.runtime.artifact import SCHEMA, Artifact, ArtifactError, file_digest
+from streamfuse.runtime.artifact.contract import method_names, parse_batches
+from streamfuse.runtime.artifact.format import SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.base import CapacityError
 from streamfuse.runtime.backends.sessions import MissingBackend
-from streamfuse.runtime.contract import method_names, parse_batches
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import CONFIG, DRAFT, TREES, Biased, copy_of, manifest, needs, prompts
 
@@ -126,7 +126,7 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
 @needs("coreml")
 def test_coreml_package_has_a_function_per_method_with_static_shapes(artifact):
     from streamfuse.export.to_coreml import spec_signature
-    from streamfuse.runtime.contract import input_names, output_names
+    from streamfuse.runtime.artifact.contract import input_names, output_names
 
     data = manifest(artifact)
     spec = spec_signature(artifact / data["files"]["coreml"]["package"]["path"])
@@ -165,7 +165,7 @@ def test_onnx_model_holds_every_method_over_one_copy_of_the_weights(artifact):
     import onnx
     from onnx import numpy_helper
 
-    from streamfuse.runtime.contract import METHOD_INPUT, method_output, output_names
+    from streamfuse.runtime.artifact.contract import METHOD_INPUT, method_output, output_names
 
     folder = artifact / "onnx"
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "weights.bin"]

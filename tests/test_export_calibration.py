@@ -6,8 +6,8 @@ import torch
 from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.eager import TorchBackend
-from streamfuse.runtime.calibration import BackendCalibration, TreeCost
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.calibration import BackendCalibration, TreeCost
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.calibration import acceptance_model, lookup_matches, position_ranks, tree_text, trees_to_export
 from streamfuse.training.data import Encoded
 

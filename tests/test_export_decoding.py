@@ -9,12 +9,12 @@ import torch
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.runtime.backends.base import HIDDEN
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import write_checkpoint
 from tiny_export import CONFIG, DRAFT, EXPORTED, TREES, needs, path_of, prompts
@@ -87,7 +87,7 @@ def test_a_failed_engine_call_leaves_the_loaded_model_as_a_fresh_load(artifact, 
 
 def second_token_marginal(eager, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
     """P(x2) = sum over x1 of P(x1) P(x2 | x1): the target's exact law of the second sampled token."""
-    from streamfuse.runtime.sampling import target_probs
+    from streamfuse.runtime.speculation.sampling import target_probs
 
     def next_probs(ids: list[int]) -> torch.Tensor:
         eager.reset(len(ids) + 1)
@@ -122,8 +122,8 @@ def test_every_method_samples_the_exact_target_on_the_engine_itself(artifact, ba
     from streamfuse.methods.sd.drafter import ModelDrafter
     from streamfuse.methods.specdec.drafter import StopRule
     from streamfuse.methods.ss_adaptive.drafter import AdaptiveStreamDrafter
-    from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
-    from streamfuse.runtime.tree_choice import TreeChoice
+    from streamfuse.runtime.speculation.calibration import AcceptanceModel, BackendCalibration, TreeCost
+    from streamfuse.runtime.speculation.tree_choice import TreeChoice
 
     from test_decode import backend_for
     from test_specdec import constant_head

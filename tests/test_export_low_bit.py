@@ -8,12 +8,12 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
 from streamfuse.export.onnx_methods import method_graph
-from streamfuse.runtime.artifact import Artifact
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.artifact.format import Artifact
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
 
 from conftest import write_checkpoint
 from tiny_export import DRAFT, prompts
@@ -89,7 +89,7 @@ def test_onnx_graphs_keep_the_whole_cache_in_place_through_streamfuses_ops(artif
     Runtime, which orders ops by data only, runs the move first. No op copies or slices the cache."""
     import onnx
 
-    from streamfuse.runtime.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
+    from streamfuse.runtime.ops.tree_attention import ONNX_COMMIT_OP, ONNX_DOMAIN, ONNX_OP
 
     model = onnx.load(str(artifacts["int8"] / "onnx" / "model.onnx"), load_external_data=False)
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -114,7 +114,7 @@ def test_every_norm_of_every_method_runs_one_kernel_and_projections_are_packed(a
     one streamfuse.Q4Linear with the LoRA inside, no MatMul left), the head one streamfuse.Q8Linear in q4-native."""
     import onnx
 
-    from streamfuse.runtime.contract import method_names
+    from streamfuse.runtime.artifact.contract import method_names
 
     model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
     for method in method_names((4,)):
@@ -146,7 +146,7 @@ def test_no_method_folds_a_copy_of_a_weight(artifacts):
     branch: a Reshape of the LM head's scales would be a 3.5 MB copy per method on SmolLM2."""
     import onnx
 
-    from streamfuse.runtime.contract import method_names
+    from streamfuse.runtime.artifact.contract import method_names
 
     for fmt in ("q4-native", "int8"):
         model = onnx.load(str(artifacts[fmt] / "onnx" / "model.onnx"), load_external_data=False)
@@ -167,7 +167,7 @@ def test_q4_native_weights_are_the_gguf_codes_bit_for_bit(artifacts, gguf_checkp
     import onnx
     from onnx import numpy_helper
 
-    from streamfuse.runtime import q4_linear
+    from streamfuse.runtime.ops import q4_linear
 
     model = onnx.load(str(artifacts["q4-native"] / "onnx" / "model.onnx"), load_external_data=True)
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from streamfuse.runtime.artifact import Artifact, ArtifactError
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.artifact.format import Artifact, ArtifactError
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import CONFIG, EXPORTED, HERE, copy_of, manifest, needs, prompts
 
@@ -81,7 +81,7 @@ def test_resident_bytes_counts_the_pages_written_not_those_allocated():
 
 @needs("executorch", "onnxruntime")
 def test_call_times_tool_times_every_decode_method_by_span(artifact, capsys, tmp_path):
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
     from streamfuse.tools import call_times
 
     out = tmp_path / "calls.json"
@@ -191,7 +191,7 @@ def with_acceptance(artifact, tmp_path):
 @needs("onnxruntime")
 @pytest.mark.parametrize("slow", [0, 1])
 def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, tmp_path, slow):
-    from streamfuse.runtime.measure import calibrate_backend
+    from streamfuse.runtime.measure.timing import calibrate_backend
 
     from test_calibration import MODEL
 
@@ -215,8 +215,8 @@ def bucket_candidates() -> list[TreeSpec]:
 
 @needs("executorch", "onnxruntime")
 def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, tmp_path, capsys):
-    from streamfuse.runtime.generate import main as generate
-    from streamfuse.runtime.loader import fastest_backend
+    from streamfuse.runtime.commands.generate import main as generate
+    from streamfuse.runtime.request.loader import fastest_backend
     from streamfuse.tools import calibrate
 
     copy = with_acceptance(artifact, tmp_path)
@@ -304,7 +304,7 @@ def last_line(err: str) -> str:
 )
 @needs("onnxruntime")
 def test_calibrate_bad_input_is_one_line(artifact, argv, status, message, capsys):
-    from streamfuse.runtime import errors
+    from streamfuse.runtime.commands import errors
     from streamfuse.tools import calibrate
 
     assert errors.run(calibrate.main, ["--artifact", str(artifact), *argv], prog="calibrate") == status
@@ -325,8 +325,8 @@ ARTIFACT_PROBES = [
 @pytest.mark.parametrize("argv, broken, status, message", ARTIFACT_PROBES, ids=[p[3] for p in ARTIFACT_PROBES])
 @needs("executorch", "onnxruntime", "coreml")
 def test_generate_on_a_bad_artifact_or_tree_is_one_line(artifact, tmp_path, capsys, argv, broken, status, message):
-    from streamfuse.runtime import errors
-    from streamfuse.runtime.generate import main as generate
+    from streamfuse.runtime.commands import errors
+    from streamfuse.runtime.commands.generate import main as generate
 
     folder = copy_of(artifact, tmp_path) if broken else artifact
     if broken:
@@ -385,7 +385,7 @@ def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, t
     if temperature == "0":
         assert ss["token_ids"] == plain["token_ids"] and len(ss["token_ids"]) == 6
     loaded = load(artifact, "onnxruntime")
-    from streamfuse.runtime.session import prompt_ids, run
+    from streamfuse.runtime.request.session import prompt_ids, run
 
     ids = prompt_ids(loaded, "hello world", as_task=False)
     here = run(

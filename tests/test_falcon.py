@@ -24,11 +24,11 @@ from streamfuse.methods.falcon.train import (
 )
 from streamfuse.methods.fused.graph import EagerSession
 from streamfuse.methods.fused.train import IGNORE, answer_states
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from test_decode import backend_for, chi_square_p, exact_joint
 from test_parallelspec import own_answers

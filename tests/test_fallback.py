@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.fallback import Fallback, FallbackConfig
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.fallback import Fallback, FallbackConfig
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from test_decode import OracleDrafts, backend_for
 
@@ -137,7 +137,7 @@ def test_sampling_through_switches_matches_plain_sampling_token_for_token():
 
 
 def test_switches_reach_the_profile(tmp_path):
-    from streamfuse.runtime.trace_profile import profile_files
+    from streamfuse.runtime.measure.trace_profile import profile_files
 
     backend = backend_for(3)
     rules = StopRules(max_new_tokens=80)

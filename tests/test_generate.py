@@ -1,10 +1,10 @@
-"""runtime.generate CLI on a tiny checkpoint: JSON contract, SS == AR, bad input, traces."""
+"""runtime.commands.generate CLI on a tiny checkpoint: JSON contract, SS == AR, bad input, traces."""
 
 import json
 
 import pytest
 
-from streamfuse.runtime import errors, generate
+from streamfuse.runtime.commands import errors, generate
 
 
 def run_cli(capsys, *argv):

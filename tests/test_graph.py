@@ -16,15 +16,15 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.passes import accepted_node
 from streamfuse.export.verify import EagerSession
-from streamfuse.runtime.accept import accept
+from streamfuse.runtime.artifact.contract import base_method, method_names, tree_inputs
 from streamfuse.runtime.backends.base import STREAM_STATES
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, lazy_zeros
-from streamfuse.runtime.contract import base_method, method_names, tree_inputs
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import ranked
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.accept import accept
+from streamfuse.runtime.speculation.sampling import ranked
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 
@@ -263,9 +263,9 @@ def spec_for(model, buckets):
 def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly(greedy):
     """A tree through a bucket of its own size and through a larger one: the same logits (greedy: targets and
     drafts), streams and cache, step after step; decoding with it equals plain decoding."""
-    from streamfuse.runtime.decode import generate
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.settings import DecodeSettings
+    from streamfuse.runtime.request.decode import generate
+    from streamfuse.runtime.request.emitter import StopRules
+    from streamfuse.runtime.request.settings import DecodeSettings
 
     model, tree = tiny_model(), TreeSpec(((0,), (1,), (0, 0)))
     backends = []

@@ -36,16 +36,17 @@ def _type_checking(test: ast.expr) -> bool:
     )
 
 
-def import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except the body of `if TYPE_CHECKING:` blocks."""
+def import_nodes(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, except the body of `if TYPE_CHECKING:` blocks unless type_checking (a
+    drawing tool reads those too)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If) and _type_checking(node.test):
+        elif isinstance(node, ast.If) and _type_checking(node.test) and not type_checking:
             for child in node.orelse:
                 yield from import_nodes(ast.Module(body=[child], type_ignores=[]))
         else:
-            yield from import_nodes(node)
+            yield from import_nodes(node, type_checking)
 
 
 def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -67,14 +68,15 @@ def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -
     yield from (f"{source}.{alias.name}" for alias in node.names)
 
 
-def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
-    """Module -> the package modules it imports, with the package `__init__`s that import runs."""
+def import_graph(modules: dict[str, Path] | None = None, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, with the package `__init__`s that import runs (type_checking: and
+    those imported under `if TYPE_CHECKING:`)."""
     modules = package_modules() if modules is None else modules
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
-        for node in import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path)), type_checking):
             for target in imported(node, name, is_package):
                 parts = target.split(".")
                 for cut in range(1, len(parts) + 1):  # the target and the packages it runs
@@ -166,14 +168,62 @@ def _short(module: str) -> str:
     return module.split(".", 1)[-1]
 
 
+# --- runtime/ by job --------------------------------------------------------------------------------
+
+# runtime/'s sub-packages, bottom first: each imports its own modules and those of the sub-packages before it only
+RUNTIME = "streamfuse.runtime"
+RUNTIME_ORDER = ("ops", "speculation", "methods", "artifact", "backends", "request", "measure", "commands")
+
+
+def subpackage(module: str, runtime: str = RUNTIME) -> str | None:
+    """The runtime sub-package a module lies in (None: outside runtime/, or runtime's own `__init__`)."""
+    parts, root = module.split("."), runtime.split(".")
+    return parts[len(root)] if len(parts) > len(root) and parts[: len(root)] == root else None
+
+
+def arrows_up(graph: dict[str, set[str]], order: tuple[str, ...], runtime: str = RUNTIME) -> list[str]:
+    """One line per import from a runtime module to a sub-package after its own in `order`, per import of a method
+    folder (they import the runtime; the registry finds them by name) and per module in no sub-package of `order`."""
+    rank = {name: i for i, name in enumerate(order)}
+    methods = runtime.rpartition(".")[0] + ".methods"
+    found = []
+    for module, targets in sorted(graph.items()):
+        source = subpackage(module, runtime)
+        if source is None:
+            continue
+        if source not in rank:
+            found.append(f"{_short(module)} lies in no sub-package of the order: place it in one")
+            continue
+        for target in sorted(targets):
+            into = subpackage(target, runtime)
+            if target == methods or target.startswith(methods + "."):
+                found.append(f"{_short(module)} ({source}) imports the method folder {_short(target)}")
+            elif into is not None and rank.get(into, len(order)) > rank[source]:
+                found.append(f"{_short(module)} ({source}) imports {_short(target)} ({into}): an arrow back up")
+    return found
+
+
+def subpackage_graph(graph: dict[str, set[str]], runtime: str = RUNTIME) -> dict[str, set[str]]:
+    """Sub-package -> the other runtime sub-packages its modules import."""
+    between: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = subpackage(module, runtime)
+        if source is not None:
+            into = {subpackage(t, runtime) for t in targets} - {None, source}
+            between.setdefault(source, set()).update(into)
+            for target in into:
+                between.setdefault(target, set())
+    return between
+
+
 # --- the reader itself, on literal sources ---------------------------------------------------------
 
 
-def _graph_of(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+def _graph_of(tmp_path: Path, files: dict[str, str], type_checking: bool = False) -> dict[str, set[str]]:
     for relative, text in {"__init__.py": "", **files}.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
-    return import_graph(package_modules(tmp_path, "pkg"))
+    return import_graph(package_modules(tmp_path, "pkg"), type_checking)
 
 
 def test_reader_counts_deferred_imports_and_skips_type_checking(tmp_path):
@@ -218,6 +268,35 @@ def test_reader_resolves_relative_imports(tmp_path):
     assert cycles(graph) == []
 
 
+def test_reader_finds_arrows_back_up_between_runtime_subpackages(tmp_path):
+    files = {
+        "runtime/__init__.py": "",
+        "runtime/low/__init__.py": "",
+        "runtime/low/a.py": "",
+        "runtime/high/__init__.py": "",
+        "runtime/high/b.py": "from pkg.runtime.low import a\n",
+    }
+    graph = _graph_of(tmp_path, files)
+    assert arrows_up(graph, ("low", "high"), "pkg.runtime") == []
+    assert arrows_up(graph, ("high", "low"), "pkg.runtime") == [
+        "runtime.high.b (high) imports runtime.low (low): an arrow back up",
+        "runtime.high.b (high) imports runtime.low.a (low): an arrow back up",
+    ]
+    files["runtime/low/c.py"] = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.runtime.high import b\n"
+    )
+    files["runtime/flat.py"] = "def f():\n    import pkg.methods.ss\n"
+    files["methods/__init__.py"] = files["methods/ss.py"] = ""
+    graph = _graph_of(tmp_path, files, type_checking=True)
+    assert arrows_up(graph, ("low", "high"), "pkg.runtime") == [
+        "runtime.flat lies in no sub-package of the order: place it in one",
+        "runtime.low.c (low) imports runtime.high (high): an arrow back up",
+        "runtime.low.c (low) imports runtime.high.b (high): an arrow back up",
+    ]
+    assert subpackage_graph(graph, "pkg.runtime") == {"low": {"high"}, "high": {"low"}, "flat": set()}
+    assert cycles(subpackage_graph(graph, "pkg.runtime")) == ["high -> low -> high"]
+
+
 # --- the project --------------------------------------------------------------------------------
 
 
@@ -229,3 +308,16 @@ def test_runtime_and_methods_have_no_import_circle():
 def test_package_has_no_import_circle():
     found = cycles(import_graph())
     assert not found, "import circles in streamfuse:\n" + "\n".join(found)
+
+
+def test_runtime_subpackages_import_downward_only():
+    """runtime/ by job: every import (deferred ones and those under TYPE_CHECKING included, as a drawing tool
+    reads them) goes to the module's own sub-package or one before it in RUNTIME_ORDER, so the sub-packages'
+    graph has no arrow back up and no circle; and no runtime module lies outside them."""
+    graph = import_graph(type_checking=True)
+    found = arrows_up(graph, RUNTIME_ORDER)
+    assert not found, "runtime/ imports against RUNTIME_ORDER:\n" + "\n".join(found)
+    between = subpackage_graph(graph)
+    assert set(between) == set(RUNTIME_ORDER), "a sub-package of runtime/ is missing from RUNTIME_ORDER, or gone"
+    assert not cycles(between), cycles(between)
+    assert not cycles(graph, (RUNTIME,)), cycles(graph, (RUNTIME,))

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.generate import main as generate_main
-from streamfuse.runtime.prompt import PromptFormat, TextError, check_text
-from streamfuse.runtime.session import prompt_ids
-from streamfuse.runtime.session import read_input_file as read_requests
-from streamfuse.runtime.threads import MOST_THREADS, check_threads, max_threads
-from streamfuse.runtime.tree import MAX_NODES, TreeSpec, TreeSpecError
+from streamfuse.runtime.artifact.prompt import PromptFormat, TextError, check_text
+from streamfuse.runtime.backends.threads import MOST_THREADS, check_threads, max_threads
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.commands.generate import main as generate_main
+from streamfuse.runtime.request.session import prompt_ids
+from streamfuse.runtime.request.session import read_input_file as read_requests
+from streamfuse.runtime.speculation.tree import MAX_NODES, TreeSpec, TreeSpecError
 
 FUZZ = Path(__file__).parent / "fuzz" / "tree"
 sys.path.insert(0, str(FUZZ))
@@ -187,7 +187,7 @@ def test_undecodable_bytes_on_the_command_line_are_one_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "streamfuse.runtime.generate",
+            "streamfuse.runtime.commands.generate",
             "--artifact",
             str(tmp_path),
             "--prompt",

@@ -1,4 +1,4 @@
-"""The kernels are compiled when streamfuse is built or installed (runtime/kernel_library.py, setup.py) and only
+"""The kernels are compiled when streamfuse is built or installed (runtime/ops/kernel_library.py, setup.py) and only
 loaded at run time: what a build records and when it recompiles (a fake compiler: no real compile), every way a
 built library can fail to fit this process (a one-line error naming the fix), the wheel's contents, its libraries
 and the checkout's loading with no compiler on PATH, and a fresh venv decoding `make build`'s artifact from it."""
@@ -19,7 +19,7 @@ import pytest
 import tomllib
 
 from streamfuse import seams
-from streamfuse.runtime import kernel_library as kl
+from streamfuse.runtime.ops import kernel_library as kl
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_EXECUTORCH = kl.installed_version("executorch") is not None
@@ -335,7 +335,7 @@ import subprocess, sys
 def refuse(*args, **kwargs):
     raise AssertionError(f"started a process: {args}")
 subprocess.Popen.__init__ = refuse
-from streamfuse.runtime import kernel_library, q4_linear
+from streamfuse.runtime.ops import kernel_library, q4_linear
 import onnxruntime as ort
 assert kernel_library.LIBRARIES.is_relative_to(sys.argv[1]), kernel_library.LIBRARIES
 assert "portable" in q4_linear.available_paths()
@@ -427,7 +427,7 @@ def _decode(python: str, env: dict, cwd: Path) -> dict:
     command = [
         python,
         "-m",
-        "streamfuse.runtime.generate",
+        "streamfuse.runtime.commands.generate",
         "--artifact",
         str(DEFAULT_ARTIFACT),
         "--backend",

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import kernel_library, q4_linear, q8_linear, tree_attention
+from streamfuse.runtime.ops import kernel_library, q4_linear, q8_linear, tree_attention
 
 ATTEND, COMMIT, Q4 = tree_attention.torch_op(), tree_attention.commit_op(), q4_linear.torch_op()
 HEADS, KV, ROWS, DIM, CAPACITY, EXTRA, LAYERS = 4, 2, 3, 8, 16, 3, 2

@@ -22,7 +22,7 @@ ALLOWED = {
     "training": {"training", "export", "adapters", "runtime", "metrics", "base"},
     "tools": {"tools", "runtime", "metrics", "export", "adapters", "base"},  # measurement tools time torch too
     "apps": {"apps", "runtime"},
-    # the console script, and export/build.py (the build run by path, through it): runtime.errors; a command's
+    # the console script, and export/build.py (the build run by path, through it): runtime.commands.errors; a command's
     # module only when it runs (by name)
     "cli": {"cli", "runtime"},
 }
@@ -30,14 +30,11 @@ ENTRY_SCRIPTS = {"cli.py", "export/build.py"}  # the layer "cli"
 # a method folder's files, by name -> their layer
 METHOD_FILES = {
     "__init__": "runtime",
-    "method": "runtime",
-    "registry": "runtime",
     "drafter": "runtime",
     "graph_pass": "runtime",
     "model": "adapters",
     "torch_pass": "export",
     "graph": "export",
-    "build_part": "training",
     "build": "training",
     "train": "training",
     "stage": "training",
@@ -104,7 +101,7 @@ def command_modules() -> set[str]:
 
 def test_nothing_imports_a_command_module():
     commands = command_modules()
-    assert "streamfuse.runtime.generate" in commands and "streamfuse.training.build" in commands
+    assert "streamfuse.runtime.commands.generate" in commands and "streamfuse.training.build" in commands
     for path in source_files():
         bad = [name for name in imports(path) if name in commands or name.rpartition(".")[0] in commands]
         assert not bad, (

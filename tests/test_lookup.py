@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from streamfuse.methods.ss.drafter import draft_tokens
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.lookup import PromptLookup
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def test_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():

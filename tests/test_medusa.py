@@ -10,11 +10,11 @@ from streamfuse.methods.medusa.drafter import HeadDrafter
 from streamfuse.methods.medusa.model import MedusaHeads, load_heads, save_heads
 from streamfuse.methods.medusa.train import IGNORE, HeadFeatures, HeadTraining, head_features, train_heads
 from streamfuse.runtime.backends.base import HEAD_LOGITS
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.data import Encoded
 
 from conftest import make_tiny_llama
@@ -82,8 +82,8 @@ def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     """The torch backend's model and heads as static graphs with a heads method, run by torch eager."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
     from streamfuse.export.verify import EagerSession
+    from streamfuse.runtime.artifact.contract import method_names
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-    from streamfuse.runtime.contract import method_names
 
     model, schedules = backend.model, ["deferred"] * len(trees)
     shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=tuple(tree.num_nodes for tree in trees))

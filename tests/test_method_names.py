@@ -5,10 +5,11 @@ import ast
 import subprocess
 from pathlib import Path
 
-from streamfuse.methods import registry
+from streamfuse.runtime.methods import registry
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = ("methods", "tests")  # each method's folder, the registry, and the tests
+ALLOWED = ("methods", "tests")  # each method's folder and the tests
+REGISTRY = "runtime/methods/registry.py"  # BUILT_IN: the registry's one line per built-in method
 
 
 def sources() -> list[Path]:
@@ -16,7 +17,9 @@ def sources() -> list[Path]:
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
-    return [ROOT / rel for rel in listed if Path(rel).parts[0] not in ALLOWED and (ROOT / rel).is_file()]
+    return [
+        ROOT / rel for rel in listed if Path(rel).parts[0] not in ALLOWED and rel != REGISTRY and (ROOT / rel).is_file()
+    ]
 
 
 def named_methods(path: Path, names: set[str]) -> list[str]:
@@ -40,4 +43,6 @@ def test_no_module_outside_the_methods_names_a_method():
     names = set(registry.names())
     found = {str(path.relative_to(ROOT)): hits for path in sources() if (hits := named_methods(path, names))}
     listing = "\n".join(f"  {path}: {', '.join(hits)}" for path, hits in sorted(found.items()))
-    assert not found, f"method names as strings outside methods/ (the registry has plain(), default()):\n{listing}"
+    assert not found, (
+        f"method names as strings outside methods/ and the registry (it has plain(), default()):\n{listing}"
+    )

@@ -1,4 +1,5 @@
-"""methods/registry.py: one registry of decoding methods; a new one is a folder (or a module) and a registry line."""
+"""runtime/methods/registry.py: one registry of decoding methods; a new one is a folder (or a module) and a
+registry line."""
 
 import dataclasses
 import json
@@ -8,11 +9,11 @@ import types
 
 import pytest
 
-from streamfuse.methods import registry
-from streamfuse.runtime import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.commands import generate
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools import bench, profiler
 
 # method -> (speculative, drafts from the streams, drafts a chain, takes a threshold, artifact entries)
@@ -41,7 +42,7 @@ def test_the_registry_declares_the_nine_methods():
 def test_each_method_is_a_folder_whose_torch_code_is_a_part():
     """A method's runtime modules import no torch; its torch pass is found as a part of its folder."""
     code = (
-        "import sys; from streamfuse.methods import registry; registry.names(); "
+        "import sys; from streamfuse.runtime.methods import registry; registry.names(); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('streamfuse.adapters')))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -8,15 +8,15 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.eager import TorchBackend
 from streamfuse.methods.sd.drafter import ModelDrafter
-from streamfuse.runtime.accept import accept_sampled
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.fallback import FallbackConfig
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.accept import accept_sampled
+from streamfuse.runtime.speculation.fallback import FallbackConfig
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 from test_decode import backend_for, chi_square_p, exact_joint

@@ -8,7 +8,7 @@ import pytest
 
 from streamfuse.export.onnx_methods import combine_methods, method_graph, strip_debug_info
 from streamfuse.export.to_onnx import share_weights
-from streamfuse.runtime.contract import METHOD_INPUT, METHODS, method_output
+from streamfuse.runtime.artifact.contract import METHOD_INPUT, METHODS, method_output
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

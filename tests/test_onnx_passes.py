@@ -16,8 +16,8 @@ from streamfuse.export.onnx_passes import (
     lift_embedding,
 )
 from streamfuse.export.to_onnx import share_weights
+from streamfuse.runtime.artifact.contract import EMBEDDING_METADATA, METHOD_INPUT
 from streamfuse.runtime.backends.sessions import mapped_tables
-from streamfuse.runtime.contract import EMBEDDING_METADATA, METHOD_INPUT
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -13,10 +13,10 @@ from streamfuse.export.packed_linear import (
     packing_available,
     resolve_kernels,
 )
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 

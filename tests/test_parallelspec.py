@@ -13,12 +13,12 @@ from streamfuse.methods.parallelspec.graph_pass import GraphParallelPass
 from streamfuse.methods.parallelspec.model import ParallelSpecModel, load_drafter, save_drafter
 from streamfuse.methods.parallelspec.torch_pass import TorchParallelPass
 from streamfuse.methods.parallelspec.train import DrafterTraining, group_layout, packed_logits, train_drafter
-from streamfuse.runtime.accept import accept_sampled
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.accept import accept_sampled
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.data import Encoded
 
 from test_decode import backend_for, chi_square_p, exact_joint

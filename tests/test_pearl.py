@@ -9,13 +9,13 @@ from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.methods.pearl.drafter import PearlDrafter, PearlWorker
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig, target_probs
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.sampling import SamplingConfig, target_probs
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama, make_tiny_tokenizer
 from test_decode import backend_for, chi_square_p

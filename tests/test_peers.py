@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.session import DEFAULT_TREE, prompt_ids, run
-from streamfuse.runtime.session import read_input_file as read_requests
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.session import DEFAULT_TREE, prompt_ids, run
+from streamfuse.runtime.request.session import read_input_file as read_requests
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools import peers, peers_gguf
 from streamfuse.tools.peer_registry import PEERS, available, build_peers
 from streamfuse.tools.peers_runners import PeerContext, cut_at_stop, hf_model
@@ -208,7 +208,7 @@ def test_llamacpp_f32_on_the_real_checkpoint():
 
 
 def test_exported_artifact_resolves_to_its_adapter_checkpoint(checkpoint, tmp_path):
-    from streamfuse.runtime.artifact import file_digest, write_manifest
+    from streamfuse.runtime.artifact.format import file_digest, write_manifest
 
     artifact = tmp_path / "artifact"
     shutil.copytree(checkpoint / "ckpt", artifact / "adapter")

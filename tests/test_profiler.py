@@ -1,5 +1,5 @@
-"""runtime/trace_profile.py and its CLI, tools/profiler.py, on hand-made traces whose metrics are worked out by hand
-below (no model)."""
+"""runtime/measure/trace_profile.py and its CLI, tools/profiler.py, on hand-made traces whose metrics are worked out by
+hand below (no model)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamfuse.runtime import errors
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.trace import SCHEMA
-from streamfuse.runtime.trace_profile import PLOTS, profile_files, profile_trace
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.measure.trace_profile import PLOTS, profile_files, profile_trace
+from streamfuse.runtime.request.trace import SCHEMA
 from streamfuse.tools.profiler import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
 from streamfuse.export.verify import EagerSession
 from streamfuse.runtime.backends.base import CapacityError, PruneConfig
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, keep_nodes
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import make_tiny_llama
 

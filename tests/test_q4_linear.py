@@ -1,4 +1,4 @@
-"""The 4-bit linear op (runtime/q4_linear.py, runtime/kernels/q4_linear.h): the layout, the kernel against its
+"""The 4-bit linear op (runtime/ops/q4_linear.py, runtime/kernels/q4_linear.h): the layout, the kernel against its
 NumPy reference bit for bit on every instruction-set path, rows, threads, LoRA and segments (siblings packed in one
 node, each with its own rank), and its errors."""
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import q4_linear as q4
+from streamfuse.runtime.ops import q4_linear as q4
 
 # Blocks whose activations quantize exactly (max |x| = 127, so xd = 1 and q = x): y = d·Σ q_w x + m·Σ x.
 #   codes (one column, 32 inputs), d, m, x (32 values)                                   -> y
@@ -322,7 +322,7 @@ def test_executorch_kernel_is_the_reference():
     from executorch.runtime import Runtime
 
     from streamfuse.export.q4_kernel import _tensor
-    from streamfuse.runtime.kernel_library import load_executorch_kernels
+    from streamfuse.runtime.ops.kernel_library import load_executorch_kernels
 
     rng = np.random.default_rng(6)
     weights, lora, _ = siblings(rng, [32, 8], [4, 2], 64)  # a packed node: two segments

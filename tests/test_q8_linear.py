@@ -1,4 +1,4 @@
-"""The Q8_0 head op (runtime/q8_linear.py, runtime/kernels/q8_linear.h): layout, the kernel against its NumPy
+"""The Q8_0 head op (runtime/ops/q8_linear.py, runtime/kernels/q8_linear.h): layout, the kernel against its NumPy
 reference bit for bit on every path, rows and threads, the embedding's gather index, and its errors."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import q4_linear, q8_linear
+from streamfuse.runtime.ops import q4_linear, q8_linear
 
 # Blocks whose activations quantize exactly (max |x| = 127: xd = 1, q = x): y = d · Σ q_w x.
 #   codes (one column, 32 inputs), d, x                      -> y

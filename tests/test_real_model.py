@@ -10,7 +10,7 @@ from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.adapters.lora import add_lora
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.request.settings import DecodeSettings
 
 try:
     bundled_gguf()
@@ -96,11 +96,11 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     with one seed (each token one draw from the target in both loops) on its calibrated tree, and on
     torch greedy too, on the full gamma=3,k=2 tree with a lookup branch (the exported backends' greedy
     tokens are the build's parity gate, just passed)."""
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.loader import load
-    from streamfuse.runtime.sampling import SamplingConfig
-    from streamfuse.runtime.session import prompt_ids, run
-    from streamfuse.runtime.tree import TreeSpec
+    from streamfuse.runtime.request.emitter import StopRules
+    from streamfuse.runtime.request.loader import load
+    from streamfuse.runtime.request.session import prompt_ids, run
+    from streamfuse.runtime.speculation.sampling import SamplingConfig
+    from streamfuse.runtime.speculation.tree import TreeSpec
 
     wide = TreeSpec(TreeSpec.full(3, 2).paths, lookup=(1, 1, 1))
     for backend in backends:
@@ -133,9 +133,9 @@ def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:
 def test_real_model_speculative_greedy_equals_plain_greedy():
     """Untrained streams on the real base: drafts are mostly rejected, output must still match."""
     from streamfuse.export.eager import TorchBackend
-    from streamfuse.runtime.decode import generate
-    from streamfuse.runtime.emitter import StopRules
-    from streamfuse.runtime.tree import TreeSpec
+    from streamfuse.runtime.request.decode import generate
+    from streamfuse.runtime.request.emitter import StopRules
+    from streamfuse.runtime.speculation.tree import TreeSpec
 
     base, tokenizer = load_base_model()
     backend = TorchBackend(SpeculativeStreamingLM(base, StreamConfig(num_streams=3, msa_layers=8)))

@@ -1,4 +1,4 @@
-"""Each check of a request has one home (runtime/request.py, or the one module a message lives in), every entry
+"""Each check of a request has one home (runtime/request/checks.py, or the one module a message lives in), every entry
 reaches it, and it runs once on each entry's path: the generate CLI, Model.generate and the server's parse and
 admission (without HTTP), on the tiny checkpoint (torch)."""
 
@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 import streamfuse
-from streamfuse.runtime import api, errors, generate, prompt, request
-from streamfuse.runtime.emitter import StopRules
+from streamfuse.runtime.artifact import prompt
+from streamfuse.runtime.commands import errors, generate
+from streamfuse.runtime.request import api
+from streamfuse.runtime.request import checks as request
+from streamfuse.runtime.request.emitter import StopRules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,9 +116,10 @@ def test_every_entry_raises_the_home_message(name, model, checkpoint, capsys):
 
 
 def test_a_chat_message_is_checked_by_the_api_only(model):
-    """A conversation's roles and text: runtime/api.py's checked_messages, for Model.chat and the server alike."""
+    """A conversation's roles and text: runtime/request/api.py's checked_messages, for Model.chat and the server
+    alike."""
     fragment = "needs a role among"
-    assert fragment in inspect.getsource(api.checked_messages) and sources_with(fragment) == ["runtime/api.py"]
+    assert fragment in inspect.getsource(api.checked_messages) and sources_with(fragment) == ["runtime/request/api.py"]
     bad = [{"role": "bot", "content": "x"}]
     with pytest.raises(ValueError, match=fragment):
         model.chat(bad)

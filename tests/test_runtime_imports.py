@@ -18,18 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "torchao", "transformers", "peft", "accelerate", "executorch", "safetensors.torch")
 FORBIDDEN = (*TORCH, "streamfuse.adapters", "streamfuse.export", "streamfuse.training")
 # A method folder's files by layer: its runtime part (the METHOD it declares, its drafter, its pass on an engine's
-# graph; the registry and Method beside the folders), and the rest: the torch/export layer (its modules, its pass
+# graph; the registry and Method are runtime/methods/), and the rest: the torch/export layer (its modules, its pass
 # on a torch target, its graph export) and the training layer (its build part, stage, trainers, their data).
-METHOD_RUNTIME_FILES = frozenset({"__init__.py", "drafter.py", "graph_pass.py", "method.py", "registry.py"})
+METHOD_RUNTIME_FILES = frozenset({"__init__.py", "drafter.py", "graph_pass.py"})
 METHOD_BUILD_FILES = frozenset(
-    {"model.py", "torch_pass.py", "graph.py", "build.py", "build_part.py", "stage.py", "train.py", "heldout.py"}
+    {"model.py", "torch_pass.py", "graph.py", "build.py", "stage.py", "train.py", "heldout.py"}
 )
 # runtime/ modules that import torch at module level, with why they may (none: the core is torch-free).
 EXCEPTIONS: dict[str, str] = {}
 
 
 def core_files() -> list[Path]:
-    """runtime/**.py and the methods' runtime files."""
+    """runtime/**.py (runtime/methods/ included) and the method folders' runtime files."""
     runtime = sorted((ROOT / "runtime").rglob("*.py"))
     methods = sorted(p for p in (ROOT / "methods").rglob("*.py") if p.name in METHOD_RUNTIME_FILES)
     return [p for p in runtime + methods if "__pycache__" not in p.parts]
@@ -99,10 +99,10 @@ def test_every_method_file_has_a_layer():
 def test_core_files_are_found():
     names = {module_name(p) for p in core_files()}
     assert {
-        "streamfuse.runtime.contract",
-        "streamfuse.runtime.loader",
+        "streamfuse.runtime.artifact.contract",
+        "streamfuse.runtime.request.loader",
         "streamfuse.runtime.backends.static_graph",
-        "streamfuse.methods.registry",
+        "streamfuse.runtime.methods.registry",
     } <= names
     assert not any(name.endswith((".model", ".torch_pass", ".build", ".train")) for name in names)
 
@@ -181,8 +181,9 @@ def test_blocked_import_fails_as_on_a_device_without_torch(module):
 
 
 def test_the_loader_reaches_torch_code_by_no_import_statement():
-    """runtime/loader.py opens the torch backend through its entry point, at module level or inside a function."""
-    tree = ast.parse((ROOT / "runtime" / "loader.py").read_text())
+    """runtime/request/loader.py opens the torch backend through its entry point, at module level or inside a
+    function."""
+    tree = ast.parse((ROOT / "runtime" / "request" / "loader.py").read_text())
     modules = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     modules += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
     assert not [module for module in modules if forbidden(module)]
@@ -190,14 +191,14 @@ def test_the_loader_reaches_torch_code_by_no_import_statement():
 
 def test_the_torch_backend_is_an_entry_point():
     from streamfuse.export.eager import open_checkpoint
-    from streamfuse.runtime.loader import open_backend
+    from streamfuse.runtime.request.loader import open_backend
 
     assert open_backend("torch") is open_checkpoint
 
 
 def test_a_backend_not_registered_is_one_line():
     from streamfuse.runtime.backends.sessions import MissingBackend
-    from streamfuse.runtime.loader import open_backend
+    from streamfuse.runtime.request.loader import open_backend
 
     with pytest.raises(
         MissingBackend,
@@ -213,7 +214,7 @@ def test_the_torch_backend_without_torch_is_one_line():
         BLOCKED_IMPORT.format(blocked=TORCH, modules=[])
         + """
 from streamfuse.runtime.backends.sessions import MissingBackend
-from streamfuse.runtime.loader import open_backend
+from streamfuse.runtime.request.loader import open_backend
 try:
     open_backend("torch")
 except MissingBackend as error:
@@ -230,11 +231,11 @@ except MissingBackend as error:
 
 
 def test_the_contract_stands_on_numpy_alone():
-    """runtime/contract.py, which export and the runtime both read, imports the standard library, numpy and the tree
-    spec only."""
-    imports = module_level_imports((ROOT / "runtime" / "contract.py").read_text())
+    """runtime/artifact/contract.py, which export and the runtime both read, imports the standard library, numpy and
+    the tree spec only."""
+    imports = module_level_imports((ROOT / "runtime" / "artifact" / "contract.py").read_text())
     project = {module for _, module in imports if module.startswith("streamfuse")}
-    assert project <= {"streamfuse.runtime.tree", "streamfuse.runtime.tree.TreeSpec"}
+    assert project <= {"streamfuse.runtime.speculation.tree", "streamfuse.runtime.speculation.tree.TreeSpec"}
     assert {module.split(".")[0] for _, module in imports} <= {
         "__future__",
         "collections",
@@ -248,7 +249,7 @@ def test_export_reads_the_contract_from_the_contract_module():
     """No export module takes a contract name from a backend's file (where it would be the contract's object)."""
     import importlib
 
-    from streamfuse.runtime import contract
+    from streamfuse.runtime.artifact import contract
 
     misplaced = []
     for path in sorted((ROOT / "export").rglob("*.py")):
@@ -260,4 +261,4 @@ def test_export_reads_the_contract_from_the_contract_module():
                     for alias in node.names
                     if getattr(module, alias.name, None) is getattr(contract, alias.name, object())
                 ]
-    assert not misplaced, "import these from streamfuse.runtime.contract:\n" + "\n".join(misplaced)
+    assert not misplaced, "import these from streamfuse.runtime.artifact.contract:\n" + "\n".join(misplaced)

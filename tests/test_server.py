@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai", reason="the dev extra's official client")
 from streamfuse.apps.server import create_app  # noqa: E402
 from streamfuse.apps.serving import Scheduler  # noqa: E402
 from streamfuse.apps.slot import Delta, Finished, Slot  # noqa: E402
-from streamfuse.runtime import api, session  # noqa: E402
+from streamfuse.runtime.request import api, session  # noqa: E402
 
 from tiny_export import EXPORTED  # noqa: E402
 
@@ -274,7 +274,7 @@ def test_concurrent_requests_on_an_exported_engine_equal_their_single_request_ou
 @pytest.mark.parametrize("backend", EXPORTED)
 def test_requests_admitted_together_share_each_step(artifact, backend, monkeypatch):
     """Four plain requests queued before the worker starts: every step of theirs is one batched call of four."""
-    from streamfuse.runtime import batch
+    from streamfuse.runtime.request import batch
 
     sizes: list[int] = []
     real = batch.batched_step

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the dev extra's official client")
 from streamfuse.apps import server as server_module  # noqa: E402
 from streamfuse.apps.http_guard import Access  # noqa: E402
 from streamfuse.apps.request_body import Limits  # noqa: E402
-from streamfuse.runtime import api, decode  # noqa: E402
+from streamfuse.runtime.request import api, decode  # noqa: E402
 
 from test_server import PROMPT, reference, serve, wait_idle  # noqa: E402
 from test_server_guard import KEY, OTHER_KEY, call  # noqa: E402

@@ -20,8 +20,9 @@ openai = pytest.importorskip("openai", reason="the dev extra's official client")
 from streamfuse.apps import server as server_module  # noqa: E402
 from streamfuse.apps.http_guard import Access  # noqa: E402
 from streamfuse.apps.request_body import Limits  # noqa: E402
-from streamfuse.runtime import api, errors  # noqa: E402
-from streamfuse.runtime.session import BASELINE_METHOD  # noqa: E402
+from streamfuse.runtime.commands import errors  # noqa: E402
+from streamfuse.runtime.request import api  # noqa: E402
+from streamfuse.runtime.request.session import BASELINE_METHOD  # noqa: E402
 
 from test_server import PROMPT, reference, serve  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""runtime/session.py, the library the front ends share: requests, their settings and trees, prompts, runs."""
+"""runtime/request/session.py, the library the front ends share: requests, their settings and trees, prompts, runs."""
 
 import ast
 import json
@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from streamfuse.runtime import session
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.session import DEFAULT_TREE, DecodeRequest, Input
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request import session
+from streamfuse.runtime.request.session import DEFAULT_TREE, DecodeRequest, Input
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 # --- a request alone: what a front end refuses before loading a model ----------------------------
 

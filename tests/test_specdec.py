@@ -13,13 +13,13 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.methods.sd.drafter import ModelDrafter
 from streamfuse.methods.specdec.drafter import StopRule
 from streamfuse.methods.specdec.train import branch_inputs, item_features
-from streamfuse.runtime.acceptance_head import AcceptancePredictor, load_acceptance_predictor
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.acceptance_head import AcceptancePredictor, load_acceptance_predictor
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.acceptance import AcceptanceFeatures, AcceptanceTraining, train_acceptance, weighted_bce
 from streamfuse.training.data import Encoded
 

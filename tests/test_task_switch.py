@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from streamfuse.adapters.masks import causal_mask
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
-from streamfuse.runtime.artifact import LOCK, Artifact, ArtifactError, file_digest
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.artifact.format import LOCK, Artifact, ArtifactError, file_digest
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig
 
 from conftest import write_checkpoint
 from tiny_export import DRAFT, prompts
@@ -233,7 +233,7 @@ def test_task_switch_tool_decodes_each_task_after_switching(built, tmp_path, mon
 
 
 def test_generate_takes_the_task_from_the_artifact(built, capsys):
-    from streamfuse.runtime import errors, generate
+    from streamfuse.runtime.commands import errors, generate
 
     backend, root, _, _ = built
     argv = [

@@ -1,11 +1,11 @@
-"""runtime/text_stream.py: streamed text deltas are whole characters, never a stop string's text, and join to the
-text of the whole generation."""
+"""runtime/request/text_stream.py: streamed text deltas are whole characters, never a stop string's text, and join to
+the text of the whole generation."""
 
 from pathlib import Path
 
 import pytest
 
-from streamfuse.runtime.text_stream import Detokenizer, certain_prefix, final_text, held_tail
+from streamfuse.runtime.request.text_stream import Detokenizer, certain_prefix, final_text, held_tail
 
 from conftest import make_tiny_tokenizer
 
@@ -104,7 +104,7 @@ def test_a_clean_up_pattern_is_held_until_it_cannot_rewrite_the_text():
 @pytest.mark.skipif(not REAL_TOKENIZER.is_dir(), reason=f"no real artifact tokenizer at {REAL_TOKENIZER}")
 @pytest.mark.parametrize("text", ["Die Straße ist schön 🙂 — 日本語のテキスト", "#Person1#: naïve café 😀😀"])
 def test_the_real_byte_level_bpe_streams_exactly_its_text(text):
-    from streamfuse.runtime.tokenizer import Tokenizer
+    from streamfuse.runtime.artifact.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(REAL_TOKENIZER)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

@@ -1,8 +1,8 @@
-"""runtime/tokenizer.py against Transformers' tokenizer on the same files: same prompt text, ids and text."""
+"""runtime/artifact/tokenizer.py against Transformers' tokenizer on the same files: same prompt text, ids and text."""
 
 import pytest
 
-from streamfuse.runtime.tokenizer import Tokenizer
+from streamfuse.runtime.artifact.tokenizer import Tokenizer
 
 from conftest import make_tiny_tokenizer
 

@@ -6,21 +6,21 @@ import json
 import sys
 import textwrap
 
-from streamfuse.methods import build_part, registry
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import build
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
+from streamfuse.training import build, build_part
 
 from conftest import end_half_the_answers, smoke_build_args, write_tiny_dialogsum
 
 RUNTIME = '''
 import json
 
-from streamfuse.methods.method import Method, recorded_tree
-from streamfuse.runtime.drafter import Draft
+from streamfuse.runtime.methods.method import Method, recorded_tree
+from streamfuse.runtime.request.drafter import Draft
 
 
 class BigramDrafter:
@@ -59,8 +59,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from streamfuse.export.artifact import install_drafter
-from streamfuse.methods.build_part import MethodBuild
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.training.build_part import MethodBuild
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.stage import OutputFormat, Stage, recipe
 from streamfuse.training.stages import model_key
 

@@ -4,7 +4,7 @@ import pytest
 
 from streamfuse.runtime.backends.base import PruneConfig
 from streamfuse.runtime.backends.static_graph import keep_nodes
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def test_full_tree_gamma2_k2_tables():

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfuse.runtime import kernel_library, tree_attention
+from streamfuse.runtime.ops import kernel_library, tree_attention
 
 OP = tree_attention.torch_op()
 COMMIT = tree_attention.commit_op()

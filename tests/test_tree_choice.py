@@ -8,15 +8,15 @@ from streamfuse.adapters.acceptance import AcceptanceHead
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.methods.ss_adaptive.drafter import AdaptiveStreamDrafter
 from streamfuse.methods.ss_adaptive.train import item_features
-from streamfuse.runtime.acceptance_head import AcceptancePredictor
-from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration, TreeCost
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.tree import TreeSpec
-from streamfuse.runtime.tree_choice import TreeChoice, lookup_gain, top_probabilities
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.speculation.acceptance_head import AcceptancePredictor
+from streamfuse.runtime.speculation.calibration import AcceptanceModel, BackendCalibration, TreeCost
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
+from streamfuse.runtime.speculation.tree_choice import TreeChoice, lookup_gain, top_probabilities
 from streamfuse.training.data import Encoded, collate
 from streamfuse.training.loss import stream_targets
 from streamfuse.training.train import forward_batch

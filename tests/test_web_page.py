@@ -216,7 +216,7 @@ def served(checkpoint):
     """The real server on the tiny model, behind an API key (the page itself needs none)."""
     from streamfuse.apps.http_guard import Access
     from streamfuse.apps.server import create_app
-    from streamfuse.runtime import api
+    from streamfuse.runtime.request import api
 
     app = create_app(api.load(checkpoint / "ckpt"), "tiny", max_sequences=2, queue=4, access=Access(keys=(KEY,)))
     url, server, thread = serve(app)

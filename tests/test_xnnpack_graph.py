@@ -13,7 +13,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.xnnpack_graph import PooledRMSNorm, views_for_xnnpack, xnnpack_model
-from streamfuse.runtime.contract import output_names
+from streamfuse.runtime.artifact.contract import output_names
 
 from conftest import make_tiny_llama
 

@@ -12,7 +12,7 @@ from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, 
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.methods.medusa.drafter import heads_tree
 from streamfuse.methods.medusa.model import MedusaHeads, save_heads
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def installed(*modules: str) -> bool:

@@ -3,9 +3,9 @@
 toy-repeat drafts the root token repeated down a chain (right whenever the answer repeats a token).
 """
 
-from streamfuse.methods.method import Method
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 class RepeatDrafter:

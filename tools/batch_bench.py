@@ -1,5 +1,5 @@
-"""B concurrent requests decoded in shared steps (runtime/batch.py) on an artifact's engines: total tokens/s per B,
-the time to first token (p50, p95) and whether every output equals its single-request output.
+"""B concurrent requests decoded in shared steps (runtime/request/batch.py) on an artifact's engines: total tokens/s
+per B, the time to first token (p50, p95) and whether every output equals its single-request output.
 
     python -m streamfuse.tools.batch_bench --artifact artifacts/dialogsum --backends executorch,onnxruntime \\
         --batches 1,2,4,8 --threads 2 --prompts 16 --max-new-tokens 64 --out batch_bench.json
@@ -10,7 +10,7 @@ round-robin (--rounds), so every B (and every --batch-policy given) sees the sam
 each setting's total over its rounds, and x B=1 is against the same policy's B = 1.
 The prefill share is the part of that time spent in prefills, which a batch does not share (their rows are bound by
 arithmetic already): 1 / (B = 1's share) bounds what any B can gain. Decode tokens/s leaves the prefills out;
-"steps held plain" is the share of the steps of 2+ sequences the batch policy (runtime/batch_policy.py) ran as
+"steps held plain" is the share of the steps of 2+ sequences the batch policy (runtime/request/batch_policy.py) ran as
 plain rows.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.batch import BatchDecoder
-from streamfuse.runtime.batch_policy import POLICIES, POLICY_HELP, HoldPolicy
-from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.session import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.request.batch import BatchDecoder
+from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP, HoldPolicy
+from streamfuse.runtime.request.loader import Loaded, load
+from streamfuse.runtime.request.session import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
+from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file
 
 

@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.methods import registry
-from streamfuse.runtime import errors
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import BACKENDS, artifact_tasks, load
-from streamfuse.runtime.measure import summarise
-from streamfuse.runtime.options import add_model_options, check_model_options
-from streamfuse.runtime.session import DEFAULT_TREE
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.commands.options import add_model_options, check_model_options
+from streamfuse.runtime.measure.timing import summarise
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import BACKENDS, artifact_tasks, load
+from streamfuse.runtime.request.session import DEFAULT_TREE
 from streamfuse.tools import bench_report
 from streamfuse.tools.bench_data import read_inputs, task_file
 from streamfuse.tools.bench_matrix import Engine, Matrix, run_matrix
@@ -47,7 +47,7 @@ VERSIONED = ("torch", "executorch", "onnxruntime", "onnxruntime-gpu", "coremltoo
 def default_backends(artifact: Path) -> str:
     """Every backend the artifact was built for that runs on this machine (a checkpoint: torch), the
     fastest first (by the artifact's calibrations)."""
-    from streamfuse.runtime.loader import fastest_backend, runnable_backends
+    from streamfuse.runtime.request.loader import fastest_backend, runnable_backends
 
     fastest = fastest_backend(artifact)
     return ",".join([fastest, *(b for b in runnable_backends(artifact) if b != fastest)])
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "off"),
         default="auto",
         help="SS decodes plainly while speculation does not pay, against the calibrated step cost "
-        "(runtime/fallback.py; off where the artifact has no calibration for the backend)",
+        "(runtime/speculation/fallback.py; off where the artifact has no calibration for the backend)",
     )
     parser.add_argument("--prune-threshold", type=float, default=None)
     parser.add_argument("--prune-budget", type=int, default=None)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.runtime.artifact.prompt import PromptFormat
 
 SHARED_DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SPLIT_ALIASES = {"dev": "validation", "val": "validation"}
@@ -63,7 +63,7 @@ def _references(row: dict) -> tuple[str, ...]:
 
 
 def _jsonl_rows(path: Path):
-    """(id, row) per JSON line; ids as runtime.session.read_input_file gives them."""
+    """(id, row) per JSON line; ids as runtime.request.session.read_input_file gives them."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from streamfuse.methods import registry
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
-from streamfuse.runtime.loader import Loaded
-from streamfuse.runtime.measure import timed_run
-from streamfuse.runtime.session import prompt_ids
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
+from streamfuse.runtime.measure.timing import timed_run
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.loader import Loaded
+from streamfuse.runtime.request.session import prompt_ids
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.peers_runners import PeerRunner
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from streamfuse.methods import registry, sd
+from streamfuse.methods import sd
+from streamfuse.runtime.methods import registry
 
 PEER_COLOR, OTHER_COLOR = "#e08a2c", "#444444"
 

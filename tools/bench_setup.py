@@ -11,13 +11,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from streamfuse.export.eager import TorchBackend
-from streamfuse.methods import registry
-from streamfuse.runtime.artifact import MANIFEST
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import Loaded, artifact_tasks, load
-from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.trace import Trace
+from streamfuse.runtime.artifact.format import MANIFEST
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import Loaded, artifact_tasks, load
+from streamfuse.runtime.request.session import (
+    BASELINE_METHOD,
+    DEFAULT_METHOD,
+    DecodeRequest,
+    decode_settings,
+    prompt_ids,
+    run,
+)
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
 from streamfuse.tools.bench_data import BenchInput
 from streamfuse.tools.bench_matrix import Engine, current_rss
 from streamfuse.tools.peer_registry import PEERS, build_peers

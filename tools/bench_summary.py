@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from streamfuse.methods import registry
 from streamfuse.metrics.rouge import rouge
+from streamfuse.runtime.methods import registry
 from streamfuse.tools.bench_data import BenchInput
 
 REFERENCE_BACKEND = "torch"  # the peers are compared with plain decoding on it

@@ -4,9 +4,9 @@
         --backend executorch --threads 2
 
 The artifact's manifest holds the acceptance model, measured at export on validation dialogues
-(runtime/calibration.py). This times, on this device, a plain decoding step and a speculative step
+(runtime/speculation/calibration.py). This times, on this device, a plain decoding step and a speculative step
 of each candidate tree: the best tree of every size up to --max-nodes (torch), or of each step graph's
-size bucket (the exported engines), all on the same validation dialogues, interleaved (runtime/measure.py). Each
+size bucket (the exported engines), all on the same validation dialogues, interleaved (runtime/measure/timing.py). Each
 candidate's expected tokens per step over its measured cost picks the tree; the choice, every
 candidate's cost and the plain step's go into the manifest (calibration.backends.<backend>), where
 the runtime reads its default tree and its fallback threshold. Run it again on each new device.
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.artifact import Artifact, ArtifactError
-from streamfuse.runtime.calibration import MAX_TREE_NODES
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import Loaded, load
-from streamfuse.runtime.measure import calibrate_backend, report
-from streamfuse.runtime.options import add_model_options, check_model_options
-from streamfuse.runtime.session import prompt_ids
+from streamfuse.runtime.artifact.format import Artifact, ArtifactError
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.commands.options import add_model_options, check_model_options
+from streamfuse.runtime.measure.timing import calibrate_backend, report
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import Loaded, load
+from streamfuse.runtime.request.session import prompt_ids
+from streamfuse.runtime.speculation.calibration import MAX_TREE_NODES
 from streamfuse.tools.bench_data import read_inputs, task_file
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.artifact.contract import COMMIT_INPUT, base_method, bucket_method
+from streamfuse.runtime.artifact.format import Artifact
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
-from streamfuse.runtime.contract import COMMIT_INPUT, base_method, bucket_method
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.commands import errors
 from streamfuse.tools.graph_inputs import method_inputs
 
 ENGINES = ("executorch", "onnxruntime")

@@ -34,7 +34,7 @@ from streamfuse.export.eager import TorchBackend
 from streamfuse.methods.sd.model import NOMINAL_STREAMS
 from streamfuse.runtime.backends.sessions import open_session
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.tools.step_timing import step_seconds
 
 ENGINES = ("torch", "executorch", "onnxruntime")

@@ -1,5 +1,5 @@
 """streamfuse footprint GENERATE-ARGS: what a process that only decodes pays for one run
-of `streamfuse.runtime.generate`: the runtime's import time, resident memory after the import and at the
+of `streamfuse.runtime.commands.generate`: the runtime's import time, resident memory after the import and at the
 end, the peak, the modules loaded, and which heavy ones (torch, Transformers, the training code) came in.
 generate's own output is printed first; the footprint is the last line, one JSON object.
 
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
     # what is timed: the runtime's import, the CLI's with it (loaded by name, as `python -m` runs it)
-    errors = importlib.import_module("streamfuse.runtime.errors")
-    generate = importlib.import_module("streamfuse.runtime.generate")
+    errors = importlib.import_module("streamfuse.runtime.commands.errors")
+    generate = importlib.import_module("streamfuse.runtime.commands.generate")
 
     imported, after_import = time.perf_counter() - start, resident_mib()
     start = time.perf_counter()

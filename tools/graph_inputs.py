@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamfuse.runtime.contract import COMMIT_INPUT, batch_inputs, tree_inputs
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.artifact.contract import COMMIT_INPUT, batch_inputs, tree_inputs
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def bucket_tree(trees: tuple[TreeSpec, ...], rows: int, gamma: int) -> TreeSpec:

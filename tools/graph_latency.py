@@ -24,11 +24,11 @@ from tqdm.auto import tqdm
 from streamfuse.export.eager import StreamConfig, TorchBackend
 from streamfuse.export.graph import GraphShapes, example_inputs
 from streamfuse.export.passes import GreedyStepPass, MainPass, StepPass, StreamsPass
+from streamfuse.runtime.artifact.contract import INPUT_NAMES, OUTPUT_NAMES, STREAM_SCHEDULES, tree_inputs
 from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
-from streamfuse.runtime.contract import INPUT_NAMES, OUTPUT_NAMES, STREAM_SCHEDULES, tree_inputs
-from streamfuse.runtime.threads import threads_type
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools.step_timing import architecture_parser, report_medians
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk

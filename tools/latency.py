@@ -19,8 +19,8 @@ import torch
 
 from streamfuse.export.eager import StreamConfig, TorchBackend
 from streamfuse.export.packed_linear import KERNELS
-from streamfuse.runtime.threads import threads_type
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools.step_timing import architecture_parser, report_medians, timed
 
 

@@ -23,7 +23,7 @@ import torch
 
 from streamfuse import seams
 from streamfuse.export.packed_linear import PackedLinear, packing_available
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
 
 
 def median_us(call, reps: int) -> float:

@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from streamfuse.runtime.durable import replace_folder
+from streamfuse.runtime.artifact.durable import replace_folder
 from streamfuse.tools.peers_gguf import cache_root, llama_cpp_sdist, llama_cpp_version
 
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")

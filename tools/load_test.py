@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from streamfuse.runtime import errors
+from streamfuse.runtime.commands import errors
 from streamfuse.tools.load_probes import Probes, Target, metrics_problems, run_probes
 
 PROMPTS = (  # words most vocabularies hold, so a tiny test model's tokenizer reads them too

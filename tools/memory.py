@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamfuse.runtime.options import add_model_options, check_model_options  # argparse only: measured clean
+from streamfuse.runtime.commands.options import add_model_options, check_model_options  # argparse only: measured clean
 from streamfuse.tools.process_memory import cache_resident_bytes, child_command, status, timed_switch
 
 MIB = 2**20
@@ -36,9 +36,9 @@ def measure_backend(
     """In this (fresh) process: load the backend, then decode the inputs plainly and with SS."""
     import importlib
 
-    from streamfuse.runtime.artifact import Artifact
-    from streamfuse.runtime.loader import load
-    from streamfuse.runtime.session import (
+    from streamfuse.runtime.artifact.format import Artifact
+    from streamfuse.runtime.request.loader import load
+    from streamfuse.runtime.request.session import (
         BASELINE_METHOD,
         DEFAULT_METHOD,
         DecodeRequest,
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"backend": args.child, "skipped": str(error)}
         print(json.dumps(row))
         return 0
-    from streamfuse.runtime.artifact import Artifact, ArtifactError
-    from streamfuse.runtime.options import EXPORTED_BACKENDS
+    from streamfuse.runtime.artifact.format import Artifact, ArtifactError
+    from streamfuse.runtime.request.loader import EXPORTED_BACKENDS
     from streamfuse.tools.bench_data import task_file
     from streamfuse.tools.bench_report import write_atomic
 

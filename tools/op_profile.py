@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.artifact.contract import bucket_method
+from streamfuse.runtime.artifact.format import Artifact
 from streamfuse.runtime.backends.sessions import open_session
-from streamfuse.runtime.contract import bucket_method
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.commands import errors
 from streamfuse.tools.graph_inputs import method_inputs
 from streamfuse.tools.op_sampling import NO_ETDUMP, perf_runs
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamfuse.runtime import errors
+from streamfuse.runtime.commands import errors
 
 NO_ETDUMP = (
     "executorch: this runtime records no ETDump (its wheel is built without EXECUTORCH_ENABLE_EVENT_TRACER): its "

@@ -28,12 +28,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from streamfuse.methods import sd
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.session import BASELINE_METHOD, prompt_ids
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.threads import threads_type
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.session import BASELINE_METHOD, prompt_ids
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools.bench_data import read_inputs, task_file
 from streamfuse.tools.step_timing import step_seconds
 
@@ -146,7 +146,7 @@ def measured_matches(args) -> tuple[list[list[bool]], Latencies]:
     inputs = read_inputs(args.input_file or task_file(args.task, args.split), target.prompt, args.limit)
     rules = StopRules(args.max_new_tokens, target.stop_token_ids)
     chain = TreeSpec.chain(args.gamma)
-    from streamfuse.runtime.decode import generate
+    from streamfuse.runtime.request.decode import generate
 
     found, times = [], {"target": [], "verify": [], "draft": []}
     for item in tqdm(inputs, desc="greedy + teacher-forced draft", unit="input"):

@@ -30,7 +30,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from streamfuse.runtime.durable import replace_folder
+from streamfuse.runtime.artifact.durable import replace_folder
 
 # llama.cpp file types we make from the f32 file; f32 itself is the converter's output.
 QUANTS = ("f32", "q8_0", "q4_0", "q4_1")
@@ -60,7 +60,7 @@ def checkpoint_dir(artifact: Path) -> Path:
     if (artifact / "streamfuse.json").is_file():
         return artifact
     if (artifact / "manifest.json").is_file():
-        from streamfuse.runtime.artifact import Artifact
+        from streamfuse.runtime.artifact.format import Artifact
 
         return Artifact.open(artifact).adapter_path()
     raise FileNotFoundError(

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.tools.llama_cpp_build import (
     CMAKE_FLAGS,
     NO_AMX_FLAGS,

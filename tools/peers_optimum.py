@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.durable import replace_folder
+from streamfuse.runtime.artifact.durable import replace_folder
 from streamfuse.tools import peers_gguf
 from streamfuse.tools.peers_runners import PeerResult
 

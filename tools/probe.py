@@ -28,7 +28,7 @@ Tamper = Callable[[Path], None]
 # after "error:" (an engine's own logging may write to stderr in a library's process; the CLI filters it).
 API = """
 import sys
-from streamfuse.runtime.session import DecodeRequest, decode_settings, load_model, prompt_ids, run
+from streamfuse.runtime.request.session import DecodeRequest, decode_settings, load_model, prompt_ids, run
 try:
     loaded = load_model({artifact!r}, backend={backend!r}, threads=2)
     ids = prompt_ids(loaded, {prompt!r}, as_task=False)
@@ -42,7 +42,7 @@ print(len(result.token_ids))
 # The torch op given an `out` too small for its result (without its validator it overflows the heap).
 SMALL_OUT = """
 import sys, torch
-from streamfuse.runtime import tree_attention
+from streamfuse.runtime.ops import tree_attention
 tree_attention.torch_op()
 q = torch.zeros(1, 2, 3, 8); kc = torch.zeros(1, 1, 16, 8); kx = torch.zeros(1, 1, 3, 8)
 try:
@@ -231,7 +231,7 @@ def run_case(case: Case, artifact: Path, backend: str, scratch: Path) -> Outcome
         command = [
             sys.executable,
             "-m",
-            "streamfuse.runtime.generate",
+            "streamfuse.runtime.commands.generate",
             "--artifact",
             str(folder),
             "--backend",

@@ -4,7 +4,7 @@
 
 Writes DIR/profile.json, DIR/profile.md and three PNG plots. Pure Python + matplotlib (Agg):
 no torch, so a trace recorded on any accelerator can be profiled on any machine.
-Every metric is defined in LEGEND (runtime/trace_profile.py), which profile.md repeats.
+Every metric is defined in LEGEND (runtime/measure/trace_profile.py), which profile.md repeats.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.trace_profile import fmt, profile_files, write_report
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.measure.trace_profile import fmt, profile_files, write_report
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,9 +2,9 @@
 runs, at SmolLM2-135M's shapes with random Q4_1 weights and a rank-32 LoRA (time does not depend on the
 weights' values; --scope call puts the LoRA on the top 10 layers, as the default build does).
 
-  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/q4_linear.py): one node, LoRA inside (a packed
+  ours         streamfuse.Q4Linear in ONNX Runtime (runtime/ops/q4_linear.py): one node, LoRA inside (a packed
                node's siblings each their own segment of it); the Q8_0 LM head on streamfuse.Q8Linear
-               (runtime/q8_linear.py)
+               (runtime/ops/q8_linear.py)
   matmulnbits  ONNX Runtime's MatMulNBits (4 bits, accuracy level 4) + the fp32 low-rank term (block sums and
                LoRA: MatMul, MatMul, Add), the 4 nodes a q4-native ONNX linear takes without our op;
                the head as MatMulNBits (8 bits)
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from streamfuse.runtime import q4_linear as q4
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.ops import q4_linear as q4
 
 HIDDEN, MLP, LAYERS, RANK, ADAPTED = 576, 1536, 30, 32, 10  # the default build's LoRA: rank 32, top 10 layers
 VOCAB = 49152
@@ -113,7 +113,7 @@ def head_layer(rng, n: int = VOCAB, k: int = HIDDEN) -> dict:
 def _nodes_ours(layer: dict, x: str, out: str, prefix: str, form: str = "ours") -> tuple[list, list]:
     from onnx import helper, numpy_helper
 
-    from streamfuse.runtime import q8_linear
+    from streamfuse.runtime.ops import q8_linear
 
     if layer.get("kind") == "q8":
         codes, scales = q8_linear.pack(layer["codes"], layer["scales"])
@@ -222,7 +222,7 @@ def onnx_session(model: bytes, threads: int):
     import onnxruntime as ort
 
     from streamfuse.runtime.backends.sessions import ort_options
-    from streamfuse.runtime.kernel_library import onnxruntime_library_path
+    from streamfuse.runtime.ops.kernel_library import onnxruntime_library_path
 
     options = ort_options(ort, threads)
     options.register_custom_ops_library(str(onnxruntime_library_path()))

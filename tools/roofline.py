@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamfuse.runtime.artifact import Artifact, ArtifactError
-from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel
+from streamfuse.runtime.artifact.format import Artifact, ArtifactError
+from streamfuse.runtime.speculation.calibration import MAX_TREE_NODES, AcceptanceModel
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from streamfuse.export.graph import GraphShapes, example_inputs, graph_modules, 
 from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
 from streamfuse.export.xnnpack_graph import engine_model
+from streamfuse.runtime.artifact.contract import bucket_method, tree_inputs
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import Session, interleaved_call_times
-from streamfuse.runtime.contract import bucket_method, tree_inputs
-from streamfuse.runtime.threads import threads_type
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 PREFILL_CHUNK = 8  # prefill is not timed; the shapes only need a valid chunk
 

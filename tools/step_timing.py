@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def architecture_parser(description: str) -> argparse.ArgumentParser:

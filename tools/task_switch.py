@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamfuse.runtime import errors
-from streamfuse.runtime.options import add_model_options, check_model_options
+from streamfuse.runtime.commands import errors
+from streamfuse.runtime.commands.options import add_model_options, check_model_options
 from streamfuse.tools.process_memory import child_command
 
 
@@ -27,7 +27,7 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     """Switch the loaded engine to `task`, then decode its test inputs plainly and with SS."""
     from dataclasses import replace
 
-    from streamfuse.runtime.session import (
+    from streamfuse.runtime.request.session import (
         BASELINE_METHOD,
         DEFAULT_METHOD,
         DecodeRequest,
@@ -65,7 +65,7 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
 
 
 def measure_backend(artifact: Path, backend: str, limit: int, threads: int, max_new_tokens: int) -> dict:
-    from streamfuse.runtime.loader import load
+    from streamfuse.runtime.request.loader import load
     from streamfuse.tools.process_memory import status
 
     before = status()["VmRSS"]
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure_backend(args.artifact, args.child, args.limit, args.threads, args.max_new_tokens)))
         return 0
-    from streamfuse.runtime.artifact import Artifact
+    from streamfuse.runtime.artifact.format import Artifact
 
     tasks = Artifact.open(args.artifact).tasks
     if len(tasks) < 2:

@@ -15,7 +15,7 @@ import torch
 
 from streamfuse.adapters.base_model import base_gguf
 from streamfuse.export.artifact import FORMATS
-from streamfuse.runtime import errors
+from streamfuse.runtime.commands import errors
 from streamfuse.training.build_options import parse_args, task_runs
 from streamfuse.training.lock import exclusive
 from streamfuse.training.pipeline import Build, run_build

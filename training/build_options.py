@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from streamfuse.adapters.base_model import DEFAULT_BASE_MODEL
-from streamfuse.methods import build_part
-from streamfuse.runtime import errors
-from streamfuse.runtime.threads import threads_type
+from streamfuse.runtime.backends.threads import threads_type
+from streamfuse.runtime.commands import errors
+from streamfuse.training import build_part
 from streamfuse.training.config import PRESETS, BuildConfig, preset, with_overrides
 from streamfuse.training.tasks import TASKS
 

@@ -1,5 +1,5 @@
 """The build's calibration: the acceptance model of a fine-tuned checkpoint, and which draft trees its
-graphs get (runtime/calibration.py defines both; tools/calibrate.py measures step costs).
+graphs get (runtime/speculation/calibration.py defines both; tools/calibrate.py measures step costs).
 
     validation inputs -> own greedy answers -> teacher-forced stream ranks + lookup matches
         -> AcceptanceModel -> best tree per size -> timed on this machine (torch) -> trees to export
@@ -17,9 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from streamfuse.adapters.model import SpeculativeStreamingLM
-from streamfuse.runtime.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.calibration import MAX_TREE_NODES, AcceptanceModel, BackendCalibration
+from streamfuse.runtime.speculation.lookup import PromptLookup
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.data import Encoded, collate
 from streamfuse.training.loss import stream_targets
 from streamfuse.training.train import forward_batch
@@ -59,7 +59,8 @@ def position_ranks(model: SpeculativeStreamingLM, item: Encoded, pad_id: int) ->
 
 def lookup_matches(ids: Sequence[int], prompt_len: int, depth: int) -> list[int]:
     """Per answer position (root = ids[r], r from prompt_len to len - 2): how many of prompt lookup's
-    proposed tokens continue the answer, -1 where it proposed none (runtime/lookup.py, as decoding runs it)."""
+    proposed tokens continue the answer, -1 where it proposed none (runtime/speculation/lookup.py, as decoding runs
+    it)."""
     lookup = PromptLookup(ids[: prompt_len + 1])
     matches = []
     for root in range(prompt_len, len(ids) - 1):

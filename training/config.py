@@ -14,7 +14,7 @@ from typing import Any
 
 from streamfuse.adapters.config import LoraSettings, StreamConfig
 from streamfuse.export.artifact import ExportConfig
-from streamfuse.methods import build_part
+from streamfuse.training import build_part
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ BUILD_EXPORT = ExportConfig(trees=(), workers=2)
 @dataclass(frozen=True)
 class BuildConfig:
     """The build's settings: the SS model's sections here, and one section per method build part
-    (methods/build_part.py), read with `section(name)` (or as an attribute); `methods` holds those set
+    (training/build_part.py), read with `section(name)` (or as an attribute); `methods` holds those set
     away from their defaults, so a method registered later gets its section all the same."""
 
     preset: str
@@ -233,7 +233,7 @@ OWN_SECTIONS = ("streams", "lora", "data", "train", "distill", "eval", "export",
 # tokens: docs/benchmarks.md, each graph method's call time per engine); --set export.buckets=4,8 adds it.
 # No batched steps: each adds ~4 min of single-threaded ExecuTorch lowering on the slowest 2-core machine here,
 # which four of them put past make build's hour (docs/results.md); a server's build adds them with
-# --set export.batches=2x1,4x1,8x1,4x4 (runtime/batch.py; export/batch_pass.py), the training reused.
+# --set export.batches=2x1,4x1,8x1,4x4 (runtime/request/batch.py; export/batch_pass.py), the training reused.
 _CPU_BASE = BuildConfig(
     preset="cpu",
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),

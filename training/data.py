@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamfuse.runtime.prompt import PromptFormat
+from streamfuse.runtime.artifact.prompt import PromptFormat
 from streamfuse.training.tasks.base import Example, Task
 
 IGNORE = -100  # label of tokens that carry no loss (the prompt)

@@ -20,13 +20,12 @@ from streamfuse.export import worker
 from streamfuse.export.artifact import RUNS_HERE, ArtifactBuilder, ExportConfig, start_lowering, write_json
 from streamfuse.export.draft_vocab import DraftVocab, coverage, draft_vocab
 from streamfuse.export.verify import ParityError
-from streamfuse.methods import build_part
-from streamfuse.runtime.artifact import Artifact, ArtifactError
-from streamfuse.runtime.calibration import AcceptanceModel, BackendCalibration
-from streamfuse.runtime.loader import fastest_backend
-from streamfuse.runtime.measure import calibrate_sources
-from streamfuse.runtime.tree import TreeSpec
-from streamfuse.training import report, stages
+from streamfuse.runtime.artifact.format import Artifact, ArtifactError
+from streamfuse.runtime.measure.timing import calibrate_sources
+from streamfuse.runtime.request.loader import fastest_backend
+from streamfuse.runtime.speculation.calibration import AcceptanceModel, BackendCalibration
+from streamfuse.runtime.speculation.tree import TreeSpec
+from streamfuse.training import build_part, report, stages
 from streamfuse.training.calibration import acceptance_model, tree_text, trees_to_export
 from streamfuse.training.config import BuildConfig
 from streamfuse.training.data import Encoded, encode, prompt_text

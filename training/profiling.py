@@ -1,6 +1,6 @@
 """The build's last stage: decode test inputs with the artifact, SS and plain interleaved, and
-profile where the speed-up comes from (runtime/measure.py's interleaved loop, runtime/trace_profile.py's report).
-The build runs it in a fresh process, so the peak memory it reports is the runtime's alone."""
+profile where the speed-up comes from (runtime/measure/timing.py's interleaved loop, runtime/measure/trace_profile.py's
+report). The build runs it in a fresh process, so the peak memory it reports is the runtime's alone."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from streamfuse.runtime.loader import load
-from streamfuse.runtime.measure import interleaved, summarise
-from streamfuse.runtime.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, Input, decode_settings
-from streamfuse.runtime.trace import Trace
-from streamfuse.runtime.trace_profile import profile_files, write_report
+from streamfuse.runtime.measure.timing import interleaved, summarise
+from streamfuse.runtime.measure.trace_profile import profile_files, write_report
+from streamfuse.runtime.request.loader import load
+from streamfuse.runtime.request.session import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, Input, decode_settings
+from streamfuse.runtime.request.trace import Trace
 
 
 def profile_artifact(

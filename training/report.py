@@ -6,8 +6,8 @@ from pathlib import Path
 
 from streamfuse.adapters.base_model import resolve_base_model
 from streamfuse.adapters.checkpoint import read_manifest
-from streamfuse.methods import registry
 from streamfuse.methods.ss import NAME as SS_MODEL  # the SS model's results (training/stages.py)
+from streamfuse.runtime.methods import registry
 
 FIRST_STAGE = f"{SS_MODEL}_first_stage"
 LABELS = {

@@ -15,8 +15,8 @@ import torch
 from streamfuse.adapters.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest, save_checkpoint, update_info, weights_digest
 from streamfuse.methods import ss
-from streamfuse.methods.build_part import enabled
 from streamfuse.training import report
+from streamfuse.training.build_part import enabled
 from streamfuse.training.data import prompt_format
 from streamfuse.training.distill import distill_rows
 from streamfuse.training.stage import OutputFormat, Stage, recipe

@@ -1,7 +1,7 @@
 """Plain decoding: the root alone each step; every speed-up's baseline."""
 
 from streamfuse.methods.ar.drafter import PlainDrafter
-from streamfuse.methods.method import Method, on_engine
+from streamfuse.runtime.methods.method import Method, on_engine
 
 
 def engine_drafter(settings, backend) -> PlainDrafter:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamfuse.runtime.drafter import Draft
+from streamfuse.runtime.request.drafter import Draft
 
 
 class PlainDrafter:

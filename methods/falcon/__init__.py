@@ -5,7 +5,7 @@ target, in torch (torch_pass.py). The fused-drafter base it shares with Parallel
 from streamfuse.methods.falcon.drafter import FalconDrafter
 from streamfuse.methods.falcon.graph_pass import GraphFalconPass
 from streamfuse.methods.fused import draft_pass
-from streamfuse.methods.method import tree_drafter
+from streamfuse.runtime.methods.method import tree_drafter
 
 NAME = "falcon"
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamfuse.export.artifact import ExportConfig
-from streamfuse.methods.build_part import MethodBuild
 from streamfuse.methods.falcon.graph import export_drafter
 from streamfuse.methods.falcon.model import FILES, FalconModel
 from streamfuse.methods.falcon.train import FalconTraining, train_falcon
 from streamfuse.methods.fused.stage import fused_stage, install_fused
-from streamfuse.methods.method import widths_tree
+from streamfuse.runtime.methods.method import widths_tree
+from streamfuse.training.build_part import MethodBuild
 
 if TYPE_CHECKING:
     from streamfuse.training.pipeline import Build

@@ -22,9 +22,9 @@ import numpy as np
 
 from streamfuse.methods.fused.drafter import PassDrafter
 from streamfuse.runtime.backends.base import StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def block_visibility(slot: int, slots: int, real: int, rows: int, block: int) -> np.ndarray:

@@ -7,7 +7,7 @@ Its runtime side: the host loop (drafter.py), the pass on an engine's graph (gra
 
 from __future__ import annotations
 
-from streamfuse.methods import registry
+from streamfuse.runtime.methods import registry
 
 
 def draft_pass(loaded, name: str, graph_pass: type):

@@ -5,7 +5,7 @@ of the target's engine, or torch: methods/fused/graph_pass.py, torch_pass.py).
     start:   real rows = [(the prompt's last target state, root)]
     propose: the method's passes over the real rows its cache lacks -> logits per depth; node at depth d, rank r
              takes that depth's r-th token (greedy: top-k; sampling: siblings drawn without replacement from the
-             depth's q, accepted by the loop's multi-draft speculative sampling, runtime/accept.py)
+             depth's q, accepted by the loop's multi-draft speculative sampling, runtime/speculation/accept.py)
     observe: the accepted nodes' target states (StepOutput.extras[HIDDEN]) with the tokens after them (the next
              node's, the correction) become real rows
 """
@@ -18,9 +18,9 @@ import numpy as np
 
 from streamfuse.methods.ss.drafter import draft_tokens
 from streamfuse.runtime.backends.base import HIDDEN, StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import SamplingConfig, draw, ranked, target_probs
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.sampling import SamplingConfig, draw, ranked, target_probs
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def kept_probs(logits: np.ndarray, vocab_ids: np.ndarray, vocab_size: int, sampling: SamplingConfig) -> np.ndarray:

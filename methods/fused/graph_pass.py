@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from streamfuse.runtime.artifact.onnx_external import check_external_data
 from streamfuse.runtime.backends.sessions import ExecuTorchSession, _require, ort_options
-from streamfuse.runtime.onnx_external import check_external_data
 
 INPUT_NAMES = ["states", "embeds", "positions", "read", "mask", "keys", "values"]
 

@@ -16,8 +16,8 @@ from streamfuse.adapters.checkpoint import load_checkpoint
 from streamfuse.export.artifact import ExportConfig, install_drafter
 from streamfuse.methods.fused.model import DrafterFiles, FusedDrafter
 from streamfuse.methods.fused.train import answer_states, embed_scale
-from streamfuse.runtime.durable import replace_folder
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.artifact.durable import replace_folder
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.stage import OutputFormat, Stage
 from streamfuse.training.stages import target_stage
 

@@ -1,9 +1,9 @@
 """Medusa: heads on the target's last hidden state rank the drafts of SS's trees (the paper's baseline).
 On torch the heads are attached to the backend (torch_pass.py); the exported graphs have a heads method."""
 
-from streamfuse.methods import registry
 from streamfuse.methods.medusa.drafter import HeadDrafter
-from streamfuse.methods.method import tree_drafter
+from streamfuse.runtime.methods import registry
+from streamfuse.runtime.methods.method import tree_drafter
 
 NAME = "medusa"
 

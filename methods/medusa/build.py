@@ -11,11 +11,11 @@ import torch
 
 from streamfuse.adapters.checkpoint import load_checkpoint
 from streamfuse.export.artifact import ExportConfig, install_drafter
-from streamfuse.methods.build_part import MethodBuild
 from streamfuse.methods.medusa.drafter import heads_tree
 from streamfuse.methods.medusa.model import MANIFEST, MedusaHeads, read_heads_manifest, save_heads
 from streamfuse.methods.medusa.train import HeadTraining, head_features, train_heads
-from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.artifact.format import Artifact
+from streamfuse.training.build_part import MethodBuild
 from streamfuse.training.stage import OutputFormat, Stage
 from streamfuse.training.stages import target_stage
 

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from streamfuse.methods.ss.drafter import StreamDrafter
 from streamfuse.runtime.backends.base import HEAD_LOGITS, StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.sampling import ranked
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.lookup import PromptLookup
+from streamfuse.runtime.speculation.sampling import ranked
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def heads_tree(ss_tree: TreeSpec, heads: int) -> TreeSpec:

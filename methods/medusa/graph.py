@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from streamfuse.methods.medusa import METHOD
 from streamfuse.methods.medusa.drafter import HeadDrafter, heads_tree
-from streamfuse.runtime.decode import generate
-from streamfuse.runtime.emitter import StopRules
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.decode import generate
+from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 OWN_PLAIN = "SS vs its own plain decoding"  # export/verify.py's name for the check
 

@@ -3,7 +3,7 @@
 One pass of the target (LoRA merged) over each prompt + own answer, teacher-forced, gives the
 final-normed state at every answer-predicting position: the features every head trains on, kept
 on disk per target model so a rerun or a resumed run does not compute them again. Head j at
-position p learns the token at p + 1 + j (stream j's target in runtime/tree.py's terms), through
+position p learns the token at p + 1 + j (stream j's target in runtime/speculation/tree.py's terms), through
 the shared, frozen LM head; the loss weighs head j by decay^(j-1), as Medusa does (0.8).
 """
 

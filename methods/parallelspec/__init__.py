@@ -3,9 +3,9 @@ the target's engine (its own graph in the artifact, graph_pass.py) or, for a tor
 (torch_pass.py). The fused-drafter base it shares with Falcon: methods/fused/."""
 
 from streamfuse.methods.fused import draft_pass
-from streamfuse.methods.method import tree_drafter
 from streamfuse.methods.parallelspec.drafter import ParallelDrafter
 from streamfuse.methods.parallelspec.graph_pass import GraphParallelPass
+from streamfuse.runtime.methods.method import tree_drafter
 
 NAME = "parallelspec"
 

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamfuse.export.artifact import ExportConfig
-from streamfuse.methods.build_part import MethodBuild
 from streamfuse.methods.fused.stage import fused_stage, install_fused
 from streamfuse.methods.medusa.drafter import heads_tree
-from streamfuse.methods.method import widths_tree
 from streamfuse.methods.parallelspec.graph import export_drafter
 from streamfuse.methods.parallelspec.model import FILES, ParallelSpecModel
 from streamfuse.methods.parallelspec.train import DrafterTraining, train_drafter
-from streamfuse.runtime.artifact import Artifact
+from streamfuse.runtime.artifact.format import Artifact
+from streamfuse.runtime.methods.method import widths_tree
+from streamfuse.training.build_part import MethodBuild
 
 if TYPE_CHECKING:
     from streamfuse.training.pipeline import Build

@@ -15,9 +15,9 @@ from typing import Protocol
 import numpy as np
 
 from streamfuse.methods.fused.drafter import PassDrafter
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import SamplingConfig
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.sampling import SamplingConfig
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def pass_visibility(cached: int, slots: int, real: int, rows: int, masks: int) -> np.ndarray:

@@ -3,8 +3,8 @@ post-verify keeps drafting past the chain under verification, pre-verify checks 
 target step after a miss."""
 
 from streamfuse.methods import sd
-from streamfuse.methods.method import Method, recorded_tree
 from streamfuse.methods.pearl.drafter import PearlDrafter, PearlWorker
+from streamfuse.runtime.methods.method import Method, recorded_tree
 
 NAME = "pearl"
 

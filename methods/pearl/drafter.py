@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.backends.base import StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import SamplingConfig, draw, target_probs
-from streamfuse.runtime.settings import DecodeSettings
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import SamplingConfig, draw, target_probs
 
 WORKER_START_SECONDS = 300  # loading the draft model in a fresh interpreter (torch import included)
 
@@ -47,7 +47,7 @@ def worker_core() -> int | None:
 
 class PearlWorker:
     """The draft model in a child process: spawned once, serving every run (`start`). `load` is the runtime
-    loader's load (runtime/loader.py; module-level, so the child can be handed it): the child opens `folder`
+    loader's load (runtime/request/loader.py; module-level, so the child can be handed it): the child opens `folder`
     with it."""
 
     def __init__(self, folder: Path, engine: str, load: Callable, device: str = "cpu"):

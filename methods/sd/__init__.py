@@ -2,10 +2,10 @@
 target's engine where the build exported it for that engine, else on torch. SpecDec++ and PEARL draft with the
 same draft model (its entry, NAME)."""
 
-from streamfuse.methods.method import Method, recorded_tree
 from streamfuse.methods.sd.drafter import ModelDrafter
 from streamfuse.runtime.backends.base import Backend
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods.method import Method, recorded_tree
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 NAME = "sd"  # the method, and the artifact entry of its draft model
 

@@ -14,9 +14,9 @@ from streamfuse.adapters.base_model import load_base_model
 from streamfuse.adapters.checkpoint import read_manifest
 from streamfuse.adapters.config import LoraSettings
 from streamfuse.export.artifact import ArtifactBuilder, ExportConfig, install_drafter
-from streamfuse.methods.build_part import MethodBuild, longest_chain
 from streamfuse.methods.sd.model import draft_model
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
+from streamfuse.training.build_part import MethodBuild, longest_chain
 from streamfuse.training.stage import Stage, recipe
 from streamfuse.training.stages import CHECKPOINT, model_key, train_and_save
 

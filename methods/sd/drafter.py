@@ -11,7 +11,7 @@ The draft model runs on any Backend (its streams unused; the exported graphs ret
 the rule reads): the runtime loads it on the target's engine (methods/sd/__init__.py). Greedy drafts are the
 draft model's argmax and are accepted by matching the target's token; sampled drafts carry the draft
 distribution q for speculative sampling
-(runtime/accept.py), the standard rule of Leviathan et al. (2023) and Chen et al. (2023).
+(runtime/speculation/accept.py), the standard rule of Leviathan et al. (2023) and Chen et al. (2023).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Protocol
 import numpy as np
 
 from streamfuse.runtime.backends.base import HIDDEN, Backend, StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.sampling import draw, target_probs
-from streamfuse.runtime.settings import DecodeSettings
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.sampling import draw, target_probs
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 class Stop(Protocol):

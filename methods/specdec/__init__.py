@@ -4,11 +4,11 @@
 from dataclasses import replace
 
 from streamfuse.methods import sd
-from streamfuse.methods.method import Method, recorded_tree
 from streamfuse.methods.sd.drafter import ModelDrafter
 from streamfuse.methods.specdec.drafter import StopRule
-from streamfuse.runtime.acceptance_head import load_acceptance_predictor
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.methods.method import Method, recorded_tree
+from streamfuse.runtime.speculation.acceptance_head import load_acceptance_predictor
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 NAME = StopRule.method
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from streamfuse.adapters.acceptance import MANIFEST, read_acceptance_manifest
 from streamfuse.adapters.checkpoint import load_checkpoint, read_manifest
 from streamfuse.export.artifact import ExportConfig, install_drafter
-from streamfuse.methods.build_part import MethodBuild
 from streamfuse.methods.specdec.train import acceptance_features
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.training.acceptance import train_head
+from streamfuse.training.build_part import MethodBuild
 from streamfuse.training.stage import OutputFormat, Stage, recipe
 from streamfuse.training.stages import model_key
 

@@ -1,5 +1,5 @@
-"""SpecDec++'s stop rule (Huang et al. 2024): its acceptance head (runtime/acceptance_head.py) reads the draft
-model's state at each fed draft; sd's drafter (methods/sd/drafter.py) stops the chain once the predicted
+"""SpecDec++'s stop rule (Huang et al. 2024): its acceptance head (runtime/speculation/acceptance_head.py) reads the
+draft model's state at each fed draft; sd's drafter (methods/sd/drafter.py) stops the chain once the predicted
 probability of a rejection among the drafts passes the threshold."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streamfuse.runtime.acceptance_head import AcceptancePredictor
+from streamfuse.runtime.speculation.acceptance_head import AcceptancePredictor
 
 
 @dataclass(frozen=True)

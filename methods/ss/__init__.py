@@ -1,7 +1,7 @@
 """Speculative Streaming: the target's own streams fill the draft tree its next verify pass checks."""
 
-from streamfuse.methods.method import Method, on_engine
 from streamfuse.methods.ss.drafter import StreamDrafter
+from streamfuse.runtime.methods.method import Method, on_engine
 
 NAME = "ss"  # the method, and the build's folder of the SS model (the target every method's drafter reads)
 

@@ -3,7 +3,7 @@
 The target's verify pass also runs the γ streams (fused, or deferred after the commit), so the
 next draft costs no extra model call: node at depth d with rank r takes stream d's r-th most
 likely token. A lookup branch, if the tree has one, takes prompt-lookup tokens instead
-(runtime/lookup.py). `draft_tokens` fills any tree from per-depth ranked tokens: the methods that
+(runtime/speculation/lookup.py). `draft_tokens` fills any tree from per-depth ranked tokens: the methods that
 rank the same depths another way (heads, a drafter model) fill their trees with it too.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from streamfuse.runtime.backends.base import StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.lookup import PromptLookup
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 def draft_tokens(tree: TreeSpec, root: int, ranked: np.ndarray, looked_up: Sequence[int] = ()) -> tuple[list[int], int]:

@@ -1,9 +1,9 @@
 """ss-adaptive: SS's streams, each step in the calibrated tree an acceptance head on the streams' states
-expects the most tokens per unit of step cost from (drafter.py, runtime/tree_choice.py)."""
+expects the most tokens per unit of step cost from (drafter.py, runtime/speculation/tree_choice.py)."""
 
-from streamfuse.methods.method import Method
 from streamfuse.methods.ss_adaptive.drafter import AdaptiveStreamDrafter
-from streamfuse.runtime.acceptance_head import load_acceptance_predictor
+from streamfuse.runtime.methods.method import Method
+from streamfuse.runtime.speculation.acceptance_head import load_acceptance_predictor
 
 NAME = "ss-adaptive"
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from streamfuse.adapters.acceptance import MANIFEST, read_acceptance_manifest
 from streamfuse.export.artifact import ExportConfig, install_drafter
-from streamfuse.methods.build_part import MethodBuild
 from streamfuse.methods.ss_adaptive.train import stream_acceptance_features
 from streamfuse.training.acceptance import train_head
+from streamfuse.training.build_part import MethodBuild
 from streamfuse.training.stage import OutputFormat, Stage
 from streamfuse.training.stages import target_stage
 

@@ -1,5 +1,5 @@
 """ss-adaptive's drafter: SS's streams (methods/ss/drafter.py), each step in the tree its acceptance head picks
-among the calibrated ones (runtime/tree_choice.py) from its reading of the streams' states."""
+among the calibrated ones (runtime/speculation/tree_choice.py) from its reading of the streams' states."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from streamfuse.methods.ss.drafter import StreamDrafter, draft_tokens
-from streamfuse.runtime.acceptance_head import AcceptancePredictor
 from streamfuse.runtime.backends.base import STREAM_STATES, StepOutput
-from streamfuse.runtime.drafter import Draft
-from streamfuse.runtime.lookup import PromptLookup
-from streamfuse.runtime.tree_choice import TreeChoice
+from streamfuse.runtime.request.drafter import Draft
+from streamfuse.runtime.speculation.acceptance_head import AcceptancePredictor
+from streamfuse.runtime.speculation.lookup import PromptLookup
+from streamfuse.runtime.speculation.tree_choice import TreeChoice
 
 
 class AdaptiveStreamDrafter(StreamDrafter):

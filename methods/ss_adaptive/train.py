@@ -2,7 +2,7 @@
 
 Greedy verification accepts stream d's top token at a node exactly when it is the target's token d
 places on, and a step asks about depth d only where the top tokens above it were accepted
-(runtime/tree_choice.py tilts the other ranks). Teacher-forced on the model's own greedy answers,
+(runtime/speculation/tree_choice.py tilts the other ranks). Teacher-forced on the model's own greedy answers,
 the context of each anchor is the one decoding sees, so one pass per answer gives every example:
 (stream d's final state at the anchor, whether its top token equals the answer token d places past
 the anchor's next), for each depth whose tops above were all right. The head is SpecDec++'s

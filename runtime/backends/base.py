@@ -8,8 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
-from streamfuse.runtime.sampling import ranked
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.sampling import ranked
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 class CapacityError(RuntimeError):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from streamfuse.runtime.artifact.contract import batch_inputs, batch_method
 from streamfuse.runtime.backends.base import StepOutput
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
-from streamfuse.runtime.contract import batch_inputs, batch_method
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 ROOT_ONLY = TreeSpec(())  # a decode row's tree (T = 1), and a scratch sequence's
 SCRATCH_LENGTH = 1  # a scratch sequence's cache_len: one real row before its ignored ones

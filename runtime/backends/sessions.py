@@ -16,9 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from streamfuse import seams
-from streamfuse.runtime.artifact_files import inside
-from streamfuse.runtime.backends.static_graph import Session
-from streamfuse.runtime.contract import (
+from streamfuse.runtime.artifact.contract import (
     COMMIT_INPUT,
     EMBEDDING_METADATA,
     METHOD_INPUT,
@@ -29,9 +27,11 @@ from streamfuse.runtime.contract import (
     method_output,
     output_names,
 )
-from streamfuse.runtime.kernel_library import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
-from streamfuse.runtime.onnx_external import check_external_data
-from streamfuse.runtime.threads import check_threads
+from streamfuse.runtime.artifact.files import inside
+from streamfuse.runtime.artifact.onnx_external import check_external_data
+from streamfuse.runtime.backends.static_graph import Session
+from streamfuse.runtime.backends.threads import check_threads
+from streamfuse.runtime.ops.kernel_library import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
 
 
 class MissingBackend(RuntimeError):

@@ -1,6 +1,6 @@
 """The backend over the graphs' functions: exported static-shape graphs (ExecuTorch, ONNX Runtime, Core ML)
 and the same functions run eagerly by torch (export/eager.py). The graphs' names, tensors and who writes the cache
-are the contract's (runtime/contract.py).
+are the contract's (runtime/artifact/contract.py).
 
 The KV cache [L, kv_heads, C, d] is one buffer per K and V, allocated here and handed to every call. Who
 writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layout owner):
@@ -11,7 +11,8 @@ writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layou
   accepted ones in.
 This class also owns chunked prefill, running the streams of the last accepted node after the commit, and
 pruning a tree. A call that raises leaves the cache unknown (the engine may have moved rows before failing): the
-backend then refuses every call until a reset, which each generation starts with (runtime/decode.py), so a failure
+backend then refuses every call until a reset, which each generation starts with (runtime/request/decode.py), so a
+failure
 never leaves a pending commit to be applied twice. A `Session` is the only engine-specific part: it runs one named
 method on a list of arrays (numpy; the torch session keeps the cache as tensors on its device).
 """
@@ -27,6 +28,13 @@ from typing import Protocol
 
 import numpy as np
 
+from streamfuse.runtime.artifact.contract import (
+    NEW_ROWS,
+    GraphSpec,
+    bucket_method,
+    output_names,
+    tree_inputs,
+)
 from streamfuse.runtime.backends.base import (
     HEAD_LOGITS,
     HIDDEN,
@@ -37,14 +45,7 @@ from streamfuse.runtime.backends.base import (
     StepOutput,
     process_peak_rss_bytes,
 )
-from streamfuse.runtime.contract import (
-    NEW_ROWS,
-    GraphSpec,
-    bucket_method,
-    output_names,
-    tree_inputs,
-)
-from streamfuse.runtime.tree import TreeSpec
+from streamfuse.runtime.speculation.tree import TreeSpec
 
 
 class Session(Protocol):
@@ -375,7 +376,7 @@ class StaticGraphBackend:
                 if node != graph_node:  # the graph drafted from another node than the host accepted
                     raise RuntimeError(
                         f"greedy_step drafted at node {graph_node} but the host accepted node {node}: "
-                        f"the artifact's greedy_step disagrees with runtime/accept.py; rebuild it"
+                        f"the artifact's greedy_step disagrees with runtime/speculation/accept.py; rebuild it"
                     )
                 return output
 

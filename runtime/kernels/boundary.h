@@ -24,7 +24,7 @@ constexpr int32_t kMaxRank = 8;
 // At most 2^40 elements a tensor: every index a kernel computes then fits int64 and every byte count size_t.
 constexpr int64_t kMaxElements = int64_t{1} << 40;
 
-// A tensor: its data, element type, rank, sizes and strides in elements (a C struct: runtime/tree_attention.py
+// A tensor: its data, element type, rank, sizes and strides in elements (a C struct: runtime/ops/tree_attention.py
 // builds it with ctypes). Only the first `rank` sizes and strides mean anything.
 struct View {
   void* data;

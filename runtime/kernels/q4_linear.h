@@ -1,7 +1,7 @@
 // A 4-bit linear layer on the GGUF's own Q4_1 blocks whose every row has the same bits whatever else the call
 // holds: y = x · W^T (+ (x · A) · U), W the Q4_1 weights, A and U the layer's unmerged LoRA (U = scaling · B^T).
 //
-// Weights (packed once at export by runtime/q4_linear.py pack(), no re-quantization): TILE = 16 output columns
+// Weights (packed once at export by runtime/ops/q4_linear.py pack(), no re-quantization): TILE = 16 output columns
 // by BLOCK = 32 inputs make one tile-block of 320 bytes, exactly the 16 GGUF blocks' bytes:
 //   bytes [64j, 64j + 64), j = 0..3: byte 4c + i holds column c's code k = 4j + i in its low nibble and code
 //     k = 4(j + 4) + i in its high nibble (so one 64-byte load unpacks into two groups of 4 inputs x 16 columns);
@@ -16,7 +16,7 @@
 //   acc = acc + ((d · xd) · float(Σ_i q_w,i · q_x,i) + m · xs)        (the integer sum is exact in any order)
 // and y = acc + lora, lora = 0 then lora = lora + xa_j · U[j, n] for j in column n's segment's rank range in
 // order, xa_j = Σ_k x_k · A[k, j] in order of k (fp32, from 0). Every float operation is a separate rounding
-// (built with -ffp-contract=off, no fast-math), so the NumPy reference in runtime/q4_linear.py repeats it bit for
+// (built with -ffp-contract=off, no fast-math), so the NumPy reference in runtime/ops/q4_linear.py repeats it bit for
 // bit. Threads split the columns (tiles) only and every path (AVX-512 VNNI, AVX2, portable) computes the same
 // integers and the same float operations lane by lane: a row's bits depend on nothing but that row, the weights
 // and the LoRA.

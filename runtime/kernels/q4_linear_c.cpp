@@ -1,4 +1,4 @@
-// q4_linear.h behind a C ABI: the torch op and the tests (runtime/q4_linear.py) call it through ctypes with a View
+// q4_linear.h behind a C ABI: the torch op and the tests (runtime/ops/q4_linear.py) call it through ctypes with a View
 // of every tensor, validated (q4_linear.h) before any is read: 0 on success, else 1 with the one-line error in
 // `message`; no C++ exception crosses it.
 #include <exception>

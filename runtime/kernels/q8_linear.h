@@ -1,7 +1,7 @@
 // The LM head on the GGUF's own Q8_0 blocks, row-invariant like q4_linear.h (whose activation quantization,
 // tiles and paths it shares): y = x · W^T, w = d·q with q int8 and d fp16 per block of 32.
 //
-// Weights (runtime/q8_linear.py pack()): codes [tiles, K/32, 512] int8, byte 64g + 4c + i of a tile-block holding
+// Weights (runtime/ops/q8_linear.py pack()): codes [tiles, K/32, 512] int8, byte 64g + 4c + i of a tile-block holding
 // column c's code k = 4g + i (g = 0..7), and scales [tiles, K/32, 16] float32 (the fp16 d, exact), separate so
 // that the embedding gathers its rows from the same codes (a flat index per element, no copy). Row r, column n:
 // acc = 0, then for each block b in order acc = acc + (d · xd) · float(Σ_i q_w,i · q_x,i); y = acc.

@@ -1,4 +1,4 @@
-// q8_linear.h behind a C ABI: the torch op and the tests (runtime/q8_linear.py) call it through ctypes with a View
+// q8_linear.h behind a C ABI: the torch op and the tests (runtime/ops/q8_linear.py) call it through ctypes with a View
 // of every tensor, validated (q8_linear.h) before any is read: 0 on success, else 1 with the one-line error in
 // `message`; no C++ exception crosses it.
 #include <exception>

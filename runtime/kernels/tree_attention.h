@@ -10,7 +10,7 @@
 // its ancestors, which plain decoding would have committed at slots start.. start + d - 1), so SS equals
 // plain decoding bit for bit. Cost: start + X keys per row, not the cache's capacity.
 //
-// Arithmetic (the Python reference in runtime/tree_attention.py repeats it exactly): float32 throughout;
+// Arithmetic (the Python reference in runtime/ops/tree_attention.py repeats it exactly): float32 throughout;
 // a dot product over head_dim in LANES partial sums (lane l takes elements l, l + LANES, ...), then the
 // partials added pairwise ((0+1)+(2+3))+((4+5)+(6+7)); exp as exp_poly below; no fused multiply-add
 // (built with -ffp-contract=off).

@@ -1,4 +1,4 @@
-// tree_attention.h behind a C ABI: the torch ops (runtime/tree_attention.py) call it through ctypes with a View of
+// tree_attention.h behind a C ABI: the torch ops (runtime/ops/tree_attention.py) call it through ctypes with a View of
 // every tensor. Each function validates them all (tree_attention.h) before reading any, returns 0 on success and
 // otherwise 1 with the one-line error in `message`; no C++ exception crosses it.
 #include <exception>

@@ -1,6 +1,6 @@
 // tree_attention.h and q4_linear.h as ExecuTorch kernels, streamfuse::tree_attention.out, commit_rows.out and
-// q4_linear.out, for programs exported with torch.ops.streamfuse.* (runtime/tree_attention.py and
-// runtime/q4_linear.py define the ops and their schemas). Loaded into the process before a program is (runtime/tree_attention.py
+// q4_linear.out, for programs exported with torch.ops.streamfuse.* (runtime/ops/tree_attention.py and
+// runtime/ops/q4_linear.py define the ops and their schemas). Loaded into the process before a program is (runtime/ops/tree_attention.py
 // load_executorch_kernels); the attention is split over ExecuTorch's threadpool by rows and heads, never by keys.
 // Both write into the cache inputs, which must be the host's buffers (export/to_executorch.py host_inputs()).
 // Every kernel validates all its tensors first (the headers' validators, shared with the C ABI and ONNX Runtime),
@@ -74,7 +74,7 @@ void guarded(KernelRuntimeContext& context, const char* op, const F& body) noexc
 // int64; extra keys and values [1, kv_heads, extra, dim]; visible [rows, extra] float -> out [1, rows, heads, dim].
 // The whole cache comes in (a per-layer slice would be a copy in the graph), and only its used span is read;
 // then the first `store` extra rows are written into it at slots start.. (the schema does not declare the
-// write: the graphs order it by data, see runtime/tree_attention.py).
+// write: the graphs order it by data, see runtime/ops/tree_attention.py).
 Tensor& tree_attention_out(KernelRuntimeContext& context, const Tensor& query, const Tensor& k_cache,
                            const Tensor& v_cache, int64_t layer, const Tensor& start, const Tensor& k_extra,
                            const Tensor& v_extra, const Tensor& visible, double scale, int64_t store, Tensor& out) {

@@ -6,9 +6,9 @@
 //                 store: int) -> out [1, rows, heads, dim]
 //   CommitRows(k_cache, v_cache, start [1] int64, accepted [A] int64) -> out [1] int64 (a copy of start)
 //   Q4Linear(x [.., K] (rank 2 to 4), weights [tiles, K/32, 320] uint8, lora_a [K, r], lora_up [Σ tiles·r, 16],
-//            rank_splits [S, 2] int64; out_features: int) -> out [.., out_features]   (runtime/q4_linear.py)
+//            rank_splits [S, 2] int64; out_features: int) -> out [.., out_features]   (runtime/ops/q4_linear.py)
 //   Q8Linear(x [.., K], codes [tiles·K/32·512] int8, scales [tiles·K/32·16]; out_features: int) -> out [.., N]
-//            (runtime/q8_linear.py)
+//            (runtime/ops/q8_linear.py)
 //
 // The whole cache comes in (the host's buffer, used in place): TreeAttention reads slots [0, start) of `layer`,
 // then writes its first `store` extra rows at slots start..; CommitRows compacts the accepted rows in place.

@@ -1,4 +1,4 @@
-"""Fuzz target: the artifact manifest's parser and schema check (runtime/artifact.py parse_manifest).
+"""Fuzz target: the artifact manifest's parser and schema check (runtime/artifact/format.py parse_manifest).
 
 Every input must either give a manifest the schema accepts, from which the runtime's file-free views (trees,
 tasks, the acceptance model's replay) build without error, or raise ArtifactError with one line. Anything else
@@ -26,7 +26,7 @@ if FUZZING:  # coverage of streamfuse's modules (the parser, the schema, the vie
     import atheris
 
 with atheris.instrument_imports(include=["streamfuse"]) if FUZZING else contextlib.nullcontext():
-    from streamfuse.runtime.artifact import Artifact, ArtifactError, parse_manifest
+    from streamfuse.runtime.artifact.format import Artifact, ArtifactError, parse_manifest
 
 SEEDS = Path(__file__).resolve().parent / "seeds"
 WHERE = Path("/artifact/manifest.json")  # named in messages only: nothing is read from it

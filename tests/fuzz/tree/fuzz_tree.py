@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from streamfuse.runtime.tree import MAX_DEPTH, MAX_NODES, TreeSpec, TreeSpecError
+from streamfuse.runtime.speculation.tree import MAX_DEPTH, MAX_NODES, TreeSpec, TreeSpecError
 
 BOUNDS = (None, 1, 2, 4, 8, 15, 64, MAX_NODES, MAX_NODES + 5)
 MAX_MESSAGE = 1000  # a one-line error stays short whatever the input

@@ -1,0 +1,257 @@
+"""Several sequences decoded together: each step of a BatchDecoder advances every active sequence by one step of
+its own decode loop (runtime/request/decode.py's Generation), in ONE target call where the graphs have a batched step
+for the sequences' drafts (runtime/backends/batched_step.py), else one call per sequence; the tokens are the same
+either way, each sequence's equal to its single-sequence output (greedy or sampled with its own seed).
+
+    decoder = BatchDecoder(loaded, max_sequences=8)
+    lane = decoder.add(prompt_ids, settings, on_step=...)   # checked now; it prefills on the next step
+    while decoder.active:
+        for finished in decoder.step():
+            print(finished.result.token_ids)
+
+Each sequence (a Lane) decodes on a lane of the loaded model (Loaded.lane: a cache of its own over the shared
+session and weights); a finished or cancelled lane's cache serves the next sequence added, which keeps the rows
+its prompt shares with what that cache holds (Generation.begin's keep; the free lane sharing the most). With
+`hold` (the default) a step of several sequences runs its greedy speculative ones as plain steps while plain rows
+make more tokens per second at that batch size (runtime/request/batch_policy.py); the tokens are the same. A sequence's
+`tag` says whose prefix a free cache may keep (a server isolating its users' caches: only the same tag's); with
+`isolate`, a sequence whose own prefill, draft or step raises ends alone (Lane.error) and the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import count
+
+from streamfuse.runtime.backends.batched_step import BatchItem, batch_rows, batch_shapes, batched_step
+from streamfuse.runtime.request.batch_policy import HoldPolicy
+from streamfuse.runtime.request.decode import Generation, GenerationResult, PlannedStep, StepEvent, kept_prefix
+from streamfuse.runtime.request.loader import Loaded
+from streamfuse.runtime.request.settings import DecodeSettings
+
+CANCELLED = "cancelled"  # a cancelled lane's stop reason
+FAILED = "error"  # the stop reason of a lane whose own step raised (BatchDecoder isolate)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One sequence of a batch: its generation, on its own lane of the model."""
+
+    id: str
+    generation: Generation
+    model: Loaded = field(repr=False)
+    on_step: Callable[[StepEvent], None] | None = None
+    started: bool = False  # prefilled
+    cancelled: bool = False
+    tag: object = None  # whose sequences may keep this lane's cache rows once it ends (add's tag)
+    error: Exception | None = None  # what ended it: its own prefill, draft or step raised (isolate)
+    _result: GenerationResult | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.error is not None or (self.started and self.generation.done)
+
+    @property
+    def result(self) -> GenerationResult:
+        """The sequence's tokens and record, once done (a cancelled one: what it emitted, stop reason cancelled)."""
+        if not self.done:
+            raise ValueError(f"lane {self.id} is still decoding: read its result once it is done")
+        return self._result if self._result is not None else self.close()
+
+    def close(self) -> GenerationResult:
+        """Its result, made once when the lane ends (its record's seconds end then, not when first read)."""
+        self._result = self.generation.result()
+        if (self.cancelled or self.error is not None) and not self.generation.done:
+            reason = FAILED if self.error is not None else CANCELLED
+            self._result.stop_reason = self._result.run.stop_reason = reason
+        return self._result
+
+
+class BatchDecoder:
+    """Up to max_sequences sequences advanced together, one step of each per step()."""
+
+    def __init__(
+        self,
+        loaded: Loaded,
+        max_sequences: int = 8,
+        hold: bool = True,
+        policy: HoldPolicy | None = None,
+        isolate: bool = False,
+    ):
+        """hold: apply a batch policy, `policy` (one that measured this model already) or a new one; isolate: a
+        sequence whose own work raises ends alone, its lane among step()'s finished with .error set (else the
+        step raises)."""
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.loaded = loaded
+        self.max_sequences = max_sequences
+        self.policy = (policy or HoldPolicy()) if hold else None
+        self.isolate = isolate
+        self.prefill_seconds = 0.0  # spent in new sequences' prefills, all steps together
+        self.steps = self.shared_steps = self.held_steps = 0  # steps; those of 2+ sequences; those held to plain
+        self.active: list[Lane] = []
+        # lanes whose sequence ended: the ids their caches hold (None: unknown after a failure) and their tag
+        self._free: list[tuple[Loaded, list[int] | None, object]] = []
+        self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
+        self._ids = count()
+
+    def add(
+        self,
+        ids: list[int],
+        settings: DecodeSettings,
+        on_step: Callable[[StepEvent], None] | None = None,
+        run_id: str = "0",
+        tag: object = None,
+        capacity: int | None = None,
+    ) -> Lane:
+        """A new sequence, checked now (ValueError: a bad prompt or settings, or the batch full); it prefills on
+        the next step(). tag: it keeps cache rows only of a sequence of the same tag. capacity: the KV positions
+        its caller's runtime/request/checks.py check_fits granted (the prompt checked there; None: checked here)."""
+        if len(self.active) >= self.max_sequences:
+            raise ValueError(
+                f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
+                f"max_sequences"
+            )
+        model, cached = self._lane_for(ids, tag)
+        try:
+            generation = Generation.begin(
+                model.backend,
+                ids,
+                settings,
+                model.drafter(settings),
+                run_id=run_id,
+                decode=self._decode,
+                keep=cached,
+                capacity=capacity,
+            )
+        except BaseException:
+            self._free.append((model, None, None))
+            raise
+        lane = Lane(str(next(self._ids)), generation, model, on_step, tag=tag)
+        self.active.append(lane)
+        return lane
+
+    def step(self) -> list[Lane]:
+        """One step of every active sequence (those added since the last step prefill first) -> the lanes that
+        finished, no longer active."""
+        self._prefill_new()
+        running = [lane for lane in self.active if not lane.done]
+        holdable = self.policy is not None and any(map(_holdable, running))
+        hold = holdable and self.policy.hold(len(running))
+        planned: dict[Lane, PlannedStep] = {}
+        for lane in running:
+            with self._guard([lane]):
+                planned[lane] = lane.generation.propose(hold and _holdable(lane))
+        self.steps += 1
+        self.shared_steps += len(running) > 1
+        self.held_steps += any(step.held for step in planned.values())
+        cached = sum(len(lane.generation.cached_ids) for lane in running) if holdable else 0
+        started = time.perf_counter()
+        for group in self._batches(planned):
+            self._advance(group, planned)
+        if holdable:  # the step's cost and tokens, for the policy's next choice
+            tokens = sum(len(lane.generation.cached_ids) for lane in running) - cached
+            self.policy.observe(len(running), hold, time.perf_counter() - started, tokens)
+        finished = [lane for lane in self.active if lane.done]
+        for lane in finished:
+            self._release(lane)
+        return finished
+
+    def _prefill_new(self) -> None:
+        started = time.perf_counter()
+        for lane in self.active:
+            if not lane.started:
+                with self._guard([lane]):
+                    lane.generation.start(lane.on_step)
+                lane.started = True
+        self.prefill_seconds += time.perf_counter() - started
+
+    def cancel(self, lane: Lane) -> None:
+        """Stop a sequence at once; its cache serves the next sequence added."""
+        if lane in self.active:
+            lane.cancelled = True
+            self._release(lane)
+
+    def _release(self, lane: Lane) -> None:
+        lane.close()
+        self.active.remove(lane)
+        cached = None if lane.error is not None else lane.generation.cached_ids  # a failed step: the cache is unknown
+        self._free.append((lane.model, cached, lane.tag))
+
+    @contextmanager
+    def _guard(self, lanes: list[Lane]):
+        """With isolate, an exception in the lanes' own work ends those lanes (their .error), not the step."""
+        try:
+            yield
+        except Exception as error:
+            if not self.isolate:
+                raise
+            for lane in lanes:
+                lane.error = lane.error or error
+
+    def _lane_for(self, ids: list[int], tag: object) -> tuple[Loaded, list[int] | None]:
+        """The free lane of the same tag whose cache shares the longest prefix with `ids` (a system prompt, a task's
+        instructions: those rows are not prefilled again), else any free lane, reset, else a new lane."""
+        if not self._free:
+            return self.loaded.lane(), None
+        mine = [index for index, (_, cached, owner) in enumerate(self._free) if cached is not None and owner == tag]
+        if not mine:
+            return self._free.pop(0)[0], None
+        best = max(mine, key=lambda index: kept_prefix(self._free[index][1], ids))
+        model, cached, _ = self._free.pop(best)
+        return model, cached
+
+    def _decode(self, ids) -> str:
+        return self.loaded.tokenizer.decode(ids)
+
+    def _batches(self, planned: dict[Lane, PlannedStep]) -> list[list[Lane]]:
+        """The lanes grouped into calls: those whose drafts fit a batched step of the same rows share one (as many
+        as its largest batch holds), the others one call each."""
+        by_rows: dict[int | None, list[Lane]] = {}
+        for lane, step in planned.items():
+            rows = batch_rows(lane.model.backend, step.draft.tree) if self._batchable(lane, step) else None
+            by_rows.setdefault(rows, []).append(lane)
+        groups = [[lane] for lane in by_rows.pop(None, [])]
+        for rows, lanes in by_rows.items():
+            spec = lanes[0].model.backend.spec
+            for sequences, _ in batch_shapes(spec, len(lanes), rows):
+                groups.append(lanes[:sequences])
+                lanes = lanes[sequences:]
+            groups.extend([lane] for lane in lanes)
+        return groups
+
+    @staticmethod
+    def _batchable(lane: Lane, step: PlannedStep) -> bool:
+        """A draft a batched step verifies: a tree or a plain step, unpruned (pruning is the torch session's)."""
+        return lane.generation.settings.prune is None or not step.draft.speculative
+
+    def _advance(self, group: list[Lane], planned: dict[Lane, PlannedStep]) -> None:
+        if len(group) == 1:
+            lane = group[0]
+            with self._guard(group):
+                lane.generation.finish(planned[lane], lane.generation.forward(planned[lane]), lane.on_step)
+            return
+        backend = group[0].model.backend
+        rows = backend.step_rows(planned[group[0]].draft.tree)
+        shape = backend.spec.batch(len(group), rows)
+        if self._scratch is None:
+            self._scratch = backend.lane()
+        items = [
+            BatchItem(lane.model.backend, planned[lane].draft.tokens, planned[lane].draft.tree, planned[lane].streams)
+            for lane in group
+        ]
+        outs = []
+        with self._guard(group):  # the shared call: its failure is every lane's of the group
+            outs = batched_step(items, shape, self._scratch)
+        for lane, out in zip(group, outs):
+            with self._guard([lane]):
+                lane.generation.finish(planned[lane], out, lane.on_step)
+
+
+def _holdable(lane: Lane) -> bool:
+    """A sequence the batch policy may hold to plain steps: greedy (a sampled one keeps its seed's draws) and
+    speculative."""
+    return lane.generation.verify.greedy and lane.generation.drafter.tree is not None
