@@ -21,7 +21,7 @@ venv: $(STAMP)
 # editable install's package data; `pip install .` and `pip wheel .` compile them into the package): run it after
 # editing runtime/kernels/*. Up-to-date libraries are kept; nothing compiles at run time.
 kernels: $(STAMP)
-	$(BIN)/python -m streamfuse.runtime.ops.kernel_library
+	$(BIN)/python -m streamfuse.runtime.ops.kernel_build
 
 build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/streamfuse build --task dialogsum $(ARGS)

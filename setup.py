@@ -1,6 +1,7 @@
 """The build hook: streamfuse's C++ kernels compiled into the package when it is built or installed (pip install .,
 pip install -e ., pip wheel .), so the wheel carries them and nothing compiles at run time
-(runtime/ops/kernel_library.py). Everything else is declared in pyproject.toml."""
+(runtime/ops/kernel_build.py; runtime/ops/kernel_library.py loads them). Everything else is declared in
+pyproject.toml."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ class BuildKernels(Command):
         self.set_undefined_options("build", ("build_lib", "build_lib"))
 
     def run(self) -> None:
-        kernels = _load("_streamfuse_kernel_library", ROOT / "runtime" / "ops" / "kernel_library.py")
+        # Under their own names: kernel_build imports kernel_library by its full name, found in sys.modules.
+        _load("streamfuse.runtime.ops.kernel_library", ROOT / "runtime" / "ops" / "kernel_library.py")
+        kernels = _load("streamfuse.runtime.ops.kernel_build", ROOT / "runtime" / "ops" / "kernel_build.py")
         seams = _load("_streamfuse_seams", ROOT / "seams.py")
         target = (
             kernels.LIBRARIES if self.editable_mode else Path(self.build_lib, "streamfuse", "runtime", "kernels", "lib")

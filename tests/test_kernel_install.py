@@ -1,4 +1,4 @@
-"""The kernels are compiled when streamfuse is built or installed (runtime/ops/kernel_library.py, setup.py) and only
+"""The kernels are compiled when streamfuse is built or installed (runtime/ops/kernel_build.py, setup.py) and only
 loaded at run time: what a build records and when it recompiles (a fake compiler: no real compile), every way a
 built library can fail to fit this process (a one-line error naming the fix), the wheel's contents, its libraries
 and the checkout's loading with no compiler on PATH, and a fresh venv decoding `make build`'s artifact from it."""
@@ -19,6 +19,7 @@ import pytest
 import tomllib
 
 from streamfuse import seams
+from streamfuse.runtime.ops import kernel_build as kb
 from streamfuse.runtime.ops import kernel_library as kl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ class FakeBuild:
         monkeypatch.delenv(kl.PORTABLE, raising=False)
 
     def build(self) -> dict[str, Path]:
-        return kl.build(self.lib, seams.executorch_runtime_library, log=lambda line: None)
+        return kb.build(self.lib, seams.executorch_runtime_library, log=lambda line: None)
 
     def compiled(self) -> set[str]:
         """The libraries compiled since the last call."""
@@ -88,7 +89,7 @@ def test_a_build_records_what_each_library_was_built_against(fake):
     for name, entry in entries.items():
         path = fake.lib / entry["file"]
         assert entry["sources"] == kl.source_hash(name) and entry["compiler"] == "fakec++ 1.0"
-        assert entry["flags"][: len(kl.FLAGS)] == kl.FLAGS and entry["sha256"] == kl._sha256(path)
+        assert entry["flags"][: len(kb.FLAGS)] == kb.FLAGS and entry["sha256"] == kl.sha256_of(path)
         assert ("-mavx2" in entry["flags"]) == ("avx2" in entry["cpu_features"])
         assert stat.S_IMODE(path.stat().st_mode) == 0o755 and kl.library_path(name) == path
     assert entries["c"]["built_for"] == {} and entries["onnxruntime"]["built_for"] == {"onnxruntime_api": 17}
@@ -124,9 +125,9 @@ def test_a_build_compiles_only_the_libraries_whose_sources_changed(fake, edited,
 @pytest.mark.skipif(not HAS_EXECUTORCH, reason="executorch is not installed here")
 def test_a_build_without_executorch_keeps_its_library_in_place_but_not_in_a_package(fake):
     fake.build()
-    kl.build(fake.lib, None, log=lambda line: None)  # pip's isolated build of an editable install
+    kb.build(fake.lib, None, log=lambda line: None)  # pip's isolated build of an editable install
     assert kl.library_path("executorch")
-    kl.build(fake.lib, None, log=lambda line: None, only_these=True)  # a wheel's: this build's libraries only
+    kb.build(fake.lib, None, log=lambda line: None, only_these=True)  # a wheel's: this build's libraries only
     assert sorted(fake.manifest()["libraries"]) == ["c", "onnxruntime"]
     assert not (fake.lib / kl.LIBRARY["executorch"].file).exists()
     with pytest.raises(kl.KernelUnavailable, match="executorch kernel library is not built"):
@@ -149,7 +150,7 @@ def test_a_portable_build_requires_no_cpu_feature(fake, monkeypatch):
 
 def test_without_a_compiler_the_build_is_one_line_and_leaves_nothing(fake, monkeypatch):
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(kl.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kb.shutil, "which", lambda name: None)
     with pytest.raises(kl.KernelUnavailable, match=r"needs a C\+\+ compiler and none is on PATH: install g\+\+") as e:
         fake.build()
     assert "\n" not in str(e.value) and not fake.lib.exists()
@@ -228,7 +229,8 @@ def _drop_entry(fake, name):
 
 def _cpu_without(fake, monkeypatch):
     fake.edit("c", {"cpu_features": ["avx2"]})
-    monkeypatch.setattr(kl, "cpu_features", lambda: frozenset({"sse2", "sse4_2"}))
+    for module in (kl, kb):  # the loader's check and the build's flags read the CPU alike
+        monkeypatch.setattr(module, "cpu_features", lambda: frozenset({"sse2", "sse4_2"}))
 
 
 # (case, library, tamper(fake, monkeypatch), what the one-line error says, the fix it names)
@@ -396,7 +398,7 @@ def test_the_wheel_carries_the_kernels_and_what_they_were_built_against(wheel, t
         *(e["file"] for e in entries.values()),
     }  # nothing else: no temporary, no lock
     for name, entry in entries.items():
-        assert entry["sha256"] == kl._sha256(lib / entry["file"]) and modes[entry["file"]] == 0o755
+        assert entry["sha256"] == kl.sha256_of(lib / entry["file"]) and modes[entry["file"]] == 0o755
         assert entry["sources"] == kl.source_hash(name, lib.parent)  # the sources the wheel carries
     python = "cp" if HAS_EXECUTORCH else "py3-none"  # the ExecuTorch library links one Python's bindings
     assert wheel.name.startswith(f"streamfuse-0.1.0-{python}") and not wheel.name.endswith("-any.whl")
