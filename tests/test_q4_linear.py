@@ -106,6 +106,36 @@ def test_kernel_is_the_reference_bit_for_bit_on_every_path(n, blocks, rows, rank
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), path
 
 
+SPECIALS = np.array([np.nan, np.inf, -np.inf, -0.0, 3e38, 1e-40, 0.0], np.float32)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit for bit, a NaN matching any NaN (its payload is the hardware's)."""
+    return bool(((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    blocks=st.integers(1, 6),
+    rows=st.integers(1, 13),
+    rank=st.sampled_from([1, 7, 9, 17, 31, 33, 48, 95, 100]),
+    specials=st.integers(0, 6),
+    seed=st.integers(0, 2**31),
+)
+def test_every_path_is_the_portable_loops_on_any_input(blocks, rows, rank, specials, seed):
+    """The vector paths' row preparation (runtime/kernels/q4_prepare.h: quantizing in 4-row blocks, x · A over
+    masked column groups and tails) keeps the portable bits, on NaN, infinities, subnormals and zero blocks
+    too, where the NumPy reference (which propagates a NaN through max |x|) is not the oracle."""
+    rng = np.random.default_rng(seed)
+    _, weights, lora = random_layer(rng, 40, 32 * blocks, rank)
+    x = (rng.standard_normal((rows, 32 * blocks)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))).astype(np.float32)
+    x.flat[rng.integers(0, x.size, specials)] = rng.choice(SPECIALS, specials)
+    x[rows // 2, :32] = 0
+    expected = q4.linear(x, weights, *lora, 40, path="portable")
+    for path in q4.available_paths():
+        assert same_bits(q4.linear(x, weights, *lora, 40, path=path, threads=2), expected), path
+
+
 def siblings(rng, widths: list[int], ranks: list[int], k: int):
     """Layers on one input as one node (export/onnx_pack.py): (weights stacked, LoRA joined, each layer's own)."""
     layers = [random_layer(rng, n, k, r) for n, r in zip(widths, ranks)]

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "boundary.h"
+#include "q4_prepare.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -52,6 +53,7 @@
 namespace streamfuse::q4 {
 
 constexpr int64_t BLOCK = 32, TILE = 16, TILE_BYTES = 320, SCALES_AT = 256, MINS_AT = 288;
+static_assert(QUANT_BLOCK == BLOCK, "q4_prepare.h quantizes the blocks the tiles read");
 constexpr int64_t ROW_CHUNK = 8;  // rows that share one unpacked tile-block in registers
 constexpr int64_t MAX_SEGMENTS = 64;  // layers in one node (a packed one holds 2 or 3)
 // Tile-blocks ahead that a path asks the memory for while it computes this one: a call streams its weights from
@@ -157,42 +159,25 @@ inline float half_to_float(uint16_t h) {  // exact; no F16C needed on the portab
   return f;
 }
 
-// Row by row, block by block: xq, xd, xs (and the integer sums, where asked) from x [rows, K] (see the top of the file).
+// Row by row, block by block: xq, xd, xs (and the integer sums, where asked) from x [rows, K] (see the top of the
+// file), on `path`'s vector units (q4_prepare.h: the same bits on each).
 inline void quantize_rows(const float* x, int64_t rows, int64_t in_features, int8_t* xq, float* xd, float* xs,
-                          int32_t* sums = nullptr) {
-  const int64_t blocks = in_features / BLOCK;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = x + r * in_features + b * BLOCK;
-      float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::fabs(v[i]) > amax ? std::fabs(v[i]) : amax;
-      const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        float q = v[i] * inverse;
-        q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
-        const int32_t code = q == q ? static_cast<int32_t>(std::nearbyint(q)) : 0;
-        xq[r * in_features + b * BLOCK + i] = static_cast<int8_t>(code);
-        sum += code;
-      }
-      xd[r * blocks + b] = d;
-      xs[r * blocks + b] = d * static_cast<float>(sum);
-      if (sums != nullptr) sums[r * blocks + b] = sum;
-    }
-  }
+                          int64_t path, int32_t* sums = nullptr) {
+#ifdef STREAMFUSE_X86
+  if (path == kAvx512Vnni) return quantize_avx512(x, rows, in_features, xq, xd, xs, sums);
+  if (path == kAvx2) return quantize_avx2(x, rows, in_features, xq, xd, xs, sums);
+#endif
+  quantize_portable(x, rows, in_features, xq, xd, xs, sums);
 }
 
-// xa [rows, rank] = x · A, A [K, rank]: each sum in order of k, from 0 (lanes over j only).
-inline void lora_down(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank, float* xa) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* acc = xa + r * rank;
-    for (int64_t j = 0; j < rank; ++j) acc[j] = 0.f;
-    for (int64_t k = 0; k < in_features; ++k) {
-      const float value = x[r * in_features + k];
-      const float* column = a + k * rank;
-      for (int64_t j = 0; j < rank; ++j) acc[j] = acc[j] + value * column[j];
-    }
-  }
+// xa [rows, rank] = x · A, A [K, rank]: each sum in order of k, from 0 (q4_prepare.h: the same bits on each path).
+inline void lora_down(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank, float* xa,
+                      int64_t path) {
+#ifdef STREAMFUSE_X86
+  if (path == kAvx512Vnni) return lora_down_avx512(x, a, rows, in_features, rank, xa);
+  if (path == kAvx2) return lora_down_avx2(x, a, rows, in_features, rank, xa);
+#endif
+  lora_down_portable(x, a, rows, in_features, rank, xa);
 }
 
 // Column c's code k of a tile-block (the layout at the top of the file).
@@ -286,13 +271,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,f16c"), always_inline)) 
   const TileLora own = lora_of(a, t);
   const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
   const __mmask16 store = static_cast<__mmask16>((1u << width) - 1u);
+  // The rows' LoRA sums side by side, j outer: R independent chains (one row's alone waits on each add).
+  const float* xa = a.xa + r0 * a.rank + own.first_rank;
+  __m512 lora[R];
+  for (int r = 0; r < R; ++r) lora[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < own.rank; ++j) {
+    const __m512 up = _mm512_loadu_ps(own.up + j * TILE);
+    for (int r = 0; r < R; ++r) lora[r] = _mm512_add_ps(lora[r], _mm512_mul_ps(_mm512_set1_ps(xa[r * a.rank + j]), up));
+  }
   for (int r = 0; r < R; ++r) {
-    const float* xa = a.xa + (r0 + r) * a.rank + own.first_rank;
-    __m512 lora = _mm512_setzero_ps();
-    for (int64_t j = 0; j < own.rank; ++j) {
-      lora = _mm512_add_ps(lora, _mm512_mul_ps(_mm512_set1_ps(xa[j]), _mm512_loadu_ps(own.up + j * TILE)));
-    }
-    _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora));
+    _mm512_mask_storeu_ps(a.out + (r0 + r) * a.out_features + t * TILE, store, _mm512_add_ps(acc[r], lora[r]));
   }
 }
 
@@ -357,19 +345,22 @@ __attribute__((target("avx2,f16c"))) inline void tiles_avx2(const Args& a, int64
         }
       }
       const TileLora own = lora_of(a, t);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* xa = a.xa + (r0 + r) * a.rank + own.first_rank;
-        __m256 lora[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t j = 0; j < own.rank; ++j) {
-          const __m256 scale = _mm256_set1_ps(xa[j]);
+      const float* xa = a.xa + r0 * a.rank + own.first_rank;
+      __m256 lora[ROW_CHUNK][2];  // the rows' sums side by side, j outer (as the AVX-512 rows)
+      for (int64_t r = 0; r < count; ++r) lora[r][0] = lora[r][1] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < own.rank; ++j) {
+        const __m256 up[2] = {_mm256_loadu_ps(own.up + j * TILE), _mm256_loadu_ps(own.up + j * TILE + 8)};
+        for (int64_t r = 0; r < count; ++r) {
+          const __m256 scale = _mm256_set1_ps(xa[r * a.rank + j]);
           for (int half = 0; half < 2; ++half) {
-            lora[half] =
-                _mm256_add_ps(lora[half], _mm256_mul_ps(scale, _mm256_loadu_ps(own.up + j * TILE + 8 * half)));
+            lora[r][half] = _mm256_add_ps(lora[r][half], _mm256_mul_ps(scale, up[half]));
           }
         }
+      }
+      for (int64_t r = 0; r < count; ++r) {
         alignas(32) float lanes[TILE];
-        _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], lora[0]));
-        _mm256_store_ps(lanes + 8, _mm256_add_ps(acc[r][1], lora[1]));
+        _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], lora[r][0]));
+        _mm256_store_ps(lanes + 8, _mm256_add_ps(acc[r][1], lora[r][1]));
         const int64_t width = a.out_features - t * TILE < TILE ? a.out_features - t * TILE : TILE;
         std::memcpy(a.out + (r0 + r) * a.out_features + t * TILE, lanes, width * sizeof(float));
       }
@@ -550,8 +541,10 @@ class Call {
   void prepare(int64_t first, int64_t last) {
     const int64_t k = args_.in_features, blocks = k / BLOCK;
     quantize_rows(x_ + first * k, last - first, k, xq_.data() + first * k, xd_.data() + first * blocks,
-                  xs_.data() + first * blocks);
-    if (args_.rank > 0) lora_down(x_ + first * k, lora_a_, last - first, k, args_.rank, xa_.data() + first * args_.rank);
+                  xs_.data() + first * blocks, path_);
+    if (args_.rank > 0) {
+      lora_down(x_ + first * k, lora_a_, last - first, k, args_.rank, xa_.data() + first * args_.rank, path_);
+    }
   }
 
   void run(int64_t first, int64_t last) const { run_tiles(args_, path_, first, last); }

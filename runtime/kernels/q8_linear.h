@@ -196,7 +196,7 @@ class Call {
   void prepare(int64_t first, int64_t last) {
     const int64_t k = args_.in_features, blocks = k / BLOCK;
     q4::quantize_rows(x_ + first * k, last - first, k, xq_.data() + first * k, xd_.data() + first * blocks,
-                      xs_.data() + first * blocks, xsum_.data() + first * blocks);
+                      xs_.data() + first * blocks, path_, xsum_.data() + first * blocks);
   }
 
   void run(int64_t first, int64_t last) const { run_tiles(args_, path_, first, last); }

@@ -306,9 +306,12 @@ OrtStatus* commit(const Kernel&, OrtKernelContext* context) {
 constexpr ElementType kQ4Types[] = {kFloat, kUint8, kFloat, kFloat, kInt64};
 constexpr int64_t kTilesPerPart = 4;  // ~5 KB of codes a row: parts enough for the threads, few enough to be cheap
 
+// Rows go to the threads LORA_ROWS at a time: the prepare loops share each column of A over that many rows.
 template <typename C>
-void prepare_row(void* user, size_t row) {
-  static_cast<C*>(user)->prepare(static_cast<int64_t>(row), static_cast<int64_t>(row) + 1);
+void prepare_rows(void* user, size_t part) {
+  auto& call = *static_cast<C*>(user);
+  const int64_t first = static_cast<int64_t>(part) * streamfuse::q4::LORA_ROWS;
+  call.prepare(first, std::min(first + streamfuse::q4::LORA_ROWS, call.rows()));
 }
 
 template <typename C>
@@ -322,10 +325,11 @@ void run_tiles_part(void* user, size_t part) {
 template <typename C>
 OrtStatus* run_linear(OrtKernelContext* context, C& call) {
   if (call.rows() == 0) return nullptr;
-  if (call.rows() <= 2) {  // a decode or a small step: a parallel phase would cost more than the rows
+  const int64_t row_parts = (call.rows() + streamfuse::q4::LORA_ROWS - 1) / streamfuse::q4::LORA_ROWS;
+  if (row_parts == 1) {  // a decode or a step: a parallel phase would cost more than the rows
     call.prepare(0, call.rows());
   } else {
-    RETURN_IF_ERROR(ort->parallel_for(context, prepare_row<C>, static_cast<size_t>(call.rows()), 0, &call));
+    RETURN_IF_ERROR(ort->parallel_for(context, prepare_rows<C>, static_cast<size_t>(row_parts), 0, &call));
   }
   const size_t parts = static_cast<size_t>((call.tiles() + kTilesPerPart - 1) / kTilesPerPart);
   return ort->parallel_for(context, run_tiles_part<C>, parts, 0, &call);

@@ -187,4 +187,13 @@ bool allocate_all(Bytes& in, Tensor (&tensors)[N]) {
     }                                                                                             \
   } while (0)
 
+// Whether two outputs hold the same bits, a NaN matching any NaN (its payload is the hardware's): every
+// instruction-set path of a linear op computes the portable loops' operations.
+inline bool same_bits(const float* a, const float* b, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::memcmp(a + i, b + i, sizeof(float)) != 0 && !(a[i] != a[i] && b[i] != b[i])) return false;
+  }
+  return true;
+}
+
 }  // namespace fuzz

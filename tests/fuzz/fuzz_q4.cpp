@@ -2,7 +2,7 @@
 // CPU runs. x [.., K] of rank 1 to 4, packed weights, a LoRA of 1 to 3 segments (rank_splits: each some tiles and a
 // rank of 0 to 3, U of their total rows) and out, of consistent shapes from the bytes, some views perturbed, some
 // rank_splits values any int64, any out_features; whatever the validator accepts runs on buffers of exactly the
-// claimed sizes (weights of any bytes: fp16 NaN and infinities among the scales).
+// claimed sizes (weights of any bytes: fp16 NaN and infinities among the scales), with the portable path's bits.
 #include "../../runtime/kernels/q4_linear.h"
 #include "fuzz_common.h"
 
@@ -83,5 +83,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Call call(views, checked, out, path);
   call.prepare(0, call.rows());
   call.run(0, call.tiles());
+  const int64_t elements = checked.shape.rows * checked.out_features;
+  std::vector<float> portable(static_cast<size_t>(elements));  // the portable loops' answer, bit for bit
+  Call reference(views, checked, portable.data(), kPortable);
+  reference.prepare(0, reference.rows());
+  reference.run(0, reference.tiles());
+  FUZZ_REQUIRE(fuzz::same_bits(out, portable.data(), elements));
   return 0;
 }

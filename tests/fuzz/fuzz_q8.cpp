@@ -1,6 +1,7 @@
 // Fuzz target: the Q8_0 head's validator and kernel (runtime/kernels/q8_linear.h) on every instruction-set path
 // this CPU runs: x [.., K] of rank 1 to 4, flat codes and scales, out, of consistent shapes from the bytes, some
-// views perturbed, any out_features; whatever the validator accepts runs on buffers of exactly the claimed sizes.
+// views perturbed, any out_features; whatever the validator accepts runs on buffers of exactly the claimed sizes,
+// with the portable path's bits.
 #include "../../runtime/kernels/q8_linear.h"
 #include "fuzz_common.h"
 
@@ -45,5 +46,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   q8::Call call(views, checked, out, path);
   call.prepare(0, call.rows());
   call.run(0, call.tiles());
+  const int64_t elements = checked.shape.rows * checked.out_features;
+  std::vector<float> portable(static_cast<size_t>(elements));  // the portable loops' answer, bit for bit
+  q8::Call reference(views, checked, portable.data(), q4::kPortable);
+  reference.prepare(0, reference.rows());
+  reference.run(0, reference.tiles());
+  FUZZ_REQUIRE(fuzz::same_bits(out, portable.data(), elements));
   return 0;
 }
