@@ -129,7 +129,7 @@ def run_tool(capsys, artifact, tmp_path, backend: str) -> dict:
 
 
 def check_sums(tables: dict) -> None:
-    assert set(tables) == {"decode", "step_15", "greedy_step_15", "streams"}
+    assert set(tables) == {"prefill", "decode", "step_15", "greedy_step_15", "streams"}
     for graph, table in tables.items():
         assert sum(table[name] for name in BUCKETS) == pytest.approx(table["profiled"], abs=1e-9), graph
         assert table["profiled"] >= 0 and table["wall"] > 0  # perf may catch no sample of a tiny call
@@ -144,6 +144,8 @@ def test_the_tool_names_every_op_of_the_onnx_graphs(artifact, tmp_path, capsys):
     decode, greedy = tables["decode"], tables["greedy_step_15"]
     assert decode["attention kernel"] > 0 and decode["linears: main layers"] > 0 and decode["LM head"] > 0
     assert decode["f_eta / stream inputs"] == 0 and decode["draft head"] == 0
+    prefill = tables["prefill"]  # a chunk's rows through the same linears: more time, no stream or draft work
+    assert prefill["linears: main layers"] > decode["linears: main layers"] and prefill["draft head"] == 0
     assert greedy["draft head"] > 0 and greedy["top-k / accept"] > 0 and greedy["f_eta / stream inputs"] > 0
 
 

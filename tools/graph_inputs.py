@@ -40,6 +40,8 @@ def method_inputs(signature: dict, span: int, trees: tuple[TreeSpec, ...], gamma
             made.append(tree_data[name])
         elif name == "cache_len":
             made.append(np.full(sequences, span))
+        elif name == "last":  # prefill: the chunk's last row is its last real prompt token
+            made.append(np.array([rows - 1], dtype=np.int64))
         elif name == COMMIT_INPUT:
             made.append(np.full(shape, -1, dtype=np.int64))
         elif name == "ids":

@@ -1,14 +1,15 @@
-"""streamfuse op-profile: where every millisecond of a decode call, a 4-row step and a greedy step goes, op by op,
-on ONNX Runtime (its profiler) and ExecuTorch (ETDump), grouped into named buckets.
+"""streamfuse op-profile: where every millisecond of a prefill chunk, a decode call, a 4-row step and a greedy step
+goes, op by op, on ONNX Runtime (its profiler) and ExecuTorch (ETDump), grouped into named buckets.
 
     OMP_WAIT_POLICY=PASSIVE streamfuse op-profile --artifact A --backends onnxruntime,executorch \\
         --spans 300 --rounds 20 --threads 2 [--json OUT]
 
-Each graph (decode, step_T without streams, greedy_step_T with them, and streams) runs on random inputs of the
-manifest's shapes with `cache_len` = the span (tools/graph_inputs.py) in a session with the engine's profiler on, each
-call just after the same call in a plain session: its wall time. Per graph the table gives each bucket's
-median over the profiled calls (ms), their sum (the profiled total), the wall time, and the remainder (dispatch:
-what no op event covers), then greedy_step - decode by bucket: what the stream rows and the extra tree rows cost.
+Each graph (prefill of one chunk, decode, step_T without streams, greedy_step_T with them, and streams) runs on
+random inputs of the manifest's shapes with `cache_len` = the span (tools/graph_inputs.py) in a session with the
+engine's profiler on, each call just after the same call in a plain session: its wall time. Per graph the table
+gives each bucket's median over the profiled calls (ms), their sum (the profiled total), the wall time, and the
+remainder (dispatch: what no op event covers), then greedy_step - decode by bucket: what the stream rows and the
+extra tree rows cost.
 
 Buckets: RULES (op type / node name pattern -> kind, first match wins), then the op's place in the graph, counted
 in norms (two per layer, the final one after): linears in the layers below the stream layers are "main layers",
@@ -323,7 +324,7 @@ def graphs_of(manifest: dict, bucket: int | None) -> list[str]:
         rows in manifest["graphs"]["buckets"],
         f"--bucket {rows}: the artifact's steps have {manifest['graphs']['buckets']} rows",
     )
-    names = ["decode", bucket_method("step", rows), bucket_method("greedy_step", rows), "streams"]
+    names = ["prefill", "decode", bucket_method("step", rows), bucket_method("greedy_step", rows), "streams"]
     return [name for name in names if name in manifest["graphs"]["methods"]]
 
 
@@ -403,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     errors.check(args.rounds >= 1, "--rounds must be >= 1")
     artifact = Artifact.open(args.artifact)
     graphs = graphs_of(artifact.manifest, args.bucket)
-    capacity, rows = artifact.manifest["graphs"]["capacity"], max(artifact.manifest["graphs"]["buckets"])
+    capacity = artifact.manifest["graphs"]["capacity"]
+    rows = max(artifact.manifest["graphs"]["buckets"] + [artifact.manifest["graphs"]["prefill_chunk"]])
     spans = [int(w) for w in words]
     errors.check(
         all(rows <= s <= capacity - rows for s in spans),
