@@ -60,6 +60,29 @@ def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim, scale):
     assert got.shape == (1, len(visible), HEADS, dim) and np.array_equal(got, want)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    start=st.integers(0, 40),
+    rows=st.integers(1, 12),
+    extra=st.integers(1, 40),
+    dim=st.sampled_from([DIM, 64]),
+    seed=st.integers(0, 2**31),
+)
+def test_any_visibility_of_many_extra_keys_is_the_reference_bit_for_bit(start, rows, extra, dim, seed):
+    """Extra keys scored and weighed eight at a time where a row sees one of them (dot8, exp_poly8) and summed in
+    runs of consecutive seen keys: the reference's one-key-at-a-time bits, whatever the pattern (gaps, whole
+    blocks unseen, tails)."""
+    rng = np.random.default_rng(seed)
+    visible = (rng.random((rows, extra)) < rng.uniform(0.1, 0.9)).astype(np.float32)
+    visible[np.arange(rows), np.arange(rows) % extra] = 1  # every row sees a key
+    query, k_cache, v_cache, k_extra, v_extra = tensors(seed % 1000, rows, extra, dim=dim)
+    got = attend(query, k_cache, v_cache, start, k_extra, v_extra, torch.from_numpy(visible)).numpy()
+    want = tree_attention.reference(
+        query.numpy(), k_cache.numpy(), v_cache.numpy(), start, k_extra.numpy(), v_extra.numpy(), visible, 0.3
+    )
+    assert np.array_equal(got, want)
+
+
 def test_the_kernel_is_softmax_attention():
     query, k_cache, v_cache, k_extra, v_extra = tensors(1, 3)
     visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.float32)

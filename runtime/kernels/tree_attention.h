@@ -161,6 +161,50 @@ inline void accumulate(float& total, Lanes* acc, const float* p, const float* va
   }
 }
 
+// Whether a row sees any of the eight extra keys from `seen`.
+inline bool any_seen(const float* seen) {
+  for (int64_t l = 0; l < LANES; ++l) {
+    if (seen[l] != 0.f) return true;
+  }
+  return false;
+}
+
+// The scores of the extra keys a query sees into scores[x], eight keys at a time where it sees one of them and
+// head_dim allows (dot8: the same sums as dot; a key it does not see gets a score nobody reads), and their max
+// into top. A prefill chunk's rows see half its keys on average: one at a time, they cost 2.5 cached keys each.
+inline void extra_scores(const TreeAttentionArgs& a, const float* query, const float* kx, const float* seen,
+                         float* scores, float& top) {
+  int64_t x = 0;
+  if (a.dim % LANES == 0) {
+    for (; x + LANES <= a.extra; x += LANES) {
+      if (!any_seen(seen + x)) continue;
+      const Lanes score = dot8(query, kx + x * a.dim, a.dim) * a.scale;
+      std::memcpy(scores + x, &score, sizeof(score));
+    }
+  }
+  for (; x < a.extra; ++x) {
+    if (seen[x] != 0.f) scores[x] = dot(query, kx + x * a.dim, a.dim) * a.scale;
+  }
+  for (x = 0; x < a.extra; ++x) {
+    if (seen[x] != 0.f) top = scores[x] > top ? scores[x] : top;
+  }
+}
+
+// exp(score - top) in place for the extra keys a query sees, eight at a time where it sees one of them (exp_poly8:
+// exp_poly's bits lane by lane).
+inline void extra_weights(int64_t extra, const float* seen, float top, float* scores) {
+  const Lanes tops = top - Lanes{};
+  int64_t x = 0;
+  for (; x + LANES <= extra; x += LANES) {
+    if (!any_seen(seen + x)) continue;
+    const Lanes e = exp_poly8(load(scores + x) - tops);
+    std::memcpy(scores + x, &e, sizeof(e));
+  }
+  for (; x < extra; ++x) {
+    if (seen[x] != 0.f) scores[x] = exp_poly(scores[x] - top);
+  }
+}
+
 struct Scratch {
   std::vector<float> scores;  // [queries, start + extra]
   std::vector<Lanes> acc;     // [queries, head_dim / LANES]: the numerators
@@ -210,11 +254,8 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
       scores[k] = dot(query[q], kc + k * dim, dim) * a.scale;
       top[q] = scores[k] > top[q] ? scores[k] : top[q];
     }
-    for (int64_t x = 0; x < a.extra; ++x) {
-      if (seen[q][x] == 0.f) continue;
-      scores[a.start + x] = dot(query[q], kx + x * dim, dim) * a.scale;
-      top[q] = scores[a.start + x] > top[q] ? scores[a.start + x] : top[q];
-    }
+    extra_scores(a, query[q], kx, seen[q], scores + a.start, top[q]);
+    extra_weights(a.extra, seen[q], top[q], scores + a.start);
     const Lanes tops = top[q] - Lanes{};
     int64_t k = 0;
     for (; k + LANES <= a.start; k += LANES) {
@@ -236,13 +277,19 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
       }
     }
   }
-  auto add = [&](int64_t q, float p, const float* v) {
-    accumulate(total[q], s.acc.data() + q * blocks, &p, v, 1, blocks, dim);
-    for (int64_t l = 0; l < rest; ++l) tail[q][l] += p * v[blocks * LANES + l];
-  };
   for (int64_t q = 0; q < n; ++q) {
-    for (int64_t x = 0; x < a.extra; ++x) {
-      if (seen[q][x] != 0.f) add(q, exp_poly(s.scores[q * keys + a.start + x] - top[q]), vx + x * dim);
+    // The extra keys it sees, in order, a run of consecutive ones at a time (a causal chunk's row: one run).
+    const float* p = s.scores.data() + q * keys + a.start;
+    for (int64_t x = 0, end = 0; x < a.extra; x = end) {
+      if (seen[q][x] == 0.f) {
+        end = x + 1;
+        continue;
+      }
+      for (end = x + 1; end < a.extra && seen[q][end] != 0.f;) ++end;
+      accumulate(total[q], s.acc.data() + q * blocks, p + x, vx + x * dim, end - x, blocks, dim);
+      for (int64_t k = x; k < end; ++k) {
+        for (int64_t l = 0; l < rest; ++l) tail[q][l] += p[k] * vx[k * dim + blocks * LANES + l];
+      }
     }
     const int64_t t = (begin + q) / group, h = g * group + (begin + q) % group;
     float* out = a.out + (t * a.heads + h) * dim;
