@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from streamfuse.runtime.methods import registry
 
-if TYPE_CHECKING:  # types only: the build imports the parts
+if TYPE_CHECKING:  # types only
     from streamfuse.export.artifact import ExportConfig
-    from streamfuse.training.pipeline import Build
+    from streamfuse.training.build_state import BuildState
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class MethodBuild:
     config: type  # the section's dataclass: every field defaulted, `enabled`, `validate()`
     # train(build, ss_dir, trained) -> its trained folder (a training/stage.py Stage's output); trained: the
     # folders of the sections it needs, by section
-    train: Callable[[Build, Path, dict[str, Path]], Path]
+    train: Callable[[BuildState, Path, dict[str, Path]], Path]
     # install(build, artifact, ss_dir, its trained folder, the artifact's export settings): its drafter into
     # <artifact>/drafters/ and the manifest, one log line
-    install: Callable[[Build, Path, Path, Path, ExportConfig], None]
+    install: Callable[[BuildState, Path, Path, Path, ExportConfig], None]
     needs: tuple[str, ...] = ()  # sections whose trained folders it reads (each must be enabled with it)
     chain: Callable[[Any], int] | None = None  # section -> the longest chain of drafts it verifies
     heads: Callable[[Path], Path] | None = None  # its trained folder -> Medusa-style heads the main graphs carry

@@ -24,8 +24,8 @@ from streamfuse.training.tasks.base import UNLABELLED
 from streamfuse.training.train import TrainResult, train
 
 if TYPE_CHECKING:
+    from streamfuse.training.build_state import BuildState as Build
     from streamfuse.training.config import BuildConfig, TrainConfig
-    from streamfuse.training.pipeline import Build
 
 CHECKPOINT = OutputFormat(CHECKPOINT_MANIFEST, read_manifest)
 # The SS model's folder under the run, its stage's key suffix and its report label (the target every method's
