@@ -1,7 +1,7 @@
 """streamfuse: Speculative Streaming for on-device LLM inference (fine-tune, export, run).
 
     import streamfuse
-    model = streamfuse.load("artifacts/dialogsum")   # runtime/request/api.py: generate, stream, chat, chat sessions
+    model = streamfuse.load("artifacts/dialogsum")   # runtime/request/api.py: generate, stream, chat, conversations
 
 Importing the package sets OMP_WAIT_POLICY=PASSIVE unless it is set: it takes effect only if it comes
 before torch's OpenMP runtime loads, which every `python -m streamfuse...` entry point guarantees (the

@@ -83,19 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from streamfuse.apps.autopilot import Autopilot
     from streamfuse.apps.window import MainWindow, WindowOptions
-    from streamfuse.apps.worker import Engine
+    from streamfuse.apps.worker import WorkerThread
 
     examples = tuple(read_examples(args.examples)) if args.examples and args.examples.is_file() else ()
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    engine = Engine()
+    worker_thread = WorkerThread()
     backend = args.backend or (fastest_backend(args.artifact) if args.artifact is not None else BACKENDS[0])
     window = MainWindow(
-        engine, WindowOptions(args.artifact, backend, args.stream_schedule, args.max_new_tokens, examples, args.example)
+        worker_thread,
+        WindowOptions(args.artifact, backend, args.stream_schedule, args.max_new_tokens, examples, args.example),
     )
     pilot = Autopilot(window, args.autorun, args.screenshot, args.quit_after)
     window.show()
     code = app.exec()
-    engine.shutdown()
+    worker_thread.shutdown()
     return code or pilot.exit_code
 
 

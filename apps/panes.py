@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from streamfuse.apps.demo_controller import DEFAULT_METHODS, method_choices
 from streamfuse.apps.markup import LEGEND, STYLES, Segment, Style, output_text
-from streamfuse.apps.session import DEFAULT_METHODS, method_choices
 from streamfuse.apps.stats import RunStats, stat_fields
 
 

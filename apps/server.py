@@ -1,4 +1,4 @@
-"""streamfuse serve --artifact A: an OpenAI-compatible HTTP server on one loaded model.
+"""The HTTP layer of `streamfuse serve --artifact A`: an OpenAI-compatible server on one loaded model.
 
     GET  /v1/models             the model this server runs
     POST /v1/completions        {"prompt": str, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
@@ -7,7 +7,7 @@
     GET  /metrics               Prometheus text: requests, tokens, latencies, lanes, queue (apps/server_metrics.py)
     GET  /                      a chat page (apps/web_page.py)
 
-Concurrent requests decode together: apps/serving.py's scheduler batches them into shared steps (--max-sequences
+Concurrent requests decode together: apps/scheduler.py's scheduler batches them into shared steps (--max-sequences
 lanes) behind a bounded queue (--queue: a request beyond it is a 503 at once). `stream: true` answers server-sent
 events in OpenAI's chunk format ending with `data: [DONE]`, with a `: keep-alive` comment while no token comes.
 Every response carries `usage` and a `streamfuse` object with the speculative stats (the API's Stats); the extra
@@ -42,8 +42,8 @@ from pathlib import Path
 from streamfuse.apps.answers import Answer, error_body, error_response, sse
 from streamfuse.apps.http_guard import KEY_SCOPE, Access, Guard, is_loopback, read_keys
 from streamfuse.apps.request_body import MAX_BODY_BYTES, Limits, Parsed, RequestError, parse, read_body
+from streamfuse.apps.scheduler import QueueFull, Scheduler
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.apps.serving import QueueFull, Scheduler
 from streamfuse.apps.slot import Delta, Failed, Finished, Slot
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors
@@ -114,7 +114,7 @@ class Server:
         gauges = {
             "streamfuse_lanes_busy": ("gauge", "lanes decoding a request", s.active),
             "streamfuse_queue_depth": ("gauge", "requests waiting for a lane", s.queued),
-            "streamfuse_held_steps_total": ("counter", "batch steps held to plain rows", s.held_steps),
+            "streamfuse_plain_steps_total": ("counter", "batch steps run as plain rows", s.plain_steps),
             "streamfuse_steps_total": ("counter", "batch steps", s.steps),
             "streamfuse_worker_up": ("gauge", "1 while a worker serves", int(s.health() is None)),
             "streamfuse_worker_restarts_total": ("counter", "workers replaced after dying", s.restarts),
@@ -237,7 +237,7 @@ def create_app(
     name: str = "streamfuse",
     max_sequences: int = 8,
     queue: int = 64,
-    hold: bool = True,
+    plain_rows: bool = True,
     *,
     limits: Limits | None = None,
     access: Access | None = None,
@@ -246,7 +246,7 @@ def create_app(
     max_restarts: int = 3,
 ):
     """The starlette app serving `model` (streamfuse.load's) as `name`; its scheduler runs while the app's lifespan
-    does (app.state.scheduler, app.state.server). hold: the batch policy's (runtime/request/batch_policy.py)."""
+    does (app.state.scheduler, app.state.server). plain_rows: the batch policy's (runtime/request/batch_policy.py)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
@@ -256,7 +256,7 @@ def create_app(
     if cache_isolation not in ISOLATIONS:
         raise ValueError(f"cache_isolation must be one of {', '.join(ISOLATIONS)}, got {cache_isolation!r}")
     metrics = Metrics()
-    scheduler = Scheduler(model.loaded, max_sequences, queue, hold, metrics, max_restarts)
+    scheduler = Scheduler(model.loaded, max_sequences, queue, plain_rows, metrics, max_restarts)
     server = Server(model, name, scheduler, limits or Limits(), request_timeout, cache_isolation)
 
     @contextlib.asynccontextmanager

@@ -6,7 +6,7 @@
     streamfuse_time_per_output_token_seconds           histogram  each later token: its step's wait / its tokens
     streamfuse_accepted_tokens_per_step                histogram  draft tokens accepted per speculative step
     streamfuse_lanes_busy, streamfuse_queue_depth      gauge      lanes decoding, requests waiting
-    streamfuse_held_steps_total, streamfuse_steps_total counter   batch steps held to plain rows; all steps
+    streamfuse_plain_steps_total, streamfuse_steps_total counter  batch steps run as plain rows; all steps
     streamfuse_worker_up, streamfuse_worker_restarts_total, streamfuse_worker_faults_total
 
 The worker thread observes while the event loop renders: one lock guards the numbers.

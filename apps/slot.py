@@ -4,7 +4,7 @@
         \\-------------\\----------\\-> failed (its step raised, its deadline passed, the worker stopped)
          \\-------------\\----------\\-> cancelled (its client went away)
 
-The worker thread (apps/serving.py) moves it and calls its step callback; the slot detokenizes a streamed
+The worker thread (apps/scheduler.py) moves it and calls its step callback; the slot detokenizes a streamed
 request's tokens there (off the event loop), times its first token, builds its Completion once, and hands the
 HTTP handler events through an asyncio queue: Delta (streamed text, with the step's tokens when asked), then
 Finished or Failed. The handler only translates those to HTTP.
@@ -93,7 +93,7 @@ class Slot:
     loop: asyncio.AbstractEventLoop | None
     stream: bool = False
     steps: bool = False  # streamed Deltas carry their Step
-    tag: object = None  # cache isolation: whose cached prefix it may keep (apps/serving.py)
+    tag: object = None  # cache isolation: whose cached prefix it may keep (apps/scheduler.py)
     timeout: float = 600.0  # seconds from arrival to its deadline
     fault_after: int | None = None  # raise InjectedFault after this many steps (serve --fault-injection)
     capacity: int | None = (

@@ -25,14 +25,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from streamfuse.apps.demo_controller import BUILD_HINT, DEFAULT_METHODS, GenerationRequest, LoadRequest
 from streamfuse.apps.examples import Example
 from streamfuse.apps.panes import RunPane, legend_html
-from streamfuse.apps.session import BUILD_HINT, DEFAULT_METHODS, GenerationRequest, LoadRequest
 from streamfuse.apps.stats import RunStats, comparison
-from streamfuse.apps.worker import Engine
+from streamfuse.apps.worker import WorkerThread
 from streamfuse.runtime.artifact.contract import STREAM_SCHEDULES
+from streamfuse.runtime.request.frontend import DEFAULT_TREE
 from streamfuse.runtime.request.loader import BACKENDS, artifact_tasks, fastest_backend
-from streamfuse.runtime.request.session import DEFAULT_TREE
 
 SEQUENTIAL_NOTE = (
     "Both panes run one after the other on the same input: run at once, they would share "
@@ -54,9 +54,9 @@ class MainWindow(QMainWindow):
     load_done = Signal(bool)  # True: the artifact loaded
     runs_done = Signal()  # every queued generation has ended
 
-    def __init__(self, engine: Engine, options: WindowOptions = WindowOptions()):
+    def __init__(self, worker_thread: WorkerThread, options: WindowOptions = WindowOptions()):
         super().__init__()
-        self.engine = engine
+        self.worker_thread = worker_thread
         self.examples = options.examples
         self.artifact: Path | None = None
         self.loading = False
@@ -211,7 +211,7 @@ class MainWindow(QMainWindow):
         return box
 
     def _connect_worker(self) -> None:
-        worker = self.engine.worker
+        worker = self.worker_thread.worker
         worker.loaded.connect(self._on_loaded)
         worker.load_failed.connect(self._on_load_failed)
         worker.started.connect(self._on_started)
@@ -247,7 +247,7 @@ class MainWindow(QMainWindow):
         self.model_label.setText("loading…")
         self.statusBar().showMessage(f"Loading {self.artifact} and warming it up …")
         self._update_busy()
-        self.engine.load_requested.emit(
+        self.worker_thread.load_requested.emit(
             LoadRequest(
                 self.artifact,
                 self.backend_box.currentText(),
@@ -286,7 +286,7 @@ class MainWindow(QMainWindow):
             self.stops[index] = threading.Event()
             self.outcomes.pop(index, None)
             pane.start()
-            self.engine.generate_requested.emit(index, request, self.stops[index])
+            self.worker_thread.generate_requested.emit(index, request, self.stops[index])
         self.statusBar().showMessage("Generating …")
         self._update_busy()
 
@@ -380,5 +380,5 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
         self.stop()
-        self.engine.shutdown()
+        self.worker_thread.shutdown()
         super().closeEvent(event)

@@ -11,8 +11,8 @@ import threading
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from streamfuse.apps.demo_controller import DemoController, GenerationRequest, LoadRequest
 from streamfuse.apps.markup import Segment
-from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
 from streamfuse.apps.stats import RunStats
 
 
@@ -26,19 +26,19 @@ class Worker(QObject):
     finished = Signal(int, object)  # pane, RunStats
     failed = Signal(int, str)  # pane, message
 
-    def __init__(self, session: Session):
+    def __init__(self, controller: DemoController):
         super().__init__()
-        self.session = session
+        self.controller = controller
 
     @Slot(object)
     def load(self, request: LoadRequest) -> None:
         try:
-            self.session.load(request)
-            self.session.warm_up()
+            self.controller.load(request)
+            self.controller.warm_up()
         except Exception as error:  # shown in the window: a bad folder must not end the app
             self.load_failed.emit(f"Could not load {request.artifact}: {error}")
             return
-        self.loaded.emit(self.session.describe(), self.session.default_tree(), self.session.methods())
+        self.loaded.emit(self.controller.describe(), self.controller.default_tree(), self.controller.methods())
 
     @Slot(int, object, object)
     def generate(self, pane: int, request: GenerationRequest, stop: threading.Event) -> None:
@@ -48,24 +48,24 @@ class Worker(QObject):
             self.progressed.emit(pane, segments, dataclasses.replace(stats))  # a copy: the loop goes on mutating
 
         try:
-            stats = self.session.generate(request, update, stop)
+            stats = self.controller.generate(request, update, stop)
         except Exception as error:  # bad tree, prompt too long, ...: reported in the pane
             self.failed.emit(pane, str(error))
             return
         self.finished.emit(pane, stats)
 
 
-class Engine(QObject):
+class WorkerThread(QObject):
     """Owns the worker thread; the window talks to the worker only through these signals."""
 
     load_requested = Signal(object)
     generate_requested = Signal(int, object, object)
 
-    def __init__(self, session: Session | None = None):
+    def __init__(self, controller: DemoController | None = None):
         super().__init__()
         self.thread = QThread()
         self.thread.setObjectName("streamfuse-worker")
-        self.worker = Worker(session or Session())
+        self.worker = Worker(controller or DemoController())
         self.worker.moveToThread(self.thread)
         self.load_requested.connect(self.worker.load)
         self.generate_requested.connect(self.worker.generate)

@@ -13,7 +13,7 @@ import numpy as np
 
 from streamfuse.export.verify import ParityError
 from streamfuse.runtime.artifact.contract import GraphSpec, batch_inputs, batch_method, bucket_method, tree_inputs
-from streamfuse.runtime.backends.static_graph import Session
+from streamfuse.runtime.backends.static_graph import GraphRunner
 from streamfuse.runtime.speculation.tree import MAX_DEPTH, TreeSpec
 
 
@@ -68,7 +68,7 @@ def batch_case(spec: GraphSpec, sequences: int, rows: int, seed: int = 0) -> Bat
     return BatchCase(spec, rows, ids, cache_len, tuple(trees), commit, seed)
 
 
-def batched_call(session: Session, case: BatchCase) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+def batched_call(session: GraphRunner, case: BatchCase) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
     """The batched call's outputs (copies) and each sequence's cache after it."""
     tree, depths = batch_inputs(case.trees, case.rows)
     caches = [case.cache(index) for index in range(case.sequences)]
@@ -77,7 +77,9 @@ def batched_call(session: Session, case: BatchCase) -> tuple[list[np.ndarray], l
     return [np.array(out, copy=True) for out in outputs], caches
 
 
-def single_calls(session: Session, case: BatchCase) -> Iterator[tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]]:
+def single_calls(
+    session: GraphRunner, case: BatchCase
+) -> Iterator[tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]]:
     """Each sequence's own call (step_T; decode for T = 1) from the same cache: its outputs and its cache after."""
     rows = case.rows
     for index, tree in enumerate(case.trees):
@@ -92,7 +94,7 @@ def single_calls(session: Session, case: BatchCase) -> Iterator[tuple[list[np.nd
         yield [np.array(out, copy=True) for out in outputs], (keys, values)
 
 
-def batch_parity(session: Session, spec: GraphSpec, seed: int = 0) -> dict[str, dict]:
+def batch_parity(session: GraphRunner, spec: GraphSpec, seed: int = 0) -> dict[str, dict]:
     """{batched method: {"outputs": rows equal, "caches": caches equal}} for every batched step of `spec`."""
     results = {}
     for sequences, rows in spec.batches:

@@ -12,7 +12,7 @@ from streamfuse.export.backend_export import tensors_stage
 from streamfuse.export.eager import TorchBackend
 from streamfuse.export.formats import RUNS_HERE, SPAN
 from streamfuse.export.verify import (
-    EagerSession,
+    EagerRunner,
     ParityError,
     backend_parity,
     check_parity,
@@ -60,9 +60,9 @@ class ParityGate:
     def _parity(self, backend: str, files: dict) -> dict:
         from safetensors.numpy import load_file
 
-        from streamfuse.runtime.backends.sessions import open_session
+        from streamfuse.runtime.backends.sessions import open_runner
 
-        session = open_session(backend, {name: self.graph_file(entry) for name, entry in files.items()})
+        session = open_runner(backend, {name: self.graph_file(entry) for name, entry in files.items()})
         if self.config.task_inputs:  # the task's tensors, written first where parity runs right after the export
             self._stage(tensors_stage(backend, self.key), lambda: self._task_file(backend))
             session.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
@@ -72,7 +72,7 @@ class ParityGate:
 
             model = span_model(model)
         # the fp32 model, same layout: a low-bit format's error is measured against it
-        reference = EagerSession(self.modules(model, span=backend in SPAN))
+        reference = EagerRunner(self.modules(model, span=backend in SPAN))
         fmt = self.format(backend)
         # a low-bit format is lossless against its own plain decoding on every prompt; its tokens may differ from fp32
         own = {} if fmt == "none" else {"plain_prompts": len(self.prompts), "relative_tolerance": None}

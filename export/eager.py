@@ -44,7 +44,7 @@ from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 DRAFT_WIDTH = 16
 
 
-class TorchSession:
+class TorchRunner:
     """The graphs' functions in the "scratch" layout, run by torch on `device`: a call's rows go into the
     cache's free slots in place, so the cache (tensors the host allocates on the device) is never copied.
     Other inputs come as numpy; outputs but the new K/V rows go back to the host as numpy."""
@@ -134,7 +134,7 @@ class TorchBackend(StaticGraphBackend):
             head_ids=model.kept_vocab(),
         )
         super().__init__(
-            TorchSession(self.model, device, self.dtype, stream_schedule),
+            TorchRunner(self.model, device, self.dtype, stream_schedule),
             spec,
             device,
             zeros=lambda shape: torch.zeros(shape, dtype=self.dtype, device=device),
@@ -155,7 +155,7 @@ class TorchBackend(StaticGraphBackend):
         """Medusa heads on the target's last hidden state: every step's output then ranks their drafts
         too (StepOutput.extras[HEAD_LOGITS]), computed only for the node a drafter asks for."""
         self.heads = heads.to(self.device, self.dtype).eval().requires_grad_(False)
-        self.session.add_heads(self.heads)
+        self.runner.add_heads(self.heads)
         self.spec = dataclasses.replace(self.spec, heads=heads.num_heads)
 
     @classmethod

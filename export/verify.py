@@ -32,7 +32,7 @@ from streamfuse.methods.ar import METHOD as PLAIN
 from streamfuse.methods.sd import METHOD as CHAIN  # a chain drafted beside the streams: the draft-model methods'
 from streamfuse.methods.ss import METHOD as SS
 from streamfuse.runtime.artifact.contract import CACHE_INPUTS, GraphSpec, input_names, output_names
-from streamfuse.runtime.backends.static_graph import Session, StaticGraphBackend
+from streamfuse.runtime.backends.static_graph import GraphRunner, StaticGraphBackend
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.drafter import Draft
@@ -49,7 +49,7 @@ class ParityError(ValueError):
     """An exported backend is not lossless: the build refuses the artifact."""
 
 
-class EagerSession:
+class EagerRunner:
     """The graph modules run by torch eager: the reference every exported engine must match."""
 
     name = "torch:eager-graph"
@@ -63,12 +63,12 @@ class EagerSession:
         return [out.numpy() for out in (outputs if isinstance(outputs, tuple) else [outputs])]
 
 
-class ReplaySession:
-    """Wraps a session; replays each call through the reference and keeps the largest differences. Where the engine
+class ReplayRunner:
+    """Wraps a graph runner; replays each call through the reference and keeps the largest differences. Where the engine
     keeps the cache, the reference runs on a copy of it, and the two caches after the call are compared too (the
     rows the call wrote and moved: "keys", "values")."""
 
-    def __init__(self, session: Session, reference: Session, engine_cache: bool):
+    def __init__(self, session: GraphRunner, reference: GraphRunner, engine_cache: bool):
         self.session, self.reference, self.engine_cache = session, reference, engine_cache
         self.name = session.name
         self.max_diff: dict[str, float] = {}
@@ -117,8 +117,8 @@ def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
 
 
 def backend_parity(
-    session: Session,
-    reference: EagerSession,
+    session: GraphRunner,
+    reference: EagerRunner,
     spec: GraphSpec,
     trees: Sequence[TreeSpec],
     prompts: Sequence[Sequence[int]],
@@ -133,7 +133,7 @@ def backend_parity(
     and step-output differences on the first
     `numeric_prompts` (each call replayed through the eager graphs). relative_tolerance None: the
     differences are recorded, not judged (a low-bit format against the fp32 model)."""
-    replay = ReplaySession(session, reference, spec.engine_cache)
+    replay = ReplayRunner(session, reference, spec.engine_cache)
     fast = StaticGraphBackend(session, spec)
     checked = [StaticGraphBackend(replay, spec, use_greedy_step=False), StaticGraphBackend(replay, spec)]
     mismatches: list[dict] = []

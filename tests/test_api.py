@@ -1,5 +1,5 @@
-"""runtime/request/api.py, `streamfuse.load`: generate, stream, chat and chat sessions on the tiny checkpoint (torch)
-and the tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what runtime/request/session.py's run
+"""runtime/request/api.py, `streamfuse.load`: generate, stream, chat and conversations on the tiny checkpoint (torch)
+and the tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what runtime/request/frontend.py's run
 decodes."""
 
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 import streamfuse
 from streamfuse.runtime.request.decode import kept_prefix
-from streamfuse.runtime.request.session import (
+from streamfuse.runtime.request.frontend import (
     BASELINE_METHOD,
     DEFAULT_METHOD,
     DecodeRequest,
@@ -35,7 +35,7 @@ def engine(artifact, request):
 
 
 def reference(model, ids, **fields):
-    """What runtime/request/session.py's run decodes for these prompt ids."""
+    """What runtime/request/frontend.py's run decodes for these prompt ids."""
     loaded = model.loaded
     return run(loaded, ids, decode_settings(loaded, DecodeRequest(**fields)))
 
@@ -54,14 +54,14 @@ def check_generate_equals_run(model, prompt, method, **fields):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("method", [DEFAULT_METHOD, BASELINE_METHOD])
-def test_generate_equals_the_session_run_on_torch(model, prompt, method):
+def test_generate_equals_the_frontend_run_on_torch(model, prompt, method):
     done = check_generate_equals_run(model, prompt, method, max_new_tokens=12)
     if method == BASELINE_METHOD:
         assert done.stats.accepted_per_step == 0 and done.stats.tokens_per_call == 1
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_generate_equals_the_session_run_on_exported_engines(engine, prompt):
+def test_generate_equals_the_frontend_run_on_exported_engines(engine, prompt):
     check_generate_equals_run(engine, prompt, DEFAULT_METHOD, max_new_tokens=16)
     check_generate_equals_run(engine, prompt, DEFAULT_METHOD, max_new_tokens=16, temperature=1.0, seed=3)
 
@@ -127,7 +127,7 @@ def test_chat_renders_the_conversation_on_the_chat_template(model):
 
 
 def test_a_task_source_is_rendered_in_the_task_prompt_format(model):
-    from streamfuse.runtime.request.session import prompt_ids
+    from streamfuse.runtime.request.frontend import prompt_ids
 
     source = "#Person1#: the time #Person2#: it is"
     done = model.generate(source, max_new_tokens=10, as_task=True)
@@ -138,8 +138,8 @@ def test_a_task_source_is_rendered_in_the_task_prompt_format(model):
 TURNS = ["the a and", "what is the time", "you i we", "she they", "and to of"]
 
 
-def check_five_turn_session(model, max_new_tokens: int):
-    chat = model.session(system="you are")
+def check_five_turn_conversation(model, max_new_tokens: int):
+    chat = model.conversation(system="you are")
     memory, previous = [], []
     for number, text in enumerate(TURNS):
         messages = [*chat.messages, {"role": "user", "content": text}]
@@ -158,16 +158,16 @@ def check_five_turn_session(model, max_new_tokens: int):
     assert memory == sorted(memory) and memory[0] > 0
 
 
-def test_a_five_turn_chat_session_prefills_only_new_tokens_on_torch(model):
-    check_five_turn_session(model, 6)
+def test_a_five_turn_conversation_prefills_only_new_tokens_on_torch(model):
+    check_five_turn_conversation(model, 6)
 
 
-def test_a_five_turn_chat_session_prefills_only_new_tokens_on_exported_engines(engine):
-    check_five_turn_session(engine, 4)
+def test_a_five_turn_conversation_prefills_only_new_tokens_on_exported_engines(engine):
+    check_five_turn_conversation(engine, 4)
 
 
 def test_a_streamed_turn_joins_the_conversation_once_exhausted(model):
-    chat = model.session()
+    chat = model.conversation()
     stream = chat.send(TURNS[0], max_new_tokens=6, stream=True)
     assert chat.messages == []
     text = "".join(stream)
@@ -202,7 +202,7 @@ BAD = [  # call on the model -> (part of) the one-line error
     (lambda m: m.chat([]), "give a non-empty list"),
     (lambda m: m.chat([{"role": "bot", "content": "x"}]), "messages[0]: needs a role among"),
     (lambda m: m.chat([{"role": "user", "content": 3}]), "messages[0]'s content must be text"),
-    (lambda m: m.session().send("x", max_new_tokens=-1), "max_new_tokens must be > 0"),
+    (lambda m: m.conversation().send("x", max_new_tokens=-1), "max_new_tokens must be > 0"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.batch import CANCELLED, BatchDecoder
-from streamfuse.runtime.request.batch_policy import HoldPolicy
+from streamfuse.runtime.request.batch_policy import PlainRowsPolicy
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
 from streamfuse.runtime.request.loader import load
@@ -24,7 +24,7 @@ from tiny_export import EXPORTED, TREES, prompts
 CHAIN = TreeSpec.parse("gamma=3,k=1")  # 4 nodes: a batched 4-row step on the tiny artifact
 
 
-class CountingSession:
+class CountingRunner:
     """The engine's session, counting each method's calls."""
 
     def __init__(self, inner):
@@ -66,14 +66,14 @@ def decode_all(decoder: BatchDecoder, lanes) -> list[str]:
     return order
 
 
-class EveryOther(HoldPolicy):
-    """Holds every other step of a batch, whatever it measured."""
+class EveryOther(PlainRowsPolicy):
+    """Runs every other step of a batch as plain rows, whatever it measured."""
 
-    def hold(self, sequences: int) -> bool:
+    def plain_rows(self, sequences: int) -> bool:
         return sequences > 1 and self.steps % 2 == 1
 
 
-def check_batches(loaded, trees, policy: HoldPolicy | None = None) -> None:
+def check_batches(loaded, trees, policy: PlainRowsPolicy | None = None) -> None:
     for sequences in (1, 2, 4, 8):
         batch = requests(sequences, trees)
         decoder = BatchDecoder(loaded, max_sequences=8)
@@ -86,7 +86,7 @@ def check_batches(loaded, trees, policy: HoldPolicy | None = None) -> None:
         if sequences >= 4:
             assert order != [lane.id for lane in lanes]  # a shorter one finished first while others went on
         if policy is not None and sequences > 1:
-            assert 0 < decoder.held_steps < decoder.shared_steps <= decoder.steps
+            assert 0 < decoder.plain_steps < decoder.shared_steps <= decoder.steps
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_every_sequence_of_a_batch_equals_its_single_output_on_torch(torch_model
 @pytest.mark.parametrize("backend", EXPORTED)
 def test_every_sequence_of_a_batch_equals_its_single_output_on_an_engine(artifact, backend):
     loaded = load(artifact, backend)
-    counting = loaded.backend.session = CountingSession(loaded.backend.session)
+    counting = loaded.backend.runner = CountingRunner(loaded.backend.runner)
     check_batches(loaded, (TREES[1], TREES[0]))
     batched = {method: calls for method, calls in counting.calls.items() if method.startswith("batch_step")}
     if loaded.backend.spec.batches:
@@ -111,13 +111,13 @@ def test_every_sequence_of_a_batch_equals_its_single_output_on_an_engine(artifac
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
-def test_steps_held_to_plain_rows_emit_what_the_method_would(artifact, backend):
+def test_steps_run_as_plain_rows_emit_what_the_method_would(artifact, backend):
     loaded = load(artifact, backend)
     check_batches(loaded, (TREES[1], TREES[0]), EveryOther())
 
 
-def test_a_held_step_is_not_the_fallbacks_to_count(torch_model):
-    """A batch's hold leaves the fallback's block as it was: it judges the method's own steps only."""
+def test_a_plain_rows_step_is_not_the_fallbacks_to_count(torch_model):
+    """A batch's plain rows leave the fallback's block as it was: it judges the method's own steps only."""
     settings = DecodeSettings(registry.default(), StopRules(14), tree=CHAIN, fallback=FallbackConfig(1.5, probe=8))
     first, second = prompts(2, seed=3)
     decoder = BatchDecoder(torch_model, max_sequences=2)
@@ -127,7 +127,7 @@ def test_a_held_step_is_not_the_fallbacks_to_count(torch_model):
     decoder.step()  # the prefills, then a step of the method
     judged = len(switch._tokens)
     decoder.step()  # held
-    assert decoder.held_steps == 1 and len(switch._tokens) == judged == 1
+    assert decoder.plain_steps == 1 and len(switch._tokens) == judged == 1
     decode_all(decoder, lanes)
     assert [lane.result.token_ids for lane in lanes] == [single(torch_model, ids, settings) for ids in (first, second)]
 
@@ -197,7 +197,7 @@ def test_the_batch_bench_measures_every_b_and_checks_every_output(artifact, back
     assert rows[2]["ttft_p95_ms"] >= rows[2]["ttft_p50_ms"] > 0
     for row in rows:
         assert 0 < row["prefill_share"] < 1 and row["decode_tokens_per_second"] > row["tokens_per_second"]
-    assert rows[0]["held_share"] == rows[1]["held_share"] == rows[3]["held_share"] == 0  # B = 1, or policy method
+    assert rows[0]["plain_share"] == rows[1]["plain_share"] == rows[3]["plain_share"] == 0  # B = 1, or policy method
     assert f"| {backend} | method | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         batch_bench.parse_args([*argv, "--batch-policy", "auto,sometimes"])

@@ -25,7 +25,7 @@ from streamfuse.runtime.artifact.contract import (
     parse_batches,
 )
 from streamfuse.runtime.artifact.format import Artifact, ArtifactError, parse_manifest
-from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.backends.sessions import open_runner
 from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import CONFIG, EXPORTED, manifest
@@ -68,7 +68,7 @@ def test_batches_must_hold_two_sequences_of_one_row_or_a_bucket(pair):
 
 def open_engine(artifact, backend):
     opened = Artifact.open(artifact)
-    return open_session(backend, opened.backend_files(backend), threads=1), opened.graph_spec(backend)
+    return open_runner(backend, opened.backend_files(backend), threads=1), opened.graph_spec(backend)
 
 
 @pytest.mark.parametrize("backend", EXPORTED)

@@ -1,12 +1,12 @@
-"""The batch policy (runtime/request/batch_policy.py) as a table: what it measures first, when it holds a batch's greedy
-speculative sequences to plain steps, and that a shape's first step (its warm-up) and a stale measurement count
+"""The batch policy (runtime/request/batch_policy.py) as a table: what it measures first, when it runs a batch's greedy
+speculative sequences as plain rows, and that a shape's first step (its warm-up) and a stale measurement count
 as unknown."""
 
 import pytest
 
-from streamfuse.runtime.request.batch_policy import HoldPolicy
+from streamfuse.runtime.request.batch_policy import PlainRowsPolicy
 
-# (steps observed so far as (sequences, held, seconds, tokens), sequences asked about) -> hold?
+# (steps observed so far as (sequences, plain, seconds, tokens), sequences asked about) -> plain rows?
 CASES = [
     ([], 1, False),  # a lone sequence: its method decides
     ([], 4, False),  # nothing known: measure speculative steps first
@@ -19,16 +19,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("observed, sequences, held", CASES)
-def test_the_policy_holds_where_plain_rows_make_more_tokens_per_second(observed, sequences, held):
-    policy = HoldPolicy()
+@pytest.mark.parametrize("observed, sequences, plain", CASES)
+def test_the_policy_picks_plain_rows_where_they_make_more_tokens_per_second(observed, sequences, plain):
+    policy = PlainRowsPolicy()
     for step in observed:
         policy.observe(*step)
-    assert policy.hold(sequences) is held
+    assert policy.plain_rows(sequences) is plain
 
 
 def test_the_running_means_weigh_the_newest_step():
-    policy = HoldPolicy(weight=0.5)
+    policy = PlainRowsPolicy(weight=0.5)
     for seconds, tokens in ((1.0, 4), (0.04, 8), (0.02, 4)):
         policy.observe(2, False, seconds, tokens)
     assert policy.seconds[(2, False)] == pytest.approx(0.03)  # the warm-up's 1.0 left out
@@ -37,17 +37,17 @@ def test_the_running_means_weigh_the_newest_step():
 
 
 def test_a_mode_not_measured_for_refresh_steps_is_measured_again():
-    policy = HoldPolicy(refresh=3)
+    policy = PlainRowsPolicy(refresh=3)
     for held, seconds in ((False, 1.0), (False, 0.05), (True, 1.0), (True, 0.01)):
         policy.observe(4, held, seconds, 4 if held else 6)
-    assert policy.hold(4)  # plain: 4 / 0.01 beats 1.5 x 4 / 0.05
+    assert policy.plain_rows(4)  # plain: 4 / 0.01 beats 1.5 x 4 / 0.05
     policy.observe(4, True, 0.01, 4)
-    assert not policy.hold(4)  # the speculative measurement is 3 steps old: measure it again
+    assert not policy.plain_rows(4)  # the speculative measurement is 3 steps old: measure it again
     policy.observe(4, False, 0.05, 6)
-    assert policy.hold(4)
+    assert policy.plain_rows(4)
 
 
 @pytest.mark.parametrize("weight, refresh", [(0.0, 64), (1.5, 64), (0.25, 0)])
 def test_bad_settings_say_so(weight, refresh):
     with pytest.raises(ValueError, match="need 0 < weight <= 1 and refresh >= 1"):
-        HoldPolicy(weight=weight, refresh=refresh)
+        PlainRowsPolicy(weight=weight, refresh=refresh)

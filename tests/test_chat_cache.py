@@ -86,7 +86,7 @@ def torch_model(checkpoint):
 
 @pytest.mark.parametrize("case", ["plain", "default", "sampled"])
 def test_keeping_the_cache_on_torch_equals_fresh_generations(torch_model, case):
-    lane = torch_model.backend.lane()
+    lane = torch_model.backend.with_own_cache()
     prefilled = check_turns(lane, torch_model.backend, case, CHAIN, seed=1)
     assert any(count < 6 for count in prefilled[1:])  # some turn kept most of its prompt
 
@@ -96,7 +96,7 @@ def test_keeping_the_cache_on_torch_equals_fresh_generations(torch_model, case):
 def test_keeping_the_cache_on_an_engine_equals_fresh_generations(artifact, backend, case):
     loaded = load(artifact, backend)
     for seed, tree in enumerate(TREES):
-        prefilled = check_turns(loaded.backend.lane(), loaded.backend, case, tree, seed)
+        prefilled = check_turns(loaded.backend.with_own_cache(), loaded.backend, case, tree, seed)
         assert any(count < 6 for count in prefilled[1:])
 
 
@@ -124,7 +124,7 @@ def test_a_rollback_lands_the_engines_pending_commit_below_it(artifact, backend)
 
 def test_a_backend_whose_last_call_failed_keeps_nothing(torch_model):
     """Its cache is unknown: the next generation prefills the whole prompt and still equals a fresh one."""
-    lane, settings, prompt = torch_model.backend.lane(), settings_of("default", CHAIN, 0), [5, 9, 14, 20]
+    lane, settings, prompt = torch_model.backend.with_own_cache(), settings_of("default", CHAIN, 0), [5, 9, 14, 20]
     first = Generation.begin(lane, prompt, settings)
     first.start()
     first.step()

@@ -246,12 +246,12 @@ def test_bad_settings_are_clear_errors():
 def test_stop_strings_stop_at_the_same_token():
     backend = backend_for(2)
     decode = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731
-    plain = generate(backend, [7, 8], DecodeSettings("ar", StopRules(40)), decode=decode)
+    plain = generate(backend, [7, 8], DecodeSettings("ar", StopRules(40)), detokenizer=decode)
     stop = " ".join(str(t) for t in plain.token_ids[5:7])
     rules = StopRules(40, stop_strings=(stop,))
-    a = generate(backend, [7, 8], DecodeSettings("ar", rules), decode=decode)
+    a = generate(backend, [7, 8], DecodeSettings("ar", rules), detokenizer=decode)
     chain = DecodeSettings("ss", rules, tree=TreeSpec.chain(3))
-    b = generate(OracleDrafts(backend, plain.token_ids, 0.0, 1), [7, 8], chain, decode=decode)
+    b = generate(OracleDrafts(backend, plain.token_ids, 0.0, 1), [7, 8], chain, detokenizer=decode)
     assert a.token_ids == b.token_ids == plain.token_ids[: len(a.token_ids)]
     assert a.stop_reason == b.stop_reason == "stop_string" and len(a.token_ids) <= 7
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from streamfuse.apps.demo_controller import DemoController, GenerationRequest, LoadRequest
 from streamfuse.apps.examples import read_examples
 from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
-from streamfuse.apps.session import GenerationRequest, LoadRequest, Session
 from streamfuse.apps.stats import RunStats, comparison, stat_fields
 from streamfuse.runtime.methods import registry as methods
 from streamfuse.runtime.request.api import Completion, Stats
@@ -97,21 +97,21 @@ def test_examples_read_dialogsum_rows(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def session(checkpoint):
-    session = Session()
-    session.load(LoadRequest(checkpoint / "ckpt"))
-    return session
+def controller(checkpoint):
+    controller = DemoController()
+    controller.load(LoadRequest(checkpoint / "ckpt"))
+    return controller
 
 
 def dialogue(checkpoint) -> str:
     return read_examples(checkpoint / "data" / "dialogsum.test.jsonl", limit=1)[0].dialogue
 
 
-def test_session_streams_segments_and_speculation_is_lossless(session, checkpoint):
+def test_demo_controller_streams_segments_and_speculation_is_lossless(controller, checkpoint):
     outputs = {}
     for method in ("ar", "ss"):
         segments = []
-        stats = session.generate(
+        stats = controller.generate(
             GenerationRequest(method, dialogue(checkpoint), max_new_tokens=16),
             lambda new, _stats: segments.extend(new),
             threading.Event(),
@@ -123,25 +123,25 @@ def test_session_streams_segments_and_speculation_is_lossless(session, checkpoin
     assert ss.new_tokens == ar.new_tokens and ss.model_calls <= ar.model_calls and ss.stop_reason
 
 
-def test_session_stop_ends_after_the_current_step(session, checkpoint):
+def test_demo_controller_stop_ends_after_the_current_step(controller, checkpoint):
     stop = threading.Event()
-    stats = session.generate(
+    stats = controller.generate(
         GenerationRequest("ss", dialogue(checkpoint), max_new_tokens=16), lambda _new, _stats: stop.set(), stop
     )
     assert stats.stop_reason == "stopped" and stats.model_calls == 1
 
 
-def test_session_reports_bad_requests(session, tmp_path):
+def test_demo_controller_reports_bad_requests(controller, tmp_path):
     with pytest.raises(ValueError, match="input is empty"):
-        session.generate(GenerationRequest("ss", "  "), lambda *_: None, threading.Event())
+        controller.generate(GenerationRequest("ss", "  "), lambda *_: None, threading.Event())
     with pytest.raises(ValueError, match="method 'medusa' is not available for this model; it decodes with ar, "):
-        session.generate(GenerationRequest("medusa", "x"), lambda *_: None, threading.Event())
+        controller.generate(GenerationRequest("medusa", "x"), lambda *_: None, threading.Event())
     with pytest.raises(ValueError, match="tree"):
-        session.generate(GenerationRequest("ss", "x", tree="gamma=3"), lambda *_: None, threading.Event())
+        controller.generate(GenerationRequest("ss", "x", tree="gamma=3"), lambda *_: None, threading.Event())
     with pytest.raises(ValueError, match="111,111,111 nodes is larger than"):  # refused before it is enumerated
-        session.generate(GenerationRequest("ss", "x", tree="gamma=8,k=10"), lambda *_: None, threading.Event())
+        controller.generate(GenerationRequest("ss", "x", tree="gamma=8,k=10"), lambda *_: None, threading.Event())
     with pytest.raises(FileNotFoundError, match="streamfuse.json"):
-        Session().load(LoadRequest(tmp_path))
+        DemoController().load(LoadRequest(tmp_path))
 
 
 # --- the window, off screen ---------------------------------------------------------------------
@@ -163,9 +163,9 @@ def wait_for(app, condition, timeout: float = 30.0) -> None:
 
 def open_window(artifact: Path | None, examples=(), max_new_tokens: int = 16):
     from streamfuse.apps.window import MainWindow, WindowOptions
-    from streamfuse.apps.worker import Engine
+    from streamfuse.apps.worker import WorkerThread
 
-    return MainWindow(Engine(), WindowOptions(artifact, max_new_tokens=max_new_tokens, examples=tuple(examples)))
+    return MainWindow(WorkerThread(), WindowOptions(artifact, max_new_tokens=max_new_tokens, examples=tuple(examples)))
 
 
 def unstruck_text(pane) -> str:
@@ -250,7 +250,7 @@ def test_window_shows_load_errors(qapp, tmp_path):
         assert window.open_button.isEnabled()
     finally:
         window.close()
-    assert window.engine.thread.isFinished()  # closing the window ends the worker thread
+    assert window.worker_thread.thread.isFinished()  # closing the window ends the worker thread
 
 
 # --- the real app under a virtual X server -----------------------------------------------------

@@ -13,7 +13,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.eager import TorchBackend
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
 from streamfuse.export.span_attention import span_model
-from streamfuse.export.verify import EagerSession
+from streamfuse.export.verify import EagerRunner
 from streamfuse.runtime.backends.base import EngineError
 from streamfuse.runtime.backends.sessions import MissingBackend, OnnxRuntimeSession
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
@@ -77,13 +77,13 @@ def fail_with_moves_pending(backend, ran: bool) -> None:
     backend.prefill(PROMPT, with_streams=False)
     backend.step([33, *range(10, 10 + TREE.num_nodes - 1)], TREE, with_streams=False)
     backend.commit([0, 2])
-    real = backend.session
-    backend.session = Failing(real, 1, ran)
+    real = backend.runner
+    backend.runner = Failing(real, 1, ran)
     try:
         with pytest.raises(InjectedFailure):
             backend.step([45, *range(20, 20 + TREE.num_nodes - 1)], TREE, with_streams=False)
     finally:
-        backend.session = real
+        backend.runner = real
 
 
 def check_recovery(backend, fresh) -> None:
@@ -102,20 +102,20 @@ def check_recovery(backend, fresh) -> None:
         with pytest.raises(EngineError, match="reset the backend"):
             backend.commit([0])
         assert [tokens(backend, settings) for settings in SETTINGS] == expected
-    real = backend.session
+    real = backend.runner
     for at, ran in FAILURES:
-        backend.session = Failing(real, at, ran)
+        backend.runner = Failing(real, at, ran)
         with pytest.raises(InjectedFailure):
             tokens(backend, SETTINGS[0])
-        backend.session = real
+        backend.runner = real
         assert tokens(backend, SETTINGS[0]) == expected[0], (at, ran)
 
 
-def engine_graphs(model, buckets=(TREE.num_nodes,)) -> tuple[EagerSession, object]:
+def engine_graphs(model, buckets=(TREE.num_nodes,)) -> tuple[EagerRunner, object]:
     """The span graphs (the engine keeps the cache) run by torch, and what the host knows of them."""
     span = span_model(model)
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=buckets, span=True)
-    return EagerSession(graph_modules(span, shapes)), graph_spec(span, shapes, ["deferred"])
+    return EagerRunner(graph_modules(span, shapes)), graph_spec(span, shapes, ["deferred"])
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +135,11 @@ def test_a_failed_call_leaves_the_torch_backend_usable_after_its_reset(model):
     backend, fresh = TorchBackend(model, kernels="eager"), TorchBackend(model, kernels="eager")
     expected = tokens(fresh, SETTINGS[0])
     for at, ran in FAILURES:
-        real = backend.session
-        backend.session = Failing(real, at, ran)
+        real = backend.runner
+        backend.runner = Failing(real, at, ran)
         with pytest.raises(InjectedFailure):
             tokens(backend, SETTINGS[0])
-        backend.session = real
+        backend.runner = real
         with pytest.raises(EngineError, match="reset the backend"):
             backend.prefill(PROMPT, with_streams=False)
         assert tokens(backend, SETTINGS[0]) == expected

@@ -112,7 +112,7 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
     and the session loads the methods with XNNPACK's weight cache on."""
     from executorch.runtime import Runtime
 
-    from streamfuse.runtime.backends.sessions import ExecuTorchSession
+    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
 
     pte = artifact / manifest(artifact)["files"]["executorch"]["program"]["path"]
     program = Runtime.get().load_program(pte)
@@ -120,7 +120,7 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
         meta = program.metadata(name)
         planned = [meta.input_tensor_meta(i).is_memory_planned() for i in range(meta.num_inputs())]
         assert planned and not any(planned), (name, planned)
-    assert ExecuTorchSession(pte, threads=1).shares_weights
+    assert ExecuTorchRunner(pte, threads=1).shares_weights
 
 
 @needs("coreml")
@@ -346,8 +346,8 @@ def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(
 
     out = copy_of(artifact, tmp_path)  # the installed artifact
     installed = (out / "manifest.json").read_bytes()
-    real = sessions.open_session
-    monkeypatch.setattr(sessions, "open_session", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
+    real = sessions.open_runner
+    monkeypatch.setattr(sessions, "open_runner", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
     other = ExportConfig(backends=("torch", "onnxruntime"), capacity=128, prefill_chunk=16, parity_prompts=3)
     with pytest.raises(
         ParityError,

@@ -40,7 +40,7 @@ def test_greedy_ss_on_exported_backend_equals_torch_eager(artifact, backend):
     assert loaded.backend.name.startswith("executorch" if backend == "executorch" else "onnxruntime:")
 
 
-class CountingSession:
+class CountingRunner:
     def __init__(self, session):
         self.session, self.name, self.calls = session, session.name, Counter()
 
@@ -52,8 +52,8 @@ class CountingSession:
 @pytest.mark.parametrize("backend", EXPORTED)
 def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(artifact, backend):
     loaded = load(artifact, backend)
-    counting = CountingSession(loaded.backend.session)
-    loaded.backend.session = counting
+    counting = CountingRunner(loaded.backend.runner)
+    loaded.backend.runner = counting
     rules = StopRules(30)
     drafted = []
     result = generate(

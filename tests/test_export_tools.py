@@ -165,7 +165,7 @@ def test_the_soak_catches_a_leak_of_memory_or_of_a_file(artifact, monkeypatch, t
         file.close()
 
 
-class SlowSession:
+class SlowRunner:
     """One method made artificially expensive: calibration must notice."""
 
     def __init__(self, session, method: str, seconds: float):
@@ -196,7 +196,7 @@ def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, t
     from test_calibration import MODEL
 
     loaded = load(artifact, "onnxruntime", threads=1)
-    loaded.backend.session = SlowSession(loaded.backend.session, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)
+    loaded.backend.runner = SlowRunner(loaded.backend.runner, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)
     calibration = calibrate_backend(loaded, MODEL, prompts(2, seed=5), StopRules(12), "cpu", 1)
     candidates = bucket_candidates()
     assert [cost.tree for cost in calibration.trees] == candidates
@@ -385,7 +385,7 @@ def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, t
     if temperature == "0":
         assert ss["token_ids"] == plain["token_ids"] and len(ss["token_ids"]) == 6
     loaded = load(artifact, "onnxruntime")
-    from streamfuse.runtime.request.session import prompt_ids, run
+    from streamfuse.runtime.request.frontend import prompt_ids, run
 
     ids = prompt_ids(loaded, "hello world", as_task=False)
     here = run(

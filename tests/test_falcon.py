@@ -22,7 +22,7 @@ from streamfuse.methods.falcon.train import (
     pack,
     train_falcon,
 )
-from streamfuse.methods.fused.graph import EagerSession
+from streamfuse.methods.fused.graph import EagerRunner
 from streamfuse.methods.fused.train import IGNORE, answer_states
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
@@ -173,7 +173,7 @@ def test_greedy_falcon_equals_plain_greedy(block, tree, noise):
 def eager_graph(backend, drafter, rows: int = 4, slots: int = 64, embedding=None) -> GraphFalconPass:
     table = backend.model.parts.embed.weight.detach().numpy() if embedding is None else embedding
     return GraphFalconPass(
-        EagerSession(FalconPassModule(drafter.eval(), rows)),
+        EagerRunner(FalconPassModule(drafter.eval(), rows)),
         table,
         drafter.vocab_ids.numpy(),
         drafter.block,

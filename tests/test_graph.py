@@ -15,7 +15,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec, greedy_schedule
 from streamfuse.export.passes import accepted_node
-from streamfuse.export.verify import EagerSession
+from streamfuse.export.verify import EagerRunner
 from streamfuse.runtime.artifact.contract import base_method, method_names, tree_inputs
 from streamfuse.runtime.backends.base import STREAM_STATES
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, lazy_zeros
@@ -35,9 +35,9 @@ def tiny_model() -> SpeculativeStreamingLM:
     return SpeculativeStreamingLM(make_tiny_llama(), StreamConfig(num_streams=3, msa_layers=2)).eval()
 
 
-def backend_for(model, tree: TreeSpec, draft_ids=None, schedule="deferred") -> tuple[StaticGraphBackend, EagerSession]:
+def backend_for(model, tree: TreeSpec, draft_ids=None, schedule="deferred") -> tuple[StaticGraphBackend, EagerRunner]:
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(tree.num_nodes,))
-    session = EagerSession(graph_modules(model, shapes, draft_ids, [schedule]))
+    session = EagerRunner(graph_modules(model, shapes, draft_ids, [schedule]))
     return StaticGraphBackend(session, graph_spec(model, shapes, [schedule]), use_greedy_step=False), session
 
 
@@ -197,7 +197,7 @@ def test_buckets_are_distinct_ascending_and_fit_the_cache():
     assert GraphShapes(capacity=64, prefill_chunk=8, buckets=(4, 16)).width == 15
 
 
-class CountingSession(EagerSession):
+class CountingRunner(EagerRunner):
     def __init__(self, modules):
         super().__init__(modules)
         self.calls = []
@@ -213,7 +213,7 @@ def test_each_tree_runs_in_the_smallest_bucket_holding_it_and_a_larger_one_is_a_
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=buckets)
     modules = graph_modules(model, shapes, None, ["fused", "deferred"])
     assert list(modules) == method_names(buckets)
-    session = CountingSession(modules)
+    session = CountingRunner(modules)
     backend = StaticGraphBackend(session, graph_spec(model, shapes, ["fused", "deferred"]))
     backend.reset(64)
     backend.prefill([1, 2, 3], with_streams=False)
@@ -244,7 +244,7 @@ def test_a_run_reserves_its_trees_bucket_rows_so_it_never_stops_half_way():
     model = tiny_model()
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(4,))
     backend = StaticGraphBackend(
-        EagerSession(graph_modules(model, shapes, None, ["fused"])), graph_spec(model, shapes, ["fused"])
+        EagerRunner(graph_modules(model, shapes, None, ["fused"])), graph_spec(model, shapes, ["fused"])
     )
     tree = TreeSpec.chain(2)
     assert backend.step_rows(tree) == 4 and backend.step_rows(None) == 1
@@ -270,7 +270,7 @@ def test_a_padded_step_gives_the_trees_own_outputs_and_decodes_losslessly(greedy
     model, tree = tiny_model(), TreeSpec(((0,), (1,), (0, 0)))
     backends = []
     for buckets in ((tree.num_nodes,), (2, 8)):
-        session = EagerSession(graph_modules(model, GraphShapes(64, 8, buckets), None, ["deferred"] * len(buckets)))
+        session = EagerRunner(graph_modules(model, GraphShapes(64, 8, buckets), None, ["deferred"] * len(buckets)))
         backends.append(StaticGraphBackend(session, spec_for(model, buckets)))
     own, padded = backends
     for backend in backends:
@@ -308,11 +308,11 @@ def test_the_engine_keeps_the_cache_as_the_host_would():
     model, tree = tiny_model(), TREES[2]
     host_shapes, engine_shapes = (GraphShapes(64, 8, (tree.num_nodes,), span=span) for span in (False, True))
     host = StaticGraphBackend(
-        EagerSession(graph_modules(model, host_shapes)), graph_spec(model, host_shapes, ["deferred"])
+        EagerRunner(graph_modules(model, host_shapes)), graph_spec(model, host_shapes, ["deferred"])
     )
     span = span_model(model)
     engine = StaticGraphBackend(
-        EagerSession(graph_modules(span, engine_shapes)), graph_spec(span, engine_shapes, ["deferred"])
+        EagerRunner(graph_modules(span, engine_shapes)), graph_spec(span, engine_shapes, ["deferred"])
     )
     assert engine.spec.engine_cache and not host.spec.engine_cache
     rng = np.random.default_rng(0)

@@ -81,7 +81,7 @@ def test_seeded_medusa_sampling_matches_plain_sampling_token_for_token():
 def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     """The torch backend's model and heads as static graphs with a heads method, run by torch eager."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
-    from streamfuse.export.verify import EagerSession
+    from streamfuse.export.verify import EagerRunner
     from streamfuse.runtime.artifact.contract import method_names
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
@@ -89,7 +89,7 @@ def on_graphs(backend: TorchBackend, trees: tuple[TreeSpec, ...]):
     shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=tuple(tree.num_nodes for tree in trees))
     modules = graph_modules(model, shapes, None, schedules, backend.heads)
     assert list(modules) == method_names(shapes.buckets, heads=True)
-    return StaticGraphBackend(EagerSession(modules), graph_spec(model, shapes, schedules, backend.heads.num_heads))
+    return StaticGraphBackend(EagerRunner(modules), graph_spec(model, shapes, schedules, backend.heads.num_heads))
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamfuse.methods.fused.graph import EagerSession
+from streamfuse.methods.fused.graph import EagerRunner
 from streamfuse.methods.fused.train import IGNORE, AnswerStates, answer_states, embed_scale, vocab_columns
 from streamfuse.methods.parallelspec.drafter import ParallelDrafter, pass_visibility
 from streamfuse.methods.parallelspec.graph import DraftPass, export_drafter, max_difference
@@ -135,7 +135,7 @@ def test_a_tree_deeper_than_one_pass_drafts_is_a_one_line_error():
 def eager_graph(backend, drafter, rows: int = 4, capacity: int = 64, embedding=None) -> GraphParallelPass:
     table = backend.model.parts.embed.weight.detach().numpy() if embedding is None else embedding
     return GraphParallelPass(
-        EagerSession(DraftPass(drafter.eval(), rows)),
+        EagerRunner(DraftPass(drafter.eval(), rows)),
         table,
         drafter.vocab_ids.numpy(),
         drafter.num_masks,

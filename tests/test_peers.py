@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.frontend import DEFAULT_TREE, prompt_ids, run
+from streamfuse.runtime.request.frontend import read_input_file as read_requests
 from streamfuse.runtime.request.loader import load
-from streamfuse.runtime.request.session import DEFAULT_TREE, prompt_ids, run
-from streamfuse.runtime.request.session import read_input_file as read_requests
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools import peers, peers_gguf

@@ -9,7 +9,7 @@ from streamfuse.adapters.config import StreamConfig
 from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export.eager import TorchBackend
 from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
-from streamfuse.export.verify import EagerSession
+from streamfuse.export.verify import EagerRunner
 from streamfuse.runtime.backends.base import CapacityError, PruneConfig
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend, keep_nodes
 from streamfuse.runtime.speculation.tree import TreeSpec
@@ -32,7 +32,7 @@ def tiny_model() -> SpeculativeStreamingLM:
 def exported_modules(model, tree: TreeSpec) -> StaticGraphBackend:
     """The exported graphs' modules (static shapes, the cache appended to) run by torch: the reference."""
     shapes = GraphShapes(capacity=64, prefill_chunk=8, buckets=(tree.num_nodes,))
-    session = EagerSession(graph_modules(model, shapes, None, ["deferred"]))
+    session = EagerRunner(graph_modules(model, shapes, None, ["deferred"]))
     return StaticGraphBackend(session, graph_spec(model, shapes, ["deferred"]), use_greedy_step=False)
 
 

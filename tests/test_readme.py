@@ -1,5 +1,5 @@
 """README.md's ```python blocks run as written, against the tiny artifact (tests/tiny_export.py) in place of
-artifacts/dialogsum: the Python API and chat session blocks in one namespace, in order, and the server's block
+artifacts/dialogsum: the Python API and conversation blocks in one namespace, in order, and the server's block
 against `streamfuse serve`'s app started on a free loopback port (tests/test_server.py's `serve`)."""
 
 import contextlib
@@ -35,14 +35,14 @@ def run_block(code: str, namespace: dict, **replacements: str) -> str:
     return printed.getvalue()
 
 
-def test_the_python_api_and_chat_session_blocks_run(artifact):
+def test_the_python_api_and_conversation_blocks_run(artifact):
     namespace: dict = {}
     for block in python_blocks("Python API"):
         printed = run_block(block, namespace, **{REAL: str(artifact)})
     done, summary = namespace["done"], namespace["summary"]
     assert printed.startswith(done.text) and done.stats.new_tokens == len(done.token_ids) > 0
     assert summary.stats.prefill_tokens > 0 and namespace["reply"].token_ids
-    for block in python_blocks("Chat sessions"):
+    for block in python_blocks("Conversations"):
         printed = run_block(block, namespace)
     chat, first, second = namespace["chat"], namespace["first"], namespace["second"]
     assert second.stats.prefill_tokens < second.stats.prompt_tokens  # the first turn's rows were kept

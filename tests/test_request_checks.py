@@ -186,7 +186,7 @@ def test_model_generate_checks_once(model, counts, as_task):
 
 
 def test_a_server_request_is_checked_once_from_parse_to_admission(model, counts):
-    from streamfuse.apps.serving import Scheduler
+    from streamfuse.apps.scheduler import Scheduler
     from streamfuse.apps.slot import Slot
 
     parsed = server_parse(model, {"prompt": PROMPT, "max_tokens": 3})

@@ -1,4 +1,4 @@
-"""`streamfuse serve` (apps/server.py, apps/serving.py): the official openai client against a server on loopback.
+"""`streamfuse serve` (apps/server.py, apps/scheduler.py): the official openai client against a server on loopback.
 
 Each response equals the single-request decode of its prompt, streamed or not; a malformed or over-context request
 is a 400 of one line; a full queue a 503; a client gone mid-stream frees its lane; the server keeps answering."""
@@ -20,10 +20,10 @@ pytest.importorskip("starlette", reason="the server extra (pip install 'streamfu
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra (pip install 'streamfuse[server]')")
 openai = pytest.importorskip("openai", reason="the dev extra's official client")
 
+from streamfuse.apps.scheduler import Scheduler  # noqa: E402
 from streamfuse.apps.server import create_app  # noqa: E402
-from streamfuse.apps.serving import Scheduler  # noqa: E402
 from streamfuse.apps.slot import Delta, Finished, Slot  # noqa: E402
-from streamfuse.runtime.request import api, session  # noqa: E402
+from streamfuse.runtime.request import api, frontend  # noqa: E402
 
 from tiny_export import EXPORTED  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_a_completion_equals_the_single_request_decode_with_usage_and_stats(serv
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, 12)
     assert answer.usage.total_tokens == prompt_tokens + 12
     stats = answer.model_extra["streamfuse"]
-    assert stats["method"] == session.DEFAULT_METHOD and stats["model_calls"] == stats["steps"] + 1
+    assert stats["method"] == frontend.DEFAULT_METHOD and stats["model_calls"] == stats["steps"] + 1
     assert (stats["steps"], stats["model_calls"]) == (expected.stats.steps, expected.stats.model_calls)
     assert stats["accepted_per_step"] == expected.stats.accepted_per_step and stats["new_tokens"] == 12
     assert stats["prefill_tokens"] == prompt_tokens and 0 < stats["time_to_first_token"]
@@ -137,11 +137,11 @@ def test_a_chat_completion_uses_the_chat_template(served, loaded):
 def test_the_method_field_picks_the_method_and_every_method_answers_the_same(served, loaded):
     client = served.client()
     plain = client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"method": session.BASELINE_METHOD}
+        model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"method": frontend.BASELINE_METHOD}
     )
     assert plain.choices[0].text == reference(loaded, PROMPT, 12).text
     stats = plain.model_extra["streamfuse"]
-    assert stats["method"] == session.BASELINE_METHOD and stats["accepted_per_step"] == 0
+    assert stats["method"] == frontend.BASELINE_METHOD and stats["accepted_per_step"] == 0
     assert stats["model_calls"] == 12  # plain decoding: the prefill, then one call per further token
 
 
@@ -287,8 +287,8 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
     model = api.load(artifact, backend)
     scheduler = Scheduler(model.loaded, max_sequences=4, queue_size=4)
     loop = asyncio.new_event_loop()
-    settings = session.decode_settings(
-        model.loaded, session.DecodeRequest(max_new_tokens=8, method=session.BASELINE_METHOD)
+    settings = frontend.decode_settings(
+        model.loaded, frontend.DecodeRequest(max_new_tokens=8, method=frontend.BASELINE_METHOD)
     )
     prompts = [PROMPT, "what time is it", "they said you are not there", "how many people"]
     jobs = [Slot(model.tokenizer(p, add_special_tokens=False)["input_ids"], settings, loop) for p in prompts]
@@ -308,7 +308,7 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
     alone = api.load(artifact, backend)
     for prompt, done in zip(prompts, finished):
         ids = alone.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        assert done.completion.token_ids == alone.generate(ids, 8, method=session.BASELINE_METHOD).token_ids
+        assert done.completion.token_ids == alone.generate(ids, 8, method=frontend.BASELINE_METHOD).token_ids
 
 
 async def last_event(slot: Slot) -> Finished:
@@ -320,7 +320,7 @@ async def last_event(slot: Slot) -> Finished:
 def test_a_full_queue_is_a_503_at_once(loaded):
     stalled = serve(loaded, lifespan="off", max_sequences=1, queue=1)  # no scheduler thread: nothing leaves the queue
     try:
-        settings = session.decode_settings(loaded.loaded, session.DecodeRequest(max_new_tokens=4))
+        settings = frontend.decode_settings(loaded.loaded, frontend.DecodeRequest(max_new_tokens=4))
         stalled.scheduler.submit(Slot([5, 6], settings, loop=None))
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:

@@ -22,7 +22,7 @@ from streamfuse.apps.http_guard import Access  # noqa: E402
 from streamfuse.apps.request_body import Limits  # noqa: E402
 from streamfuse.runtime.commands import errors  # noqa: E402
 from streamfuse.runtime.request import api  # noqa: E402
-from streamfuse.runtime.request.session import BASELINE_METHOD  # noqa: E402
+from streamfuse.runtime.request.frontend import BASELINE_METHOD  # noqa: E402
 
 from test_server import PROMPT, reference, serve  # noqa: E402
 
@@ -284,6 +284,6 @@ def test_metrics_carry_the_histograms_after_traffic(guarded):
         assert values[f'streamfuse_{histogram}_bucket{{le="+Inf"}}'] == values[f"streamfuse_{histogram}_count"] > 0
         assert "# TYPE streamfuse_" + histogram + " histogram" in text
     assert values["streamfuse_generated_tokens_total"] >= 12
-    for gauge in ("lanes_busy", "queue_depth", "held_steps_total", "worker_up"):
+    for gauge in ("lanes_busy", "queue_depth", "plain_steps_total", "worker_up"):
         assert f"streamfuse_{gauge}" in values
     assert values["streamfuse_worker_up"] == 1

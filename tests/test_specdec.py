@@ -219,13 +219,13 @@ def test_draft_model_methods_sample_the_target_through_its_static_graphs():
     """The target as exported graphs (run by torch eager), chains padded into a bucket of 4 rows, the draft
     model on torch: sd and specdec++ at T = 1 still draw (x1, x2) from the exact target."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
-    from streamfuse.export.verify import EagerSession
+    from streamfuse.export.verify import EagerRunner
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
     torch_target, engine = backend_for(5, vocab=8, gamma=2), backend_for(9, vocab=8, gamma=2)
     model, shapes = torch_target.model, GraphShapes(capacity=64, prefill_chunk=8, buckets=(4,))
     target = StaticGraphBackend(
-        EagerSession(graph_modules(model, shapes, None, ["deferred"])), graph_spec(model, shapes, ["deferred"])
+        EagerRunner(graph_modules(model, shapes, None, ["deferred"])), graph_spec(model, shapes, ["deferred"])
     )
     exact = exact_joint(torch_target, SamplingConfig(1.0))
     for method, stop in (("sd", None), ("specdec++", StopRule(constant_head(0.7), 0.5))):

@@ -196,15 +196,17 @@ def test_graphs_holding_a_task_refuse_another(built, tasks, tmp_path):
 
 
 def test_the_demo_session_switches_tasks_without_loading_again(built):
-    from streamfuse.apps.session import LoadRequest, Session  # the demo's model side, without Qt
+    from streamfuse.apps.demo_controller import DemoController, LoadRequest  # the demo's model side, without Qt
 
     backend, root, _, _ = built
-    session = Session()
-    first = session.load(LoadRequest(root / "both", backend))
-    assert session.tasks() == ("dialogsum", "e2e_nlg") and "(dialogsum" in session.describe()
-    switched = session.load(LoadRequest(root / "both", backend, task="e2e_nlg"))
-    assert switched.backend is first.backend and session.tasks()[0] == "e2e_nlg" and "(e2e_nlg" in session.describe()
-    assert session.load(LoadRequest(root / "both", backend)).tasks[0] == "dialogsum"  # None: the artifact's own
+    controller = DemoController()
+    first = controller.load(LoadRequest(root / "both", backend))
+    assert controller.tasks() == ("dialogsum", "e2e_nlg") and "(dialogsum" in controller.describe()
+    switched = controller.load(LoadRequest(root / "both", backend, task="e2e_nlg"))
+    assert (
+        switched.backend is first.backend and controller.tasks()[0] == "e2e_nlg" and "(e2e_nlg" in controller.describe()
+    )
+    assert controller.load(LoadRequest(root / "both", backend)).tasks[0] == "dialogsum"  # None: the artifact's own
 
 
 def test_memory_tool_times_each_switch_and_its_rss(built):

@@ -145,14 +145,14 @@ def test_greedy_ss_adaptive_on_static_graphs_switches_between_narrow_and_wide_tr
     """greedy_step drafts as many ranks as the widest tree its largest bucket holds, so a step after the 1-wide
     chain may take the 2-wide tree; every step one greedy_step call, outputs plain decoding's."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
-    from streamfuse.export.verify import EagerSession
+    from streamfuse.export.verify import EagerRunner
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
     model = backend_for(1).model
     trees = (TreeSpec.chain(3), TreeSpec.full(3, 2))
     shapes = GraphShapes(capacity=96, prefill_chunk=8, buckets=(4, 15))
     graphs = StaticGraphBackend(
-        EagerSession(graph_modules(model, shapes, None, ["deferred"] * 2)), graph_spec(model, shapes, ["deferred"] * 2)
+        EagerRunner(graph_modules(model, shapes, None, ["deferred"] * 2)), graph_spec(model, shapes, ["deferred"] * 2)
     )
     rules, trace = StopRules(max_new_tokens=40), Trace()
     drafter = adaptive(graphs, random_head(1), trees, (1.3, 1.6))
@@ -183,7 +183,7 @@ def test_ss_adaptive_sampling_matches_the_target_distribution_on_torch_and_stati
     chosen per step by a random head, on torch and through eager-run exported graphs. A third token
     makes a second step, whose tree depends on the drawn x1."""
     from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
-    from streamfuse.export.verify import EagerSession
+    from streamfuse.export.verify import EagerRunner
     from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 
     torch_target = backend_for(5, vocab=8, gamma=2)
@@ -191,7 +191,7 @@ def test_ss_adaptive_sampling_matches_the_target_distribution_on_torch_and_stati
     acceptance = AcceptanceModel(4, 2, ((((0, 0), -1), ((1,), -1), ((), -1), ((0, 1), -1)),))
     model, shapes = torch_target.model, GraphShapes(capacity=64, prefill_chunk=8, buckets=(2, 3, 7))
     graphs = StaticGraphBackend(
-        EagerSession(graph_modules(model, shapes, None, ["deferred"] * 3)), graph_spec(model, shapes, ["deferred"] * 3)
+        EagerRunner(graph_modules(model, shapes, None, ["deferred"] * 3)), graph_spec(model, shapes, ["deferred"] * 3)
     )
     calibration = BackendCalibration(
         "test", 1, 1.0, tuple(TreeCost(t, c, 1.0, 1.0) for t, c in zip(trees, (1.2, 1.3, 2.0))), 0.001, 10.0

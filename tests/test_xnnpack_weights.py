@@ -88,11 +88,11 @@ def test_the_methods_share_one_packed_copy_and_give_the_same_bits(program, tmp_p
 
 
 def test_the_setting_reads_back_and_the_session_turns_it_on(program):
-    from streamfuse.runtime.backends.sessions import ExecuTorchSession
+    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
     from streamfuse.seams import share_xnnpack_weights
 
     assert share_xnnpack_weights(False) is True  # True: the runtime confirmed the value written
-    session = ExecuTorchSession(program[0], threads=1)
+    session = ExecuTorchRunner(program[0], threads=1)
     assert session.shares_weights is True
     assert share_xnnpack_weights(True) is True
 

@@ -27,9 +27,9 @@ import numpy as np
 
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.request.batch import BatchDecoder
-from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP, HoldPolicy
+from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP, PlainRowsPolicy
+from streamfuse.runtime.request.frontend import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
 from streamfuse.runtime.request.loader import Loaded, load
-from streamfuse.runtime.request.session import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file
 
@@ -46,7 +46,7 @@ class Setting:
     prefill_seconds: float = 0.0
     steps: int = 0
     shared_steps: int = 0  # of 2+ sequences
-    held_steps: int = 0
+    plain_steps: int = 0
     equal: bool = True
     first_token: list[float] = field(default_factory=list)  # seconds, every request of every round
 
@@ -57,7 +57,7 @@ class Setting:
         self.prefill_seconds += other.prefill_seconds
         self.steps += other.steps
         self.shared_steps += other.shared_steps
-        self.held_steps += other.held_steps
+        self.plain_steps += other.plain_steps
         self.equal = self.equal and other.equal
         self.first_token.extend(other.first_token)
 
@@ -80,7 +80,7 @@ class Setting:
             "tokens": self.tokens,
             "seconds": round(self.seconds, 4),
             "steps": self.steps,
-            "held_share": round(self.held_steps / self.shared_steps, 3) if self.shared_steps else 0.0,
+            "plain_share": round(self.plain_steps / self.shared_steps, 3) if self.shared_steps else 0.0,
             "tokens_per_second": round(self.tokens_per_second, 2),
             "ratio_to_b1": round(self.tokens_per_second / base.tokens_per_second, 3) if base.seconds else None,
             "prefill_share": round(self.prefill_seconds / self.seconds, 3) if self.seconds else 0.0,
@@ -102,11 +102,11 @@ def closed_loop(
     settings: DecodeSettings,
     batch: int,
     expected: list[list[int]],
-    policy: HoldPolicy | None = None,
+    policy: PlainRowsPolicy | None = None,
 ) -> Setting:
     """The prompts as `batch` clients send them, each its next once the last one finished. policy: the batch policy
     (None: the method's steps), shared by the runs as a server's lives on."""
-    decoder = BatchDecoder(loaded, max_sequences=batch, hold=policy is not None, policy=policy)
+    decoder = BatchDecoder(loaded, max_sequences=batch, plain_rows=policy is not None, policy=policy)
     setting = Setting(loaded.engine, batch, POLICIES[0] if policy is not None else POLICIES[1])
     waiting = list(enumerate(prompts))
     lanes, added, first = {}, {}, {}
@@ -125,7 +125,7 @@ def closed_loop(
         decoder.step()
     setting.seconds = time.perf_counter() - started
     setting.prefill_seconds = decoder.prefill_seconds
-    setting.steps, setting.shared_steps, setting.held_steps = decoder.steps, decoder.shared_steps, decoder.held_steps
+    setting.steps, setting.shared_steps, setting.plain_steps = decoder.steps, decoder.shared_steps, decoder.plain_steps
     for index, lane in lanes.items():
         tokens = lane.result.token_ids
         setting.tokens += len(tokens)
@@ -142,7 +142,7 @@ def bench_backend(args: argparse.Namespace, backend: str) -> list[Setting]:
     prompts = [prompt_ids(loaded, item.text, True) for item in read_inputs(path, loaded.prompt, args.prompts)]
     settings = decode_settings(loaded, DecodeRequest(args.method, args.max_new_tokens, tree=args.tree))
     expected = [run(loaded, ids, settings).token_ids for ids in prompts]  # also the engine's warm-up
-    policies = {name: HoldPolicy() if name == POLICIES[0] else None for name in args.batch_policy}
+    policies = {name: PlainRowsPolicy() if name == POLICIES[0] else None for name in args.batch_policy}
     runs = [(batch, name) for batch in args.batches for name in policies]
     for batch, name in runs:  # each batched graph's first calls (and the policy's first measurements), untimed
         closed_loop(loaded, prompts[:batch], settings, batch, expected, policies[name])
@@ -165,7 +165,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['backend']} | {row['batch_policy']} | {row['batch']} | {row['tokens_per_second']:.1f} | {ratio} | "
             f"{row['prefill_share']:.2f} | {row['decode_tokens_per_second']:.1f} | {decode} | "
-            f"{row['held_share']:.2f} | "
+            f"{row['plain_share']:.2f} | "
             f"{row['ttft_p50_ms']:.1f} | {row['ttft_p95_ms']:.1f} | {'yes' if row['all_equal_to_single'] else 'no'} |"
         )
     return "\n".join(lines)

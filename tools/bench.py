@@ -32,8 +32,8 @@ from streamfuse.runtime.commands.options import add_model_options, check_model_o
 from streamfuse.runtime.measure.timing import summarise
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.frontend import DEFAULT_TREE
 from streamfuse.runtime.request.loader import BACKENDS, artifact_tasks, load
-from streamfuse.runtime.request.session import DEFAULT_TREE
 from streamfuse.tools import bench_report
 from streamfuse.tools.bench_data import read_inputs, task_file
 from streamfuse.tools.bench_matrix import Engine, Matrix, run_matrix

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.measure.timing import timed_run
 from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.frontend import prompt_ids
 from streamfuse.runtime.request.loader import Loaded
-from streamfuse.runtime.request.session import prompt_ids
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import Trace
 from streamfuse.tools.bench_data import BenchInput

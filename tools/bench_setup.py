@@ -14,8 +14,7 @@ from streamfuse.export.eager import TorchBackend
 from streamfuse.runtime.artifact.format import MANIFEST
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.loader import Loaded, artifact_tasks, load
-from streamfuse.runtime.request.session import (
+from streamfuse.runtime.request.frontend import (
     BASELINE_METHOD,
     DEFAULT_METHOD,
     DecodeRequest,
@@ -23,6 +22,7 @@ from streamfuse.runtime.request.session import (
     prompt_ids,
     run,
 )
+from streamfuse.runtime.request.loader import Loaded, artifact_tasks, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import Trace
 from streamfuse.tools.bench_data import BenchInput

@@ -25,7 +25,7 @@ import torch
 
 from streamfuse.runtime.artifact.contract import COMMIT_INPUT, base_method, bucket_method
 from streamfuse.runtime.artifact.format import Artifact
-from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.backends.sessions import open_runner
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cache holds {capacity} slots, a step adds up to {largest} and commits up to {largest - 1}), "
         f"got {args.spans}",
     )
-    session = open_session(args.backend, artifact.backend_files(args.backend), args.threads)
+    session = open_runner(args.backend, artifact.backend_files(args.backend), args.threads)
     methods = {name: sig for name, sig in graphs["methods"].items() if base_method(name) not in SKIPPED}
     greedy = bucket_method("greedy_step", largest)
     table, commit = {}, None

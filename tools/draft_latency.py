@@ -32,7 +32,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.eager import TorchBackend
 from streamfuse.methods.sd.model import NOMINAL_STREAMS
-from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.backends.sessions import open_runner
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.tools.step_timing import step_seconds
@@ -100,7 +100,7 @@ def exported(model, engine: str, capacity: int, folder: Path, threads: int) -> S
         names = graph.names_of(modules, shapes)
         onnx_file, _ = export_onnx(modules, inputs, *names, folder)
         files = {"model": folder / onnx_file}
-    return StaticGraphBackend(open_session(engine, files, threads), graph.graph_spec(model, shapes, ["deferred"]))
+    return StaticGraphBackend(open_runner(engine, files, threads), graph.graph_spec(model, shapes, ["deferred"]))
 
 
 def report(samples: dict[tuple[str, int], list[float]], meta: dict, out: Path | None) -> None:

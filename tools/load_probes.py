@@ -239,7 +239,7 @@ def metrics_problems(target: Target) -> list[str]:
         "streamfuse_requests_total{",
         "streamfuse_lanes_busy ",
         "streamfuse_queue_depth ",
-        "held_steps_total ",
+        "plain_steps_total ",
     ):
         if name not in text:
             missing.append(f"/metrics: no {name.strip(' {')}")

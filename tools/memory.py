@@ -37,8 +37,7 @@ def measure_backend(
     import importlib
 
     from streamfuse.runtime.artifact.format import Artifact
-    from streamfuse.runtime.request.loader import load
-    from streamfuse.runtime.request.session import (
+    from streamfuse.runtime.request.frontend import (
         BASELINE_METHOD,
         DEFAULT_METHOD,
         DecodeRequest,
@@ -46,6 +45,7 @@ def measure_backend(
         prompt_ids,
         run,
     )
+    from streamfuse.runtime.request.loader import load
     from streamfuse.tools.bench_data import read_inputs
 
     opened = Artifact.open(artifact)

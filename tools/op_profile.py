@@ -39,7 +39,7 @@ import numpy as np
 
 from streamfuse.runtime.artifact.contract import bucket_method
 from streamfuse.runtime.artifact.format import Artifact
-from streamfuse.runtime.backends.sessions import open_session
+from streamfuse.runtime.backends.sessions import open_runner
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors
 from streamfuse.tools.graph_inputs import method_inputs
@@ -269,9 +269,9 @@ def et_runs(pte: Path, calls: list[tuple[str, list[np.ndarray]]], threads: int, 
     """Each call's op events from ExecuTorch's ETDump, in call order (one run block per method execution); where the
     runtime records no ETDump (the pip wheel is built without its event tracer), each call's CPU samples by kernel
     symbol (perf_runs)."""
-    from streamfuse.runtime.backends.sessions import ExecuTorchSession
+    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
 
-    session = ExecuTorchSession(pte, threads, etdump=True)
+    session = ExecuTorchRunner(pte, threads, etdump=True)
     first = timed_calls(session, calls[:1], beside)
     session.write_etdump(str(folder / "et.etdp"), str(folder / "et.debug"))
     if not (folder / "et.etdp").is_file():
@@ -336,7 +336,7 @@ def profile(artifact: Artifact, backend: str, graphs: list[str], span: int, roun
     inputs = {g: method_inputs(manifest["graphs"]["methods"][g], span, artifact.trees, gamma, vocab) for g in graphs}
     files = artifact.backend_files(backend)
     collect, key = COLLECTORS[backend]
-    plain, walls = open_session(backend, files, threads), {g: [] for g in graphs}
+    plain, walls = open_runner(backend, files, threads), {g: [] for g in graphs}
 
     def beside(method: str, inputs: list[np.ndarray]) -> None:  # the same call unprofiled, just before
         start = time.perf_counter()

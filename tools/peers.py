@@ -1,7 +1,7 @@
 """streamfuse peers: peer baselines on the same model, inputs and stop rules as streamfuse.
 
 Every peer decodes greedily, batch 1, on the CPU with the same fixed thread count, from the token
-ids streamfuse itself builds (runtime.request.session.prompt_ids), stopping at the same EOS ids and
+ids streamfuse itself builds (runtime.request.frontend.prompt_ids), stopping at the same EOS ids and
 max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoRA merged:
 
   hf                    transformers generate (torch, fp32) on the merged model
@@ -52,8 +52,7 @@ from tqdm.auto import tqdm
 from streamfuse.runtime.artifact.contract import STREAM_SCHEDULES
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.loader import load
-from streamfuse.runtime.request.session import (
+from streamfuse.runtime.request.frontend import (
     BASELINE_METHOD,
     DEFAULT_METHOD,
     DEFAULT_TREE,
@@ -62,6 +61,7 @@ from streamfuse.runtime.request.session import (
     prompt_ids,
     read_input_file,
 )
+from streamfuse.runtime.request.loader import load
 from streamfuse.tools import peers_gguf
 from streamfuse.tools.peer_registry import PEERS, available, build_peers
 from streamfuse.tools.peers_runners import PeerContext, PeerRunner, StreamfuseRunner

@@ -20,8 +20,8 @@ import torch
 
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.frontend import run as decode
 from streamfuse.runtime.request.loader import Loaded
-from streamfuse.runtime.request.session import run as decode
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools import peers_gguf
 
@@ -230,7 +230,7 @@ class LlamaCppRunner:
 
 
 class StreamfuseRunner:
-    """streamfuse itself (runtime.request.session.run) behind the peer interface: the reference rows."""
+    """streamfuse itself (runtime.request.frontend.run) behind the peer interface: the reference rows."""
 
     def __init__(self, name: str, loaded: Loaded, settings: DecodeSettings):
         self.name, self.loaded, self.settings = name, loaded, settings

@@ -30,8 +30,8 @@ from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
 from streamfuse.export.xnnpack_graph import engine_model
 from streamfuse.runtime.artifact.contract import bucket_method, tree_inputs
-from streamfuse.runtime.backends.sessions import ExecuTorchSession, OnnxRuntimeSession
-from streamfuse.runtime.backends.static_graph import Session, interleaved_call_times
+from streamfuse.runtime.backends.sessions import ExecuTorchRunner, OnnxRuntimeSession
+from streamfuse.runtime.backends.static_graph import GraphRunner, interleaved_call_times
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.speculation.tree import TreeSpec
 
@@ -64,7 +64,7 @@ def step_buckets(rows: list[int]) -> tuple[int, ...]:
     return tuple(r for r in rows if r > 1) or (2,)
 
 
-def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> Session:
+def program(engine: str, model, capacity: int, rows: list[int], folder: Path, threads: int) -> GraphRunner:
     """decode and the step graphs of `rows` (> 1) in one program of `engine` for a cache of `capacity` slots."""
     buckets = step_buckets(rows)
     shapes = GraphShapes(capacity, PREFILL_CHUNK, buckets, span=True)
@@ -78,7 +78,7 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
     if engine == "executorch":
         path = folder / f"sweep-{capacity}.pte"
         export_pte(modules, inputs, path)
-        return ExecuTorchSession(path, threads)
+        return ExecuTorchRunner(path, threads)
     target = folder / f"onnx-{capacity}"
     target.mkdir()
     export_onnx(modules, inputs, *names_of(modules, shapes), target)

@@ -27,7 +27,7 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     """Switch the loaded engine to `task`, then decode its test inputs plainly and with SS."""
     from dataclasses import replace
 
-    from streamfuse.runtime.request.session import (
+    from streamfuse.runtime.request.frontend import (
         BASELINE_METHOD,
         DEFAULT_METHOD,
         DecodeRequest,

@@ -115,8 +115,8 @@ class PassModule(nn.Module):
         raise NotImplementedError
 
 
-class EagerSession:
-    """A pass module eagerly, behind the session interface: the reference a graph's parity is checked against."""
+class EagerRunner:
+    """A pass module eagerly, behind the graph-runner interface: the reference a graph's parity is checked against."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -155,7 +155,7 @@ def check_graphs(
     parity = {}
     for engine in entry["graphs"]:
         session = open_files(folder, entry, engine, 1)[0]
-        reference = opened(EagerSession(quantized(module, quantize if engine == "executorch" else "none")))
+        reference = opened(EagerRunner(quantized(module, quantize if engine == "executorch" else "none")))
         error = difference(opened(session), reference)
         if not error <= PARITY_TOLERANCE:
             raise ValueError(

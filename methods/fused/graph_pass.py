@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.artifact.onnx_external import check_external_data
-from streamfuse.runtime.backends.sessions import ExecuTorchSession, _require, ort_options
+from streamfuse.runtime.backends.sessions import ExecuTorchRunner, _require, ort_options
 
 INPUT_NAMES = ["states", "embeds", "positions", "read", "mask", "keys", "values"]
 
@@ -34,7 +34,7 @@ def open_files(folder: Path, entry: dict, engine: str, threads: int | None) -> t
     """A drafter folder's files as its manifest entry names them -> (the engine's session, the fp16 embedding table
     mapped from disk: the pages a pass reads, not V x H; the kept token ids)."""
     file = Path(folder) / entry["graphs"][engine]
-    session = ExecuTorchSession(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
+    session = ExecuTorchRunner(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
     embedding = np.load(Path(folder) / entry["embedding"], mmap_mode="r")
     return session, embedding, np.load(Path(folder) / entry["vocab_file"])
 

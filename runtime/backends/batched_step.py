@@ -1,6 +1,6 @@
 """Several sequences' steps in one call: a batched step graph (contract.batch_method(B, T)) verifies B sequences'
-trees of T rows each, every sequence on its own backend (StaticGraphBackend.lane: its own cache, the shared
-session). The linears see all B*T rows at once, so B sequences share each weight load; attention runs per
+trees of T rows each, every sequence on its own backend (StaticGraphBackend.with_own_cache: its own cache, the shared
+runner). The linears see all B*T rows at once, so B sequences share each weight load; attention runs per
 sequence on its own cache, and row b*T + t equals row t of sequence b's own step call bit for bit, so each
 sequence decodes exactly what it decodes alone.
 
@@ -85,7 +85,7 @@ def batched_step(items: Sequence[BatchItem], shape: tuple[int, int], scratch: St
         np.stack(commits),
     ]
     try:
-        logits, anchor, hidden = first.session.run(method, inputs)
+        logits, anchor, hidden = first.runner.run(method, inputs)
     except BaseException as error:
         for backend in backends:
             backend.call_failed(method, error)

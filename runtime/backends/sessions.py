@@ -1,4 +1,4 @@
-"""Sessions: run one exported method on one engine, numpy arrays in and out. Each imports its engine
+"""Graph runners: run one exported method on one engine, numpy arrays in and out. Each imports its engine
 only when used, so a missing optional package is a clear error naming the extra to install, and
 only ExecuTorch (whose Python runtime takes torch tensors) brings torch in."""
 
@@ -29,7 +29,7 @@ from streamfuse.runtime.artifact.contract import (
 )
 from streamfuse.runtime.artifact.files import inside
 from streamfuse.runtime.artifact.onnx_external import check_external_data
-from streamfuse.runtime.backends.static_graph import Session
+from streamfuse.runtime.backends.static_graph import GraphRunner
 from streamfuse.runtime.backends.threads import check_threads
 from streamfuse.runtime.ops.kernel_library import KernelUnavailable, load_executorch_kernels, onnxruntime_library_path
 
@@ -61,7 +61,7 @@ def set_executorch_threads(threads: int) -> None:
         _POOL_THREADS = threads
 
 
-class ExecuTorchSession:
+class ExecuTorchRunner:
     """The .pte through ExecuTorch's Python runtime (XNNPACK kernels on CPU)."""
 
     def __init__(self, pte: Path, threads: int | None = None, etdump: bool = False):
@@ -262,7 +262,7 @@ def mapped_tables(model: Path, metadata: dict) -> dict[str, np.ndarray]:
 _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 
-class CoreMLSession:
+class CoreMLRunner:
     """The multifunction .mlpackage on the Neural Engine (macOS only); functions by the package's names."""
 
     def __init__(self, package: Path, compute_units: str = "ALL"):
@@ -289,14 +289,14 @@ class CoreMLSession:
         return [np.asarray(result[name], dtype=_host_dtype(result[name])) for name in self.outputs[method]]
 
 
-def open_session(backend: str, files: dict[str, Path], threads: int | None = None) -> Session:
-    """The session for one backend's checked files (the artifact manifest's files[backend])."""
+def open_runner(backend: str, files: dict[str, Path], threads: int | None = None) -> GraphRunner:
+    """The graph runner for one backend's checked files (the artifact manifest's files[backend])."""
     if backend == "executorch":
-        return ExecuTorchSession(files["program"], threads)
+        return ExecuTorchRunner(files["program"], threads)
     if backend == "onnxruntime":
         return OnnxRuntimeSession(files["model"], threads=threads)
     if backend == "coreml":
-        return CoreMLSession(files["package"])
+        return CoreMLRunner(files["package"])
     raise ValueError(f"no runtime session for {backend!r} files (built for a device, not for this runtime)")
 
 

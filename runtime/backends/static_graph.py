@@ -7,14 +7,14 @@ writes it depends on the graphs (GraphSpec.engine_cache, the manifest's kv_layou
 - "engine" (ExecuTorch, ONNX Runtime: the exact kernel's graphs): a call writes its own rows into slots
   cache_len.. in place, and moves the rows the host accepted from the previous call down into place, by index
   (its `commit` input): no K/V rows come out of a call and the host never copies one;
-- "host" (Core ML, the torch session): a call returns its rows (new_keys, new_values) and the host copies the
+- "host" (Core ML, the torch runner): a call returns its rows (new_keys, new_values) and the host copies the
   accepted ones in.
 This class also owns chunked prefill, running the streams of the last accepted node after the commit, and
 pruning a tree. A call that raises leaves the cache unknown (the engine may have moved rows before failing): the
 backend then refuses every call until a reset, which each generation starts with (runtime/request/decode.py), so a
 failure
-never leaves a pending commit to be applied twice. A `Session` is the only engine-specific part: it runs one named
-method on a list of arrays (numpy; the torch session keeps the cache as tensors on its device).
+never leaves a pending commit to be applied twice. A `GraphRunner` is the only engine-specific part: it runs one named
+method on a list of arrays (numpy; the torch runner keeps the cache as tensors on its device).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from streamfuse.runtime.backends.base import (
 from streamfuse.runtime.speculation.tree import TreeSpec
 
 
-class Session(Protocol):
-    """Runs the graphs' methods. A session that also runs pruned_step says so with a true `prunes` attribute
-    (the torch session; exported graphs have none)."""
+class GraphRunner(Protocol):
+    """Runs the graphs' methods. A runner that also runs pruned_step says so with a true `prunes` attribute
+    (the torch runner; exported graphs have none)."""
 
     name: str  # engine and where it runs, e.g. "onnxruntime:CPUExecutionProvider"
 
@@ -59,18 +59,18 @@ class Session(Protocol):
 
 
 def interleaved_call_times(
-    calls: dict[Hashable, tuple[Session, str, list[np.ndarray]]],
+    calls: dict[Hashable, tuple[GraphRunner, str, list[np.ndarray]]],
     rounds: int,
     warmup: int,
     progress: Callable[[Iterable], Iterable] = iter,
 ) -> dict[Hashable, list[float]]:
-    """Seconds of each call (key -> session, method, inputs) over `rounds` rounds after `warmup` untimed
+    """Seconds of each call (key -> runner, method, inputs) over `rounds` rounds after `warmup` untimed
     ones; each round runs every call once, so all of them see the same conditions."""
     samples = {key: [] for key in calls}
     for round_ in progress(range(warmup + rounds)):
-        for key, (session, method, inputs) in calls.items():
+        for key, (runner, method, inputs) in calls.items():
             start = time.perf_counter()
-            session.run(method, inputs)
+            runner.run(method, inputs)
             if round_ >= warmup:
                 samples[key].append(time.perf_counter() - start)
     return samples
@@ -90,24 +90,24 @@ def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
 
 
 class StaticGraphBackend:
-    """Backend protocol over a Session. Greedy steps run the tree's greedy_step, one call (unless
+    """Backend protocol over a GraphRunner. Greedy steps run the tree's greedy_step, one call (unless
     use_greedy_step is False); otherwise, and for sampling, its `step` and then, after the commit,
-    a `streams` call for the accepted node (the deferred schedule). A pruned step (a session with
+    a `streams` call for the accepted node (the deferred schedule). A pruned step (a runner with
     pruned_step: the torch one) also returns each node's transition probability, and the host keeps
-    the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the session's device tensors)."""
+    the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the runner's device tensors)."""
 
     def __init__(
         self,
-        session: Session,
+        runner: GraphRunner,
         spec: GraphSpec,
         device: str = "cpu",
         use_greedy_step: bool = True,
         zeros: Callable[[tuple[int, ...]], object] = lazy_zeros,
     ):
-        self.session = session
+        self.runner = runner
         self.spec = spec
         self.use_greedy_step = use_greedy_step
-        self.name = session.name
+        self.name = runner.name
         self.device = device
         self.num_streams = spec.num_streams
         self.vocab_size = spec.vocab_size
@@ -121,9 +121,9 @@ class StaticGraphBackend:
         self._trees: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
-    def checked(cls, session: Session, spec: GraphSpec, device: str = "cpu") -> StaticGraphBackend:
-        """The backend over a freshly opened session, once check_in_place has passed."""
-        backend = cls(session, spec, device)
+    def checked(cls, runner: GraphRunner, spec: GraphSpec, device: str = "cpu") -> StaticGraphBackend:
+        """The backend over a freshly opened runner, once check_in_place has passed."""
+        backend = cls(runner, spec, device)
         backend.check_in_place()
         return backend
 
@@ -151,15 +151,15 @@ class StaticGraphBackend:
         """A tree runs in its size bucket: the bucket's rows, pad rows included."""
         return self.spec.bucket(tree) if tree is not None else 1
 
-    def lane(self) -> StaticGraphBackend:
-        """A backend over the same session (the graphs and weights loaded once) with a KV cache of its own, empty:
-        what one sequence of a batch, or a chat session, decodes on while others decode on theirs."""
-        lane = copy.copy(self)
-        lane.keys = lane.values = None
+    def with_own_cache(self) -> StaticGraphBackend:
+        """A backend over the same runner (the graphs and weights loaded once) with a KV cache of its own, empty:
+        what one sequence of a batch, or a chat, decodes on while others decode on theirs."""
+        copied = copy.copy(self)
+        copied.keys = copied.values = None
         if not self.spec.dynamic:
-            lane._allocate(self.spec.capacity)
-        lane._empty()
-        return lane
+            copied._allocate(self.spec.capacity)
+        copied._empty()
+        return copied
 
     def reset(self, capacity: int) -> None:
         self._check_capacity(capacity)
@@ -204,7 +204,7 @@ class StaticGraphBackend:
         prune: PruneConfig | None = None,
         greedy: bool = False,
     ) -> StepOutput:
-        if prune is not None and not getattr(self.session, "prunes", False):
+        if prune is not None and not getattr(self.runner, "prunes", False):
             raise ValueError("exported graphs have a static tree: pruning needs the torch backend (--backend torch)")
         ids = _ids(self.step_ids(tokens, tree))
         rows, count = ids.shape[1], len(tokens)
@@ -337,7 +337,7 @@ class StaticGraphBackend:
         not) marks the backend failed until its reset."""
         commit = self.take_commit()
         try:
-            outputs = self.session.run(method, [*inputs, commit] if self.spec.engine_cache else inputs)
+            outputs = self.runner.run(method, [*inputs, commit] if self.spec.engine_cache else inputs)
         except BaseException as error:
             self.call_failed(method, error)
             raise

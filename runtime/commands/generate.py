@@ -20,8 +20,7 @@ from streamfuse.runtime.commands.options import add_model_options, check_model_o
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.api import Completion, Model
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest, check_task, decode_settings
-from streamfuse.runtime.request.loader import Loaded
-from streamfuse.runtime.request.session import (
+from streamfuse.runtime.request.frontend import (
     Input,
     load_model,
     new_trace,
@@ -29,6 +28,7 @@ from streamfuse.runtime.request.session import (
     read_input_file,
     source_overflow,
 )
+from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 
 

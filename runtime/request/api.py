@@ -4,12 +4,12 @@
     model = streamfuse.load("artifacts/dialogsum")            # the fastest engine the artifact has here
     done = model.generate("Hi!", max_new_tokens=32)            # Completion: text, token_ids, stop_reason, stats
     for delta in model.generate("Hi!", stream=True): print(delta, end="")
-    chat = model.session(); chat.send("Hi!"); chat.send("And then?")  # the second turn prefills only its tokens
+    chat = model.conversation(); chat.send("Hi!"); chat.send("And then?")  # the second turn prefills only its tokens
 
 Everything runs in the caller's thread: a stream is a generator that makes one decode step per delta it needs,
-so a caller that stops iterating stops the decode. A Model decodes one generation at a time on its engine's
-cache (starting another ends an unfinished stream); each ChatSession has a cache of its own (Loaded.lane), kept
-between its turns. Bad values are ValueErrors of one line, raised when the call is made, before any decode.
+so a caller that stops iterating stops the decode. A Model decodes one generation at a time on its cache
+(starting another ends an unfinished stream); each Conversation has a cache of its own (Loaded.with_own_cache),
+kept between its turns. Bad values are ValueErrors of one line, raised when the call is made, before any decode.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from streamfuse.runtime.artifact.prompt import check_text
 from streamfuse.runtime.backends.threads import check_threads, use_threads
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DecodeRequest, check_prompt_format, decode_settings
 from streamfuse.runtime.request.decode import Generation, GenerationResult, StepEvent
+from streamfuse.runtime.request.frontend import load_model, prompt_ids
 from streamfuse.runtime.request.loader import BACKENDS, Loaded
-from streamfuse.runtime.request.session import load_model, prompt_ids
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.text_stream import Detokenizer, final_text
 from streamfuse.runtime.request.trace import Trace
@@ -41,7 +41,7 @@ class Stats:
     accepted_per_step: float  # draft tokens the target accepted per speculative step (0: plain decoding)
     model_calls: int  # target calls, the prefill's included
     seconds: float  # the whole generation, prefill included
-    prefill_tokens: int  # prompt tokens prefilled: a chat session's turn prefills only what its cache lacks
+    prefill_tokens: int  # prompt tokens prefilled: a conversation's turn prefills only what its cache lacks
     time_to_first_token: float  # seconds from the call to the first token (the prefill's)
     prompt_tokens: int
 
@@ -92,7 +92,7 @@ class TextStream:
 
 
 @dataclass
-class _Engine:
+class _Cache:
     """A backend's cache and who uses it: one generation at a time, and what the cache holds after it."""
 
     loaded: Loaded
@@ -107,18 +107,18 @@ class _Job:
     ids: list[int]
     settings: DecodeSettings
     stop: tuple[str, ...]
-    keep: bool = False  # start from the rows the engine's last generation left
+    keep: bool = False  # start from the rows the cache's last generation left
     trace: Trace | None = None
     run_id: str = "0"
     on_step: Callable[[StepEvent], None] | None = None  # each step's tokens and drafts (a demo marks them)
 
 
 class Model:
-    """A loaded artifact or checkpoint: generate, chat, or open chat sessions that keep their cache."""
+    """A loaded artifact or checkpoint: generate, chat, or open conversations that keep their cache."""
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
-        self._engine = _Engine(loaded)
+        self._cache = _Cache(loaded)
 
     @property
     def backend(self) -> str:
@@ -164,20 +164,20 @@ class Model:
     ) -> Completion | TextStream:
         """The assistant's next message after `messages` ({"role": "system" | "user" | "assistant", "content":
         text}), on the task's chat template. Stateless: every call prefills the whole conversation (a
-        ChatSession keeps its cache instead)."""
+        Conversation keeps its cache instead)."""
         request = make_request(max_new_tokens, method, temperature, stop, options)
         return self.run(self.chat_ids(messages), request, stream)
 
-    def session(self, system: str | None = None) -> ChatSession:
+    def conversation(self, system: str | None = None) -> Conversation:
         """A chat with a cache of its own, kept between turns (`system`: a first system message)."""
-        return ChatSession(self, system)
+        return Conversation(self, system)
 
-    def batch(self, max_sequences: int = 8, hold: bool = True):
-        """Several requests decoded together, one shared step per round (runtime/request/batch.py's BatchDecoder; hold:
-        its batch policy, plain rows for greedy speculative sequences where they make more tokens/s)."""
+    def batch(self, max_sequences: int = 8, plain_rows: bool = True):
+        """Several requests decoded together, one shared step per round (runtime/request/batch.py's BatchDecoder;
+        plain_rows: its batch policy, plain rows for greedy speculative sequences where they make more tokens/s)."""
         from streamfuse.runtime.request.batch import BatchDecoder
 
-        return BatchDecoder(self.loaded, max_sequences, hold)
+        return BatchDecoder(self.loaded, max_sequences, plain_rows)
 
     def prompt_ids(self, prompt: str | Sequence[int], as_task: bool = False) -> list[int]:
         """Token ids of a prompt: a user message in the chat template, a task source in the task's prompt format
@@ -211,14 +211,14 @@ class Model:
         made them already (the CLI, for its trace's header); the prompt ids are checked as the generation begins."""
         settings = decode_settings(self.loaded, request) if settings is None else settings
         job = _Job(list(ids), settings, tuple(request.stop))
-        return _start(self._engine, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
+        return _start(self._cache, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
 
-def _start(engine: _Engine, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
+def _start(cache: _Cache, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
     """Ready the cache at the call (its errors come there, not at the first delta), then decode: to the end, or
     as a stream. on_done: called with the Completion once the generation ends."""
     holder = TextStream(iter(()), on_done)
-    deltas = _decode(engine, job, holder, incremental=stream)
+    deltas = _decode(cache, job, holder, incremental=stream)
     next(deltas)  # Generation.begin: the prompt's checks (request.check_fits), then the cache reset (or kept rows)
     holder._deltas = deltas
     if stream:
@@ -228,11 +228,11 @@ def _start(engine: _Engine, job: _Job, stream: bool, on_done=None) -> Completion
     return holder.completion
 
 
-def _decode(engine: _Engine, job: _Job, holder: TextStream, incremental: bool) -> Iterator[str]:
+def _decode(cache: _Cache, job: _Job, holder: TextStream, incremental: bool) -> Iterator[str]:
     """Generator: yields once, empty, after begin; then each step's delta (incremental), and sets
-    holder.completion at the end. A generation superseded on its engine stops with an error."""
-    loaded, started = engine.loaded, time.perf_counter()
-    keep = engine.cached_ids if job.keep else None
+    holder.completion at the end. A generation superseded on its cache stops with an error."""
+    loaded, started = cache.loaded, time.perf_counter()
+    keep = cache.cached_ids if job.keep else None
     generation = Generation.begin(
         loaded.backend,
         job.ids,
@@ -240,10 +240,10 @@ def _decode(engine: _Engine, job: _Job, holder: TextStream, incremental: bool) -
         loaded.drafter(job.settings),
         trace=job.trace,
         run_id=job.run_id,
-        decode=loaded.tokenizer.decode,
+        detokenizer=loaded.tokenizer.decode,
         keep=keep,
     )
-    engine.active, engine.cached_ids = generation, None
+    cache.active, cache.cached_ids = generation, None
     text = Detokenizer.for_tokenizer(loaded.tokenizer, job.stop)
     fresh: list[int] = []
 
@@ -258,7 +258,7 @@ def _decode(engine: _Engine, job: _Job, holder: TextStream, incremental: bool) -
         return text.push(tokens) if incremental else ""
 
     yield ""
-    _check_active(engine, generation)
+    _check_active(cache, generation)
     generation.start(on_step)
     first = time.perf_counter() - started
     while True:
@@ -267,21 +267,21 @@ def _decode(engine: _Engine, job: _Job, holder: TextStream, incremental: bool) -
             yield piece
         if generation.done:
             break
-        _check_active(engine, generation)
+        _check_active(cache, generation)
         generation.step(on_step)
     result = generation.result()
     rest = text.finish() if incremental else ""
-    engine.active, engine.cached_ids = None, generation.cached_ids
+    cache.active, cache.cached_ids = None, generation.cached_ids
     holder._finish(completion_of(loaded, result, job.stop, generation, first))
     if rest:
         yield rest
 
 
-def _check_active(engine: _Engine, generation: Generation) -> None:
-    if engine.active is not generation:
+def _check_active(cache: _Cache, generation: Generation) -> None:
+    if cache.active is not generation:
         raise RuntimeError(
             "a later generation on the same model ended this stream's: finish a stream before starting the "
-            "next, or give each conversation its own model.session()"
+            "next, or give each conversation its own model.conversation()"
         )
 
 
@@ -306,7 +306,7 @@ def completion_of(
     return Completion(final_text(raw, stop), list(result.token_ids), result.stop_reason, stats)
 
 
-class ChatSession:
+class Conversation:
     """A conversation on a cache of its own: each turn renders the whole conversation, keeps the cache rows its
     last turn left where they match, and prefills only the rest; the answer equals a fresh generation of the
     whole conversation, token for token."""
@@ -314,7 +314,7 @@ class ChatSession:
     def __init__(self, model: Model, system: str | None = None):
         self.model = model
         self.messages: list[dict] = [] if system is None else checked_messages([{"role": "system", "content": system}])
-        self._engine = _Engine(model.loaded.lane())
+        self._cache = _Cache(model.loaded.with_own_cache())
 
     def send(
         self,
@@ -330,37 +330,37 @@ class ChatSession:
         (a stream: once exhausted). stats.prefill_tokens counts only the tokens the cache did not hold."""
         request = make_request(max_new_tokens, method, temperature, stop, options)
         messages = [*self.messages, *checked_messages([{"role": "user", "content": text}])]
-        loaded = self._engine.loaded
+        loaded = self._cache.loaded
         ids = chat_template_ids(loaded.tokenizer, messages)  # each message checked as it joined
         job = _Job(ids, decode_settings(loaded, request), tuple(request.stop), keep=True)
-        return _start(self._engine, job, stream, lambda done: self._record(messages, done))
+        return _start(self._cache, job, stream, lambda done: self._record(messages, done))
 
     def _record(self, messages: list[dict], completion: Completion) -> None:
         self.messages = [*messages, {"role": "assistant", "content": completion.text}]
 
     @property
     def cached_ids(self) -> list[int]:
-        """The token ids this session's cache holds (its last turn's prompt and answer), which the next turn keeps
+        """The token ids this conversation's cache holds (its last turn's prompt and answer), which the next turn keeps
         where its prompt starts with them."""
-        return list(self._engine.cached_ids or ())
+        return list(self._cache.cached_ids or ())
 
     @property
     def cached_tokens(self) -> int:
-        """Rows of this session's cache in use."""
-        return int(getattr(self._engine.loaded.backend, "length", 0))
+        """Rows of this conversation's cache in use."""
+        return int(getattr(self._cache.loaded.backend, "length", 0))
 
     @property
     def memory_bytes(self) -> int:
-        """What this session holds: its cache rows in use x each row's keys and values (all layers), plus its
+        """What this conversation holds: its cache rows in use x each row's keys and values (all layers), plus its
         conversation's text and the ids its cache holds."""
-        rows = self.cached_tokens * row_bytes(self._engine.loaded.backend)
+        rows = self.cached_tokens * row_bytes(self._cache.loaded.backend)
         text = sum(len(m["content"].encode("utf-8")) for m in self.messages)
-        return rows + text + 8 * len(self._engine.cached_ids or ())
+        return rows + text + 8 * len(self._cache.cached_ids or ())
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and the cache."""
         self.messages = [m for m in self.messages if m["role"] == "system"][:1]
-        self._engine.cached_ids = None
+        self._cache.cached_ids = None
 
 
 def row_bytes(backend) -> int:

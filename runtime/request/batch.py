@@ -9,10 +9,10 @@ either way, each sequence's equal to its single-sequence output (greedy or sampl
         for finished in decoder.step():
             print(finished.result.token_ids)
 
-Each sequence (a Lane) decodes on a lane of the loaded model (Loaded.lane: a cache of its own over the shared
-session and weights); a finished or cancelled lane's cache serves the next sequence added, which keeps the rows
-its prompt shares with what that cache holds (Generation.begin's keep; the free lane sharing the most). With
-`hold` (the default) a step of several sequences runs its greedy speculative ones as plain steps while plain rows
+Each sequence (a Lane) decodes on a cache of its own (Loaded.with_own_cache: its own KV cache over the shared
+graph runner and weights); a finished or cancelled lane's cache serves the next sequence added, which keeps the
+rows its prompt shares with what that cache holds (Generation.begin's keep; the free cache sharing the most). With
+`plain_rows` (the default) a step of several sequences runs its greedy speculative ones as plain steps while plain rows
 make more tokens per second at that batch size (runtime/request/batch_policy.py); the tokens are the same. A sequence's
 `tag` says whose prefix a free cache may keep (a server isolating its users' caches: only the same tag's); with
 `isolate`, a sequence whose own prefill, draft or step raises ends alone (Lane.error) and the others go on.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from streamfuse.runtime.backends.batched_step import BatchItem, batch_rows, batch_shapes, batched_step
-from streamfuse.runtime.request.batch_policy import HoldPolicy
+from streamfuse.runtime.request.batch_policy import PlainRowsPolicy
 from streamfuse.runtime.request.decode import Generation, GenerationResult, PlannedStep, StepEvent, kept_prefix
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
@@ -38,7 +38,7 @@ FAILED = "error"  # the stop reason of a lane whose own step raised (BatchDecode
 
 @dataclass(eq=False)
 class Lane:
-    """One sequence of a batch: its generation, on its own lane of the model."""
+    """One sequence of a batch: its generation, on its own cache of the model."""
 
     id: str
     generation: Generation
@@ -77,23 +77,23 @@ class BatchDecoder:
         self,
         loaded: Loaded,
         max_sequences: int = 8,
-        hold: bool = True,
-        policy: HoldPolicy | None = None,
+        plain_rows: bool = True,
+        policy: PlainRowsPolicy | None = None,
         isolate: bool = False,
     ):
-        """hold: apply a batch policy, `policy` (one that measured this model already) or a new one; isolate: a
+        """plain_rows: apply a batch policy, `policy` (one that measured this model already) or a new one; isolate: a
         sequence whose own work raises ends alone, its lane among step()'s finished with .error set (else the
         step raises)."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.loaded = loaded
         self.max_sequences = max_sequences
-        self.policy = (policy or HoldPolicy()) if hold else None
+        self.policy = (policy or PlainRowsPolicy()) if plain_rows else None
         self.isolate = isolate
         self.prefill_seconds = 0.0  # spent in new sequences' prefills, all steps together
-        self.steps = self.shared_steps = self.held_steps = 0  # steps; those of 2+ sequences; those held to plain
+        self.steps = self.shared_steps = self.plain_steps = 0  # steps; those of 2+ sequences; those run as plain rows
         self.active: list[Lane] = []
-        # lanes whose sequence ended: the ids their caches hold (None: unknown after a failure) and their tag
+        # caches whose sequence ended: the ids they hold (None: unknown after a failure) and their tag
         self._free: list[tuple[Loaded, list[int] | None, object]] = []
         self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
         self._ids = count()
@@ -115,7 +115,7 @@ class BatchDecoder:
                 f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
                 f"max_sequences"
             )
-        model, cached = self._lane_for(ids, tag)
+        model, cached = self._cache_for(ids, tag)
         try:
             generation = Generation.begin(
                 model.backend,
@@ -123,7 +123,7 @@ class BatchDecoder:
                 settings,
                 model.drafter(settings),
                 run_id=run_id,
-                decode=self._decode,
+                detokenizer=self._detokenize,
                 keep=cached,
                 capacity=capacity,
             )
@@ -139,22 +139,22 @@ class BatchDecoder:
         finished, no longer active."""
         self._prefill_new()
         running = [lane for lane in self.active if not lane.done]
-        holdable = self.policy is not None and any(map(_holdable, running))
-        hold = holdable and self.policy.hold(len(running))
+        judged = self.policy is not None and any(map(_may_run_plain, running))
+        plain = judged and self.policy.plain_rows(len(running))
         planned: dict[Lane, PlannedStep] = {}
         for lane in running:
             with self._guard([lane]):
-                planned[lane] = lane.generation.propose(hold and _holdable(lane))
+                planned[lane] = lane.generation.propose(plain and _may_run_plain(lane))
         self.steps += 1
         self.shared_steps += len(running) > 1
-        self.held_steps += any(step.held for step in planned.values())
-        cached = sum(len(lane.generation.cached_ids) for lane in running) if holdable else 0
+        self.plain_steps += any(step.plain_rows for step in planned.values())
+        cached = sum(len(lane.generation.cached_ids) for lane in running) if judged else 0
         started = time.perf_counter()
         for group in self._batches(planned):
             self._advance(group, planned)
-        if holdable:  # the step's cost and tokens, for the policy's next choice
+        if judged:  # the step's cost and tokens, for the policy's next choice
             tokens = sum(len(lane.generation.cached_ids) for lane in running) - cached
-            self.policy.observe(len(running), hold, time.perf_counter() - started, tokens)
+            self.policy.observe(len(running), plain, time.perf_counter() - started, tokens)
         finished = [lane for lane in self.active if lane.done]
         for lane in finished:
             self._release(lane)
@@ -192,11 +192,11 @@ class BatchDecoder:
             for lane in lanes:
                 lane.error = lane.error or error
 
-    def _lane_for(self, ids: list[int], tag: object) -> tuple[Loaded, list[int] | None]:
-        """The free lane of the same tag whose cache shares the longest prefix with `ids` (a system prompt, a task's
-        instructions: those rows are not prefilled again), else any free lane, reset, else a new lane."""
+    def _cache_for(self, ids: list[int], tag: object) -> tuple[Loaded, list[int] | None]:
+        """The free cache of the same tag that shares the longest prefix with `ids` (a system prompt, a task's
+        instructions: those rows are not prefilled again), else any free cache, reset, else a new cache."""
         if not self._free:
-            return self.loaded.lane(), None
+            return self.loaded.with_own_cache(), None
         mine = [index for index, (_, cached, owner) in enumerate(self._free) if cached is not None and owner == tag]
         if not mine:
             return self._free.pop(0)[0], None
@@ -204,7 +204,7 @@ class BatchDecoder:
         model, cached, _ = self._free.pop(best)
         return model, cached
 
-    def _decode(self, ids) -> str:
+    def _detokenize(self, ids) -> str:
         return self.loaded.tokenizer.decode(ids)
 
     def _batches(self, planned: dict[Lane, PlannedStep]) -> list[list[Lane]]:
@@ -238,7 +238,7 @@ class BatchDecoder:
         rows = backend.step_rows(planned[group[0]].draft.tree)
         shape = backend.spec.batch(len(group), rows)
         if self._scratch is None:
-            self._scratch = backend.lane()
+            self._scratch = backend.with_own_cache()
         items = [
             BatchItem(lane.model.backend, planned[lane].draft.tokens, planned[lane].draft.tree, planned[lane].streams)
             for lane in group
@@ -251,7 +251,7 @@ class BatchDecoder:
                 lane.generation.finish(planned[lane], out, lane.on_step)
 
 
-def _holdable(lane: Lane) -> bool:
-    """A sequence the batch policy may hold to plain steps: greedy (a sampled one keeps its seed's draws) and
+def _may_run_plain(lane: Lane) -> bool:
+    """A sequence the batch policy may run as plain rows: greedy (a sampled one keeps its seed's draws) and
     speculative."""
     return lane.generation.verify.greedy and lane.generation.drafter.tree is not None

@@ -1,4 +1,4 @@
-"""When a batch holds its greedy speculative sequences to plain steps.
+"""When a batch runs its greedy speculative sequences as plain rows.
 
 Sharing a call makes rows cheap only while the linears are bound by weight reads: past a few rows they are bound
 by arithmetic, and B speculative sequences (B x T rows plus each one's streams) can cost more per token than B
@@ -7,19 +7,19 @@ makes more tokens per second at its size: a speculative step yields `rate` token
 process's speculative batch steps), a plain step one, each at the seconds measured here for a step of that many
 sequences in that mode. A mode not measured at a size yet, or not for `refresh` steps, is measured next (its
 first step at a size is a warm-up and does not count), so the choice follows the machine and the caches' growth.
-A lone sequence is never held: its method and its fallback decide, as they do outside a batch.
+A lone sequence never runs plain rows for the policy: its method and its fallback decide, as they do outside a batch.
 
-    policy.hold(4) -> False       (speculative steps at 4 sequences not measured yet)
-    policy.observe(4, False, 0.058, tokens=7); ...; policy.hold(4) -> True   (plain: not measured yet)
-    policy.observe(4, True, 0.019, tokens=4); ...; policy.hold(4) -> 4 / 0.019 > 7 / 0.058
+    policy.plain_rows(4) -> False       (speculative steps at 4 sequences not measured yet)
+    policy.observe(4, False, 0.058, tokens=7); ...; policy.plain_rows(4) -> True   (plain: not measured yet)
+    policy.observe(4, True, 0.019, tokens=4); ...; policy.plain_rows(4) -> 4 / 0.019 > 7 / 0.058
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-Key = tuple[int, bool]  # (sequences, held)
-POLICIES = ("auto", "method")  # the commands' --batch-policy: auto holds as above, method never
+Key = tuple[int, bool]  # (sequences, plain)
+POLICIES = ("auto", "method")  # the commands' --batch-policy: auto picks as above, method never runs plain rows
 POLICY_HELP = (
     "auto: greedy speculative sequences take plain steps while those make more tokens/s at the batch's size; "
     "method: every step is the method's own (default auto)"
@@ -27,7 +27,7 @@ POLICY_HELP = (
 
 
 @dataclass
-class HoldPolicy:
+class PlainRowsPolicy:
     weight: float = 0.25  # of the newest step in the means
     refresh: int = 64  # steps after which a mode is measured again
     seconds: dict[Key, float] = field(default_factory=dict)  # a step's seconds, a running mean
@@ -40,7 +40,7 @@ class HoldPolicy:
         if not 0 < self.weight <= 1 or self.refresh < 1:
             raise ValueError(f"need 0 < weight <= 1 and refresh >= 1, got {self.weight} and {self.refresh}")
 
-    def hold(self, sequences: int) -> bool:
+    def plain_rows(self, sequences: int) -> bool:
         """Whether the next step of `sequences` sequences runs plain."""
         if sequences < 2:
             return False
@@ -51,14 +51,14 @@ class HoldPolicy:
             return True
         return 1 / self.seconds[plain] > self.rate / self.seconds[speculative]
 
-    def observe(self, sequences: int, held: bool, seconds: float, tokens: int) -> None:
+    def observe(self, sequences: int, plain: bool, seconds: float, tokens: int) -> None:
         """A step of `sequences` sequences took `seconds` and emitted `tokens` (all of them)."""
         self.steps += 1
-        key = (sequences, held)
+        key = (sequences, plain)
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
         self.measured_at[key] = self.steps
-        if not held:
+        if not plain:
             self.rate = self._mean(self.rate, tokens / sequences)
         if count > 0 or sequences == 1:  # a batched shape's first call pays its warm-up
             self.seconds[key] = self._mean(self.seconds.get(key), seconds)

@@ -11,7 +11,7 @@ this loop's, so every method emits what plain decoding would.
 
 A `Generation` is one sequence's loop unrolled into its steps (begin, start, then propose -> target
 call -> finish until done), so a batch (runtime/request/batch.py) can make one call for several sequences'
-steps and a chat session can start a generation over the cache its last one left (`keep`).
+steps and a conversation can start a generation over the cache its last one left (`keep`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ class PlannedStep:
     streams: bool
     speculating: bool
     drafted: float  # seconds the drafter took
-    held: bool = False  # a plain step the caller asked for (propose(hold=True)): the fallback does not count it
+    plain_rows: bool = (
+        False  # a plain step the caller asked for (propose(plain_rows=True)): the fallback does not count it
+    )
 
 
 def kept_prefix(keep: Sequence[int], prompt_ids: Sequence[int]) -> int:
@@ -112,7 +114,7 @@ class DecodeRun:
         drafter: Drafter,
         trace: Trace | None,
         run_id: str,
-        decode,
+        detokenizer,
         keep: Sequence[int] | None = None,
         capacity: int | None = None,
     ) -> DecodeRun:
@@ -128,7 +130,7 @@ class DecodeRun:
             trace,
             trace.start_run(run_id, len(prompt_ids), drafter.name),
             np.random.default_rng(settings.seed),
-            Emitter(settings.rules, decode),
+            Emitter(settings.rules, detokenizer),
             time.perf_counter(),
             capacity,
         )
@@ -173,7 +175,7 @@ class Generation:
         drafter: Drafter | None = None,
         trace: Trace | None = None,
         run_id: str = "0",
-        decode: Callable[[Sequence[int]], str] | None = None,
+        detokenizer: Callable[[Sequence[int]], str] | None = None,
         keep: Sequence[int] | None = None,
         capacity: int | None = None,
     ) -> Generation:
@@ -182,7 +184,7 @@ class Generation:
         drafter = drafter or engine_drafter(settings, backend)
         if drafter.name != settings.method:
             raise ValueError(f"settings ask for method {settings.method!r} but the drafter is {drafter.name!r}")
-        run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep, capacity)
+        run = DecodeRun.begin(backend, prompt_ids, settings, drafter, trace, run_id, detokenizer, keep, capacity)
         return cls(run, drafter, settings, prompt_ids)
 
     @property
@@ -207,13 +209,14 @@ class Generation:
         run.record.model_calls = 1
         notify(on_step, run.emitter.emit([self.root]), 0, [])
 
-    def propose(self, hold: bool = False) -> PlannedStep:
+    def propose(self, plain_rows: bool = False) -> PlannedStep:
         """The next step's draft: the drafter's, or the root alone while the fallback has speculation off or
-        `hold` asks for a plain step (a batch where plain rows are cheaper; the drafter keeps its last streams)."""
+        `plain_rows` asks for a plain step (a batch where plain rows are cheaper; the drafter keeps its last
+        streams)."""
         switch, drafter = self.switch, self.drafter
         speculating = switch is None or switch.speculating
-        if hold and speculating and drafter.tree is not None:
-            return PlannedStep(Draft.plain(self.root), False, False, 0.0, held=True)
+        if plain_rows and speculating and drafter.tree is not None:
+            return PlannedStep(Draft.plain(self.root), False, False, 0.0, plain_rows=True)
         started = time.perf_counter()
         with self.run.span("draft"):
             draft = drafter.propose(self.root) if speculating else Draft.plain(self.root)
@@ -251,7 +254,7 @@ class Generation:
         else:
             notify(on_step, emitted, 0, [], plain=drafter.tree is not None)
         self.root = result.correction
-        if self.switch is not None and not planned.held:
+        if self.switch is not None and not planned.plain_rows:
             _fallback(run, self.switch, planned.speculating, len(result.path), draft.tree)
 
     def step(self, on_step: Callable[[StepEvent], None] | None = None) -> None:
@@ -272,14 +275,14 @@ def generate(
     trace: Trace | None = None,
     run_id: str = "0",
     on_step: Callable[[StepEvent], None] | None = None,
-    decode: Callable[[Sequence[int]], str] | None = None,
+    detokenizer: Callable[[Sequence[int]], str] | None = None,
     keep: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Decode with settings.method's drafter (one built from the engine alone, the method's engine_drafter, unless
-    given; a method with a model of its own is given its drafter). decode: token ids -> text, for stop strings.
+    given; a method with a model of its own is given its drafter). detokenizer: token ids -> text, for stop strings.
     keep: what the backend's cache holds from its last generation (that one's Generation.cached_ids), whose
     prefix shared with the prompt is not prefilled again."""
-    generation = Generation.begin(backend, prompt_ids, settings, drafter, trace, run_id, decode, keep)
+    generation = Generation.begin(backend, prompt_ids, settings, drafter, trace, run_id, detokenizer, keep)
     generation.start(on_step)
     while not generation.done:
         generation.step(on_step)

@@ -24,7 +24,7 @@ class StopRules:
 @dataclass
 class Emitter:
     rules: StopRules
-    decode: Callable[[Sequence[int]], str] | None = None  # needed only for stop strings
+    detokenizer: Callable[[Sequence[int]], str] | None = None  # needed only for stop strings
     tokens: list[int] = field(default_factory=list)
     stop_reason: str = ""
 
@@ -46,7 +46,7 @@ class Emitter:
     def _stop_after(self, token: int) -> str:
         if token in self.rules.stop_token_ids:
             return "eos"
-        if self.rules.stop_strings and self.decode is not None:
+        if self.rules.stop_strings and self.detokenizer is not None:
             tail = self._tail()
             if any(stop in tail for stop in self.rules.stop_strings):
                 return "stop_string"
@@ -58,10 +58,10 @@ class Emitter:
         """The decoded end of the tokens, long enough to hold any stop string that the newest token completed:
         the longest stop string plus the newest token's own text (a stop string of any length is found; the
         window doubles from 16 tokens, so short stops cost one short decode)."""
-        need = max(map(len, self.rules.stop_strings)) + len(self.decode(self.tokens[-1:]))
+        need = max(map(len, self.rules.stop_strings)) + len(self.detokenizer(self.tokens[-1:]))
         size = 16
         while True:
-            tail = self.decode(self.tokens[-size:])
+            tail = self.detokenizer(self.tokens[-size:])
             if len(tail) >= need or size >= len(self.tokens):
                 return tail
             size *= 2

@@ -16,7 +16,7 @@ from pathlib import Path
 from streamfuse.runtime.artifact.format import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.artifact.prompt import PromptFormat
 from streamfuse.runtime.backends.base import Backend
-from streamfuse.runtime.backends.sessions import MissingBackend, open_session
+from streamfuse.runtime.backends.sessions import MissingBackend, open_runner
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.methods import registry as methods
 from streamfuse.runtime.request.drafter import Drafter
@@ -76,7 +76,7 @@ class Loaded:
                     f"they cannot run {task}; build the tasks together (streamfuse build --task "
                     f"{self.artifact.task},{task})"
                 )
-            self.backend.session.bind_task(tensors)
+            self.backend.runner.bind_task(tensors)
         return Loaded(
             self.backend,
             self.tokenizer,
@@ -88,11 +88,11 @@ class Loaded:
             self.threads,
         )
 
-    def lane(self) -> Loaded:
-        """The same model on a backend with a KV cache of its own (StaticGraphBackend.lane): a sequence of a batch,
-        or a chat session, decodes on it beside others. Its resources start empty, so a method with a model of its
-        own (a draft model, with its own cache) loads one for this lane."""
-        return replace(self, backend=self.backend.lane(), resources={})
+    def with_own_cache(self) -> Loaded:
+        """The same model on a backend with a KV cache of its own (StaticGraphBackend.with_own_cache): a sequence
+        of a batch, or a conversation, decodes on it beside others. Its resources start empty, so a method with a
+        model of its own (a draft model, with its own cache) loads one for this cache."""
+        return replace(self, backend=self.backend.with_own_cache(), resources={})
 
     @property
     def loader(self) -> Callable[..., Loaded]:
@@ -304,13 +304,13 @@ def _load_artifact(
 ) -> Loaded:
     if backend == "torch":
         return _load_checkpoint(artifact.adapter_path(), device, stream_schedule, artifact, calibrated)
-    session = open_session(backend, artifact.backend_files(backend), threads)
+    runner = open_runner(backend, artifact.backend_files(backend), threads)
     tensors = artifact.task_tensors(backend)
     if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
-        session.bind_task(tensors)
+        runner.bind_task(tensors)
     manifest = artifact.manifest
     return Loaded(
-        StaticGraphBackend.checked(session, artifact.graph_spec(backend), device),
+        StaticGraphBackend.checked(runner, artifact.graph_spec(backend), device),
         artifact.load_tokenizer(),
         {"task": manifest.get("task"), **manifest.get("info", {})},
         _prompt(manifest.get("prompt")),

@@ -18,8 +18,8 @@ from streamfuse.apps.stats import RunStats
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.decode import StepEvent
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
 from streamfuse.runtime.request.loader import Loaded, load
-from streamfuse.runtime.request.session import BASELINE_METHOD, DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest
 
 BUILD_HINT = (
     "Build one with `make build` (fine-tunes SmolLM2-135M on DialogSum and exports it: 32-89 min on 2 cores, "
@@ -63,7 +63,7 @@ class Cancelled(Exception):
 Update = Callable[[list[Segment], RunStats], None]
 
 
-class Session:
+class DemoController:
     """Holds the loaded artifact; loading again with the same request reuses it."""
 
     def __init__(self):

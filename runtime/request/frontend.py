@@ -169,7 +169,7 @@ def run(
         trace=trace,
         run_id=run_id,
         on_step=on_step,
-        decode=loaded.tokenizer.decode,
+        detokenizer=loaded.tokenizer.decode,
     )
 
 

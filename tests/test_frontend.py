@@ -1,4 +1,4 @@
-"""runtime/request/session.py, the library the front ends share: requests, their settings and trees, prompts, runs."""
+"""runtime/request/frontend.py, the library the front ends share: requests, their settings and trees, prompts, runs."""
 
 import ast
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.request import session
-from streamfuse.runtime.request.session import DEFAULT_TREE, DecodeRequest, Input
+from streamfuse.runtime.request import frontend
+from streamfuse.runtime.request.frontend import DEFAULT_TREE, DecodeRequest, Input
 from streamfuse.runtime.speculation.sampling import SamplingConfig
 from streamfuse.runtime.speculation.tree import TreeSpec
 
@@ -62,7 +62,7 @@ def test_a_good_request_checks_and_states_its_parts():
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
-    return session.load_model(checkpoint / "ckpt")
+    return frontend.load_model(checkpoint / "ckpt")
 
 
 CHAIN2 = TreeSpec.parse("gamma=2,k=1")
@@ -83,7 +83,7 @@ SETTINGS = [  # request -> (method, tree, sampling, seed, prune, max_new_tokens,
 
 @pytest.mark.parametrize("request_, expected", SETTINGS, ids=[str(i) for i in range(len(SETTINGS))])
 def test_a_request_becomes_settings(loaded, request_, expected):
-    settings = session.decode_settings(loaded, request_)
+    settings = frontend.decode_settings(loaded, request_)
     rules = settings.rules
     got = (
         settings.method,
@@ -114,7 +114,7 @@ BAD_ON_A_MODEL = [  # request -> (part of) the one-line error, on the tiny check
 @pytest.mark.parametrize("request_, message", BAD_ON_A_MODEL, ids=[str(i) for i in range(len(BAD_ON_A_MODEL))])
 def test_a_request_the_model_cannot_serve_is_one_line(loaded, request_, message):
     with pytest.raises(ValueError) as error:
-        session.decode_settings(loaded, request_)
+        frontend.decode_settings(loaded, request_)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -127,18 +127,18 @@ TREES = [  # (tree text, method) -> paths of the tree chosen on the tiny checkpo
 
 @pytest.mark.parametrize("text, method, paths", TREES)
 def test_choose_tree(loaded, text, method, paths):
-    assert session.choose_tree(text, loaded, method).paths == paths
+    assert frontend.choose_tree(text, loaded, method).paths == paths
 
 
 def test_the_task_is_checked_against_the_model(loaded):
-    session.check_task(loaded, "dialogsum")
+    frontend.check_task(loaded, "dialogsum")
     with pytest.raises(
         ValueError,
         match="^task e2e_nlg: the checkpoint was fine-tuned for 'dialogsum'; use that task name or drop task$",
     ):
-        session.check_task(loaded, "e2e_nlg")
+        frontend.check_task(loaded, "e2e_nlg")
     with pytest.raises(ValueError, match="^--task e2e_nlg: .* or drop --task$"):
-        session.check_task(loaded, "e2e_nlg", "--task")
+        frontend.check_task(loaded, "e2e_nlg", "--task")
 
 
 # --- prompts and inputs -------------------------------------------------------------------------
@@ -163,49 +163,49 @@ def test_read_input_file(loaded, tmp_path, text, as_task, expected):
     path.write_text(text)
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-            list(session.read_input_file(path, loaded, as_task))
+            list(frontend.read_input_file(path, loaded, as_task))
     else:
-        assert list(session.read_input_file(path, loaded, as_task)) == expected
+        assert list(frontend.read_input_file(path, loaded, as_task)) == expected
 
 
 def test_read_input_file_stops_at_the_limit(loaded, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5)))
-    assert [i.text for i in session.read_input_file(path, loaded, False, limit=2)] == ["p0", "p1"]
+    assert [i.text for i in frontend.read_input_file(path, loaded, False, limit=2)] == ["p0", "p1"]
 
 
 def test_prompts_as_a_task_source_or_a_chat_message(loaded):
     source = " ".join(["the water"] * 60)  # 120 tokens: over the 64 the tiny model was fine-tuned on
-    assert session.source_overflow(loaded, source, as_task=True) == 56
-    assert session.source_overflow(loaded, source, as_task=False) == 0
-    cut, whole = (session.prompt_ids(loaded, source, True, cut_source=c) for c in (True, False))
+    assert frontend.source_overflow(loaded, source, as_task=True) == 56
+    assert frontend.source_overflow(loaded, source, as_task=False) == 0
+    cut, whole = (frontend.prompt_ids(loaded, source, True, cut_source=c) for c in (True, False))
     assert len(whole) - len(cut) == 56
-    assert session.prompt_ids(loaded, "hi", as_task=False) != session.prompt_ids(loaded, "hi", as_task=True)
+    assert frontend.prompt_ids(loaded, "hi", as_task=False) != frontend.prompt_ids(loaded, "hi", as_task=True)
     with pytest.raises(ValueError, match="the prompt is not valid Unicode text"):
-        session.prompt_ids(loaded, "\udc80", as_task=False)
+        frontend.prompt_ids(loaded, "\udc80", as_task=False)
 
 
 # --- runs ---------------------------------------------------------------------------------------
 
 
 def test_run_with_a_trace_and_a_step_callback(loaded):
-    settings = session.decode_settings(loaded, DecodeRequest(max_new_tokens=6))
-    trace = session.new_trace(loaded, settings, threads=1)
+    settings = frontend.decode_settings(loaded, DecodeRequest(max_new_tokens=6))
+    trace = frontend.new_trace(loaded, settings, threads=1)
     steps = []
-    ids = session.prompt_ids(loaded, "the water", as_task=True)
-    result = session.run(loaded, ids, settings, trace, "a", on_step=steps.append)
-    plain = session.run(loaded, ids, session.decode_settings(loaded, DecodeRequest("ar", max_new_tokens=6)))
+    ids = frontend.prompt_ids(loaded, "the water", as_task=True)
+    result = frontend.run(loaded, ids, settings, trace, "a", on_step=steps.append)
+    plain = frontend.run(loaded, ids, frontend.decode_settings(loaded, DecodeRequest("ar", max_new_tokens=6)))
     assert result.token_ids == plain.token_ids and 0 < len(result.token_ids) <= 6  # lossless
-    assert len(steps) == result.run.model_calls and isinstance(session.text_of(loaded, result), str)
+    assert len(steps) == result.run.model_calls and isinstance(frontend.text_of(loaded, result), str)
     header = trace.to_dict()["meta"]
     assert header["method"] == "ss" and header["tree"]["num_nodes"] == 5 and header["backend"] == "torch"
     assert [run.id for run in trace.runs] == ["a"]
-    plain_trace = session.new_trace(loaded, session.decode_settings(loaded, DecodeRequest("ar")), enabled=False)
+    plain_trace = frontend.new_trace(loaded, frontend.decode_settings(loaded, DecodeRequest("ar")), enabled=False)
     assert plain_trace.to_dict()["meta"]["tree"] is None and not plain_trace.enabled
 
 
 def test_load_model_takes_the_fastest_backend_and_the_task_it_serves(checkpoint):
-    loaded = session.load_model(checkpoint / "ckpt", task="not-served")  # a checkpoint serves its own task
+    loaded = frontend.load_model(checkpoint / "ckpt", task="not-served")  # a checkpoint serves its own task
     assert loaded.backend.name == "torch" and loaded.tasks == ("dialogsum",)
 
 
@@ -213,7 +213,7 @@ def test_load_model_takes_the_fastest_backend_and_the_task_it_serves(checkpoint)
 
 
 def test_the_library_parses_no_flags_and_prints_nothing():
-    tree = ast.parse(Path(session.__file__).read_text())
+    tree = ast.parse(Path(frontend.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "argparse" not in imported and "sys" not in imported

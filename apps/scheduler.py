@@ -46,7 +46,7 @@ class Scheduler:
         loaded: Loaded,
         max_sequences: int = 8,
         queue_size: int = 64,
-        hold: bool = True,
+        plain_rows: bool = True,
         metrics: Metrics | None = None,
         max_restarts: int = 3,
     ):
@@ -54,7 +54,7 @@ class Scheduler:
             raise ValueError(f"need max_sequences >= 1 and queue >= 1, got {max_sequences} and {queue_size}")
         self.loaded = loaded
         self.max_sequences = max_sequences
-        self.hold = hold
+        self.plain_rows = plain_rows
         self.metrics = metrics or Metrics()
         self.max_restarts = max_restarts
         self.waiting: queue.Queue[Slot | None] = queue.Queue(queue_size)
@@ -66,10 +66,10 @@ class Scheduler:
         self.down: str | None = None  # why no worker serves (None: one does)
         self.dropped = 0  # lanes freed before their end because their client went away
         self.restarts = self.faults = 0
-        self.held_before = self.steps_before = 0  # steps of the decoders replaced by restarts
+        self.plain_before = self.steps_before = 0  # steps of the decoders replaced by restarts
 
     def _new_decoder(self) -> BatchDecoder:
-        return BatchDecoder(self.loaded, self.max_sequences, self.hold, isolate=True)
+        return BatchDecoder(self.loaded, self.max_sequences, self.plain_rows, isolate=True)
 
     @property
     def active(self) -> int:
@@ -81,8 +81,8 @@ class Scheduler:
         return self.waiting.qsize()
 
     @property
-    def held_steps(self) -> int:
-        return self.held_before + self.decoder.held_steps
+    def plain_steps(self) -> int:
+        return self.plain_before + self.decoder.plain_steps
 
     @property
     def steps(self) -> int:
@@ -233,7 +233,7 @@ class Scheduler:
             self._fail_waiting(f"the server is unhealthy ({self.down})")
             return
         self.restarts += 1
-        self.held_before, self.steps_before = self.held_steps, self.steps
+        self.plain_before, self.steps_before = self.plain_steps, self.steps
         self.decoder = self._new_decoder()  # the old lanes' caches are in an unknown state
         self.start()
 
