@@ -5,8 +5,7 @@
 // operations lane by lane: the block's max |x| by max (exact, NaN skipped as `>` skips it: VMAXPS returns its
 // second operand, the running max, when the first is NaN), q = x · (1 / xd) one multiply, clamped, rounded to
 // nearest even (the default rounding mode, as nearbyint), NaN to 0; xa_j summed in order of k, a multiply then
-// an add (no fused multiply-add). At 64 rows these loops were half of a layer's time (scalar, one row at a
-// time: 1 µs a row to quantize 576 inputs, x · A at 14 G multiply-adds a second): vectorized and 4 rows at a time.
+// an add (no fused multiply-add). Scalar and one row at a time, they take about half of a many-row call.
 #pragma once
 
 #include <cmath>
@@ -21,15 +20,28 @@ namespace streamfuse::q4 {
 constexpr int64_t QUANT_BLOCK = 32;  // q4_linear.h's BLOCK: inputs per activation scale
 constexpr int64_t LORA_ROWS = 4;      // rows that share each column of A loaded
 
+// The block's d and 1 / d from its max |x|.
+inline void block_scale(float amax, float& d, float& inverse) {
+  d = amax / 127.f;
+  inverse = d != 0.f ? 1.f / d : 0.f;
+}
+
+// Block `at` (row-major [rows, blocks]) of xd, xs (and the integer sums, where asked) from its d and code sum.
+inline void store_block(int64_t at, float d, int32_t sum, float* xd, float* xs, int32_t* sums) {
+  xd[at] = d;
+  xs[at] = d * static_cast<float>(sum);
+  if (sums != nullptr) sums[at] = sum;
+}
+
 inline void quantize_portable(const float* x, int64_t rows, int64_t in_features, int8_t* xq, float* xd, float* xs,
                               int32_t* sums) {
   const int64_t blocks = in_features / QUANT_BLOCK;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * in_features + b * QUANT_BLOCK;
-      float amax = 0.f;
+      float amax = 0.f, d, inverse;
       for (int64_t i = 0; i < QUANT_BLOCK; ++i) amax = std::fabs(v[i]) > amax ? std::fabs(v[i]) : amax;
-      const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+      block_scale(amax, d, inverse);
       int32_t sum = 0;
       for (int64_t i = 0; i < QUANT_BLOCK; ++i) {
         float q = v[i] * inverse;
@@ -38,34 +50,31 @@ inline void quantize_portable(const float* x, int64_t rows, int64_t in_features,
         xq[r * in_features + b * QUANT_BLOCK + i] = static_cast<int8_t>(code);
         sum += code;
       }
-      xd[r * blocks + b] = d;
-      xs[r * blocks + b] = d * static_cast<float>(sum);
-      if (sums != nullptr) sums[r * blocks + b] = sum;
+      store_block(r * blocks + b, d, sum, xd, xs, sums);
     }
   }
 }
 
-// xa [rows, rank] = x · A, A [K, rank]: each sum in order of k, from 0.
-inline void lora_down_portable(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank,
-                               float* xa) {
+// Columns [first, last) of xa [rows, rank] = x · A, A [K, rank]: each sum in order of k, from 0.
+inline void lora_columns_portable(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank,
+                                  int64_t first, int64_t last, float* xa) {
   for (int64_t r = 0; r < rows; ++r) {
     float* acc = xa + r * rank;
-    for (int64_t j = 0; j < rank; ++j) acc[j] = 0.f;
+    for (int64_t j = first; j < last; ++j) acc[j] = 0.f;
     for (int64_t k = 0; k < in_features; ++k) {
       const float value = x[r * in_features + k];
       const float* column = a + k * rank;
-      for (int64_t j = 0; j < rank; ++j) acc[j] = acc[j] + value * column[j];
+      for (int64_t j = first; j < last; ++j) acc[j] = acc[j] + value * column[j];
     }
   }
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-// The block's d and 1 / d from its max |x| (the portable loop's scalar operations).
-inline void block_scale(float amax, float& d, float& inverse) {
-  d = amax / 127.f;
-  inverse = d != 0.f ? 1.f / d : 0.f;
+inline void lora_down_portable(const float* x, const float* a, int64_t rows, int64_t in_features, int64_t rank,
+                               float* xa) {
+  lora_columns_portable(x, a, rows, in_features, rank, 0, rank, xa);
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
 __attribute__((target("avx512f,avx512bw"))) inline void quantize_avx512(const float* x, int64_t rows,
                                                                         int64_t in_features, int8_t* xq, float* xd,
                                                                         float* xs, int32_t* sums) {
@@ -87,10 +96,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void quantize_avx512(const fl
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at + 16 * half), _mm512_cvtepi32_epi8(code));
         total = _mm512_add_epi32(total, code);
       }
-      const int32_t sum = _mm512_reduce_add_epi32(total);
-      xd[r * blocks + b] = d;
-      xs[r * blocks + b] = d * static_cast<float>(sum);
-      if (sums != nullptr) sums[r * blocks + b] = sum;
+      store_block(r * blocks + b, d, _mm512_reduce_add_epi32(total), xd, xs, sums);
     }
   }
 }
@@ -130,9 +136,7 @@ __attribute__((target("avx2"))) inline void quantize_avx2(const float* x, int64_
       _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
       int32_t sum = 0;
       for (int i = 0; i < 8; ++i) sum += parts[i];
-      xd[r * blocks + b] = d;
-      xs[r * blocks + b] = d * static_cast<float>(sum);
-      if (sums != nullptr) sums[r * blocks + b] = sum;
+      store_block(r * blocks + b, d, sum, xd, xs, sums);
     }
   }
 }
@@ -230,15 +234,7 @@ __attribute__((target("avx2"), always_inline)) inline void lora_rows_avx2(const 
       }
     }
   }
-  if (full == rank) return;
-  for (int r = 0; r < R; ++r) {
-    float* acc = xa + r * rank;
-    for (int64_t i = full; i < rank; ++i) acc[i] = 0.f;
-    for (int64_t k = 0; k < in_features; ++k) {
-      const float value = x[r * in_features + k];
-      for (int64_t i = full; i < rank; ++i) acc[i] = acc[i] + value * a[k * rank + i];
-    }
-  }
+  lora_columns_portable(x, a, R, in_features, rank, full, rank, xa);
 }
 
 __attribute__((target("avx2"))) inline void lora_down_avx2(const float* x, const float* a, int64_t rows,

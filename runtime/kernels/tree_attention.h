@@ -171,7 +171,7 @@ inline bool any_seen(const float* seen) {
 
 // The scores of the extra keys a query sees into scores[x], eight keys at a time where it sees one of them and
 // head_dim allows (dot8: the same sums as dot; a key it does not see gets a score nobody reads), and their max
-// into top. A prefill chunk's rows see half its keys on average: one at a time, they cost 2.5 cached keys each.
+// into top. A prefill chunk's rows see half its keys on average: one at a time, each cost far more than a cached one.
 inline void extra_scores(const TreeAttentionArgs& a, const float* query, const float* kx, const float* seen,
                          float* scores, float& top) {
   int64_t x = 0;
@@ -267,15 +267,16 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
   // The denominators total[q] and the numerators: acc[q * blocks + c] holds query q's out[c * LANES ..
   // c * LANES + LANES), each element summing p * v over the keys in order (a dim that is not a multiple of
   // LANES finishes in tail[q]). A block of values stays in L1 while every query adds it.
+  // Query q adds `count` keys' weights p and value rows v, in order.
+  auto add = [&](int64_t q, const float* p, const float* v, int64_t count) {
+    accumulate(total[q], s.acc.data() + q * blocks, p, v, count, blocks, dim);
+    for (int64_t k = 0; k < count; ++k) {
+      for (int64_t l = 0; l < rest; ++l) tail[q][l] += p[k] * v[k * dim + blocks * LANES + l];
+    }
+  };
   for (int64_t first = 0; first < a.start; first += KEY_BLOCK) {
     const int64_t count = std::min(KEY_BLOCK, a.start - first);
-    for (int64_t q = 0; q < n; ++q) {
-      accumulate(total[q], s.acc.data() + q * blocks, s.scores.data() + q * keys + first, vc + first * dim, count,
-                 blocks, dim);
-      for (int64_t k = first; k < first + count; ++k) {
-        for (int64_t l = 0; l < rest; ++l) tail[q][l] += s.scores[q * keys + k] * vc[k * dim + blocks * LANES + l];
-      }
-    }
+    for (int64_t q = 0; q < n; ++q) add(q, s.scores.data() + q * keys + first, vc + first * dim, count);
   }
   for (int64_t q = 0; q < n; ++q) {
     // The extra keys it sees, in order, a run of consecutive ones at a time (a causal chunk's row: one run).
@@ -286,10 +287,7 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
         continue;
       }
       for (end = x + 1; end < a.extra && seen[q][end] != 0.f;) ++end;
-      accumulate(total[q], s.acc.data() + q * blocks, p + x, vx + x * dim, end - x, blocks, dim);
-      for (int64_t k = x; k < end; ++k) {
-        for (int64_t l = 0; l < rest; ++l) tail[q][l] += p[k] * vx[k * dim + blocks * LANES + l];
-      }
+      add(q, p + x, vx + x * dim, end - x);
     }
     const int64_t t = (begin + q) / group, h = g * group + (begin + q) % group;
     float* out = a.out + (t * a.heads + h) * dim;
