@@ -56,6 +56,12 @@ SEAMS = {
         "1.4.1",
         "portable_lib._load_for_executorch (a .pte with ExecuTorch's own runners' custom ops: the optimum peer)",
     ),
+    "executorch-xnnpack-passes": Seam(
+        "executorch",
+        "1.4.1",
+        "backends.xnnpack._passes.XNNPACKPassManager.__init__ (its default pass list) and "
+        "partition.graphs' bilinear_2d / sdpa patterns, replaced while lowering",
+    ),
     "torch-node-source": Seam("torch", "2.13.0", "torch.fx.traceback.NodeSource.__init__, replaced while lowering"),
     "torch-mkldnn": Seam("torch", "2.13.0", "torch.ops.mkldnn._reorder_linear_weight and _linear_pointwise"),
     "transformers-attention": Seam("transformers", "5.23.0", "PretrainedConfig._attn_implementation"),
@@ -283,6 +289,48 @@ def shallow_provenance() -> Iterator[None]:
         yield
     finally:
         traceback.NodeSource.__init__ = original
+
+
+@contextmanager
+def xnnpack_passes_that_can_act() -> Iterator[None]:
+    """While lowering, XNNPACK's preprocess skips the passes that cannot change a partition: each of its 17
+    default passes retraces the whole partition (~5 % of lowering a method apiece), and six of them only rewrite
+    ops our graphs never hold (bilinear upsampling, SDPA's decomposed pattern, batch norm, conv1d, PReLU). A pass
+    is skipped only where the partition lacks an op it needs (for a pattern pass: some op of every pattern, which
+    the subgraph matcher requires), so the program's bytes do not change."""
+    check("executorch-xnnpack-passes")
+    from executorch.backends.xnnpack import _passes
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    aten = exir_ops.edge.aten
+    batch_norm = [{aten.native_batch_norm.default}, {aten._native_batch_norm_legit_no_training.default}]
+    needs = {  # pass -> op sets, one of which the partition must hold whole for the pass to act
+        _passes.ConvertToUpsampleBilinear2d: lambda: [_targets(g) for g in bilinear_2d.get_graphs()],
+        _passes.ConvertToSDPAPass: lambda: [_targets(g) for g in sdpa.get_graphs()],
+        _passes.FuseBatchNormPass: lambda: batch_norm,
+        _passes.DecomposeBatchNorm: lambda: batch_norm,
+        _passes.Conv1dUnsqueezePass: lambda: [{aten.convolution.default}],
+        _passes.PReLUReshapePass: lambda: [{aten._prelu_kernel.default}],
+    }
+    manager = _passes.XNNPACKPassManager
+    original = manager.__init__
+
+    def init(self, exported_program, passes=None):
+        original(self, exported_program, passes)
+        if not passes:  # the default list
+            held = _targets(exported_program.graph_module)
+            self.passes = [p for p in self.passes if p not in needs or any(ops <= held for ops in needs[p]())]
+
+    manager.__init__ = init
+    try:
+        yield
+    finally:
+        manager.__init__ = original
+
+
+def _targets(graph_module) -> set:
+    return {node.target for node in graph_module.graph.nodes if node.op == "call_function"}
 
 
 # --- torch: oneDNN's packed linear ----------------------------------------------------------------

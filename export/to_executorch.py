@@ -94,7 +94,7 @@ def export_pte(
 
         programs = {name: views_for_xnnpack(program) for name, program in programs.items()}
     config = seams.edge_config_without_ir_check()  # the build checks each program against eager itself
-    with seams.lowering_shares_weights(), seams.shallow_provenance():
+    with seams.lowering_shares_weights(), seams.shallow_provenance(), seams.xnnpack_passes_that_can_act():
         lowered = to_edge_transform_and_lower(
             programs, partitioner=[partitioner(delegate, dynamic_linears)], compile_config=config
         )

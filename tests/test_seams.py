@@ -24,6 +24,7 @@ PRIVATE = (
     "_get_inputs",
     "_portable_lib",
     "_load_for_executorch",
+    "XNNPACKPassManager",
 )
 
 

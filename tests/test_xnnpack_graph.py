@@ -91,7 +91,9 @@ def test_span_attention_outside_span_graphs_is_a_clear_error():
 
 @pytest.mark.skipif(importlib.util.find_spec("executorch") is None, reason="executorch not installed (extra: export)")
 def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_program(tmp_path):
-    """export_pte skips the edge IR check and shares provenance records (~20 % of lowering): same bytes."""
+    """export_pte skips the edge IR check and XNNPACK's passes that cannot act, and shares provenance records
+    (~1/3 of lowering): same bytes."""
+    from executorch.backends.xnnpack import _passes
     from executorch.exir import to_edge_transform_and_lower
     from torch.fx import traceback
 
@@ -101,9 +103,9 @@ def test_lowering_without_the_ir_check_and_deep_provenance_writes_the_same_progr
     model = xnnpack_model(tiny_model())
     modules = {name: graph.graph_modules(model, SHAPES)[name] for name in ("decode", "step_4")}
     inputs = graph.example_inputs(model, SHAPES)
-    original = traceback.NodeSource.__init__
+    originals = traceback.NodeSource.__init__, _passes.XNNPACKPassManager.__init__
     export_pte(modules, inputs, tmp_path / "fast.pte")
-    assert traceback.NodeSource.__init__ is original
+    assert (traceback.NodeSource.__init__, _passes.XNNPACKPassManager.__init__) == originals
     programs = {
         name: views_for_xnnpack(torch.export.export(module, inputs[name], strict=False))
         for name, module in modules.items()
