@@ -26,7 +26,7 @@ from streamfuse.runtime.request.checks import (
     decode_settings,
     step_tree,
 )
-from streamfuse.runtime.request.frontend import prompt_ids
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.settings import DecodeSettings
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it names none

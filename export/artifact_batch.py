@@ -68,17 +68,17 @@ def batch_case(spec: GraphSpec, sequences: int, rows: int, seed: int = 0) -> Bat
     return BatchCase(spec, rows, ids, cache_len, tuple(trees), commit, seed)
 
 
-def batched_call(session: GraphRunner, case: BatchCase) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+def batched_call(runner: GraphRunner, case: BatchCase) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
     """The batched call's outputs (copies) and each sequence's cache after it."""
     tree, depths = batch_inputs(case.trees, case.rows)
     caches = [case.cache(index) for index in range(case.sequences)]
     flat = [tensor for pair in caches for tensor in pair]
-    outputs = session.run(case.method, [case.ids, case.cache_len, tree, depths, *flat, case.commit])
+    outputs = runner.run(case.method, [case.ids, case.cache_len, tree, depths, *flat, case.commit])
     return [np.array(out, copy=True) for out in outputs], caches
 
 
 def single_calls(
-    session: GraphRunner, case: BatchCase
+    runner: GraphRunner, case: BatchCase
 ) -> Iterator[tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]]:
     """Each sequence's own call (step_T; decode for T = 1) from the same cache: its outputs and its cache after."""
     rows = case.rows
@@ -86,22 +86,22 @@ def single_calls(
         keys, values = case.cache(index)
         ids, length = case.ids[:, index * rows : (index + 1) * rows], case.cache_len[index : index + 1]
         if rows == 1:
-            outputs = session.run("decode", [ids, length, keys, values, case.commit[index]])
+            outputs = runner.run("decode", [ids, length, keys, values, case.commit[index]])
         else:
             visible, depths, _ = tree_inputs(tree, rows)
             inputs = [ids, length, visible, depths, keys, values, case.commit[index]]
-            outputs = session.run(bucket_method("step", rows), inputs)
+            outputs = runner.run(bucket_method("step", rows), inputs)
         yield [np.array(out, copy=True) for out in outputs], (keys, values)
 
 
-def batch_parity(session: GraphRunner, spec: GraphSpec, seed: int = 0) -> dict[str, dict]:
+def batch_parity(runner: GraphRunner, spec: GraphSpec, seed: int = 0) -> dict[str, dict]:
     """{batched method: {"outputs": rows equal, "caches": caches equal}} for every batched step of `spec`."""
     results = {}
     for sequences, rows in spec.batches:
         case = batch_case(spec, sequences, rows, seed)
-        outputs, caches = batched_call(session, case)
+        outputs, caches = batched_call(runner, case)
         same_rows = same_caches = True
-        for index, (own, (keys, values)) in enumerate(single_calls(session, case)):
+        for index, (own, (keys, values)) in enumerate(single_calls(runner, case)):
             span = slice(index * rows, (index + 1) * rows)
             same_rows &= all(np.array_equal(out[span], want) for out, want in zip(outputs, own))
             same_caches &= np.array_equal(caches[index][0], keys) and np.array_equal(caches[index][1], values)

@@ -60,12 +60,12 @@ class ParityGate:
     def _parity(self, backend: str, files: dict) -> dict:
         from safetensors.numpy import load_file
 
-        from streamfuse.runtime.backends.sessions import open_runner
+        from streamfuse.runtime.backends.runners import open_runner
 
-        session = open_runner(backend, {name: self.graph_file(entry) for name, entry in files.items()})
+        runner = open_runner(backend, {name: self.graph_file(entry) for name, entry in files.items()})
         if self.config.task_inputs:  # the task's tensors, written first where parity runs right after the export
             self._stage(tensors_stage(backend, self.key), lambda: self._task_file(backend))
-            session.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
+            runner.bind_task(load_file(self.task_folder / f"{backend}.safetensors"))
         model, _, _ = self.model_and_tokenizer()
         if backend in SPAN:  # the span graphs need the kernel's attention
             from streamfuse.export.span_attention import span_model
@@ -77,7 +77,7 @@ class ParityGate:
         # a low-bit format is lossless against its own plain decoding on every prompt; its tokens may differ from fp32
         own = {} if fmt == "none" else {"plain_prompts": len(self.prompts), "relative_tolerance": None}
         result = backend_parity(
-            session,
+            runner,
             reference,
             self.graph_spec(backend),
             self.trees,
@@ -86,7 +86,7 @@ class ParityGate:
             self.rules(),
             **own,
         )
-        result["batches"] = batch_parity(session, self.graph_spec(backend))  # each batched step == its single calls
+        result["batches"] = batch_parity(runner, self.graph_spec(backend))  # each batched step == its single calls
         if own:
             result["note"] = f"weights {fmt}: step outputs differ from the fp32 model by max_abs_diff (not a tolerance)"
         others = result["other_trees"]

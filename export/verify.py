@@ -68,9 +68,9 @@ class ReplayRunner:
     keeps the cache, the reference runs on a copy of it, and the two caches after the call are compared too (the
     rows the call wrote and moved: "keys", "values")."""
 
-    def __init__(self, session: GraphRunner, reference: GraphRunner, engine_cache: bool):
-        self.session, self.reference, self.engine_cache = session, reference, engine_cache
-        self.name = session.name
+    def __init__(self, runner: GraphRunner, reference: GraphRunner, engine_cache: bool):
+        self.runner, self.reference, self.engine_cache = runner, reference, engine_cache
+        self.name = runner.name
         self.max_diff: dict[str, float] = {}
         self.max_ref: dict[str, float] = {}
 
@@ -78,7 +78,7 @@ class ReplayRunner:
         copies = [a.copy() for a in inputs]  # the reference's own: a call may write its cache
         if not self.engine_cache:
             inputs = [a.copy() for a in inputs]  # the host mutates its cache after the call
-        outputs = [out.copy() for out in self.session.run(method, inputs)]  # an engine may reuse its buffers
+        outputs = [out.copy() for out in self.runner.run(method, inputs)]  # an engine may reuse its buffers
         compared = list(zip(output_names(method, self.engine_cache), outputs, self.reference.run(method, copies)))
         if self.engine_cache:
             names = input_names(method, True)
@@ -117,7 +117,7 @@ def parity_trees(spec: GraphSpec, trees: Sequence[TreeSpec]) -> list[TreeSpec]:
 
 
 def backend_parity(
-    session: GraphRunner,
+    runner: GraphRunner,
     reference: EagerRunner,
     spec: GraphSpec,
     trees: Sequence[TreeSpec],
@@ -128,13 +128,13 @@ def backend_parity(
     plain_prompts: int = 5,
     relative_tolerance: float | None = RELATIVE_TOLERANCE,
 ) -> dict:
-    """Greedy token parity of `session` with the default tree (trees[0]) on all prompts against `expected`
+    """Greedy token parity of `runner` with the default tree (trees[0]) on all prompts against `expected`
     (eager_tokens), its own plain decoding on the first `plain_prompts` (every parity_trees tree too),
     and step-output differences on the first
     `numeric_prompts` (each call replayed through the eager graphs). relative_tolerance None: the
     differences are recorded, not judged (a low-bit format against the fp32 model)."""
-    replay = ReplayRunner(session, reference, spec.engine_cache)
-    fast = StaticGraphBackend(session, spec)
+    replay = ReplayRunner(runner, reference, spec.engine_cache)
+    fast = StaticGraphBackend(runner, spec)
     checked = [StaticGraphBackend(replay, spec, use_greedy_step=False), StaticGraphBackend(replay, spec)]
     mismatches: list[dict] = []
 

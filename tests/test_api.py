@@ -127,7 +127,7 @@ def test_chat_renders_the_conversation_on_the_chat_template(model):
 
 
 def test_a_task_source_is_rendered_in_the_task_prompt_format(model):
-    from streamfuse.runtime.request.frontend import prompt_ids
+    from streamfuse.runtime.request.inputs import prompt_ids
 
     source = "#Person1#: the time #Person2#: it is"
     done = model.generate(source, max_new_tokens=10, as_task=True)

@@ -271,7 +271,7 @@ def test_an_onnx_models_external_data_stays_in_its_folder(tmp_path):
 @pytest.mark.parametrize("location", ["../secret.bin", "/etc/passwd", "link.bin"])
 def test_the_embedding_tables_location_stays_in_the_models_folder(tmp_path, location):
     pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
-    from streamfuse.runtime.backends.sessions import EMBEDDING_METADATA, mapped_tables
+    from streamfuse.runtime.backends.runners import EMBEDDING_METADATA, mapped_tables
 
     (tmp_path / "onnx").mkdir()
     (tmp_path / "secret.bin").write_bytes(b"\0" * 64)

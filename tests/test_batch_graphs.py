@@ -25,7 +25,7 @@ from streamfuse.runtime.artifact.contract import (
     parse_batches,
 )
 from streamfuse.runtime.artifact.format import Artifact, ArtifactError, parse_manifest
-from streamfuse.runtime.backends.sessions import open_runner
+from streamfuse.runtime.backends.runners import open_runner
 from streamfuse.runtime.speculation.tree import TreeSpec
 
 from tiny_export import CONFIG, EXPORTED, manifest

@@ -246,7 +246,8 @@ def test_interleaved_and_summarise_keep_the_profile_stage_shape(checkpoint):
 
     from streamfuse.runtime.measure.timing import interleaved, summarise
     from streamfuse.runtime.request.emitter import StopRules
-    from streamfuse.runtime.request.frontend import DEFAULT_TREE, Input
+    from streamfuse.runtime.request.frontend import DEFAULT_TREE
+    from streamfuse.runtime.request.inputs import Input
     from streamfuse.runtime.request.loader import load
     from streamfuse.runtime.request.trace import Trace
     from streamfuse.runtime.speculation.tree import TreeSpec

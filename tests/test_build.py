@@ -331,20 +331,20 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     assert err.startswith("build.py: error: profile: SS differs from plain decoding on") and "test_1" in err
 
     # A backend that is not lossless is refused at verify, naming the test dialogue; the installed artifact stays.
-    from streamfuse.runtime.backends import sessions
+    from streamfuse.runtime.backends import runners
 
     from tiny_export import Biased
 
     installed = (tmp_path / "artifact" / "manifest.json").read_bytes()
-    real = sessions.open_runner
-    monkeypatch.setattr(sessions, "open_runner", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
+    real = runners.open_runner
+    monkeypatch.setattr(runners, "open_runner", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
     assert errors.run(build.main, [*argv, "--set", "export.parity_prompts=2"], prog="build.py") == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(
         "build.py: error: parity failed on onnxruntime: SS vs its own plain decoding differs on test_"
     ), err
     assert (tmp_path / "artifact" / "manifest.json").read_bytes() == installed
-    monkeypatch.setattr(sessions, "open_runner", real)
+    monkeypatch.setattr(runners, "open_runner", real)
 
     # Other first-stage weights under the same settings (a retrain, a copied-in checkpoint): what
     # was computed from the old ones is stale. The second stage trains again, from them; its new

@@ -15,7 +15,7 @@ from streamfuse.export.graph import GraphShapes, graph_modules, graph_spec
 from streamfuse.export.span_attention import span_model
 from streamfuse.export.verify import EagerRunner
 from streamfuse.runtime.backends.base import EngineError
-from streamfuse.runtime.backends.sessions import MissingBackend, OnnxRuntimeSession
+from streamfuse.runtime.backends.runners import MissingBackend, OnnxRuntimeRunner
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
@@ -181,4 +181,4 @@ def test_onnxruntime_stays_on_the_providers_that_run_our_ops(provider, tmp_path)
         match=rf"^onnxruntime provider {provider} cannot run this model: streamfuse's "
         r"ops in it have kernels for CPUExecutionProvider only",
     ):
-        OnnxRuntimeSession(tmp_path / "model.onnx", provider=provider)
+        OnnxRuntimeRunner(tmp_path / "model.onnx", provider=provider)

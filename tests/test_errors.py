@@ -8,7 +8,7 @@ import pytest
 
 from streamfuse.runtime.artifact.format import ArtifactError
 from streamfuse.runtime.backends.base import CapacityError
-from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.backends.runners import MissingBackend
 from streamfuse.runtime.commands import errors
 
 # raised by main -> exit status (None: not the user's to fix, so the traceback stays)

@@ -12,7 +12,7 @@ from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.runtime.artifact.contract import method_names, parse_batches
 from streamfuse.runtime.artifact.format import SCHEMA, Artifact, ArtifactError, file_digest
 from streamfuse.runtime.backends.base import CapacityError
-from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.backends.runners import MissingBackend
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
 from streamfuse.runtime.request.loader import load
@@ -112,7 +112,7 @@ def test_executorch_methods_read_the_hosts_buffers_and_share_one_packed_copy(art
     and the session loads the methods with XNNPACK's weight cache on."""
     from executorch.runtime import Runtime
 
-    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
+    from streamfuse.runtime.backends.runners import ExecuTorchRunner
 
     pte = artifact / manifest(artifact)["files"]["executorch"]["program"]["path"]
     program = Runtime.get().load_program(pte)

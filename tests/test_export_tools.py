@@ -385,7 +385,8 @@ def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, t
     if temperature == "0":
         assert ss["token_ids"] == plain["token_ids"] and len(ss["token_ids"]) == 6
     loaded = load(artifact, "onnxruntime")
-    from streamfuse.runtime.request.frontend import prompt_ids, run
+    from streamfuse.runtime.request.frontend import run
+    from streamfuse.runtime.request.inputs import prompt_ids
 
     ids = prompt_ids(loaded, "hello world", as_task=False)
     here = run(

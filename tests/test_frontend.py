@@ -1,4 +1,5 @@
-"""runtime/request/frontend.py, the library the front ends share: requests, their settings and trees, prompts, runs."""
+"""runtime/request/frontend.py and inputs.py, the library the front ends share: requests, their settings and trees,
+prompts and input files, runs."""
 
 import ast
 import json
@@ -7,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.backends.base import PruneConfig
-from streamfuse.runtime.request import frontend
-from streamfuse.runtime.request.frontend import DEFAULT_TREE, DecodeRequest, Input
+from streamfuse.runtime.request import frontend, inputs
+from streamfuse.runtime.request.frontend import DEFAULT_TREE, DecodeRequest
+from streamfuse.runtime.request.inputs import Input
 from streamfuse.runtime.speculation.sampling import SamplingConfig
 from streamfuse.runtime.speculation.tree import TreeSpec
 
@@ -163,26 +165,26 @@ def test_read_input_file(loaded, tmp_path, text, as_task, expected):
     path.write_text(text)
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-            list(frontend.read_input_file(path, loaded, as_task))
+            list(inputs.read_input_file(path, loaded, as_task))
     else:
-        assert list(frontend.read_input_file(path, loaded, as_task)) == expected
+        assert list(inputs.read_input_file(path, loaded, as_task)) == expected
 
 
 def test_read_input_file_stops_at_the_limit(loaded, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5)))
-    assert [i.text for i in frontend.read_input_file(path, loaded, False, limit=2)] == ["p0", "p1"]
+    assert [i.text for i in inputs.read_input_file(path, loaded, False, limit=2)] == ["p0", "p1"]
 
 
 def test_prompts_as_a_task_source_or_a_chat_message(loaded):
     source = " ".join(["the water"] * 60)  # 120 tokens: over the 64 the tiny model was fine-tuned on
-    assert frontend.source_overflow(loaded, source, as_task=True) == 56
-    assert frontend.source_overflow(loaded, source, as_task=False) == 0
-    cut, whole = (frontend.prompt_ids(loaded, source, True, cut_source=c) for c in (True, False))
+    assert inputs.source_overflow(loaded, source, as_task=True) == 56
+    assert inputs.source_overflow(loaded, source, as_task=False) == 0
+    cut, whole = (inputs.prompt_ids(loaded, source, True, cut_source=c) for c in (True, False))
     assert len(whole) - len(cut) == 56
-    assert frontend.prompt_ids(loaded, "hi", as_task=False) != frontend.prompt_ids(loaded, "hi", as_task=True)
+    assert inputs.prompt_ids(loaded, "hi", as_task=False) != inputs.prompt_ids(loaded, "hi", as_task=True)
     with pytest.raises(ValueError, match="the prompt is not valid Unicode text"):
-        frontend.prompt_ids(loaded, "\udc80", as_task=False)
+        inputs.prompt_ids(loaded, "\udc80", as_task=False)
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -192,7 +194,7 @@ def test_run_with_a_trace_and_a_step_callback(loaded):
     settings = frontend.decode_settings(loaded, DecodeRequest(max_new_tokens=6))
     trace = frontend.new_trace(loaded, settings, threads=1)
     steps = []
-    ids = frontend.prompt_ids(loaded, "the water", as_task=True)
+    ids = inputs.prompt_ids(loaded, "the water", as_task=True)
     result = frontend.run(loaded, ids, settings, trace, "a", on_step=steps.append)
     plain = frontend.run(loaded, ids, frontend.decode_settings(loaded, DecodeRequest("ar", max_new_tokens=6)))
     assert result.token_ids == plain.token_ids and 0 < len(result.token_ids) <= 6  # lossless

@@ -18,8 +18,8 @@ from streamfuse.runtime.artifact.prompt import PromptFormat, TextError, check_te
 from streamfuse.runtime.backends.threads import MOST_THREADS, check_threads, max_threads
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.commands.generate import main as generate_main
-from streamfuse.runtime.request.frontend import prompt_ids
-from streamfuse.runtime.request.frontend import read_input_file as read_requests
+from streamfuse.runtime.request.inputs import prompt_ids
+from streamfuse.runtime.request.inputs import read_input_file as read_requests
 from streamfuse.runtime.speculation.tree import MAX_NODES, TreeSpec, TreeSpecError
 
 FUZZ = Path(__file__).parent / "fuzz" / "tree"

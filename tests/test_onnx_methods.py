@@ -146,8 +146,8 @@ def test_one_session_holds_the_weights_once_for_all_methods(models):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads mappings from /proc")
 def test_the_weights_pages_onnx_runtime_keeps_mapped_go_back_to_the_kernel(models):
     """MatMulNBits packs its scales but keeps the mapped originals, resident since packing read them; the host
-    releases those clean pages (OnnxRuntimeSession does after loading) and the session computes the same bits."""
-    from streamfuse.runtime.backends.sessions import mappings, release_file_pages
+    releases those clean pages (OnnxRuntimeRunner does after loading) and the session computes the same bits."""
+    from streamfuse.runtime.backends.runners import mappings, release_file_pages
 
     def resident_in(folder) -> int:
         return sum(mapping.resident_kb for mapping in mappings(folder)) * 1024

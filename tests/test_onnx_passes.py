@@ -17,7 +17,7 @@ from streamfuse.export.onnx_passes import (
 )
 from streamfuse.export.to_onnx import share_weights
 from streamfuse.runtime.artifact.contract import EMBEDDING_METADATA, METHOD_INPUT
-from streamfuse.runtime.backends.sessions import mapped_tables
+from streamfuse.runtime.backends.runners import mapped_tables
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import DEFAULT_TREE, prompt_ids, run
-from streamfuse.runtime.request.frontend import read_input_file as read_requests
+from streamfuse.runtime.request.frontend import DEFAULT_TREE, run
+from streamfuse.runtime.request.inputs import prompt_ids
+from streamfuse.runtime.request.inputs import read_input_file as read_requests
 from streamfuse.runtime.request.loader import load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.tree import TreeSpec

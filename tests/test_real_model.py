@@ -97,7 +97,8 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     torch greedy too, on the full gamma=3,k=2 tree with a lookup branch (the exported backends' greedy
     tokens are the build's parity gate, just passed)."""
     from streamfuse.runtime.request.emitter import StopRules
-    from streamfuse.runtime.request.frontend import prompt_ids, run
+    from streamfuse.runtime.request.frontend import run
+    from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.runtime.request.loader import load
     from streamfuse.runtime.speculation.sampling import SamplingConfig
     from streamfuse.runtime.speculation.tree import TreeSpec

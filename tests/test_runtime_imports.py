@@ -197,7 +197,7 @@ def test_the_torch_backend_is_an_entry_point():
 
 
 def test_a_backend_not_registered_is_one_line():
-    from streamfuse.runtime.backends.sessions import MissingBackend
+    from streamfuse.runtime.backends.runners import MissingBackend
     from streamfuse.runtime.request.loader import open_backend
 
     with pytest.raises(
@@ -213,7 +213,7 @@ def test_the_torch_backend_without_torch_is_one_line():
     script = (
         BLOCKED_IMPORT.format(blocked=TORCH, modules=[])
         + """
-from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.backends.runners import MissingBackend
 from streamfuse.runtime.request.loader import open_backend
 try:
     open_backend("torch")

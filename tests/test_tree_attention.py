@@ -300,7 +300,7 @@ def test_executorch_runs_the_same_kernel_bit_for_bit_on_random_trees_and_threads
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    from streamfuse.runtime.backends.sessions import set_executorch_threads
+    from streamfuse.runtime.backends.runners import set_executorch_threads
 
     rows, g = 16, torch.Generator().manual_seed(7)
     example = two_layers(0, rows, 13, torch.eye(rows))

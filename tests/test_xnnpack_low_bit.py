@@ -79,7 +79,7 @@ def test_xnnpack_takes_every_linear_and_its_rows_do_not_depend_on_the_call_size(
     from executorch.runtime import Runtime
 
     from streamfuse.export.to_executorch import partitioner
-    from streamfuse.runtime.backends.sessions import set_executorch_threads
+    from streamfuse.runtime.backends.runners import set_executorch_threads
 
     module, sizes = Layers().eval(), (1, 2, 3, 4, 5, 8, 16)
     programs = {

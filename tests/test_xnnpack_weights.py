@@ -48,7 +48,7 @@ def program(tmp_path_factory):
 LOAD = """
 import sys, torch
 from executorch.runtime import Runtime
-from streamfuse.runtime.backends.sessions import set_executorch_threads
+from streamfuse.runtime.backends.runners import set_executorch_threads
 from streamfuse.seams import share_xnnpack_weights
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -88,7 +88,7 @@ def test_the_methods_share_one_packed_copy_and_give_the_same_bits(program, tmp_p
 
 
 def test_the_setting_reads_back_and_the_session_turns_it_on(program):
-    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
+    from streamfuse.runtime.backends.runners import ExecuTorchRunner
     from streamfuse.seams import share_xnnpack_weights
 
     assert share_xnnpack_weights(False) is True  # True: the runtime confirmed the value written

@@ -28,7 +28,8 @@ import numpy as np
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.request.batch import BatchDecoder
 from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP, PlainRowsPolicy
-from streamfuse.runtime.request.frontend import DEFAULT_METHOD, DecodeRequest, decode_settings, prompt_ids, run
+from streamfuse.runtime.request.frontend import DEFAULT_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file

@@ -63,7 +63,7 @@ def _references(row: dict) -> tuple[str, ...]:
 
 
 def _jsonl_rows(path: Path):
-    """(id, row) per JSON line; ids as runtime.request.frontend.read_input_file gives them."""
+    """(id, row) per JSON line; ids as runtime.request.inputs.read_input_file gives them."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():

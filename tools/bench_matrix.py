@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from streamfuse.runtime.backends.base import process_peak_rss_bytes
 from streamfuse.runtime.measure.timing import timed_run
 from streamfuse.runtime.methods import registry
-from streamfuse.runtime.request.frontend import prompt_ids
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import Trace

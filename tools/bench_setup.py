@@ -14,14 +14,8 @@ from streamfuse.export.eager import TorchBackend
 from streamfuse.runtime.artifact.format import MANIFEST
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import (
-    BASELINE_METHOD,
-    DEFAULT_METHOD,
-    DecodeRequest,
-    decode_settings,
-    prompt_ids,
-    run,
-)
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, artifact_tasks, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import Trace

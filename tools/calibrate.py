@@ -25,7 +25,7 @@ from streamfuse.runtime.commands import errors
 from streamfuse.runtime.commands.options import add_model_options, check_model_options
 from streamfuse.runtime.measure.timing import calibrate_backend, report
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import prompt_ids
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.speculation.calibration import MAX_TREE_NODES
 from streamfuse.tools.bench_data import read_inputs, task_file

@@ -25,7 +25,7 @@ import torch
 
 from streamfuse.runtime.artifact.contract import COMMIT_INPUT, base_method, bucket_method
 from streamfuse.runtime.artifact.format import Artifact
-from streamfuse.runtime.backends.sessions import open_runner
+from streamfuse.runtime.backends.runners import open_runner
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors

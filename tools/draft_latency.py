@@ -32,7 +32,7 @@ from streamfuse.adapters.model import SpeculativeStreamingLM
 from streamfuse.export import graph
 from streamfuse.export.eager import TorchBackend
 from streamfuse.methods.sd.model import NOMINAL_STREAMS
-from streamfuse.runtime.backends.sessions import open_runner
+from streamfuse.runtime.backends.runners import open_runner
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.tools.step_timing import step_seconds

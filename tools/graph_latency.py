@@ -25,7 +25,7 @@ from streamfuse.export.eager import StreamConfig, TorchBackend
 from streamfuse.export.graph import GraphShapes, example_inputs
 from streamfuse.export.passes import GreedyStepPass, MainPass, StepPass, StreamsPass
 from streamfuse.runtime.artifact.contract import INPUT_NAMES, OUTPUT_NAMES, STREAM_SCHEDULES, tree_inputs
-from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
+from streamfuse.runtime.backends.runners import OnnxRuntimeRunner
 from streamfuse.runtime.backends.static_graph import interleaved_call_times
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.speculation.tree import TreeSpec
@@ -99,15 +99,15 @@ def main(argv=None) -> int:
 
     variants = graph_variants(model, args)
     with tempfile.TemporaryDirectory(prefix="graph-latency-") as scratch:
-        sessions, feeds = {}, {}
+        runners, feeds = {}, {}
         for index, (label, (module, inputs)) in enumerate(tqdm(variants.items(), desc="export", unit="graph")):
             method = label.split(",")[0].split(" ")[0]
             folder = Path(scratch) / str(index)
             folder.mkdir()
             onnx_file, _ = export_onnx({method: module}, {method: inputs}, INPUT_NAMES, OUTPUT_NAMES, folder)
-            sessions[label] = (OnnxRuntimeSession(folder / onnx_file, threads=args.threads), method)
+            runners[label] = (OnnxRuntimeRunner(folder / onnx_file, threads=args.threads), method)
             feeds[label] = feed(method, inputs, args.context, model.parts.vocab_size)
-        calls = {label: (session, method, feeds[label]) for label, (session, method) in sessions.items()}
+        calls = {label: (runner, method, feeds[label]) for label, (runner, method) in runners.items()}
         samples = interleaved_call_times(calls, args.reps, 3, lambda rounds: tqdm(rounds, desc="time", unit="round"))
     meta = {
         "engine": "onnxruntime:CPUExecutionProvider",

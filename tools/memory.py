@@ -37,14 +37,8 @@ def measure_backend(
     import importlib
 
     from streamfuse.runtime.artifact.format import Artifact
-    from streamfuse.runtime.request.frontend import (
-        BASELINE_METHOD,
-        DEFAULT_METHOD,
-        DecodeRequest,
-        decode_settings,
-        prompt_ids,
-        run,
-    )
+    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+    from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.runtime.request.loader import load
     from streamfuse.tools.bench_data import read_inputs
 
@@ -169,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: tools.memory reads /proc (Linux); this is {sys.platform}", file=sys.stderr)
         return 2
     if args.child:
-        from streamfuse.runtime.backends.sessions import MissingBackend
+        from streamfuse.runtime.backends.runners import MissingBackend
 
         try:
             row = measure_backend(args.artifact, args.child, args.data, args.limit, args.threads, args.max_new_tokens)

@@ -39,7 +39,7 @@ import numpy as np
 
 from streamfuse.runtime.artifact.contract import bucket_method
 from streamfuse.runtime.artifact.format import Artifact
-from streamfuse.runtime.backends.sessions import open_runner
+from streamfuse.runtime.backends.runners import open_runner
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors
 from streamfuse.tools.graph_inputs import method_inputs
@@ -228,9 +228,9 @@ def ort_runs(model: Path, calls: list[tuple[str, list[np.ndarray]]], threads: in
     its model_run events, each call's in graph order (node_index: ONNX Runtime runs an op once its inputs are
     ready, the stream masks' ops first; nodes its fusions made come last). The If that runs the method holds its
     branch: the branch's nodes count, not it."""
-    from streamfuse.runtime.backends.sessions import OnnxRuntimeSession
+    from streamfuse.runtime.backends.runners import OnnxRuntimeRunner
 
-    session = OnnxRuntimeSession(model, threads=threads, profile=folder / "ort")
+    session = OnnxRuntimeRunner(model, threads=threads, profile=folder / "ort")
     seconds = timed_calls(session, calls, beside)
     trace = json.loads(Path(session.session.end_profiling()).read_text())
     runs = sorted(
@@ -269,7 +269,7 @@ def et_runs(pte: Path, calls: list[tuple[str, list[np.ndarray]]], threads: int, 
     """Each call's op events from ExecuTorch's ETDump, in call order (one run block per method execution); where the
     runtime records no ETDump (the pip wheel is built without its event tracer), each call's CPU samples by kernel
     symbol (perf_runs)."""
-    from streamfuse.runtime.backends.sessions import ExecuTorchRunner
+    from streamfuse.runtime.backends.runners import ExecuTorchRunner
 
     session = ExecuTorchRunner(pte, threads, etdump=True)
     first = timed_calls(session, calls[:1], beside)
@@ -330,7 +330,7 @@ def graphs_of(manifest: dict, bucket: int | None) -> list[str]:
 
 def profile(artifact: Artifact, backend: str, graphs: list[str], span: int, rounds: int, threads: int) -> dict:
     """{graph: {bucket: ms, .., profiled, wall, unexplained}} at `span` slots: the profiled calls (the first round
-    untimed) and as many unprofiled ones, each round running every graph in both sessions back to back."""
+    untimed) and as many unprofiled ones, each round running every graph in both runners back to back."""
     manifest = artifact.manifest
     gamma, vocab = manifest["streams"]["num_streams"], manifest["model"]["vocab_size"]
     inputs = {g: method_inputs(manifest["graphs"]["methods"][g], span, artifact.trees, gamma, vocab) for g in graphs}

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from streamfuse.methods import sd
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, prompt_ids
+from streamfuse.runtime.request.frontend import BASELINE_METHOD
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.tree import TreeSpec

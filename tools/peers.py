@@ -1,7 +1,7 @@
 """streamfuse peers: peer baselines on the same model, inputs and stop rules as streamfuse.
 
 Every peer decodes greedily, batch 1, on the CPU with the same fixed thread count, from the token
-ids streamfuse itself builds (runtime.request.frontend.prompt_ids), stopping at the same EOS ids and
+ids streamfuse itself builds (runtime.request.inputs.prompt_ids), stopping at the same EOS ids and
 max_new_tokens. Peers on "the same model" run our fine-tuned checkpoint with LoRA merged:
 
   hf                    transformers generate (torch, fp32) on the merged model
@@ -58,9 +58,8 @@ from streamfuse.runtime.request.frontend import (
     DEFAULT_TREE,
     DecodeRequest,
     decode_settings,
-    prompt_ids,
-    read_input_file,
 )
+from streamfuse.runtime.request.inputs import prompt_ids, read_input_file
 from streamfuse.runtime.request.loader import load
 from streamfuse.tools import peers_gguf
 from streamfuse.tools.peer_registry import PEERS, available, build_peers

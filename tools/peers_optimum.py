@@ -167,7 +167,7 @@ class OptimumExecuTorchRunner:
         from executorch.kernels import quantized  # noqa: F401  (the 8-bit embedding's kernel)
 
         from streamfuse import seams
-        from streamfuse.runtime.backends.sessions import set_executorch_threads
+        from streamfuse.runtime.backends.runners import set_executorch_threads
 
         set_executorch_threads(threads)
         info = {

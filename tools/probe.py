@@ -28,7 +28,8 @@ Tamper = Callable[[Path], None]
 # after "error:" (an engine's own logging may write to stderr in a library's process; the CLI filters it).
 API = """
 import sys
-from streamfuse.runtime.request.frontend import DecodeRequest, decode_settings, load_model, prompt_ids, run
+from streamfuse.runtime.request.frontend import DecodeRequest, decode_settings, load_model, run
+from streamfuse.runtime.request.inputs import prompt_ids
 try:
     loaded = load_model({artifact!r}, backend={backend!r}, threads=2)
     ids = prompt_ids(loaded, {prompt!r}, as_task=False)

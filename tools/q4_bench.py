@@ -221,7 +221,7 @@ def onnx_session(model: bytes, threads: int):
     """An ONNX Runtime session as the artifact's engine makes one (its thread settings, our op library)."""
     import onnxruntime as ort
 
-    from streamfuse.runtime.backends.sessions import ort_options
+    from streamfuse.runtime.backends.runners import ort_options
     from streamfuse.runtime.ops.kernel_library import onnxruntime_library_path
 
     options = ort_options(ort, threads)

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.commands.options import add_model_options, check_model_options
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DecodeRequest, decode_settings, prompt_ids, run
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools.bench_data import read_inputs, task_file

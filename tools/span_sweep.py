@@ -30,7 +30,7 @@ from streamfuse.export.to_executorch import export_pte
 from streamfuse.export.to_onnx import export_onnx
 from streamfuse.export.xnnpack_graph import engine_model
 from streamfuse.runtime.artifact.contract import bucket_method, tree_inputs
-from streamfuse.runtime.backends.sessions import ExecuTorchRunner, OnnxRuntimeSession
+from streamfuse.runtime.backends.runners import ExecuTorchRunner, OnnxRuntimeRunner
 from streamfuse.runtime.backends.static_graph import GraphRunner, interleaved_call_times
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.speculation.tree import TreeSpec
@@ -82,7 +82,7 @@ def program(engine: str, model, capacity: int, rows: list[int], folder: Path, th
     target = folder / f"onnx-{capacity}"
     target.mkdir()
     export_onnx(modules, inputs, *names_of(modules, shapes), target)
-    return OnnxRuntimeSession(target / "model.onnx", threads=threads)
+    return OnnxRuntimeRunner(target / "model.onnx", threads=threads)
 
 
 def call_inputs(rows: int, span: int, capacity: int, model, buckets: list[int]) -> tuple[str, list[np.ndarray]]:
@@ -116,12 +116,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="span-sweep-") as scratch:
         for engine, capacity in tqdm([(e, c) for e in engines for c in capacities], desc="lower", unit="program"):
             model = engine_model(base, engine)
-            session = program(engine, model, capacity, rows, Path(scratch), args.threads)
+            runner = program(engine, model, capacity, rows, Path(scratch), args.threads)
             for count in rows:
                 for span in spans:
                     if span + count <= capacity:
                         calls[engine, capacity, count, span] = (
-                            session,
+                            runner,
                             *call_inputs(count, span, capacity, model, step_buckets(rows)),
                         )
         samples = interleaved_call_times(calls, args.reps, 2, lambda rounds: tqdm(rounds, desc="time", unit="round"))

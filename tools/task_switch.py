@@ -27,14 +27,8 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     """Switch the loaded engine to `task`, then decode its test inputs plainly and with SS."""
     from dataclasses import replace
 
-    from streamfuse.runtime.request.frontend import (
-        BASELINE_METHOD,
-        DEFAULT_METHOD,
-        DecodeRequest,
-        decode_settings,
-        prompt_ids,
-        run,
-    )
+    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+    from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.tools.bench_data import read_inputs, task_file
     from streamfuse.tools.process_memory import status, timed_switch
 

@@ -12,7 +12,8 @@ import torch
 
 from streamfuse.runtime.measure.timing import interleaved, summarise
 from streamfuse.runtime.measure.trace_profile import profile_files, write_report
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, Input, decode_settings
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings
+from streamfuse.runtime.request.inputs import Input
 from streamfuse.runtime.request.loader import load
 from streamfuse.runtime.request.trace import Trace
 

@@ -22,7 +22,7 @@ class GraphFalconPass(GraphDrafterPass):
 
     def __init__(
         self,
-        session,
+        runner,
         embedding: np.ndarray,
         vocab_ids: np.ndarray,
         block: int,
@@ -33,7 +33,7 @@ class GraphFalconPass(GraphDrafterPass):
     ):
         if rows < block:
             raise ValueError(f"a Falcon pass of {rows} rows cannot hold a block of {block}")
-        super().__init__(session, embedding, vocab_ids, rows, slots, cache_shape, vocab_size)
+        super().__init__(runner, embedding, vocab_ids, rows, slots, cache_shape, vocab_size)
         self.block = block
 
     def run(self, states: np.ndarray, tokens: Sequence[int], position: int, slot: int) -> tuple[np.ndarray, np.ndarray]:

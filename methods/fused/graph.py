@@ -142,9 +142,9 @@ def check_graphs(
     embedding = np.load(folder / entry["embedding"], mmap_mode="r")
     vocab_ids = np.load(folder / entry["vocab_file"])
 
-    def opened(session) -> object:
+    def opened(runner) -> object:
         return graph_pass(
-            session,
+            runner,
             embedding,
             vocab_ids,
             *(entry[name] for name in graph_pass.ENTRY),
@@ -154,9 +154,9 @@ def check_graphs(
 
     parity = {}
     for engine in entry["graphs"]:
-        session = open_files(folder, entry, engine, 1)[0]
+        runner = open_files(folder, entry, engine, 1)[0]
         reference = opened(EagerRunner(quantized(module, quantize if engine == "executorch" else "none")))
-        error = difference(opened(session), reference)
+        error = difference(opened(runner), reference)
         if not error <= PARITY_TOLERANCE:
             raise ValueError(
                 f"{method}'s {engine} drafter graph is off its eager twin by {error:.3g} of the largest "

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.artifact.onnx_external import check_external_data
-from streamfuse.runtime.backends.sessions import ExecuTorchRunner, _require, ort_options
+from streamfuse.runtime.backends.runners import ExecuTorchRunner, _require, ort_options
 
 INPUT_NAMES = ["states", "embeds", "positions", "read", "mask", "keys", "values"]
 
 
-class OnnxDraftSession:
+class OnnxDraftRunner:
     """The one-method drafter model through ONNX Runtime, with the target's session options."""
 
     def __init__(self, model: Path, threads: int | None = None):
@@ -31,22 +31,22 @@ class OnnxDraftSession:
 
 
 def open_files(folder: Path, entry: dict, engine: str, threads: int | None) -> tuple[object, np.ndarray, np.ndarray]:
-    """A drafter folder's files as its manifest entry names them -> (the engine's session, the fp16 embedding table
+    """A drafter folder's files as its manifest entry names them -> (the engine's graph runner, the fp16 embedding table
     mapped from disk: the pages a pass reads, not V x H; the kept token ids)."""
     file = Path(folder) / entry["graphs"][engine]
-    session = ExecuTorchRunner(file, threads) if engine == "executorch" else OnnxDraftSession(file, threads)
+    runner = ExecuTorchRunner(file, threads) if engine == "executorch" else OnnxDraftRunner(file, threads)
     embedding = np.load(Path(folder) / entry["embedding"], mmap_mode="r")
-    return session, embedding, np.load(Path(folder) / entry["vocab_file"])
+    return runner, embedding, np.load(Path(folder) / entry["vocab_file"])
 
 
 class GraphDrafterPass:
-    """The host side a method's graph pass shares: the session, the tables, the cache and the call's inputs."""
+    """The host side a method's graph pass shares: the graph runner, the tables, the cache and the call's inputs."""
 
     ENTRY: tuple[str, ...]  # the manifest entry's fields its constructor takes after the tables, the cache's shape last
 
     def __init__(
         self,
-        session,
+        runner,
         embedding: np.ndarray,
         vocab_ids: np.ndarray,
         rows: int,
@@ -54,7 +54,7 @@ class GraphDrafterPass:
         cache_shape: tuple[int, int],
         vocab_size: int,
     ):
-        self.session, self.embedding, self.vocab_ids = session, embedding, vocab_ids
+        self.runner, self.embedding, self.vocab_ids = runner, embedding, vocab_ids
         self.rows, self.slots, self.vocab_size = rows, slots, vocab_size
         self.kv_heads, self.head_dim = cache_shape
         self.keys = self.values = None
@@ -62,9 +62,9 @@ class GraphDrafterPass:
     @classmethod
     def open(cls, folder: Path, entry: dict, engine: str, vocab_size: int, threads: int | None = None):
         """The pass of `engine` in the drafter folder, as its manifest entry records it."""
-        session, embedding, vocab_ids = open_files(folder, entry, engine, threads)
+        runner, embedding, vocab_ids = open_files(folder, entry, engine, threads)
         return cls(
-            session, embedding, vocab_ids, *(entry[name] for name in cls.ENTRY), tuple(entry["cache"]), vocab_size
+            runner, embedding, vocab_ids, *(entry[name] for name in cls.ENTRY), tuple(entry["cache"]), vocab_size
         )
 
     def reset(self) -> None:
@@ -83,7 +83,7 @@ class GraphDrafterPass:
         """Run the graph on (states, embeds, positions, read) + the mask of `visible`; the real rows' K/V go to
         cache slots slot..; -> the outputs before the K/V."""
         mask = np.where(visible, np.float32(0), np.float32(np.finfo(np.float32).min))
-        *outputs, new_keys, new_values = self.session.run("draft", [*inputs, mask, self.keys, self.values])
+        *outputs, new_keys, new_values = self.runner.run("draft", [*inputs, mask, self.keys, self.values])
         self.keys[:, :, slot : slot + real] = new_keys[:, :, :real]
         self.values[:, :, slot : slot + real] = new_values[:, :, :real]
         return [np.array(output, dtype=np.float32) for output in outputs]

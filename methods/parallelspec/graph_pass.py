@@ -21,7 +21,7 @@ class GraphParallelPass(GraphDrafterPass):
 
     def __init__(
         self,
-        session,
+        runner,
         embedding: np.ndarray,
         vocab_ids: np.ndarray,
         masks: int,
@@ -30,7 +30,7 @@ class GraphParallelPass(GraphDrafterPass):
         cache_shape: tuple[int, int],
         vocab_size: int,
     ):
-        super().__init__(session, embedding, vocab_ids, rows, capacity, cache_shape, vocab_size)
+        super().__init__(runner, embedding, vocab_ids, rows, capacity, cache_shape, vocab_size)
         self.masks, self.capacity = masks, capacity
         self.length = 0
 

@@ -94,7 +94,7 @@ class ExecuTorchRunner:
 
 # The providers with kernels for streamfuse's ops (attention, commit_rows, the 4-bit linears), which every exported
 # ONNX model calls and which write the host's KV cache in place. Under another provider ONNX Runtime would run them
-# on copies of the cache moved between devices, and the rows they write would never reach the host: sessions stay
+# on copies of the cache moved between devices, and the rows they write would never reach the host: runners stay
 # on these until the ops have kernels elsewhere (runtime/kernels/tree_attention_ort.cpp GetExecutionProviderType).
 OP_PROVIDERS = ("CPUExecutionProvider",)
 
@@ -113,7 +113,7 @@ def ort_options(ort, threads: int | None):
     return options
 
 
-class OnnxRuntimeSession:
+class OnnxRuntimeRunner:
     """The artifact's one ONNX model (every method, export/onnx_methods.py) in one InferenceSession:
     one prepacked copy of the weights for all methods, streamfuse's attention kernel registered as a custom
     op, and the host's cache read in place (whole, contiguous arrays go in without a copy). The provider is
@@ -294,7 +294,7 @@ def open_runner(backend: str, files: dict[str, Path], threads: int | None = None
     if backend == "executorch":
         return ExecuTorchRunner(files["program"], threads)
     if backend == "onnxruntime":
-        return OnnxRuntimeSession(files["model"], threads=threads)
+        return OnnxRuntimeRunner(files["model"], threads=threads)
     if backend == "coreml":
         return CoreMLRunner(files["package"])
     raise ValueError(f"no runtime session for {backend!r} files (built for a device, not for this runtime)")

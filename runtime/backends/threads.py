@@ -1,5 +1,5 @@
 """--threads on every backend: ONNX Runtime and ExecuTorch take it when their session opens
-(runtime/backends/sessions.py); torch, where this process has loaded it, takes it here.
+(runtime/backends/runners.py); torch, where this process has loaded it, takes it here.
 
 A count is bounded: far more threads than cores only makes the engines slower, and a huge count makes them
 allocate a pool per thread before failing, or crash."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from streamfuse.runtime.artifact.format import ArtifactError
 from streamfuse.runtime.backends.base import CapacityError, EngineError
-from streamfuse.runtime.backends.sessions import MissingBackend
+from streamfuse.runtime.backends.runners import MissingBackend
 
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = "show the traceback of an error instead of its one line"

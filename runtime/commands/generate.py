@@ -20,14 +20,8 @@ from streamfuse.runtime.commands.options import add_model_options, check_model_o
 from streamfuse.runtime.methods import registry
 from streamfuse.runtime.request.api import Completion, Model
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest, check_task, decode_settings
-from streamfuse.runtime.request.frontend import (
-    Input,
-    load_model,
-    new_trace,
-    prompt_ids,
-    read_input_file,
-    source_overflow,
-)
+from streamfuse.runtime.request.frontend import load_model, new_trace
+from streamfuse.runtime.request.inputs import Input, prompt_ids, read_input_file, source_overflow
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 
@@ -121,7 +115,7 @@ def methods_help() -> str:
 
 
 def request_from(args: argparse.Namespace) -> DecodeRequest:
-    """The flags of one generation as the session library takes them."""
+    """The flags of one generation as the front end takes them."""
     return DecodeRequest(
         method=args.method,
         max_new_tokens=args.max_new_tokens,

@@ -17,7 +17,8 @@ from streamfuse.runtime.artifact.format import Artifact
 from streamfuse.runtime.backends.threads import use_threads
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, Input, prompt_ids, run
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, run
+from streamfuse.runtime.request.inputs import Input, prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import RunRecord, Trace

@@ -1,3 +1,3 @@
 """The request path: an artifact loaded on an engine (loader), a request checked into decode settings (checks,
 settings), the decode loop and the drafter protocol it calls (decode, drafter), the library and API over them
-(session, api), batching, streamed text and the run's trace."""
+(frontend, api), batching, streamed text and the run's trace."""

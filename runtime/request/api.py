@@ -23,7 +23,8 @@ from streamfuse.runtime.artifact.prompt import check_text
 from streamfuse.runtime.backends.threads import check_threads, use_threads
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DecodeRequest, check_prompt_format, decode_settings
 from streamfuse.runtime.request.decode import Generation, GenerationResult, StepEvent
-from streamfuse.runtime.request.frontend import load_model, prompt_ids
+from streamfuse.runtime.request.frontend import load_model
+from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import BACKENDS, Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.text_stream import Detokenizer, final_text

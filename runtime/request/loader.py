@@ -16,7 +16,7 @@ from pathlib import Path
 from streamfuse.runtime.artifact.format import MANIFEST, Artifact, ArtifactError
 from streamfuse.runtime.artifact.prompt import PromptFormat
 from streamfuse.runtime.backends.base import Backend
-from streamfuse.runtime.backends.sessions import MissingBackend, open_runner
+from streamfuse.runtime.backends.runners import MissingBackend, open_runner
 from streamfuse.runtime.backends.static_graph import StaticGraphBackend
 from streamfuse.runtime.methods import registry as methods
 from streamfuse.runtime.request.drafter import Drafter
