@@ -294,10 +294,10 @@ def shallow_provenance() -> Iterator[None]:
 @contextmanager
 def xnnpack_passes_that_can_act() -> Iterator[None]:
     """While lowering, XNNPACK's preprocess skips the passes that cannot change a partition: each of its 17
-    default passes retraces the whole partition (~5 % of lowering a method apiece), and six of them only rewrite
-    ops our graphs never hold (bilinear upsampling, SDPA's decomposed pattern, batch norm, conv1d, PReLU). A pass
-    is skipped only where the partition lacks an op it needs (for a pattern pass: some op of every pattern, which
-    the subgraph matcher requires), so the program's bytes do not change."""
+    default passes walks or retraces the whole partition, and six of them only rewrite ops our graphs never hold
+    (bilinear upsampling, SDPA's decomposed pattern, batch norm, conv1d, PReLU): ~1/8 of lowering a method. A
+    pass is skipped only where the partition lacks the ops it rewrites (for a pattern pass: some op of each of its
+    patterns, since the subgraph matcher matches a node by its target), so the program's bytes do not change."""
     check("executorch-xnnpack-passes")
     from executorch.backends.xnnpack import _passes
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa

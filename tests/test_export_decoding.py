@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamfuse.export.artifact import ArtifactBuilder, ExportConfig
+from streamfuse.export.artifact import ExportConfig
 from streamfuse.runtime.backends.base import HIDDEN
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
@@ -17,7 +17,7 @@ from streamfuse.runtime.speculation.sampling import SamplingConfig
 from streamfuse.runtime.speculation.tree import TreeSpec
 
 from conftest import write_checkpoint
-from tiny_export import CONFIG, DRAFT, EXPORTED, TREES, needs, path_of, prompts
+from tiny_export import CONFIG, DRAFT, EXPORTED, TREES, build, build_beside, needs, path_of, prompts
 
 
 @pytest.mark.parametrize("backend", EXPORTED)
@@ -246,15 +246,26 @@ def shallow_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("shallow"), layers=2, msa_layers=1)
 
 
+@pytest.fixture(scope="module")
+def quantized(shallow_checkpoint, tmp_path_factory):
+    """Each scheme's ExecuTorch artifact -> (manifest, folder), lowered at once: int8 here, 8da4w beside it."""
+    out = tmp_path_factory.mktemp("quantized")
+
+    def config(scheme: str) -> ExportConfig:  # one bucket: five methods to lower, not seven
+        return ExportConfig(
+            backends=("executorch",), buckets=(4,), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3
+        )
+
+    # DRAFT: a quantized head
+    beside = build_beside(shallow_checkpoint / "ckpt", out / "8da4w", config("8da4w"), prompts(3), 24)
+    here = build(shallow_checkpoint / "ckpt", out / "int8", config("int8"), prompts(3), 24)
+    return {"int8": (here, out / "int8"), "8da4w": (beside.result(), out / "8da4w")}
+
+
 @needs("executorch")
 @pytest.mark.parametrize("scheme", ["int8", "8da4w"])
-def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(shallow_checkpoint, tmp_path, scheme):
-    config = ExportConfig(
-        backends=("executorch",), buckets=(4,), capacity=128, prefill_chunk=16, quantize=scheme, parity_prompts=3
-    )  # one bucket: five methods to lower, not seven
-    out = tmp_path / scheme
-    # DRAFT: a quantized head
-    data = ArtifactBuilder(shallow_checkpoint / "ckpt", out, config, prompts(3), 24, {}, DRAFT).build()
+def test_quantized_executorch_stays_lossless_against_its_own_plain_decoding(quantized, scheme):
+    data, out = quantized[scheme]
     assert data["graphs"]["quantize"]["executorch"] == scheme
     assert data["parity"]["executorch"]["ss_equals_own_plain"] == 3
     loaded = load(out, "executorch")

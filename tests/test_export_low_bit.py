@@ -16,7 +16,7 @@ from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.sampling import SamplingConfig
 
 from conftest import write_checkpoint
-from tiny_export import DRAFT, prompts
+from tiny_export import DRAFT, build, build_beside, prompts
 
 pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
 
@@ -202,28 +202,38 @@ def test_backends_without_the_format_export_unquantized_and_say_so(gguf_checkpoi
         ExportConfig(quantize="q3").validate()
 
 
+@pytest.fixture(scope="module")
+def q4_executorch(tmp_path_factory):
+    """The q4-native ExecuTorch artifact on each linear -> (manifest, folder), lowered at once: XNNPACK's form
+    here, streamfuse's op beside it."""
+    pytest.importorskip("executorch", reason="the executorch extra is not installed")
+    root = tmp_path_factory.mktemp("q4-executorch")
+    shallow = write_checkpoint(root / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
+
+    def config(linear: str) -> ExportConfig:
+        return ExportConfig(
+            backends=("executorch",),
+            trees=("gamma=3,k=1",),
+            buckets=(4,),
+            capacity=128,
+            prefill_chunk=16,
+            quantize="q4-native",
+            parity_prompts=3,
+            greedy_schedule="fused",
+            pte_linear=linear,
+        )
+
+    beside = build_beside(shallow / "ckpt", root / "streamfuse", config("streamfuse"), prompts(3), 24)
+    here = build(shallow / "ckpt", root / "xnnpack", config("xnnpack"), prompts(3), 24)
+    return {"xnnpack": (here, root / "xnnpack"), "streamfuse": (beside.result(), root / "streamfuse")}
+
+
 @pytest.mark.parametrize("linear", ["xnnpack", "streamfuse"])
-def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(tmp_path, linear):
+def test_q4_native_on_executorch_records_its_weight_error_and_stays_lossless(q4_executorch, linear):
     """XNNPACK's closest form (bf16 scales, per-channel int8 head), or streamfuse's own op with the file's exact
     weights: the manifest says what it is and how far its weights are from the GGUF's; SS == its own plain
     decoding, greedy and sampled."""
-    pytest.importorskip("executorch", reason="the executorch extra is not installed")
-    shallow = write_checkpoint(
-        tmp_path / "shallow", layers=2, msa_layers=1, gguf=True
-    )  # lowering time grows with depth
-    fmt_config = ExportConfig(
-        backends=("executorch",),
-        trees=("gamma=3,k=1",),
-        buckets=(4,),
-        capacity=128,
-        prefill_chunk=16,
-        quantize="q4-native",
-        parity_prompts=3,
-        greedy_schedule="fused",
-        pte_linear=linear,
-    )
-    out = tmp_path / "q4-executorch"
-    manifest = ArtifactBuilder(shallow / "ckpt", out, fmt_config, prompts(3), 24, {}, DRAFT).build()
+    manifest, out = q4_executorch[linear]
     details = manifest["graphs"]["formats"]["executorch"]
     own = linear == "streamfuse"
     assert details["name"] == "q4-native" and details["lora"] == "float32, unmerged"

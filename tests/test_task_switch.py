@@ -19,7 +19,7 @@ from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.sampling import SamplingConfig
 
 from conftest import write_checkpoint
-from tiny_export import DRAFT, prompts
+from tiny_export import DRAFT, build_beside, prompts
 
 RULES = StopRules(16)
 
@@ -66,14 +66,15 @@ def tasks(tmp_path_factory):
 @pytest.fixture(scope="module", params=["onnxruntime", "executorch"])
 def built(request, tasks, tmp_path_factory):
     """Per engine: `both`, dialogsum's artifact built for several tasks with e2e_nlg added; `alone`, e2e_nlg's own
-    artifact in the one-task layout (the task's weights inside the graphs)."""
+    artifact in the one-task layout (the task's weights inside the graphs), built beside them."""
     backend = request.param
     pytest.importorskip(backend, reason=f"the {backend} extra is not installed")
     root = tmp_path_factory.mktemp(backend)
+    alone = build_beside(tasks["e2e_nlg"], root / "alone", config((backend,), task_inputs=False), prompts(3), 16)
     first = build(tasks["dialogsum"], root / "both", (backend,), task_inputs=True)
     first["digests"] = digests(root / "both")  # the one-task artifact's files, before the second task joins
     added = build(tasks["e2e_nlg"], root / "both", (backend,), task_inputs=True)
-    build(tasks["e2e_nlg"], root / "alone", (backend,), task_inputs=False)
+    alone.result()
     return backend, root, first, added
 
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from streamfuse.export import worker
 from streamfuse.export.artifact import BACKENDS, ArtifactBuilder, ExportConfig, install_drafter, start_lowering
 from streamfuse.export.draft_vocab import DraftVocab
 from streamfuse.methods.medusa.drafter import heads_tree
@@ -90,6 +91,17 @@ def build_artifact(checkpoint, root):
         {"tree": heads_tree(TREES[0], 2).to_dict(), "heads": 2, "training_key": "test-heads"},
     )
     return out
+
+
+def build(checkpoint, out, config: ExportConfig, inputs: list[list[int]], max_new_tokens: int) -> dict:
+    """A single-task build of `checkpoint` at `out` with DRAFT: its manifest."""
+    return ArtifactBuilder(checkpoint, out, config, inputs, max_new_tokens, {}, DRAFT).build()
+
+
+def build_beside(checkpoint, out, config: ExportConfig, inputs: list[list[int]], max_new_tokens: int):
+    """`build` in a spawned process, started now (a lowering is one core's work: a test with two independent builds
+    runs one here and one beside it); the future's result is the manifest."""
+    return worker.start(build, checkpoint, out, config, inputs, max_new_tokens)
 
 
 def manifest(path) -> dict:
