@@ -342,12 +342,12 @@ def test_a_build_whose_parity_fails_is_refused_and_the_installed_artifact_stays(
     artifact, checkpoint, tmp_path, monkeypatch
 ):
     from streamfuse.export.verify import ParityError
-    from streamfuse.runtime.backends import sessions
+    from streamfuse.runtime.backends import runners
 
     out = copy_of(artifact, tmp_path)  # the installed artifact
     installed = (out / "manifest.json").read_bytes()
-    real = sessions.open_runner
-    monkeypatch.setattr(sessions, "open_runner", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
+    real = runners.open_runner
+    monkeypatch.setattr(runners, "open_runner", lambda *args, **kwargs: Biased(real(*args, **kwargs)))
     other = ExportConfig(backends=("torch", "onnxruntime"), capacity=128, prefill_chunk=16, parity_prompts=3)
     with pytest.raises(
         ParityError,
