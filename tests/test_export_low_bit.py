@@ -2,6 +2,8 @@
 codes bit for bit, int8 quantizes the merged weights, and both stay lossless against their own
 plain decoding (greedy and seeded sampling)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, quants
@@ -23,10 +25,10 @@ pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installe
 FORMATS = ("q4-native", "int8")
 
 
-def config(fmt: str) -> ExportConfig:
+def config(fmt: str, backend: str = "onnxruntime") -> ExportConfig:
     # the default 4-node chain (streams beside every node): a chain step's rows are exactly plain decoding's
     return ExportConfig(
-        backends=("onnxruntime",),
+        backends=(backend,),
         trees=("gamma=3,k=1",),
         buckets=(4,),
         capacity=128,
@@ -210,21 +212,11 @@ def q4_executorch(tmp_path_factory):
     root = tmp_path_factory.mktemp("q4-executorch")
     shallow = write_checkpoint(root / "shallow", layers=2, msa_layers=1, gguf=True)  # lowering time grows with depth
 
-    def config(linear: str) -> ExportConfig:
-        return ExportConfig(
-            backends=("executorch",),
-            trees=("gamma=3,k=1",),
-            buckets=(4,),
-            capacity=128,
-            prefill_chunk=16,
-            quantize="q4-native",
-            parity_prompts=3,
-            greedy_schedule="fused",
-            pte_linear=linear,
-        )
+    def on(linear: str) -> ExportConfig:  # the module's chain, on ExecuTorch
+        return replace(config("q4-native", "executorch"), parity_prompts=3, pte_linear=linear)
 
-    beside = build_beside(shallow / "ckpt", root / "streamfuse", config("streamfuse"), prompts(3), 24)
-    here = build(shallow / "ckpt", root / "xnnpack", config("xnnpack"), prompts(3), 24)
+    beside = build_beside(shallow / "ckpt", root / "streamfuse", on("streamfuse"), prompts(3), 24)
+    here = build(shallow / "ckpt", root / "xnnpack", on("xnnpack"), prompts(3), 24)
     return {"xnnpack": (here, root / "xnnpack"), "streamfuse": (beside.result(), root / "streamfuse")}
 
 
