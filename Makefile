@@ -26,9 +26,10 @@ kernels: $(STAMP)
 build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/streamfuse build --task dialogsum $(ARGS)
 
-# --durations=20: the twenty slowest tests, listed at the end (the suite's budget: 30 min on 2 cores, docs/build.md)
+# One worker a core, a test file on one worker (its module fixtures built once); --durations=20: the twenty slowest
+# tests, listed at the end (the suite's budget: 30 min on 2 cores, docs/build.md)
 test: kernels
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 # ruff's lint and its formatter (pinned in the dev extra), as CI runs them: `$(BIN)/ruff format .` formats.
 lint: $(STAMP)

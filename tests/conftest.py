@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import (the demo's tests): no display in-process
@@ -229,9 +231,30 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """The tiny checkpoint exported to every backend installed here, with Medusa heads (tests/tiny_export.py): built
-    once per session, since three test files read it (minutes of lowering)."""
+    once per run, since several test files read it (minutes of lowering). Under pytest-xdist the first worker to
+    ask builds it in the run's shared temporary folder and the others wait on its lock, then read it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build_shared_artifact(tmp_path_factory.mktemp("export"))
+    root = tmp_path_factory.getbasetemp().parent / "shared-export"
+    with FileLock(f"{root}.lock"):
+        if not (root / "built").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+            build_shared_artifact(root)
+            (root / "built").touch()
+    return root / "artifact"
+
+
+def build_shared_artifact(root: Path) -> Path:
     from tiny_export import build_artifact
 
-    root = write_checkpoint(tmp_path_factory.mktemp("export"))
+    root.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(root)
     write_tiny_dialogsum(root / "data")
     return build_artifact(root, root)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The real-model files (marked slow) first: under pytest-xdist's --dist loadfile a worker takes whole files in
+    this order, and the longest one started last would run alone at the end while the other core idles."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
