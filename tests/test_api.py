@@ -8,15 +8,8 @@ import sys
 import pytest
 
 import streamfuse
-from streamfuse.runtime.request.decode import kept_prefix
-from streamfuse.runtime.request.frontend import (
-    BASELINE_METHOD,
-    DEFAULT_METHOD,
-    DecodeRequest,
-    decode_settings,
-    run,
-    text_of,
-)
+from streamfuse.runtime.request.decode import generate, kept_prefix
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings
 
 from tiny_export import EXPORTED
 
@@ -35,16 +28,23 @@ def engine(artifact, request):
 
 
 def reference(model, ids, **fields):
-    """What runtime/request/frontend.py's run decodes for these prompt ids."""
+    """What the decode loop itself (runtime/request/decode.py's generate) decodes for these prompt ids."""
     loaded = model.loaded
-    return run(loaded, ids, decode_settings(loaded, DecodeRequest(**fields)))
+    settings = decode_settings(loaded, DecodeRequest(**fields))
+    return generate(
+        loaded.backend, ids, settings, drafter=loaded.drafter(settings), detokenizer=loaded.tokenizer.decode
+    )
+
+
+def text_of(model, result) -> str:
+    return model.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
 
 
 def check_generate_equals_run(model, prompt, method, **fields):
     done = model.generate(prompt, method=method, **fields)
     expected = reference(model, model.prompt_ids(prompt), method=method, **fields)
     assert done.token_ids == expected.token_ids and done.stop_reason == expected.stop_reason
-    assert done.text == text_of(model.loaded, expected)
+    assert done.text == text_of(model, expected)
     stats = done.stats
     assert stats.new_tokens == len(done.token_ids) and stats.model_calls == expected.run.model_calls
     assert stats.steps == stats.model_calls - 1 and stats.prefill_tokens == len(model.prompt_ids(prompt))

@@ -385,14 +385,13 @@ def test_onnxruntime_generation_loads_neither_torch_nor_transformers(artifact, t
     if temperature == "0":
         assert ss["token_ids"] == plain["token_ids"] and len(ss["token_ids"]) == 6
     loaded = load(artifact, "onnxruntime")
-    from streamfuse.runtime.request.frontend import run
+    from streamfuse.runtime.request.api import Model
     from streamfuse.runtime.request.inputs import prompt_ids
 
     ids = prompt_ids(loaded, "hello world", as_task=False)
-    here = run(
-        loaded,
+    here = Model(loaded).run(
         ids,
-        DecodeSettings("ar", StopRules(6, loaded.stop_token_ids), sampling=SamplingConfig(float(temperature))),
+        settings=DecodeSettings("ar", StopRules(6, loaded.stop_token_ids), sampling=SamplingConfig(float(temperature))),
     )
     assert here.token_ids == plain["token_ids"]
 

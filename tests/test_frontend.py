@@ -9,6 +9,7 @@ import pytest
 
 from streamfuse.runtime.backends.base import PruneConfig
 from streamfuse.runtime.request import frontend, inputs
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.frontend import DEFAULT_TREE, DecodeRequest
 from streamfuse.runtime.request.inputs import Input
 from streamfuse.runtime.speculation.sampling import SamplingConfig
@@ -195,10 +196,11 @@ def test_run_with_a_trace_and_a_step_callback(loaded):
     trace = frontend.new_trace(loaded, settings, threads=1)
     steps = []
     ids = inputs.prompt_ids(loaded, "the water", as_task=True)
-    result = frontend.run(loaded, ids, settings, trace, "a", on_step=steps.append)
-    plain = frontend.run(loaded, ids, frontend.decode_settings(loaded, DecodeRequest("ar", max_new_tokens=6)))
+    model = Model(loaded)
+    result = model.run(ids, settings=settings, trace=trace, run_id="a", on_step=steps.append)
+    plain = model.run(ids, DecodeRequest("ar", max_new_tokens=6))
     assert result.token_ids == plain.token_ids and 0 < len(result.token_ids) <= 6  # lossless
-    assert len(steps) == result.run.model_calls and isinstance(frontend.text_of(loaded, result), str)
+    assert len(steps) == result.record.model_calls == result.stats.model_calls and result.record.id == "a"
     header = trace.to_dict()["meta"]
     assert header["method"] == "ss" and header["tree"]["num_nodes"] == 5 and header["backend"] == "torch"
     assert [run.id for run in trace.runs] == ["a"]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import DEFAULT_TREE, run
+from streamfuse.runtime.request.frontend import DEFAULT_TREE
 from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.inputs import read_input_file as read_requests
 from streamfuse.runtime.request.loader import load
@@ -36,7 +37,7 @@ def prompts(checkpoint, loaded):
 
 def plain_tokens(loaded, ids, max_new=MAX_NEW):
     settings = DecodeSettings("ar", StopRules(max_new, loaded.stop_token_ids), tree=TreeSpec.parse(DEFAULT_TREE))
-    return run(loaded, ids, settings).token_ids
+    return Model(loaded).run(ids, settings=settings).token_ids
 
 
 @pytest.mark.parametrize("name", ["hf", "hf_pld", "hf_assisted"])

@@ -96,8 +96,8 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     with one seed (each token one draw from the target in both loops) on its calibrated tree, and on
     torch greedy too, on the full gamma=3,k=2 tree with a lookup branch (the exported backends' greedy
     tokens are the build's parity gate, just passed)."""
+    from streamfuse.runtime.request.api import Model
     from streamfuse.runtime.request.emitter import StopRules
-    from streamfuse.runtime.request.frontend import run
     from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.runtime.request.loader import load
     from streamfuse.runtime.speculation.sampling import SamplingConfig
@@ -106,7 +106,7 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
     wide = TreeSpec(TreeSpec.full(3, 2).paths, lookup=(1, 1, 1))
     for backend in backends:
         loaded = load(artifact, backend, threads=2)
-        rules = StopRules(24, loaded.stop_token_ids)
+        model, rules = Model(loaded), StopRules(24, loaded.stop_token_ids)
         cases = [(loaded.tree, SamplingConfig(temperature=0.7, top_p=0.9))]
         if backend == "torch":
             cases.append((wide, SamplingConfig()))
@@ -114,8 +114,12 @@ def assert_lossless(artifact: Path, backends: tuple[str, ...]) -> None:
             ids = prompt_ids(loaded, text, as_task=True)
             for tree, sampling in cases:
                 settings = DecodeSettings("ss", rules, tree=tree, sampling=sampling, seed=3)
-                plain = run(loaded, ids, DecodeSettings("ar", rules, sampling=sampling, seed=3))
-                assert run(loaded, ids, settings).token_ids == plain.token_ids, (backend, tree.to_dict(), sampling)
+                plain = model.run(ids, settings=DecodeSettings("ar", rules, sampling=sampling, seed=3))
+                assert model.run(ids, settings=settings).token_ids == plain.token_ids, (
+                    backend,
+                    tree.to_dict(),
+                    sampling,
+                )
 
 
 def _dialogsum_prompts(tokenizer, count: int) -> list[list[int]]:

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from streamfuse.runtime.commands import errors
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.batch import BatchDecoder
 from streamfuse.runtime.request.batch_policy import POLICIES, POLICY_HELP, PlainRowsPolicy
-from streamfuse.runtime.request.frontend import DEFAULT_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.frontend import DEFAULT_METHOD, DecodeRequest, decode_settings
 from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
@@ -142,7 +143,8 @@ def bench_backend(args: argparse.Namespace, backend: str) -> list[Setting]:
     path = args.input_file or task_file(loaded.info.get("task"), "validation", args.data_dir)
     prompts = [prompt_ids(loaded, item.text, True) for item in read_inputs(path, loaded.prompt, args.prompts)]
     settings = decode_settings(loaded, DecodeRequest(args.method, args.max_new_tokens, tree=args.tree))
-    expected = [run(loaded, ids, settings).token_ids for ids in prompts]  # also the engine's warm-up
+    model = Model(loaded)
+    expected = [model.run(ids, settings=settings).token_ids for ids in prompts]  # also the engine's warm-up
     policies = {name: PlainRowsPolicy() if name == POLICIES[0] else None for name in args.batch_policy}
     runs = [(batch, name) for batch in args.batches for name in policies]
     for batch, name in runs:  # each batched graph's first calls (and the policy's first measurements), untimed

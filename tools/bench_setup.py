@@ -13,8 +13,9 @@ from pathlib import Path
 from streamfuse.export.eager import TorchBackend
 from streamfuse.runtime.artifact.format import MANIFEST
 from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings
 from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, artifact_tasks, load
 from streamfuse.runtime.request.settings import DecodeSettings
@@ -113,8 +114,9 @@ def method_settings(label: str, loaded: Loaded, ss: DecodeSettings) -> DecodeSet
 def warm_up(loaded: Loaded, settings) -> None:
     """Two tokens of each method: every graph and draft model a benchmark calls runs once (and loads)."""
     ids = prompt_ids(loaded, "Hello.", loaded.prompt is not None)
+    model = Model(loaded)
     for each in settings:
-        run(loaded, ids, replace(each, rules=StopRules(2, each.rules.stop_token_ids)))
+        model.run(ids, settings=replace(each, rules=StopRules(2, each.rules.stop_token_ids)))
 
 
 def load_peers(args: argparse.Namespace, loaded: Loaded, inputs: list[BenchInput], info: dict) -> tuple[dict, dict]:

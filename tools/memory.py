@@ -37,7 +37,8 @@ def measure_backend(
     import importlib
 
     from streamfuse.runtime.artifact.format import Artifact
-    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+    from streamfuse.runtime.request.api import Model
+    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings
     from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.runtime.request.loader import load
     from streamfuse.tools.bench_data import read_inputs
@@ -55,10 +56,11 @@ def measure_backend(
         decode_settings(loaded, DecodeRequest(method, max_new_tokens, fallback=False))
         for method in (BASELINE_METHOD, DEFAULT_METHOD)
     ]
+    model = Model(loaded)
     for item in inputs:
         ids = prompt_ids(loaded, item.text, as_task=True)
         for each in settings:
-            run(loaded, ids, each)
+            model.run(ids, settings=each)
     end = status()
     switches = switch_tasks(loaded, opened, backend) if len(opened.tasks) > 1 else []
     files = opened.backend_files(backend)

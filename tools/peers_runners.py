@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 
 from streamfuse.runtime.methods import registry
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import run as decode
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.tools import peers_gguf
@@ -230,17 +230,18 @@ class LlamaCppRunner:
 
 
 class StreamfuseRunner:
-    """streamfuse itself (runtime.request.frontend.run) behind the peer interface: the reference rows."""
+    """streamfuse itself (the API's Model.run, its text included) behind the peer interface: the reference rows."""
 
     def __init__(self, name: str, loaded: Loaded, settings: DecodeSettings):
         self.name, self.loaded, self.settings = name, loaded, settings
+        self.model = Model(loaded)
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
         settings = replace(self.settings, rules=StopRules(max_new_tokens, self.loaded.stop_token_ids))
         first: list[float] = []
         start = time.perf_counter()
-        result = decode(
-            self.loaded, list(prompt_ids), settings, on_step=lambda event: first or first.append(time.perf_counter())
+        result = self.model.run(
+            list(prompt_ids), settings=settings, on_step=lambda event: first or first.append(time.perf_counter())
         )
         seconds = time.perf_counter() - start
         return PeerResult(

@@ -28,12 +28,13 @@ Tamper = Callable[[Path], None]
 # after "error:" (an engine's own logging may write to stderr in a library's process; the CLI filters it).
 API = """
 import sys
-from streamfuse.runtime.request.frontend import DecodeRequest, decode_settings, load_model, run
+from streamfuse.runtime.request.api import Model
+from streamfuse.runtime.request.frontend import DecodeRequest, load_model
 from streamfuse.runtime.request.inputs import prompt_ids
 try:
     loaded = load_model({artifact!r}, backend={backend!r}, threads=2)
     ids = prompt_ids(loaded, {prompt!r}, as_task=False)
-    result = run(loaded, ids, decode_settings(loaded, DecodeRequest(max_new_tokens=4, fallback=False)))
+    result = Model(loaded).run(ids, DecodeRequest(max_new_tokens=4, fallback=False))
 except ValueError as error:
     print("error:", error)
     sys.exit(1)

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.commands.options import add_model_options, check_model_options
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DecodeRequest, decode_settings, run
+from streamfuse.runtime.request.api import Model
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DecodeRequest, decode_settings
 from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
@@ -70,8 +71,9 @@ def soak(
     """Decode prompts round-robin, SS then plain in turn; RSS and descriptors after warm-up and at the end."""
     methods = (settings, replace(settings, method=BASELINE_METHOD))
     rss_warm = fds_warm = peak = tokens = 0
+    model = Model(loaded)
     for index in tqdm(range(generations), desc="soak", unit="gen", dynamic_ncols=True):
-        result = run(loaded, prompts[index % len(prompts)], methods[index % 2])
+        result = model.run(prompts[index % len(prompts)], settings=methods[index % 2])
         tokens += len(result.token_ids)
         done = index + 1
         if done == warmup:

@@ -27,7 +27,8 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     """Switch the loaded engine to `task`, then decode its test inputs plainly and with SS."""
     from dataclasses import replace
 
-    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings, run
+    from streamfuse.runtime.request.api import Model
+    from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, DecodeRequest, decode_settings
     from streamfuse.runtime.request.inputs import prompt_ids
     from streamfuse.tools.bench_data import read_inputs, task_file
     from streamfuse.tools.process_memory import status, timed_switch
@@ -39,11 +40,12 @@ def visit(loaded, task: str, limit: int, max_new_tokens: int) -> tuple[dict, obj
     tree = speculative.tree
     inputs = read_inputs(task_file(task, "test"), loaded.prompt, limit)
     seconds, tokens, same = dict.fromkeys(settings, 0.0), 0, 0
+    model = Model(loaded)
     for item in inputs:
         ids = prompt_ids(loaded, item.text, True)
-        results = {label: run(loaded, ids, each) for label, each in settings.items()}
+        results = {label: model.run(ids, settings=each) for label, each in settings.items()}
         for label, result in results.items():
-            seconds[label] += result.run.seconds
+            seconds[label] += result.record.seconds
         same += results[ss].token_ids == results[ar].token_ids
         tokens += len(results[ar].token_ids)
     return {

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from streamfuse.runtime.artifact.format import Artifact
 from streamfuse.runtime.backends.threads import use_threads
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
-from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD, run
+from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD
 from streamfuse.runtime.request.inputs import Input, prompt_ids
 from streamfuse.runtime.request.loader import Loaded, load
 from streamfuse.runtime.request.settings import DecodeSettings
@@ -190,8 +191,8 @@ def timed_run(loaded: Loaded, ids: list[int], settings: DecodeSettings, trace: T
     """One run as the bench records it: time, calls, per-step tokens, memory and the tokens."""
     # A disabled trace does not time spans, so an untraced run still gets a scratch one for its prefill.
     trace = trace if trace is not None and trace.enabled else Trace()
-    result = run(loaded, ids, settings, trace, run_id)
-    record = result.run
+    result = Model(loaded).run(ids, settings=settings, trace=trace, run_id=run_id)
+    record = result.record
     return {
         "seconds": record.seconds,
         "new_tokens": record.new_tokens,

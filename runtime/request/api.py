@@ -28,7 +28,7 @@ from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.loader import BACKENDS, Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.text_stream import Detokenizer, final_text
-from streamfuse.runtime.request.trace import Trace
+from streamfuse.runtime.request.trace import RunRecord, Trace
 
 ROLES = ("system", "user", "assistant")  # the roles a chat template renders
 
@@ -59,12 +59,14 @@ class Stats:
 @dataclass(frozen=True)
 class Completion:
     """A finished generation: its text (special tokens skipped, cut where a stop string starts, stripped), the
-    token ids the model emitted (a stop string's tokens included) and why it stopped."""
+    token ids the model emitted (a stop string's tokens included), why it stopped, and the run's record (each
+    step's tokens and drafts, the phases' seconds, peak memory: what the tools report)."""
 
     text: str
     token_ids: list[int]
     stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
     stats: Stats
+    record: RunRecord | None = None
 
 
 class TextStream:
@@ -198,7 +200,7 @@ class Model:
     def run(
         self,
         ids: Sequence[int],
-        request: DecodeRequest,
+        request: DecodeRequest | None = None,
         stream: bool = False,
         trace: Trace | None = None,
         run_id: str = "0",
@@ -209,9 +211,12 @@ class Model:
         from its flags, a server from its JSON); `trace` records the run under `run_id` (tools/profiler.py);
         `on_step` sees each step's StepEvent (the tokens, how many were accepted drafts, the draft verified), an
         exception it raises ending the generation there. settings: the request's decode_settings where the caller
-        made them already (the CLI, for its trace's header); the prompt ids are checked as the generation begins."""
+        made them already (the CLI, for its trace's header; the tools, which give no request: no stop strings); the
+        prompt ids are checked as the generation begins. Every front end and tool drives a generation here."""
+        if request is None and settings is None:
+            raise ValueError("Model.run needs a DecodeRequest or the DecodeSettings made of one")
         settings = decode_settings(self.loaded, request) if settings is None else settings
-        job = _Job(list(ids), settings, tuple(request.stop))
+        job = _Job(list(ids), settings, () if request is None else tuple(request.stop))
         return _start(self._cache, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
 
@@ -304,7 +309,7 @@ def completion_of(
         prompt_tokens=record.prompt_tokens,
     )
     raw = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    return Completion(final_text(raw, stop), list(result.token_ids), result.stop_reason, stats)
+    return Completion(final_text(raw, stop), list(result.token_ids), result.stop_reason, stats, record)
 
 
 class Conversation:

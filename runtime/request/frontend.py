@@ -1,11 +1,10 @@
 """The library every front end shares (the generate CLI, the bench and tools, the demo, the Python API and a
-server): open a model, turn a request into decode settings, run it; a request's inputs (prompt ids, input files)
-are runtime/request/inputs.py's.
+server): open a model and turn a request into decode settings; runtime/request/api.py's Model.run drives every
+generation, and a request's inputs (prompt ids, input files) are runtime/request/inputs.py's.
 
     loaded = load_model(Path("artifacts/dialogsum"))
-    request = DecodeRequest(max_new_tokens=64)
-    result = run(loaded, prompt_ids(loaded, "#Person1#: Hi ...", as_task=True), decode_settings(loaded, request))
-    print(text_of(loaded, result))
+    ids = prompt_ids(loaded, "#Person1#: Hi ...", as_task=True)
+    print(Model(loaded).run(ids, DecodeRequest(max_new_tokens=64)).text)
 
 A front end states what it was asked as a DecodeRequest (the CLI from its flags, the demo from its panes, a server
 from its JSON); runtime/request/checks.py's `decode_settings` is the one place a request becomes DecodeSettings, and
@@ -15,7 +14,6 @@ and the fix; nothing here parses flags or prints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from streamfuse.runtime.methods import registry
@@ -28,7 +26,6 @@ from streamfuse.runtime.request.checks import check_prompt_format as check_promp
 from streamfuse.runtime.request.checks import check_task as check_task
 from streamfuse.runtime.request.checks import choose_tree as choose_tree
 from streamfuse.runtime.request.checks import decode_settings as decode_settings
-from streamfuse.runtime.request.decode import GenerationResult, StepEvent, generate
 from streamfuse.runtime.request.loader import Loaded, artifact_tasks, fastest_backend, load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.trace import Trace
@@ -68,29 +65,3 @@ def new_trace(
         tree=tree,
         threads=threads,
     )
-
-
-def run(
-    loaded: Loaded,
-    ids: list[int],
-    settings: DecodeSettings,
-    trace: Trace | None = None,
-    run_id: str = "0",
-    on_step: Callable[[StepEvent], None] | None = None,
-) -> GenerationResult:
-    """Decode from prompt `ids` with the method's drafter; `on_step` sees every step (raise in it to stop)."""
-    return generate(
-        loaded.backend,
-        ids,
-        settings,
-        drafter=loaded.drafter(settings),
-        trace=trace,
-        run_id=run_id,
-        on_step=on_step,
-        detokenizer=loaded.tokenizer.decode,
-    )
-
-
-def text_of(loaded: Loaded, result: GenerationResult) -> str:
-    """A result's new tokens as text, special tokens left out."""
-    return loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
