@@ -26,10 +26,12 @@ kernels: $(STAMP)
 build: kernels
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/streamfuse build --task dialogsum $(ARGS)
 
-# One worker a core, a test file on one worker (its module fixtures built once); --durations=20: the twenty slowest
-# tests, listed at the end (the suite's budget: 30 min on 2 cores, docs/build.md)
+# One worker a core, at most 4 (each holds its files' fixtures, up to ~3.5 GB), a test file on one worker (its module
+# fixtures built once); --durations=20: the twenty slowest tests, listed at the end (the suite's budget: 30 min on 2
+# cores, docs/build.md). `make test TEST_WORKERS=1` runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$((n < 4 ? n : 4)))
 test: kernels
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n auto --dist loadfile --durations=20 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 # ruff's lint and its formatter (pinned in the dev extra), as CI runs them: `$(BIN)/ruff format .` formats.
 lint: $(STAMP)
