@@ -201,6 +201,8 @@ def test_run_with_a_trace_and_a_step_callback(loaded):
     plain = model.run(ids, DecodeRequest("ar", max_new_tokens=6))
     assert result.token_ids == plain.token_ids and 0 < len(result.token_ids) <= 6  # lossless
     assert len(steps) == result.record.model_calls == result.stats.model_calls and result.record.id == "a"
+    with pytest.raises(ValueError, match="Model.run needs a DecodeRequest or the DecodeSettings made of one"):
+        model.run(ids)
     header = trace.to_dict()["meta"]
     assert header["method"] == "ss" and header["tree"]["num_nodes"] == 5 and header["backend"] == "torch"
     assert [run.id for run in trace.runs] == ["a"]
