@@ -1,6 +1,6 @@
 """runtime/request/api.py, `streamfuse.load`: generate, stream, chat and conversations on the tiny checkpoint (torch)
-and the tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what runtime/request/frontend.py's run
-decodes."""
+and the tiny artifact's engines (ExecuTorch, ONNX Runtime); every output equals what the decode loop itself
+(runtime/request/decode.py's generate) decodes."""
 
 import subprocess
 import sys
@@ -40,7 +40,7 @@ def text_of(model, result) -> str:
     return model.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
 
 
-def check_generate_equals_run(model, prompt, method, **fields):
+def check_generate_equals_the_loop(model, prompt, method, **fields):
     done = model.generate(prompt, method=method, **fields)
     expected = reference(model, model.prompt_ids(prompt), method=method, **fields)
     assert done.token_ids == expected.token_ids and done.stop_reason == expected.stop_reason
@@ -54,16 +54,16 @@ def check_generate_equals_run(model, prompt, method, **fields):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("method", [DEFAULT_METHOD, BASELINE_METHOD])
-def test_generate_equals_the_frontend_run_on_torch(model, prompt, method):
-    done = check_generate_equals_run(model, prompt, method, max_new_tokens=12)
+def test_generate_equals_the_decode_loop_on_torch(model, prompt, method):
+    done = check_generate_equals_the_loop(model, prompt, method, max_new_tokens=12)
     if method == BASELINE_METHOD:
         assert done.stats.accepted_per_step == 0 and done.stats.tokens_per_call == 1
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_generate_equals_the_frontend_run_on_exported_engines(engine, prompt):
-    check_generate_equals_run(engine, prompt, DEFAULT_METHOD, max_new_tokens=16)
-    check_generate_equals_run(engine, prompt, DEFAULT_METHOD, max_new_tokens=16, temperature=1.0, seed=3)
+def test_generate_equals_the_decode_loop_on_exported_engines(engine, prompt):
+    check_generate_equals_the_loop(engine, prompt, DEFAULT_METHOD, max_new_tokens=16)
+    check_generate_equals_the_loop(engine, prompt, DEFAULT_METHOD, max_new_tokens=16, temperature=1.0, seed=3)
 
 
 def test_on_step_sees_every_step_and_can_end_the_generation(model):
