@@ -21,6 +21,7 @@ from streamfuse.runtime.methods import registry as methods
 from streamfuse.runtime.request.api import Completion, Stats
 from streamfuse.runtime.request.decode import StepEvent
 from streamfuse.runtime.request.loader import BACKENDS
+from streamfuse.runtime.request.trace import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = "zero one two three four five six seven eight nine ten eleven".split()
@@ -75,7 +76,7 @@ def test_stats_call_reduction_and_mean_accepted_length():
         stats.add(event, 2.5)  # the fallback decodes two tokens plainly, then speculation resumes
     assert (stats.plain_steps, stats.switches, stats.verify_steps) == (2, 2, 3)
     assert dict(stat_fields(stats))["fallback"] == "2 plain steps, 2 switches"
-    stats.finish(Completion("text", [5, 6], "eos", Stats(6, 3, 1.0, 4, 3.0, 10, 0.5, 10)))
+    stats.finish(Completion("text", [5, 6], "eos", Stats(6, 3, 1.0, 4, 3.0, 10, 0.5, 10), RunRecord("0", 10, "ss")))
     assert stats.call_reduction == 1.5 and dict(stat_fields(stats))["stop"] == "eos"
 
 

@@ -66,7 +66,7 @@ class Completion:
     token_ids: list[int]
     stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
     stats: Stats
-    record: RunRecord | None = None
+    record: RunRecord
 
 
 class TextStream:
