@@ -24,9 +24,10 @@ import threading
 import time
 
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.apps.slot import Slot, State
+from streamfuse.apps.slot import Slot
 from streamfuse.runtime.request.api import completion_of
 from streamfuse.runtime.request.batch import BatchDecoder
+from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.text_stream import Detokenizer
 

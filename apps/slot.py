@@ -1,8 +1,5 @@
-"""A request's life in the server, in one object: a Slot, from queued to done, failed or cancelled.
-
-    queued -> prefilling -> decoding -> done
-        \\-------------\\----------\\-> failed (its step raised, its deadline passed, the worker stopped)
-         \\-------------\\----------\\-> cancelled (its client went away)
+"""A request's life in the server, in one object: a Slot, from queued to done, failed or cancelled (the states of
+runtime/request/lifecycle.py, which a batch decoder's lane shares).
 
 The worker thread (apps/scheduler.py) moves it and calls its step callback; the slot detokenizes a streamed
 request's tokens there (off the event loop), times its first token, builds its Completion once, and hands the
@@ -14,27 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from dataclasses import dataclass, field
 
 from streamfuse.apps.server_metrics import Metrics
 from streamfuse.runtime.request.api import Completion
 from streamfuse.runtime.request.decode import StepEvent
+from streamfuse.runtime.request.lifecycle import ENDED, State
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.text_stream import Detokenizer
-
-
-class State(enum.Enum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-ENDED = (State.DONE, State.FAILED, State.CANCELLED)
 
 
 class InjectedFault(RuntimeError):

@@ -174,10 +174,12 @@ def test_a_streamed_turn_joins_the_conversation_once_exhausted(model):
     assert chat.messages[-1] == {"role": "assistant", "content": text} and text == stream.completion.text
     abandoned = chat.send(TURNS[1], max_new_tokens=6, stream=True)
     next(abandoned, None)
-    abandoned.close()
-    assert len(chat.messages) == 2 and chat.cached_ids == []  # the cache's rows are unknown: the next turn resets
+    abandoned.close()  # cancelled between steps: its cache holds its prompt and the tokens it committed
+    held, ids = chat.cached_ids, model.chat_ids([*chat.messages, {"role": "user", "content": TURNS[1]}])
+    assert len(chat.messages) == 2 and held[: len(ids)] == ids
     again = chat.send(TURNS[1], max_new_tokens=6)
-    assert again.stats.prefill_tokens == len(model.chat_ids(chat.messages[:-1]))
+    assert again.stats.prefill_tokens == len(ids) - kept_prefix(held, ids) < len(ids)
+    assert again.token_ids == model.chat(chat.messages[:-1], max_new_tokens=6).token_ids
 
 
 def test_a_later_generation_ends_an_unfinished_stream(model):

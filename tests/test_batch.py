@@ -9,10 +9,11 @@ import json
 import pytest
 
 from streamfuse.runtime.methods import registry
-from streamfuse.runtime.request.batch import CANCELLED, BatchDecoder
+from streamfuse.runtime.request.batch import CANCELLED, FAILED, BatchDecoder
 from streamfuse.runtime.request.batch_policy import PlainRowsPolicy
 from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
+from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import load
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.speculation.fallback import FallbackConfig
@@ -164,6 +165,54 @@ def test_a_cancelled_sequence_frees_its_cache_for_the_next(artifact, backend):
     decode_all(decoder, [lanes[0], lanes[2], added])
     for lane, (prompt, options) in zip((lanes[0], lanes[2], added), (batch[0], batch[2], (ids, settings))):
         assert lane.result.token_ids == single(loaded, prompt, options)
+
+
+class FailAtFirstStep:
+    """A callback that takes the prefill's token, then raises in the first step."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, event):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("the caller's callback failed")
+
+
+# what happens to one lane of max_new_tokens tokens, its `isolate`, its callback -> its state after add, after
+# prefill(), at the end (after a cancel where asked), and its stop reason
+LANE_STATES = [
+    ("runs to its end", 4, False, None, False, State.DECODING, State.DONE, "max_new_tokens"),
+    ("its prefill makes its only token", 1, False, None, False, State.DONE, State.DONE, "max_new_tokens"),
+    ("cancelled after its prefill", 4, False, None, True, State.DECODING, State.CANCELLED, CANCELLED),
+    ("its own step raises, isolated", 4, True, FailAtFirstStep, False, State.DECODING, State.FAILED, FAILED),
+    ("its own step raises, not isolated", 4, False, FailAtFirstStep, False, State.DECODING, State.FAILED, FAILED),
+]
+
+
+@pytest.mark.parametrize(
+    "case, tokens, isolate, on_step, cancel, prefilled, end, reason", LANE_STATES, ids=[c[0] for c in LANE_STATES]
+)
+def test_a_lane_moves_through_the_request_states(
+    torch_model, case, tokens, isolate, on_step, cancel, prefilled, end, reason
+):
+    decoder = BatchDecoder(torch_model, max_sequences=1, isolate=isolate)
+    settings = DecodeSettings(registry.default(), StopRules(tokens), tree=CHAIN)
+    lane = decoder.add([5, 6, 7], settings, on_step() if on_step else None)
+    assert lane.state is State.QUEUED and not lane.done
+    decoder.prefill()
+    assert lane.state is prefilled
+    if cancel:
+        decoder.cancel(lane)
+    while lane in decoder.active:  # step() hands back a lane that ended, its prefill's included
+        try:
+            decoder.step()
+        except RuntimeError as error:
+            assert not isolate and "callback failed" in str(error)
+            decoder.cancel(lane)  # a failed lane stays failed; its cache is freed with its rows unknown
+    assert lane.state is end and lane.done and lane not in decoder.active
+    assert lane.result.stop_reason == reason and (lane.error is not None) == (end is State.FAILED)
+    assert decoder.held_ids() == (None if end is State.FAILED else lane.generation.cached_ids)
 
 
 def test_a_bad_sequence_is_refused_when_added_and_a_full_batch_says_so(torch_model):

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from streamfuse.runtime.artifact.prompt import check_text
 from streamfuse.runtime.backends.threads import check_threads, use_threads
+from streamfuse.runtime.request.batch import BatchDecoder, Lane
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DecodeRequest, check_prompt_format, decode_settings
 from streamfuse.runtime.request.decode import Generation, GenerationResult, StepEvent
 from streamfuse.runtime.request.frontend import load_model
 from streamfuse.runtime.request.inputs import prompt_ids
+from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import BACKENDS, Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
 from streamfuse.runtime.request.text_stream import Detokenizer, final_text
@@ -94,15 +96,6 @@ class TextStream:
             self._on_done(completion)
 
 
-@dataclass
-class _Cache:
-    """A backend's cache and who uses it: one generation at a time, and what the cache holds after it."""
-
-    loaded: Loaded
-    active: Generation | None = None
-    cached_ids: list[int] | None = None  # what the last finished generation left in the cache
-
-
 @dataclass(frozen=True)
 class _Job:
     """One generation to run: its prompt ids, settings and stop strings, and whether it reuses the cache."""
@@ -116,12 +109,18 @@ class _Job:
     on_step: Callable[[StepEvent], None] | None = None  # each step's tokens and drafts (a demo marks them)
 
 
+def _one_slot(loaded: Loaded) -> BatchDecoder:
+    """A batch of one sequence on `loaded`'s own cache: how the API drives a generation, as the server drives
+    many (greedy speculative steps stay speculative: no plain-rows policy at one sequence)."""
+    return BatchDecoder(loaded, max_sequences=1, plain_rows=False, own_cache=True)
+
+
 class Model:
     """A loaded artifact or checkpoint: generate, chat, or open conversations that keep their cache."""
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
-        self._cache = _Cache(loaded)
+        self._slot = _one_slot(loaded)
 
     @property
     def backend(self) -> str:
@@ -178,8 +177,6 @@ class Model:
     def batch(self, max_sequences: int = 8, plain_rows: bool = True):
         """Several requests decoded together, one shared step per round (runtime/request/batch.py's BatchDecoder;
         plain_rows: its batch policy, plain rows for greedy speculative sequences where they make more tokens/s)."""
-        from streamfuse.runtime.request.batch import BatchDecoder
-
         return BatchDecoder(self.loaded, max_sequences, plain_rows)
 
     def prompt_ids(self, prompt: str | Sequence[int], as_task: bool = False) -> list[int]:
@@ -217,14 +214,14 @@ class Model:
             raise ValueError("Model.run needs a DecodeRequest or the DecodeSettings made of one")
         settings = decode_settings(self.loaded, request) if settings is None else settings
         job = _Job(list(ids), settings, () if request is None else tuple(request.stop))
-        return _start(self._cache, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
+        return _start(self._slot, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
 
 
-def _start(cache: _Cache, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
+def _start(slot: BatchDecoder, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
     """Ready the cache at the call (its errors come there, not at the first delta), then decode: to the end, or
     as a stream. on_done: called with the Completion once the generation ends."""
     holder = TextStream(iter(()), on_done)
-    deltas = _decode(cache, job, holder, incremental=stream)
+    deltas = _decode(slot, job, holder, incremental=stream)
     next(deltas)  # Generation.begin: the prompt's checks (request.check_fits), then the cache reset (or kept rows)
     holder._deltas = deltas
     if stream:
@@ -234,23 +231,13 @@ def _start(cache: _Cache, job: _Job, stream: bool, on_done=None) -> Completion |
     return holder.completion
 
 
-def _decode(cache: _Cache, job: _Job, holder: TextStream, incremental: bool) -> Iterator[str]:
-    """Generator: yields once, empty, after begin; then each step's delta (incremental), and sets
-    holder.completion at the end. A generation superseded on its cache stops with an error."""
-    loaded, started = cache.loaded, time.perf_counter()
-    keep = cache.cached_ids if job.keep else None
-    generation = Generation.begin(
-        loaded.backend,
-        job.ids,
-        job.settings,
-        loaded.drafter(job.settings),
-        trace=job.trace,
-        run_id=job.run_id,
-        detokenizer=loaded.tokenizer.decode,
-        keep=keep,
-    )
-    cache.active, cache.cached_ids = generation, None
-    text = Detokenizer.for_tokenizer(loaded.tokenizer, job.stop)
+def _decode(slot: BatchDecoder, job: _Job, holder: TextStream, incremental: bool) -> Iterator[str]:
+    """Generator: yields once, empty, after the lane is added; then each step's delta (incremental), and sets
+    holder.completion at the end. A later generation on the slot cancels this one: its next delta raises."""
+    started = time.perf_counter()
+    for unfinished in list(slot.active):  # a stream nobody finished: superseded
+        slot.cancel(unfinished)
+    text = Detokenizer.for_tokenizer(slot.loaded.tokenizer, job.stop)
     fresh: list[int] = []
 
     def on_step(event: StepEvent) -> None:
@@ -263,28 +250,30 @@ def _decode(cache: _Cache, job: _Job, holder: TextStream, incremental: bool) -> 
         fresh.clear()
         return text.push(tokens) if incremental else ""
 
-    yield ""
-    _check_active(cache, generation)
-    generation.start(on_step)
-    first = time.perf_counter() - started
-    while True:
-        piece = delta()
-        if piece:
-            yield piece
-        if generation.done:
-            break
-        _check_active(cache, generation)
-        generation.step(on_step)
-    result = generation.result()
+    lane = slot.add(job.ids, job.settings, on_step, run_id=job.run_id, keep=job.keep, trace=job.trace)
+    try:
+        yield ""
+        _check_active(lane)
+        slot.prefill()
+        first = time.perf_counter() - started
+        while True:
+            piece = delta()
+            if piece:
+                yield piece
+            if lane.done:
+                break
+            _check_active(lane)
+            slot.step()
+    finally:
+        slot.cancel(lane)  # a closed or failed stream frees its cache; a finished lane has left already
     rest = text.finish() if incremental else ""
-    cache.active, cache.cached_ids = None, generation.cached_ids
-    holder._finish(completion_of(loaded, result, job.stop, generation, first))
+    holder._finish(completion_of(slot.loaded, lane.result, job.stop, lane.generation, first))
     if rest:
         yield rest
 
 
-def _check_active(cache: _Cache, generation: Generation) -> None:
-    if cache.active is not generation:
+def _check_active(lane: Lane) -> None:
+    if lane.state is State.CANCELLED:
         raise RuntimeError(
             "a later generation on the same model ended this stream's: finish a stream before starting the "
             "next, or give each conversation its own model.conversation()"
@@ -320,7 +309,7 @@ class Conversation:
     def __init__(self, model: Model, system: str | None = None):
         self.model = model
         self.messages: list[dict] = [] if system is None else checked_messages([{"role": "system", "content": system}])
-        self._cache = _Cache(model.loaded.with_own_cache())
+        self._slot = _one_slot(model.loaded.with_own_cache())
 
     def send(
         self,
@@ -336,10 +325,10 @@ class Conversation:
         (a stream: once exhausted). stats.prefill_tokens counts only the tokens the cache did not hold."""
         request = make_request(max_new_tokens, method, temperature, stop, options)
         messages = [*self.messages, *checked_messages([{"role": "user", "content": text}])]
-        loaded = self._cache.loaded
+        loaded = self._slot.loaded
         ids = chat_template_ids(loaded.tokenizer, messages)  # each message checked as it joined
         job = _Job(ids, decode_settings(loaded, request), tuple(request.stop), keep=True)
-        return _start(self._cache, job, stream, lambda done: self._record(messages, done))
+        return _start(self._slot, job, stream, lambda done: self._record(messages, done))
 
     def _record(self, messages: list[dict], completion: Completion) -> None:
         self.messages = [*messages, {"role": "assistant", "content": completion.text}]
@@ -348,25 +337,25 @@ class Conversation:
     def cached_ids(self) -> list[int]:
         """The token ids this conversation's cache holds (its last turn's prompt and answer), which the next turn keeps
         where its prompt starts with them."""
-        return list(self._cache.cached_ids or ())
+        return list(self._slot.held_ids() or ())
 
     @property
     def cached_tokens(self) -> int:
         """Rows of this conversation's cache in use."""
-        return int(getattr(self._cache.loaded.backend, "length", 0))
+        return int(getattr(self._slot.loaded.backend, "length", 0))
 
     @property
     def memory_bytes(self) -> int:
         """What this conversation holds: its cache rows in use x each row's keys and values (all layers), plus its
         conversation's text and the ids its cache holds."""
-        rows = self.cached_tokens * row_bytes(self._cache.loaded.backend)
+        rows = self.cached_tokens * row_bytes(self._slot.loaded.backend)
         text = sum(len(m["content"].encode("utf-8")) for m in self.messages)
-        return rows + text + 8 * len(self._cache.cached_ids or ())
+        return rows + text + 8 * len(self.cached_ids)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and the cache."""
         self.messages = [m for m in self.messages if m["role"] == "system"][:1]
-        self._cache.cached_ids = None
+        self._slot.forget()
 
 
 def row_bytes(backend) -> int:

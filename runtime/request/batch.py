@@ -29,8 +29,10 @@ from itertools import count
 from streamfuse.runtime.backends.batched_step import BatchItem, batch_rows, batch_shapes, batched_step
 from streamfuse.runtime.request.batch_policy import PlainRowsPolicy
 from streamfuse.runtime.request.decode import Generation, GenerationResult, PlannedStep, StepEvent, kept_prefix
+from streamfuse.runtime.request.lifecycle import ENDED, State
 from streamfuse.runtime.request.loader import Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.request.trace import Trace
 
 CANCELLED = "cancelled"  # a cancelled lane's stop reason
 FAILED = "error"  # the stop reason of a lane whose own step raised (BatchDecoder isolate)
@@ -38,21 +40,21 @@ FAILED = "error"  # the stop reason of a lane whose own step raised (BatchDecode
 
 @dataclass(eq=False)
 class Lane:
-    """One sequence of a batch: its generation, on its own cache of the model."""
+    """One sequence of a batch: its generation, on its own cache of the model, and where it stands (queued until
+    the next step prefills it, then decoding until done; failed: its own work raised; cancelled)."""
 
     id: str
     generation: Generation
     model: Loaded = field(repr=False)
     on_step: Callable[[StepEvent], None] | None = None
-    started: bool = False  # prefilled
-    cancelled: bool = False
     tag: object = None  # whose sequences may keep this lane's cache rows once it ends (add's tag)
-    error: Exception | None = None  # what ended it: its own prefill, draft or step raised (isolate)
+    state: State = State.QUEUED
+    error: Exception | None = None  # what failed it: its own prefill, draft or step raised
     _result: GenerationResult | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
-        return self.cancelled or self.error is not None or (self.started and self.generation.done)
+        return self.state in ENDED
 
     @property
     def result(self) -> GenerationResult:
@@ -64,10 +66,15 @@ class Lane:
     def close(self) -> GenerationResult:
         """Its result, made once when the lane ends (its record's seconds end then, not when first read)."""
         self._result = self.generation.result()
-        if (self.cancelled or self.error is not None) and not self.generation.done:
-            reason = FAILED if self.error is not None else CANCELLED
+        if self.state in (State.FAILED, State.CANCELLED) and not self.generation.done:
+            reason = FAILED if self.state is State.FAILED else CANCELLED
             self._result.stop_reason = self._result.run.stop_reason = reason
         return self._result
+
+    def settle(self) -> None:
+        """Done once its generation is (after a prefill or a step that emitted its last token)."""
+        if self.state is State.DECODING and self.generation.done:
+            self.state = State.DONE
 
 
 class BatchDecoder:
@@ -80,10 +87,12 @@ class BatchDecoder:
         plain_rows: bool = True,
         policy: PlainRowsPolicy | None = None,
         isolate: bool = False,
+        own_cache: bool = False,
     ):
         """plain_rows: apply a batch policy, `policy` (one that measured this model already) or a new one; isolate: a
         sequence whose own work raises ends alone, its lane among step()'s finished with .error set (else the
-        step raises)."""
+        step raises, the lane failed); own_cache: the first sequence decodes on `loaded`'s own cache (a Model's
+        one-slot decoder: no second cache), the others on caches of their own."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         self.loaded = loaded
@@ -94,7 +103,7 @@ class BatchDecoder:
         self.steps = self.shared_steps = self.plain_steps = 0  # steps; those of 2+ sequences; those run as plain rows
         self.active: list[Lane] = []
         # caches whose sequence ended: the ids they hold (None: unknown after a failure) and their tag
-        self._free: list[tuple[Loaded, list[int] | None, object]] = []
+        self._free: list[tuple[Loaded, list[int] | None, object]] = [(loaded, None, None)] if own_cache else []
         self._scratch = None  # the backend whose cache pads a batched call of fewer sequences
         self._ids = count()
 
@@ -106,10 +115,13 @@ class BatchDecoder:
         run_id: str = "0",
         tag: object = None,
         capacity: int | None = None,
+        keep: bool = True,
+        trace: Trace | None = None,
     ) -> Lane:
         """A new sequence, checked now (ValueError: a bad prompt or settings, or the batch full); it prefills on
-        the next step(). tag: it keeps cache rows only of a sequence of the same tag. capacity: the KV positions
-        its caller's runtime/request/checks.py check_fits granted (the prompt checked there; None: checked here)."""
+        the next step() (or prefill()). tag: it keeps cache rows only of a sequence of the same tag (keep=False:
+        none, a fresh prefill). capacity: the KV positions its caller's runtime/request/checks.py check_fits
+        granted (the prompt checked there; None: checked here). trace: records its run under run_id."""
         if len(self.active) >= self.max_sequences:
             raise ValueError(
                 f"the batch decodes {self.max_sequences} sequences already: wait for one to finish or raise "
@@ -122,9 +134,10 @@ class BatchDecoder:
                 ids,
                 settings,
                 model.drafter(settings),
+                trace=trace,
                 run_id=run_id,
                 detokenizer=self._detokenize,
-                keep=cached,
+                keep=cached if keep else None,
                 capacity=capacity,
             )
         except BaseException:
@@ -137,7 +150,7 @@ class BatchDecoder:
     def step(self) -> list[Lane]:
         """One step of every active sequence (those added since the last step prefill first) -> the lanes that
         finished, no longer active."""
-        self._prefill_new()
+        self.prefill()
         running = [lane for lane in self.active if not lane.done]
         judged = self.policy is not None and any(map(_may_run_plain, running))
         plain = judged and self.policy.plain_rows(len(running))
@@ -155,42 +168,57 @@ class BatchDecoder:
         if judged:  # the step's cost and tokens, for the policy's next choice
             tokens = sum(len(lane.generation.cached_ids) for lane in running) - cached
             self.policy.observe(len(running), plain, time.perf_counter() - started, tokens)
+        for lane in running:
+            lane.settle()
         finished = [lane for lane in self.active if lane.done]
         for lane in finished:
             self._release(lane)
         return finished
 
-    def _prefill_new(self) -> None:
+    def prefill(self) -> None:
+        """Prefill the sequences added since the last step (each emits its first token); step() does it first."""
         started = time.perf_counter()
         for lane in self.active:
-            if not lane.started:
+            if lane.state is State.QUEUED:
+                lane.state = State.PREFILLING
                 with self._guard([lane]):
                     lane.generation.start(lane.on_step)
-                lane.started = True
+                    lane.state = State.DECODING
+                lane.settle()
         self.prefill_seconds += time.perf_counter() - started
 
     def cancel(self, lane: Lane) -> None:
-        """Stop a sequence at once; its cache serves the next sequence added."""
+        """Stop a sequence at once (a failed one: free its cache); its cache serves the next sequence added."""
         if lane in self.active:
-            lane.cancelled = True
+            if not lane.done:
+                lane.state = State.CANCELLED
             self._release(lane)
+
+    def held_ids(self) -> list[int] | None:
+        """The ids a free cache holds (a one-slot decoder's between its sequences; None: none known)."""
+        return next((cached for _, cached, _ in self._free if cached is not None), None)
+
+    def forget(self) -> None:
+        """Free caches keep no rows for the next sequence (each is reset when used)."""
+        self._free = [(model, None, tag) for model, _, tag in self._free]
 
     def _release(self, lane: Lane) -> None:
         lane.close()
         self.active.remove(lane)
-        cached = None if lane.error is not None else lane.generation.cached_ids  # a failed step: the cache is unknown
+        cached = None if lane.state is State.FAILED else lane.generation.cached_ids  # a failed step: rows unknown
         self._free.append((lane.model, cached, lane.tag))
 
     @contextmanager
     def _guard(self, lanes: list[Lane]):
-        """With isolate, an exception in the lanes' own work ends those lanes (their .error), not the step."""
+        """An exception in the lanes' own work fails those lanes (their .error); with isolate it ends them alone,
+        else it ends the step too."""
         try:
             yield
         except Exception as error:
+            for lane in lanes:
+                lane.error, lane.state = lane.error or error, State.FAILED
             if not self.isolate:
                 raise
-            for lane in lanes:
-                lane.error = lane.error or error
 
     def _cache_for(self, ids: list[int], tag: object) -> tuple[Loaded, list[int] | None]:
         """The free cache of the same tag that shares the longest prefix with `ids` (a system prompt, a task's
