@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from streamfuse.apps.request_body import Parsed
 from streamfuse.apps.slot import Step
-from streamfuse.runtime.request.api import Completion
+from streamfuse.runtime.request.completion import Completion
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 

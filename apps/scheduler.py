@@ -25,7 +25,6 @@ import time
 
 from streamfuse.apps.server_metrics import Metrics
 from streamfuse.apps.slot import Slot
-from streamfuse.runtime.request.api import completion_of
 from streamfuse.runtime.request.batch import BatchDecoder
 from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import Loaded
@@ -169,7 +168,7 @@ class Scheduler:
             slot.fail(f"the request waited past its deadline of {slot.timeout:g} s (--request-timeout)", 504)
             return False
         if slot.stream:
-            slot.detokenizer = Detokenizer.for_tokenizer(self.loaded.tokenizer, slot.settings.rules.stop_strings)
+            slot.detokenizer = Detokenizer.for_tokenizer(self.loaded.tokenizer, slot.stop)
         try:
             slot.lane = self.decoder.add(
                 slot.ids, slot.settings, slot.on_step, run_id=slot.id, tag=slot.tag, capacity=slot.capacity
@@ -204,8 +203,7 @@ class Scheduler:
                 error = lane.error
                 slot.fail(f"this request's decode failed ({type(error).__name__}: {error}); other requests go on")
                 continue
-            stop = slot.settings.rules.stop_strings
-            slot.finish(completion_of(self.loaded, lane.result, stop, lane.generation, slot.first_token or 0.0))
+            slot.finish(self.loaded)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Fail every admitted slot and free its lane (the decoder may be in any state: nothing here raises)."""

@@ -1,10 +1,11 @@
-"""A request's life in the server, in one object: a Slot, from queued to done, failed or cancelled (the states of
-runtime/request/lifecycle.py, which a batch decoder's lane shares).
+"""A request's life in the server, in one object: the runtime's Slot (runtime/request/slot.py: its state, lane,
+detokenizer, time to first token and Completion, as Model.run's) with what the server adds: its deadline, cache
+tag, metrics and the queue its HTTP handler reads.
 
 The worker thread (apps/scheduler.py) moves it and calls its step callback; the slot detokenizes a streamed
-request's tokens there (off the event loop), times its first token, builds its Completion once, and hands the
-HTTP handler events through an asyncio queue: Delta (streamed text, with the step's tokens when asked), then
-Finished or Failed. The handler only translates those to HTTP.
+request's tokens there (off the event loop), and hands the HTTP handler events through an asyncio queue: Delta
+(streamed text, with the step's tokens when asked), then Finished or Failed. The handler only translates those to
+HTTP.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.runtime.request.api import Completion
+from streamfuse.runtime.request.completion import Completion
 from streamfuse.runtime.request.decode import StepEvent
-from streamfuse.runtime.request.lifecycle import ENDED, State
-from streamfuse.runtime.request.settings import DecodeSettings
-from streamfuse.runtime.request.text_stream import Detokenizer
+from streamfuse.runtime.request.lifecycle import State
+from streamfuse.runtime.request.loader import Loaded
+from streamfuse.runtime.request.slot import Slot as RequestSlot
 
 
 class InjectedFault(RuntimeError):
@@ -70,11 +71,10 @@ Event = Delta | Finished | Failed
 
 
 @dataclass(eq=False)
-class Slot:
-    """One request: its prompt and settings, where it stands, and the queue its handler reads."""
+class Slot(RequestSlot):
+    """One request as the server holds it: the runtime's slot (its state, lane, detokenizer, time to first token,
+    Completion), the queue its handler reads and what HTTP asks of it."""
 
-    ids: list[int]
-    settings: DecodeSettings
     loop: asyncio.AbstractEventLoop | None
     stream: bool = False
     steps: bool = False  # streamed Deltas carry their Step
@@ -85,13 +85,7 @@ class Slot:
         None  # KV positions its parse granted (runtime/request/checks.py's check_fits); None: check it
     )
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    state: State = State.QUEUED
     id: str = ""
-    arrived: float = field(default_factory=time.monotonic)
-    first_token: float | None = None  # seconds from arrival to the first token
-    detokenizer: Detokenizer | None = None  # a stream's, made at admission
-    completion: Completion | None = None
-    lane: object = None  # its runtime/request/batch.py Lane while it decodes
     cancelled: bool = False  # set from the event loop, read by the worker: a plain flag is enough
     metrics: Metrics | None = None
     _count: int = 0  # steps so far
@@ -100,10 +94,6 @@ class Slot:
     @property
     def deadline(self) -> float:
         return self.arrived + self.timeout
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ENDED
 
     def push(self, event: Event) -> None:
         """Hand an event to the handler's event loop (from the worker thread)."""
@@ -116,10 +106,8 @@ class Slot:
         """The decoder's callback (the worker thread): time the tokens, detokenize a stream's, push them."""
         if self.cancelled:
             return
+        super().on_step(event)  # its first token: decoding, and its time
         now, self._count = time.monotonic(), self._count + 1
-        if self.first_token is None:
-            self.first_token = now - self.arrived
-            self.state = State.DECODING
         if self.metrics is not None:
             speculative = bool(event.drafted) and not event.plain
             waited = None if self._count == 1 else now - self._last
@@ -141,10 +129,12 @@ class Slot:
         rejected = max(0, len(event.drafted) - event.accepted_drafts)
         return Delta("".join(text for text, _ in pieces), Step(self._count, pieces, rejected, event.plain))
 
-    def finish(self, completion: Completion) -> None:
-        self.completion, self.state = completion, State.DONE
+    def finish(self, loaded: Loaded) -> Completion:
+        """Done: its Completion (the runtime slot's), then the rest of its stream's text, to the handler."""
+        completion = super().finish(loaded)
         rest = self.detokenizer.finish() if self.detokenizer is not None else ""
         self.push(Finished(completion, rest))
+        return completion
 
     def fail(self, message: str, status: int = 500, kind: str = "server_error") -> None:
         if self.ended:

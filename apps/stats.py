@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from streamfuse.runtime.request.api import Completion
+from streamfuse.runtime.request.completion import Completion
 from streamfuse.runtime.request.decode import StepEvent
 
 STOP_LABELS = {"max_new_tokens": "max tokens", "stop_string": "stop string"}

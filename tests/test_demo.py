@@ -18,7 +18,7 @@ from streamfuse.apps.examples import read_examples
 from streamfuse.apps.markup import ACCEPTED, CORRECTION, PLAIN, REJECTED, Segment, SegmentBuilder, output_text
 from streamfuse.apps.stats import RunStats, comparison, stat_fields
 from streamfuse.runtime.methods import registry as methods
-from streamfuse.runtime.request.api import Completion, Stats
+from streamfuse.runtime.request.completion import Completion, Stats
 from streamfuse.runtime.request.decode import StepEvent
 from streamfuse.runtime.request.loader import BACKENDS
 from streamfuse.runtime.request.trace import RunRecord

@@ -18,8 +18,9 @@ from streamfuse.runtime.backends.threads import use_threads
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.commands.options import add_model_options, check_model_options
 from streamfuse.runtime.methods import registry
-from streamfuse.runtime.request.api import Completion, Model
+from streamfuse.runtime.request.api import Model
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DEFAULT_TREE, DecodeRequest, check_task, decode_settings
+from streamfuse.runtime.request.completion import Completion
 from streamfuse.runtime.request.frontend import load_model, new_trace
 from streamfuse.runtime.request.inputs import Input, prompt_ids, read_input_file, source_overflow
 from streamfuse.runtime.request.loader import Loaded

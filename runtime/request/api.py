@@ -14,61 +14,26 @@ kept between its turns. Bad values are ValueErrors of one line, raised when the 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from streamfuse.runtime.artifact.prompt import check_text
 from streamfuse.runtime.backends.threads import check_threads, use_threads
-from streamfuse.runtime.request.batch import BatchDecoder, Lane
+from streamfuse.runtime.request.batch import BatchDecoder
 from streamfuse.runtime.request.checks import DEFAULT_METHOD, DecodeRequest, check_prompt_format, decode_settings
-from streamfuse.runtime.request.decode import Generation, GenerationResult, StepEvent
+from streamfuse.runtime.request.completion import Completion
+from streamfuse.runtime.request.decode import StepEvent
 from streamfuse.runtime.request.frontend import load_model
 from streamfuse.runtime.request.inputs import prompt_ids
 from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import BACKENDS, Loaded
 from streamfuse.runtime.request.settings import DecodeSettings
-from streamfuse.runtime.request.text_stream import Detokenizer, final_text
-from streamfuse.runtime.request.trace import RunRecord, Trace
+from streamfuse.runtime.request.slot import Slot
+from streamfuse.runtime.request.text_stream import Detokenizer
+from streamfuse.runtime.request.trace import Trace
 
 ROLES = ("system", "user", "assistant")  # the roles a chat template renders
-
-
-@dataclass(frozen=True)
-class Stats:
-    """What one generation cost and how speculation went."""
-
-    new_tokens: int
-    steps: int  # decode steps after the prefill, one target call each
-    accepted_per_step: float  # draft tokens the target accepted per speculative step (0: plain decoding)
-    model_calls: int  # target calls, the prefill's included
-    seconds: float  # the whole generation, prefill included
-    prefill_tokens: int  # prompt tokens prefilled: a conversation's turn prefills only what its cache lacks
-    time_to_first_token: float  # seconds from the call to the first token (the prefill's)
-    prompt_tokens: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def tokens_per_call(self) -> float:
-        """New tokens per target call: the call reduction speculation buys (plain decoding: 1)."""
-        return self.new_tokens / self.model_calls if self.model_calls else 0.0
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished generation: its text (special tokens skipped, cut where a stop string starts, stripped), the
-    token ids the model emitted (a stop string's tokens included), why it stopped, and the run's record (each
-    step's tokens and drafts, the phases' seconds, peak memory: what the tools report)."""
-
-    text: str
-    token_ids: list[int]
-    stop_reason: str  # "eos", "stop_string" or "max_new_tokens"
-    stats: Stats
-    record: RunRecord
 
 
 class TextStream:
@@ -96,20 +61,7 @@ class TextStream:
             self._on_done(completion)
 
 
-@dataclass(frozen=True)
-class _Job:
-    """One generation to run: its prompt ids, settings and stop strings, and whether it reuses the cache."""
-
-    ids: list[int]
-    settings: DecodeSettings
-    stop: tuple[str, ...]
-    keep: bool = False  # start from the rows the cache's last generation left
-    trace: Trace | None = None
-    run_id: str = "0"
-    on_step: Callable[[StepEvent], None] | None = None  # each step's tokens and drafts (a demo marks them)
-
-
-def _one_slot(loaded: Loaded) -> BatchDecoder:
+def _one_lane(loaded: Loaded) -> BatchDecoder:
     """A batch of one sequence on `loaded`'s own cache: how the API drives a generation, as the server drives
     many (greedy speculative steps stay speculative: no plain-rows policy at one sequence)."""
     return BatchDecoder(loaded, max_sequences=1, plain_rows=False, own_cache=True)
@@ -120,7 +72,7 @@ class Model:
 
     def __init__(self, loaded: Loaded):
         self.loaded = loaded
-        self._slot = _one_slot(loaded)
+        self._decoder = _one_lane(loaded)
 
     @property
     def backend(self) -> str:
@@ -213,15 +165,15 @@ class Model:
         if request is None and settings is None:
             raise ValueError("Model.run needs a DecodeRequest or the DecodeSettings made of one")
         settings = decode_settings(self.loaded, request) if settings is None else settings
-        job = _Job(list(ids), settings, () if request is None else tuple(request.stop))
-        return _start(self._slot, replace(job, trace=trace, run_id=run_id, on_step=on_step), stream)
+        slot = Slot(list(ids), settings, trace=trace, run_id=run_id, observer=on_step)
+        return _start(self._decoder, slot, stream)
 
 
-def _start(slot: BatchDecoder, job: _Job, stream: bool, on_done=None) -> Completion | TextStream:
+def _start(decoder: BatchDecoder, slot: Slot, stream: bool, on_done=None) -> Completion | TextStream:
     """Ready the cache at the call (its errors come there, not at the first delta), then decode: to the end, or
     as a stream. on_done: called with the Completion once the generation ends."""
     holder = TextStream(iter(()), on_done)
-    deltas = _decode(slot, job, holder, incremental=stream)
+    deltas = _decode(decoder, slot, holder, incremental=stream)
     next(deltas)  # Generation.begin: the prompt's checks (request.check_fits), then the cache reset (or kept rows)
     holder._deltas = deltas
     if stream:
@@ -231,74 +183,54 @@ def _start(slot: BatchDecoder, job: _Job, stream: bool, on_done=None) -> Complet
     return holder.completion
 
 
-def _decode(slot: BatchDecoder, job: _Job, holder: TextStream, incremental: bool) -> Iterator[str]:
-    """Generator: yields once, empty, after the lane is added; then each step's delta (incremental), and sets
-    holder.completion at the end. A later generation on the slot cancels this one: its next delta raises."""
-    started = time.perf_counter()
-    for unfinished in list(slot.active):  # a stream nobody finished: superseded
-        slot.cancel(unfinished)
-    text = Detokenizer.for_tokenizer(slot.loaded.tokenizer, job.stop)
+def _decode(decoder: BatchDecoder, slot: Slot, holder: TextStream, incremental: bool) -> Iterator[str]:
+    """Generator: yields once, empty, once the slot has its lane; then each step's delta (incremental), and sets
+    holder.completion at the end. A later generation on the decoder cancels this one: its next delta raises."""
+    for unfinished in list(decoder.active):  # a stream nobody finished: superseded
+        decoder.cancel(unfinished)
+    if incremental:
+        slot.detokenizer = Detokenizer.for_tokenizer(decoder.loaded.tokenizer, slot.stop)
     fresh: list[int] = []
 
     def on_step(event: StepEvent) -> None:
         fresh.extend(event.tokens)
-        if job.on_step is not None:
-            job.on_step(event)
+        slot.on_step(event)
 
     def delta() -> str:
         tokens = list(fresh)
         fresh.clear()
-        return text.push(tokens) if incremental else ""
+        return slot.detokenizer.push(tokens) if incremental else ""
 
-    lane = slot.add(job.ids, job.settings, on_step, run_id=job.run_id, keep=job.keep, trace=job.trace)
+    slot.lane = decoder.add(slot.ids, slot.settings, on_step, run_id=slot.run_id, keep=slot.keep, trace=slot.trace)
+    slot.state = State.PREFILLING
     try:
         yield ""
-        _check_active(lane)
-        slot.prefill()
-        first = time.perf_counter() - started
+        _check_active(slot)
+        decoder.prefill()
         while True:
             piece = delta()
             if piece:
                 yield piece
-            if lane.done:
+            if slot.lane.done:
                 break
-            _check_active(lane)
-            slot.step()
+            _check_active(slot)
+            decoder.step()
     finally:
-        slot.cancel(lane)  # a closed or failed stream frees its cache; a finished lane has left already
-    rest = text.finish() if incremental else ""
-    holder._finish(completion_of(slot.loaded, lane.result, job.stop, lane.generation, first))
+        decoder.cancel(slot.lane)  # a closed or failed stream frees its cache; a finished lane has left already
+        if slot.lane.state is not State.DONE:
+            slot.state = slot.lane.state
+    rest = slot.detokenizer.finish() if incremental else ""
+    holder._finish(slot.finish(decoder.loaded))
     if rest:
         yield rest
 
 
-def _check_active(lane: Lane) -> None:
-    if lane.state is State.CANCELLED:
+def _check_active(slot: Slot) -> None:
+    if slot.lane.state is State.CANCELLED:
         raise RuntimeError(
             "a later generation on the same model ended this stream's: finish a stream before starting the "
             "next, or give each conversation its own model.conversation()"
         )
-
-
-def completion_of(
-    loaded: Loaded, result: GenerationResult, stop: Sequence[str], generation: Generation, first: float
-) -> Completion:
-    """A finished generation as the API reports it."""
-    record = result.run
-    steps = record.steps
-    accepted = sum(s.accepted_depth for s in steps) / len(steps) if steps else 0.0
-    stats = Stats(
-        new_tokens=record.new_tokens,
-        steps=record.model_calls - 1,
-        accepted_per_step=accepted,
-        model_calls=record.model_calls,
-        seconds=record.seconds,
-        prefill_tokens=generation.prefilled,
-        time_to_first_token=first,
-        prompt_tokens=record.prompt_tokens,
-    )
-    raw = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    return Completion(final_text(raw, stop), list(result.token_ids), result.stop_reason, stats, record)
 
 
 class Conversation:
@@ -309,7 +241,7 @@ class Conversation:
     def __init__(self, model: Model, system: str | None = None):
         self.model = model
         self.messages: list[dict] = [] if system is None else checked_messages([{"role": "system", "content": system}])
-        self._slot = _one_slot(model.loaded.with_own_cache())
+        self._decoder = _one_lane(model.loaded.with_own_cache())
 
     def send(
         self,
@@ -325,10 +257,10 @@ class Conversation:
         (a stream: once exhausted). stats.prefill_tokens counts only the tokens the cache did not hold."""
         request = make_request(max_new_tokens, method, temperature, stop, options)
         messages = [*self.messages, *checked_messages([{"role": "user", "content": text}])]
-        loaded = self._slot.loaded
+        loaded = self._decoder.loaded
         ids = chat_template_ids(loaded.tokenizer, messages)  # each message checked as it joined
-        job = _Job(ids, decode_settings(loaded, request), tuple(request.stop), keep=True)
-        return _start(self._slot, job, stream, lambda done: self._record(messages, done))
+        slot = Slot(ids, decode_settings(loaded, request), keep=True)
+        return _start(self._decoder, slot, stream, lambda done: self._record(messages, done))
 
     def _record(self, messages: list[dict], completion: Completion) -> None:
         self.messages = [*messages, {"role": "assistant", "content": completion.text}]
@@ -337,25 +269,25 @@ class Conversation:
     def cached_ids(self) -> list[int]:
         """The token ids this conversation's cache holds (its last turn's prompt and answer), which the next turn keeps
         where its prompt starts with them."""
-        return list(self._slot.held_ids() or ())
+        return list(self._decoder.held_ids() or ())
 
     @property
     def cached_tokens(self) -> int:
         """Rows of this conversation's cache in use."""
-        return int(getattr(self._slot.loaded.backend, "length", 0))
+        return int(getattr(self._decoder.loaded.backend, "length", 0))
 
     @property
     def memory_bytes(self) -> int:
         """What this conversation holds: its cache rows in use x each row's keys and values (all layers), plus its
         conversation's text and the ids its cache holds."""
-        rows = self.cached_tokens * row_bytes(self._slot.loaded.backend)
+        rows = self.cached_tokens * row_bytes(self._decoder.loaded.backend)
         text = sum(len(m["content"].encode("utf-8")) for m in self.messages)
         return rows + text + 8 * len(self.cached_ids)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and the cache."""
         self.messages = [m for m in self.messages if m["role"] == "system"][:1]
-        self._slot.forget()
+        self._decoder.forget()
 
 
 def row_bytes(backend) -> int:

@@ -1,5 +1,5 @@
-"""Where a request stands, one enum for every front end: a batch decoder's lane (runtime/request/batch.py) and the
-server's slot (apps/slot.py) move through the same states.
+"""Where a request stands, one enum for every front end: a request's Slot (runtime/request/slot.py, the server's
+too) and its batch decoder's lane (runtime/request/batch.py) move through the same states.
 
     queued -> prefilling -> decoding -> done
         \\-------------\\----------\\-> failed (its own work raised; in a server: its deadline passed)
