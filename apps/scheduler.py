@@ -24,7 +24,7 @@ import threading
 import time
 
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.apps.slot import Slot
+from streamfuse.apps.slot import ServerSlot
 from streamfuse.runtime.request.batch import BatchDecoder
 from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import Loaded
@@ -57,9 +57,9 @@ class Scheduler:
         self.plain_rows = plain_rows
         self.metrics = metrics or Metrics()
         self.max_restarts = max_restarts
-        self.waiting: queue.Queue[Slot | None] = queue.Queue(queue_size)
+        self.waiting: queue.Queue[ServerSlot | None] = queue.Queue(queue_size)
         self.decoder = self._new_decoder()
-        self.slots: dict[str, Slot] = {}  # lane id -> its slot
+        self.slots: dict[str, ServerSlot] = {}  # lane id -> its slot
         self.counter = itertools.count()
         self.thread: threading.Thread | None = None
         self.closed = False
@@ -100,7 +100,7 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    def submit(self, slot: Slot) -> None:
+    def submit(self, slot: ServerSlot) -> None:
         """Queue a slot; QueueFull at once when the queue holds its maximum or no worker serves."""
         if self.closed:
             raise QueueFull("the server is shutting down")
@@ -113,7 +113,7 @@ class Scheduler:
             raise QueueFull(f"the server's queue holds its maximum of {self.waiting.maxsize} requests") from None
 
     @staticmethod
-    def cancel(slot: Slot) -> None:
+    def cancel(slot: ServerSlot) -> None:
         """Drop a slot (its client went away): its lane is freed before the next step."""
         slot.cancelled = True
 
@@ -160,7 +160,7 @@ class Scheduler:
             admitted |= self._add(slot)
         return admitted
 
-    def _add(self, slot: Slot) -> bool:
+    def _add(self, slot: ServerSlot) -> bool:
         if slot.cancelled:
             slot.state = State.CANCELLED
             return False

@@ -44,7 +44,7 @@ from streamfuse.apps.http_guard import KEY_SCOPE, Access, Guard, is_loopback, re
 from streamfuse.apps.request_body import MAX_BODY_BYTES, Limits, Parsed, RequestError, parse, read_body
 from streamfuse.apps.scheduler import QueueFull, Scheduler
 from streamfuse.apps.server_metrics import Metrics
-from streamfuse.apps.slot import Delta, Failed, Finished, Slot
+from streamfuse.apps.slot import Delta, Failed, Finished, ServerSlot
 from streamfuse.runtime.backends.threads import threads_type
 from streamfuse.runtime.commands import errors
 from streamfuse.runtime.request.api import Model, load
@@ -62,7 +62,7 @@ class EventStream:
     """Server-sent events whose every send must complete within SEND_SECONDS; the slot is cancelled however the
     stream ends (done, client gone, client stalled)."""
 
-    def __init__(self, events, slot: Slot, headers: dict):
+    def __init__(self, events, slot: ServerSlot, headers: dict):
         from starlette.responses import StreamingResponse
 
         self.response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -149,7 +149,7 @@ class Server:
         parsed = await loop.run_in_executor(self.parser, parse, self.model, raw, chat, self.name, self.limits)
         if (reason := self.scheduler.health()) is not None:
             return error_response(503, f"the server is unhealthy ({reason})", "server_error")
-        slot = Slot(parsed.ids, parsed.settings, loop, parsed.stream, parsed.steps, self.tag(request, parsed))
+        slot = ServerSlot(parsed.ids, parsed.settings, loop, parsed.stream, parsed.steps, self.tag(request, parsed))
         slot.timeout, slot.fault_after, slot.capacity = self.timeout, parsed.fault_after, parsed.capacity
         try:
             self.scheduler.submit(slot)
@@ -174,21 +174,21 @@ class Server:
         key = request.scope.get(KEY_SCOPE, "") if self.isolation == "key" else ""
         return (key, parsed.salt) if key or parsed.salt else None
 
-    async def next_event(self, slot: Slot, wait: float):
+    async def next_event(self, slot: ServerSlot, wait: float):
         """The slot's next event, or None after `wait` seconds without one."""
         try:
             return await asyncio.wait_for(slot.events.get(), max(wait, 0.0))
         except asyncio.TimeoutError:
             return None
 
-    def timed_out(self, slot: Slot) -> Failed | None:
+    def timed_out(self, slot: ServerSlot) -> Failed | None:
         """A request still waiting past its deadline (the worker did not end it: a step stuck): its failure."""
         if time.monotonic() < slot.deadline + DEADLINE_GRACE:
             return None
         Scheduler.cancel(slot)
         return Failed(f"the request ran past its deadline of {slot.timeout:g} s (--request-timeout)", 504)
 
-    async def collect(self, slot: Slot, request) -> Finished | Failed | None:
+    async def collect(self, slot: ServerSlot, request) -> Finished | Failed | None:
         """The slot's end; None when its client went away (the slot is cancelled)."""
         while True:
             event = await self.next_event(slot, DISCONNECT_POLL_SECONDS)
@@ -200,7 +200,7 @@ class Server:
             if (late := self.timed_out(slot)) is not None:
                 return late
 
-    async def events(self, slot: Slot, answer: Answer):
+    async def events(self, slot: ServerSlot, answer: Answer):
         """Server-sent events of a slot, a keep-alive comment while none comes; ends at the slot's end or past its
         deadline (an error event, then [DONE])."""
         if answer.parsed.chat:

@@ -1,6 +1,6 @@
-"""A request's life in the server, in one object: the runtime's Slot (runtime/request/slot.py: its state, lane,
-detokenizer, time to first token and Completion, as Model.run's) with what the server adds: its deadline, cache
-tag, metrics and the queue its HTTP handler reads.
+"""A request's life in the server, in one object, a ServerSlot: the runtime's Slot (runtime/request/slot.py: its
+state, lane, detokenizer, time to first token and Completion, as Model.run's) with what the server adds: its
+deadline, cache tag, metrics and the queue its HTTP handler reads.
 
 The worker thread (apps/scheduler.py) moves it and calls its step callback; the slot detokenizes a streamed
 request's tokens there (off the event loop), and hands the HTTP handler events through an asyncio queue: Delta
@@ -20,7 +20,7 @@ from streamfuse.runtime.request.completion import Completion
 from streamfuse.runtime.request.decode import StepEvent
 from streamfuse.runtime.request.lifecycle import State
 from streamfuse.runtime.request.loader import Loaded
-from streamfuse.runtime.request.slot import Slot as RequestSlot
+from streamfuse.runtime.request.slot import Slot
 
 
 class InjectedFault(RuntimeError):
@@ -71,7 +71,7 @@ Event = Delta | Finished | Failed
 
 
 @dataclass(eq=False)
-class Slot(RequestSlot):
+class ServerSlot(Slot):
     """One request as the server holds it: the runtime's slot (its state, lane, detokenizer, time to first token,
     Completion), the queue its handler reads and what HTTP asks of it."""
 

@@ -187,10 +187,10 @@ def test_model_generate_checks_once(model, counts, as_task):
 
 def test_a_server_request_is_checked_once_from_parse_to_admission(model, counts):
     from streamfuse.apps.scheduler import Scheduler
-    from streamfuse.apps.slot import Slot
+    from streamfuse.apps.slot import ServerSlot
 
     parsed = server_parse(model, {"prompt": PROMPT, "max_tokens": 3})
-    slot = Slot(parsed.ids, parsed.settings, None, capacity=parsed.capacity)  # as the server's handler makes it
+    slot = ServerSlot(parsed.ids, parsed.settings, None, capacity=parsed.capacity)  # as the server's handler makes it
     scheduler = Scheduler(model.loaded)
     assert scheduler._add(slot)  # the worker's admission: BatchDecoder.add -> Generation.begin
     assert counts == {**dict.fromkeys(counts, 0), **dict.fromkeys(ONCE, 1)}

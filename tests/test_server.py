@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai", reason="the dev extra's official client")
 
 from streamfuse.apps.scheduler import Scheduler  # noqa: E402
 from streamfuse.apps.server import create_app  # noqa: E402
-from streamfuse.apps.slot import Delta, Finished, Slot  # noqa: E402
+from streamfuse.apps.slot import Delta, Finished, ServerSlot  # noqa: E402
 from streamfuse.runtime.request import api, frontend  # noqa: E402
 
 from tiny_export import EXPORTED  # noqa: E402
@@ -291,7 +291,7 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
         model.loaded, frontend.DecodeRequest(max_new_tokens=8, method=frontend.BASELINE_METHOD)
     )
     prompts = [PROMPT, "what time is it", "they said you are not there", "how many people"]
-    jobs = [Slot(model.tokenizer(p, add_special_tokens=False)["input_ids"], settings, loop) for p in prompts]
+    jobs = [ServerSlot(model.tokenizer(p, add_special_tokens=False)["input_ids"], settings, loop) for p in prompts]
     for job in jobs:
         scheduler.submit(job)
     scheduler.start()
@@ -311,7 +311,7 @@ def test_requests_admitted_together_share_each_step(artifact, backend, monkeypat
         assert done.completion.token_ids == alone.generate(ids, 8, method=frontend.BASELINE_METHOD).token_ids
 
 
-async def last_event(slot: Slot) -> Finished:
+async def last_event(slot: ServerSlot) -> Finished:
     while not isinstance(event := await slot.events.get(), Finished):
         assert isinstance(event, Delta), event
     return event
@@ -321,7 +321,7 @@ def test_a_full_queue_is_a_503_at_once(loaded):
     stalled = serve(loaded, lifespan="off", max_sequences=1, queue=1)  # no scheduler thread: nothing leaves the queue
     try:
         settings = frontend.decode_settings(loaded.loaded, frontend.DecodeRequest(max_new_tokens=4))
-        stalled.scheduler.submit(Slot([5, 6], settings, loop=None))
+        stalled.scheduler.submit(ServerSlot([5, 6], settings, loop=None))
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:
             stalled.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
