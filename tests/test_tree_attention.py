@@ -47,7 +47,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dim", [DIM, 64], ids=["dim-20", "dim-64"])  # 64: keys eight at a time (dot8, exp_poly8)
+@pytest.mark.parametrize("dim", [DIM, 64], ids=["dim-20", "dim-64"])  # 64: dot8, exp_in_place, AVX-512 pairs
 @pytest.mark.parametrize("scale", [0.3, 25.0], ids=["scale-0.3", "underflow"])  # 25: exps below EXP_FLOOR
 @pytest.mark.parametrize("start, visible", CASES)
 def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim, scale):
@@ -69,7 +69,7 @@ def test_the_kernel_is_its_reference_bit_for_bit(start, visible, dim, scale):
     seed=st.integers(0, 2**31),
 )
 def test_any_visibility_of_many_extra_keys_is_the_reference_bit_for_bit(start, rows, extra, dim, seed):
-    """Extra keys scored and weighed eight at a time where a row sees one of them (dot8, exp_poly8) and summed in
+    """Extra keys scored and weighed eight at a time where a row sees one of them (dot8, exp_in_place) and summed in
     runs of consecutive seen keys: the reference's one-key-at-a-time bits, whatever the pattern (gaps, whole
     blocks unseen, tails)."""
     rng = np.random.default_rng(seed)

@@ -13,7 +13,7 @@
 // Arithmetic (the Python reference in runtime/ops/tree_attention.py repeats it exactly): float32 throughout;
 // a dot product over head_dim in LANES partial sums (lane l takes elements l, l + LANES, ...), then the
 // partials added pairwise ((0+1)+(2+3))+((4+5)+(6+7)); exp as exp_poly below; no fused multiply-add
-// (built with -ffp-contract=off).
+// (built with -ffp-contract=off). Each path (AttentionPath) makes these operations: the same bits on all.
 //
 // The cache lives in the engine: a call also STORES its first `store` extra rows into the cache at slots
 // start.. of its layer (store_rows, after the attention, which never reads those slots), and commit_rows
@@ -31,6 +31,11 @@
 
 #include "boundary.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define STREAMFUSE_ATTENTION_X86 1
+#endif
+
 namespace streamfuse {
 
 constexpr int64_t LANES = 8;
@@ -45,7 +50,27 @@ struct TreeAttentionArgs {
   float* out;            // [rows, heads, dim]
   int64_t heads, kv_heads, rows, dim, capacity, start, extra;
   float scale;
+  int64_t path;  // AttentionPath, resolved (validate_attention sets the fastest this CPU runs)
 };
+
+// kAttentionGeneric: the 8 lanes below, one AVX2 register (or two SSE halves). kAttentionPairs: two queries' 8 lanes
+// side by side in one AVX-512 register (scores, exps and values), each half the same operations in the same order:
+// the same bits, half the vector instructions.
+enum AttentionPath : int64_t { kAttentionAuto = 0, kAttentionGeneric = 1, kAttentionPairs = 2 };
+
+// `wanted` if this CPU runs it (kAttentionAuto: the fastest, pairs only on non-AMD CPUs: a Zen 4 splits each
+// 512-bit operation in two, so pairs would save it nothing), else -1.
+inline int64_t resolve_attention_path(int64_t wanted) {
+#ifdef STREAMFUSE_ATTENTION_X86
+  __builtin_cpu_init();
+  const bool pairs = __builtin_cpu_supports("avx512f");
+  if (wanted == kAttentionAuto) return pairs && !__builtin_cpu_is("amd") ? kAttentionPairs : kAttentionGeneric;
+#else
+  const bool pairs = false;
+  if (wanted == kAttentionAuto) return kAttentionGeneric;
+#endif
+  return wanted == kAttentionGeneric || (wanted == kAttentionPairs && pairs) ? wanted : -1;
+}
 
 // Eight float lanes (GCC vector extension: AVX, or two SSE halves); lane-wise + and * only.
 typedef float Lanes __attribute__((vector_size(LANES * sizeof(float))));
@@ -116,19 +141,25 @@ inline float exp_poly(float x) {
   return x < EXP_FLOOR ? 0.f : p * scale;
 }
 
-// exp_poly lane by lane, the same operations (floor as truncation corrected below: y < 2^23 here).
-inline Lanes exp_poly8(Lanes x) {
-  const Lanes floor_ = EXP_FLOOR - Lanes{};
-  const Lanes clamped = x < floor_ ? floor_ : x;
-  const Lanes y = clamped * LOG2E + 0.5f;
-  const Lanes truncated = __builtin_convertvector(__builtin_convertvector(y, Ints), Lanes);
-  const Lanes n = truncated > y ? truncated - 1.0f : truncated;
-  const Lanes r = (clamped - n * LN2_HI) - n * LN2_LO;
-  Lanes p = EXP_POLY[6] - Lanes{};
+// at[l] = exp_poly(at[l] - top) for the lanes of a vector V of floats (I: as many int32), the same operations lane
+// by lane (floor as truncation corrected below: y < 2^23 here). Pointers in and out, no vector argument: one body
+// for the 8 lanes and, inlined into an AVX-512 function, the 16.
+template <typename V, typename I>
+__attribute__((always_inline)) inline void exp_in_place(float* at, float top) {
+  V x;
+  std::memcpy(&x, at, sizeof(x));
+  x = x - (top - V{});
+  const V floor_ = EXP_FLOOR - V{};
+  const V clamped = x < floor_ ? floor_ : x;
+  const V y = clamped * LOG2E + 0.5f;
+  const V truncated = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  const V n = truncated > y ? truncated - 1.0f : truncated;
+  const V r = (clamped - n * LN2_HI) - n * LN2_LO;
+  V p = EXP_POLY[6] - V{};
   for (int c = 5; c >= 0; --c) p = p * r + EXP_POLY[c];
-  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-  const Lanes result = p * reinterpret_cast<const Lanes&>(bits);
-  return x < floor_ ? Lanes{} : result;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  const V result = x < floor_ ? V{} : p * (V)bits;  // a vector cast keeps the bits (GCC, clang)
+  std::memcpy(at, &result, sizeof(result));
 }
 
 // Queries taken through the keys together (their scores and numerators in scratch), and values per block.
@@ -172,9 +203,10 @@ inline bool any_seen(const float* seen) {
 // The scores of the extra keys a query sees into scores[x], eight keys at a time where it sees one of them and
 // head_dim allows (dot8: the same sums as dot; a key it does not see gets a score nobody reads), and their max
 // into top. A prefill chunk's rows see half its keys on average: one at a time, each cost far more than a cached one.
+// from: the extra keys before it were scored already (kPairs: in whole blocks of eight, two queries at a time).
 inline void extra_scores(const TreeAttentionArgs& a, const float* query, const float* kx, const float* seen,
-                         float* scores, float& top) {
-  int64_t x = 0;
+                         float* scores, float& top, int64_t from = 0) {
+  int64_t x = from;
   if (a.dim % LANES == 0) {
     for (; x + LANES <= a.extra; x += LANES) {
       if (!any_seen(seen + x)) continue;
@@ -190,20 +222,139 @@ inline void extra_scores(const TreeAttentionArgs& a, const float* query, const f
   }
 }
 
-// exp(score - top) in place for the extra keys a query sees, eight at a time where it sees one of them (exp_poly8:
-// exp_poly's bits lane by lane).
+// exp(score - top) in place for the extra keys a query sees, eight at a time where it sees one of them
+// (exp_in_place: exp_poly's bits lane by lane).
 inline void extra_weights(int64_t extra, const float* seen, float top, float* scores) {
-  const Lanes tops = top - Lanes{};
   int64_t x = 0;
   for (; x + LANES <= extra; x += LANES) {
     if (!any_seen(seen + x)) continue;
-    const Lanes e = exp_poly8(load(scores + x) - tops);
-    std::memcpy(scores + x, &e, sizeof(e));
+    exp_in_place<Lanes, Ints>(scores + x, top);
   }
   for (; x < extra; ++x) {
     if (seen[x] != 0.f) scores[x] = exp_poly(scores[x] - top);
   }
 }
+
+#ifdef STREAMFUSE_ATTENTION_X86
+// --- kPairs: queries a and b in the low and high 8 lanes of one 16-lane register --------------------------------
+typedef float Lanes16 __attribute__((vector_size(2 * LANES * sizeof(float))));
+typedef int32_t Ints16 __attribute__((vector_size(2 * LANES * sizeof(int32_t))));
+
+#define STREAMFUSE_PAIRS __attribute__((target("avx512f"), always_inline)) inline
+
+STREAMFUSE_PAIRS Lanes16 both(Lanes a, Lanes b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// The 8 floats at p in both halves: one broadcast load (VBROADCASTF64X4 moves the bits as they are), no shuffle.
+STREAMFUSE_PAIRS Lanes16 twice(const float* p) {
+  return (Lanes16)_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p)));
+}
+
+// Eight floats at a and at b (Lanes in memory that a build without AVX aligns to 16 bytes only: moved with
+// memcpy, never an aligned load; and no call to a function of the build's own target that takes or returns Lanes,
+// whose ABI differs there).
+STREAMFUSE_PAIRS Lanes16 both_at(const void* a, const void* b) {
+  Lanes low, high;
+  std::memcpy(&low, a, sizeof(low));
+  std::memcpy(&high, b, sizeof(high));
+  return both(low, high);
+}
+
+STREAMFUSE_PAIRS void halves_to(Lanes16 v, Lanes* a, Lanes* b) {
+  std::memcpy(a, &v, sizeof(Lanes));
+  std::memcpy(b, reinterpret_cast<const char*>(&v) + sizeof(Lanes), sizeof(Lanes));
+}
+
+STREAMFUSE_PAIRS Lanes low_half(Lanes16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+STREAMFUSE_PAIRS Lanes high_half(Lanes16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// pair_sums of each half: [pair_sums(a.low, b.low) | pair_sums(a.high, b.high)].
+STREAMFUSE_PAIRS Lanes16 pair_sums16(Lanes16 a, Lanes16 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+}
+
+// lane_sums of each half.
+STREAMFUSE_PAIRS Lanes16 lane_sums16(const Lanes16* v) {
+  const Lanes16 low = pair_sums16(pair_sums16(v[0], v[1]), pair_sums16(v[2], v[3]));
+  const Lanes16 high = pair_sums16(pair_sums16(v[4], v[5]), pair_sums16(v[6], v[7]));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(low, high, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+
+// [dot8(a, keys, dim) | dot8(b, keys, dim)]: each key's lanes loaded once for both queries.
+STREAMFUSE_PAIRS Lanes16 dot8_pair(const float* a, const float* b, const float* keys, int64_t dim) {
+  Lanes16 acc[LANES] = {};
+  for (int64_t i = 0; i < dim; i += LANES) {
+    const Lanes16 x = both_at(a + i, b + i);
+    for (int64_t k = 0; k < LANES; ++k) acc[k] += x * twice(keys + k * dim + i);
+  }
+  return lane_sums16(acc);
+}
+
+// The scores of cached keys [0, end) for queries q and q + 1 (end a multiple of LANES), eight keys at a time, and
+// their maxima lane by lane into tops[q], tops[q + 1], as the generic loop makes them.
+__attribute__((target("avx512f"))) inline void cache_scores_pair(const float* a, const float* b, const float* keys,
+                                                                  int64_t end, int64_t dim, float scale,
+                                                                  float* scores_a, float* scores_b, Lanes* tops) {
+  Lanes16 top = both_at(tops, tops + 1);
+  for (int64_t j = 0; j < end; j += LANES) {
+    const Lanes16 score = dot8_pair(a, b, keys + j * dim, dim) * scale;
+    const Lanes low = low_half(score), high = high_half(score);
+    std::memcpy(scores_a + j, &low, sizeof(low));
+    std::memcpy(scores_b + j, &high, sizeof(high));
+    top = score > top ? score : top;
+  }
+  halves_to(top, tops, tops + 1);
+}
+
+// accumulate_fixed<B> for queries a and b over the same `count` value rows: each half the sums it makes alone.
+template <int64_t B>
+__attribute__((target("avx512f"))) inline void accumulate_pair(float* totals, Lanes* acc_a, Lanes* acc_b,
+                                                                const float* p_a, const float* p_b,
+                                                                const float* values, int64_t count, int64_t dim) {
+  Lanes16 acc[B];
+  float sum_a = totals[0], sum_b = totals[1];
+  for (int64_t c = 0; c < B; ++c) acc[c] = both_at(acc_a + c, acc_b + c);
+  for (int64_t k = 0; k < count; ++k) {
+    sum_a += p_a[k];
+    sum_b += p_b[k];
+    // [p_a[k] x 8 | p_b[k] x 8]
+    const Lanes16 p = (Lanes16)_mm512_shuffle_f32x4(_mm512_set1_ps(p_a[k]), _mm512_set1_ps(p_b[k]), 0);
+    for (int64_t c = 0; c < B; ++c) acc[c] += p * twice(values + k * dim + c * LANES);
+  }
+  for (int64_t c = 0; c < B; ++c) halves_to(acc[c], acc_a + c, acc_b + c);
+  totals[0] = sum_a;
+  totals[1] = sum_b;
+}
+
+// exp(score - top) in place for the first scores, sixteen at a time (exp_in_place's operations lane by lane) -> how
+// many it took (a multiple of 16).
+__attribute__((target("avx512f"))) inline int64_t cache_weights16(float* scores, int64_t count, float top) {
+  int64_t k = 0;
+  for (; k + 2 * LANES <= count; k += 2 * LANES) exp_in_place<Lanes16, Ints16>(scores + k, top);
+  return k;
+}
+
+// extra_scores' blocks of eight for queries a and b: where either sees one of the eight keys, both get the block's
+// scores (a score a query does not see is never read) -> the first key it left (the blocks' end).
+__attribute__((target("avx512f"))) inline int64_t extra_scores_pair(const TreeAttentionArgs& a, const float* qa,
+                                                                     const float* qb, const float* kx,
+                                                                     const float* seen_a, const float* seen_b,
+                                                                     float* scores_a, float* scores_b) {
+  int64_t x = 0;
+  for (; x + LANES <= a.extra; x += LANES) {
+    if (!any_seen(seen_a + x) && !any_seen(seen_b + x)) continue;
+    const Lanes16 score = dot8_pair(qa, qb, kx + x * a.dim, a.dim) * a.scale;
+    const Lanes low = low_half(score), high = high_half(score);
+    std::memcpy(scores_a + x, &low, sizeof(low));
+    std::memcpy(scores_b + x, &high, sizeof(high));
+  }
+  return x;
+}
+#undef STREAMFUSE_PAIRS
+#endif
 
 struct Scratch {
   std::vector<float> scores;  // [queries, start + extra]
@@ -216,6 +367,8 @@ struct Scratch {
 inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, int64_t end, Scratch& s) {
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, keys = a.start + a.extra, n = end - begin;
   const int64_t blocks = dim / LANES, rest = dim - blocks * LANES;
+  // kPairs where a call reads cached keys (a prefill's first chunk, its own keys only, ran 3 % slower in pairs)
+  const bool paired = a.path == kAttentionPairs && a.start > 0;
   const float* kc = a.k_cache + g * a.capacity * dim;
   const float* vc = a.v_cache + g * a.capacity * dim;
   const float* kx = a.k_extra + g * a.extra * dim;
@@ -237,8 +390,18 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
   if (dim % LANES == 0) {
     Lanes tops[BATCH];
     for (int64_t q = 0; q < n; ++q) tops[q] = top[q] - Lanes{};
+    int64_t done = 0;  // queries [0, done) took the cached keys in pairs
+#ifdef STREAMFUSE_ATTENTION_X86
+    if (paired) {
+      const int64_t whole = a.start - a.start % LANES;
+      for (; done + 1 < n; done += 2) {
+        float* scores = s.scores.data() + done * keys;
+        cache_scores_pair(query[done], query[done + 1], kc, whole, dim, a.scale, scores, scores + keys, tops + done);
+      }
+    }
+#endif
     for (; j + LANES <= a.start; j += LANES) {
-      for (int64_t q = 0; q < n; ++q) {
+      for (int64_t q = done; q < n; ++q) {
         const Lanes score = dot8(query[q], kc + j * dim, dim) * a.scale;
         std::memcpy(s.scores.data() + q * keys + j, &score, sizeof(score));
         tops[q] = score > tops[q] ? score : tops[q];
@@ -254,13 +417,23 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
       scores[k] = dot(query[q], kc + k * dim, dim) * a.scale;
       top[q] = scores[k] > top[q] ? scores[k] : top[q];
     }
-    extra_scores(a, query[q], kx, seen[q], scores + a.start, top[q]);
+    int64_t from = 0;
+#ifdef STREAMFUSE_ATTENTION_X86
+    if (paired && dim % LANES == 0 && q + 1 < n && q % 2 == 0) {  // q and q + 1 together
+      from = extra_scores_pair(a, query[q], query[q + 1], kx, seen[q], seen[q + 1], scores + a.start,
+                               scores + keys + a.start);
+    } else if (paired && dim % LANES == 0 && q % 2 == 1) {
+      from = a.extra - a.extra % LANES;  // scored beside q - 1
+    }
+#endif
+    extra_scores(a, query[q], kx, seen[q], scores + a.start, top[q], from);
     extra_weights(a.extra, seen[q], top[q], scores + a.start);
-    const Lanes tops = top[q] - Lanes{};
     int64_t k = 0;
+#ifdef STREAMFUSE_ATTENTION_X86
+    if (paired) k = cache_weights16(scores, a.start, top[q]);
+#endif
     for (; k + LANES <= a.start; k += LANES) {
-      const Lanes e = exp_poly8(load(&scores[k]) - tops);
-      std::memcpy(&scores[k], &e, sizeof(e));
+      exp_in_place<Lanes, Ints>(scores + k, top[q]);
     }
     for (; k < a.start; ++k) scores[k] = exp_poly(scores[k] - top[q]);
   }
@@ -274,14 +447,44 @@ inline void attend_batch(const TreeAttentionArgs& a, int64_t g, int64_t begin, i
       for (int64_t l = 0; l < rest; ++l) tail[q][l] += p[k] * v[k * dim + blocks * LANES + l];
     }
   };
+  const bool pairs = paired && rest == 0 && (blocks == 8 || blocks == 16);
   for (int64_t first = 0; first < a.start; first += KEY_BLOCK) {
     const int64_t count = std::min(KEY_BLOCK, a.start - first);
-    for (int64_t q = 0; q < n; ++q) add(q, s.scores.data() + q * keys + first, vc + first * dim, count);
+    int64_t q = 0;
+#ifdef STREAMFUSE_ATTENTION_X86
+    for (; pairs && q + 1 < n; q += 2) {  // two queries at once over the same value rows
+      const float* p = s.scores.data() + q * keys + first;
+      Lanes* acc = s.acc.data() + q * blocks;
+      if (blocks == 8) accumulate_pair<8>(total + q, acc, acc + blocks, p, p + keys, vc + first * dim, count, dim);
+      if (blocks == 16) accumulate_pair<16>(total + q, acc, acc + blocks, p, p + keys, vc + first * dim, count, dim);
+    }
+#endif
+    for (; q < n; ++q) add(q, s.scores.data() + q * keys + first, vc + first * dim, count);
   }
+  int64_t added = 0;  // queries [0, added) added their extra keys two at a time
+#ifdef STREAMFUSE_ATTENTION_X86
+  for (; pairs && added + 1 < n; added += 2) {
+    // Runs of keys where both, one or neither sees them, in order: each query still adds its keys in order.
+    const int64_t q = added;
+    const float *p = s.scores.data() + q * keys + a.start, *seen_a = seen[q], *seen_b = seen[q + 1];
+    Lanes* acc = s.acc.data() + q * blocks;
+    for (int64_t x = 0, end = 0; x < a.extra; x = end) {
+      const bool sees_a = seen_a[x] != 0.f, sees_b = seen_b[x] != 0.f;
+      for (end = x + 1; end < a.extra && (seen_a[end] != 0.f) == sees_a && (seen_b[end] != 0.f) == sees_b;) ++end;
+      if (sees_a && sees_b && blocks == 8) {
+        accumulate_pair<8>(total + q, acc, acc + blocks, p + x, p + keys + x, vx + x * dim, end - x, dim);
+      } else if (sees_a && sees_b) {
+        accumulate_pair<16>(total + q, acc, acc + blocks, p + x, p + keys + x, vx + x * dim, end - x, dim);
+      } else if (sees_a || sees_b) {
+        add(sees_a ? q : q + 1, (sees_a ? p : p + keys) + x, vx + x * dim, end - x);
+      }
+    }
+  }
+#endif
   for (int64_t q = 0; q < n; ++q) {
     // The extra keys it sees, in order, a run of consecutive ones at a time (a causal chunk's row: one run).
     const float* p = s.scores.data() + q * keys + a.start;
-    for (int64_t x = 0, end = 0; x < a.extra; x = end) {
+    for (int64_t x = 0, end = 0; q >= added && x < a.extra; x = end) {
       if (seen[q][x] == 0.f) {
         end = x + 1;
         continue;
@@ -410,6 +613,7 @@ inline bool validate_attention(const AttentionViews& in, int64_t layer, double s
                        (long long)o[2], (long long)o[3]);
     }
   }
+  static const int64_t fastest = resolve_attention_path(kAttentionAuto);
   const int64_t offset = layer * kv_heads * capacity * dim;  // < the cache's elements: no overflow
   float* k_layer = static_cast<float*>(in.k_cache->data) + offset;
   float* v_layer = static_cast<float*>(in.v_cache->data) + offset;
@@ -417,7 +621,7 @@ inline bool validate_attention(const AttentionViews& in, int64_t layer, double s
                static_cast<const float*>(in.k_extra->data), static_cast<const float*>(in.v_extra->data),
                static_cast<const float*>(in.visible->data),
                in.out != nullptr ? static_cast<float*>(in.out->data) : nullptr,
-               heads, kv_heads, rows, dim, capacity, start, extra, static_cast<float>(scale)};
+               heads, kv_heads, rows, dim, capacity, start, extra, static_cast<float>(scale), fastest};
   call.k_layer = k_layer;
   call.v_layer = v_layer;
   call.store = store;

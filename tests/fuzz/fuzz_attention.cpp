@@ -1,6 +1,7 @@
 // Fuzz target: tree attention's validator and kernel (runtime/kernels/tree_attention.h). A call of consistent
 // shapes from the bytes, some views perturbed, any start, layer, store and scale; whatever the validator accepts
-// runs (attention, then store) on buffers of exactly the claimed sizes.
+// runs (the attention on every path this CPU has, their bits equal, a NaN matching any NaN; then the store) on
+// buffers of exactly the claimed sizes.
 #include "../../runtime/kernels/tree_attention.h"
 #include "fuzz_common.h"
 
@@ -50,6 +51,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     call.args.out = allocated.as<float>();
   }
   FUZZ_REQUIRE(attend_tasks(call.args, 0, call.args.rows * call.args.heads));
+  if (resolve_attention_path(kAttentionPairs) == kAttentionPairs) {  // both paths: the same bits
+    const int64_t elements = call.args.rows * call.args.heads * call.args.dim;
+    std::vector<float> first(call.args.out, call.args.out + elements);
+    call.args.path = call.args.path == kAttentionPairs ? kAttentionGeneric : kAttentionPairs;
+    FUZZ_REQUIRE(attend_tasks(call.args, 0, call.args.rows * call.args.heads));
+    FUZZ_REQUIRE(fuzz::same_bits(first.data(), call.args.out, elements));
+  }
   store_rows(call);
   return 0;
 }

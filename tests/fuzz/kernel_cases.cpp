@@ -1,8 +1,8 @@
 // The kernels' tables of sound and unsound calls, built with AddressSanitizer and UndefinedBehaviorSanitizer
 // (tests/fuzz/run.sh sanitize): every sound call runs on buffers of exactly its size (its threads agreeing bit for
-// bit; q4 / q8 on every instruction-set path this CPU has, all agreeing bit for bit; the store and commit_rows
-// equal to plain loops), and every unsound one is refused by its validator with the message named, the cases the
-// review of the C++ ops found among them. Exit status 1 with each failure on stderr.
+// bit; the attention, q4 and q8 on every instruction-set path this CPU has, all agreeing bit for bit; the store and
+// commit_rows equal to plain loops), and every unsound one is refused by its validator with the message named, the
+// cases the review of the C++ ops found among them. Exit status 1 with each failure on stderr.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -117,6 +117,13 @@ void sound_attention() {
     expect(attend_on(call, 3), name + ": three threads failed");
     expect(out_elements == 0 || std::memcmp(one.data(), a.t[7].view.data, out_elements * sizeof(float)) == 0,
            name + ": three threads' bits differ from one's");
+    for (int64_t path = kAttentionGeneric; path <= kAttentionPairs; ++path) {  // every path this CPU runs
+      if (resolve_attention_path(path) != path) continue;
+      call.args.path = path;
+      expect(attend_on(call, 2), name + ": path " + std::to_string(path) + " failed");
+      expect(fuzz::same_bits(one.data(), a.t[7].as<float>(), out_elements),
+             name + ": path " + std::to_string(path) + "'s bits differ from the resolved path's");
+    }
     // the store: slots start.. of the layer take extra rows [0, min(store, capacity - start))
     const std::vector<float> k_before(a.t[1].as<float>(), a.t[1].as<float>() + fuzz::span(a.t[1].view));
     store_rows(call);
