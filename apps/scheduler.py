@@ -106,7 +106,7 @@ class Scheduler:
             raise QueueFull("the server is shutting down")
         if self.down is not None:
             raise QueueFull(f"the server is unhealthy ({self.down})")
-        slot.id, slot.metrics = str(next(self.counter)), self.metrics
+        slot.run_id, slot.metrics = str(next(self.counter)), self.metrics
         try:
             self.waiting.put_nowait(slot)
         except queue.Full:
@@ -171,7 +171,7 @@ class Scheduler:
             slot.detokenizer = Detokenizer.for_tokenizer(self.loaded.tokenizer, slot.stop)
         try:
             slot.lane = self.decoder.add(
-                slot.ids, slot.settings, slot.on_step, run_id=slot.id, tag=slot.tag, capacity=slot.capacity
+                slot.ids, slot.settings, slot.on_step, run_id=slot.run_id, tag=slot.tag, capacity=slot.capacity
             )
         except Exception as error:  # a request the decoder refuses fails alone
             slot.fail(f"the request was refused: {error}", 400, "invalid_request_error")

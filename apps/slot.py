@@ -85,7 +85,6 @@ class ServerSlot(Slot):
         None  # KV positions its parse granted (runtime/request/checks.py's check_fits); None: check it
     )
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: str = ""
     cancelled: bool = False  # set from the event loop, read by the worker: a plain flag is enough
     metrics: Metrics | None = None
     _count: int = 0  # steps so far
