@@ -89,8 +89,9 @@ class Scheduler:
         return self.steps_before + self.decoder.steps
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._main, name="streamfuse-scheduler", daemon=True)
-        self.thread.start()
+        thread = threading.Thread(target=self._main, name="streamfuse-scheduler", daemon=True)
+        thread.start()
+        self.thread = thread  # /health never sees a worker not yet started
 
     def close(self) -> None:
         """Stop the worker after its current step; slots left get a Failed event."""
@@ -207,11 +208,15 @@ class Scheduler:
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Fail every admitted slot and free its lane (the decoder may be in any state: nothing here raises)."""
-        for slot in list(self.slots.values()):
+        slots, self.slots = list(self.slots.values()), {}
+        self._fail(slots, self.decoder, message, status)
+
+    @staticmethod
+    def _fail(slots: list[ServerSlot], decoder: BatchDecoder, message: str, status: int = 500) -> None:
+        for slot in slots:
             with contextlib.suppress(Exception):
-                self.decoder.cancel(slot.lane)
+                decoder.cancel(slot.lane)
             slot.fail(message, status)
-        self.slots.clear()
 
     def _fail_waiting(self, message: str) -> None:
         while True:
@@ -223,18 +228,20 @@ class Scheduler:
                 slot.fail(message, 503)
 
     def _died(self, reason: str) -> None:
-        """The worker thread's end by an error: fail its slots; a fresh worker on a fresh decoder, or down."""
-        self._fail_all(reason)
-        if self.closed:
-            return
-        if self.restarts >= self.max_restarts:
+        """The worker thread's end by an error: a fresh worker on a fresh decoder (or the scheduler down), then its
+        slots fail, so a client that reads its failure finds the server as it will stay (/health)."""
+        slots, decoder = list(self.slots.values()), self.decoder
+        self.slots = {}
+        if not self.closed and self.restarts >= self.max_restarts:
             self.down = f"{reason}; {self.restarts} restarts used: restart the server"
+        elif not self.closed:
+            self.restarts += 1
+            self.plain_before, self.steps_before = self.plain_steps, self.steps
+            self.decoder = self._new_decoder()  # the old lanes' caches are in an unknown state
+            self.start()
+        self._fail(slots, decoder, reason)
+        if self.down is not None:
             self._fail_waiting(f"the server is unhealthy ({self.down})")
-            return
-        self.restarts += 1
-        self.plain_before, self.steps_before = self.plain_steps, self.steps
-        self.decoder = self._new_decoder()  # the old lanes' caches are in an unknown state
-        self.start()
 
     def health(self) -> str | None:
         """None while a worker serves, else why not."""
