@@ -261,13 +261,11 @@ STREAMFUSE_PAIRS Lanes16 both_at(const void* a, const void* b) {
   return both(low, high);
 }
 
-STREAMFUSE_PAIRS void halves_to(Lanes16 v, Lanes* a, Lanes* b) {
+// The low half to a, the high half to b (8 floats each, any alignment).
+STREAMFUSE_PAIRS void halves_to(Lanes16 v, void* a, void* b) {
   std::memcpy(a, &v, sizeof(Lanes));
   std::memcpy(b, reinterpret_cast<const char*>(&v) + sizeof(Lanes), sizeof(Lanes));
 }
-
-STREAMFUSE_PAIRS Lanes low_half(Lanes16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-STREAMFUSE_PAIRS Lanes high_half(Lanes16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 // pair_sums of each half: [pair_sums(a.low, b.low) | pair_sums(a.high, b.high)].
 STREAMFUSE_PAIRS Lanes16 pair_sums16(Lanes16 a, Lanes16 b) {
@@ -301,9 +299,7 @@ __attribute__((target("avx512f"))) inline void cache_scores_pair(const float* a,
   Lanes16 top = both_at(tops, tops + 1);
   for (int64_t j = 0; j < end; j += LANES) {
     const Lanes16 score = dot8_pair(a, b, keys + j * dim, dim) * scale;
-    const Lanes low = low_half(score), high = high_half(score);
-    std::memcpy(scores_a + j, &low, sizeof(low));
-    std::memcpy(scores_b + j, &high, sizeof(high));
+    halves_to(score, scores_a + j, scores_b + j);
     top = score > top ? score : top;
   }
   halves_to(top, tops, tops + 1);
@@ -346,10 +342,7 @@ __attribute__((target("avx512f"))) inline int64_t extra_scores_pair(const TreeAt
   int64_t x = 0;
   for (; x + LANES <= a.extra; x += LANES) {
     if (!any_seen(seen_a + x) && !any_seen(seen_b + x)) continue;
-    const Lanes16 score = dot8_pair(qa, qb, kx + x * a.dim, a.dim) * a.scale;
-    const Lanes low = low_half(score), high = high_half(score);
-    std::memcpy(scores_a + x, &low, sizeof(low));
-    std::memcpy(scores_b + x, &high, sizeof(high));
+    halves_to(dot8_pair(qa, qb, kx + x * a.dim, a.dim) * a.scale, scores_a + x, scores_b + x);
   }
   return x;
 }

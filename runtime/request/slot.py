@@ -63,7 +63,8 @@ class Slot:
     def finish(self, loaded: Loaded) -> Completion:
         """Its lane's result as the API and the server report it (built here only), the slot done."""
         generation = self.lane.generation
-        result, record = self.lane.result, self.lane.result.run
+        result = self.lane.result
+        record = result.run
         steps = record.steps
         stats = Stats(
             new_tokens=record.new_tokens,
