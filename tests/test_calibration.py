@@ -91,6 +91,28 @@ def test_the_choice_is_expected_tokens_over_measured_cost(chain_ms, choice):
     assert calibration.to_dict()["expected_speedup"] == pytest.approx(max(2.0 * 10 / chain_ms, 2.6 / 3), abs=1e-4)
 
 
+# A tree's greedy steps timed as its greedy_step graph (one call) and, where it has one, as a step then a streams
+# call (two calls; None: not timed) -> (two calls chosen, the step's ms, the slower way's ms).
+WAYS = [
+    ([0.020, 0.021, 0.019], None, (False, 20.0, None)),
+    ([0.020, 0.021, 0.019], [0.018, 0.030, 0.017], (True, 18.0, 20.0)),
+    ([0.020, 0.021, 0.019], [0.022, 0.020, 0.025], (False, 20.0, 22.0)),
+    ([0.020], [0.020], (False, 20.0, 20.0)),  # a tie keeps the one call
+]
+
+
+@pytest.mark.parametrize("one, two, expected", WAYS)
+def test_a_tree_takes_the_faster_of_the_ways_its_greedy_steps_were_timed(one, two, expected):
+    timings = Timings([0.01], {CHAIN: one}, {CHAIN: 2.0}, [0.002], 100.0, {CHAIN: two} if two else {})
+    calibration = calibrate(MODEL, timings, "test cpu", threads=2)
+    (cost,) = calibration.trees
+    other = None if cost.other_seconds is None else round(1e3 * cost.other_seconds, 6)
+    assert (cost.two_calls, round(1e3 * cost.step_seconds, 6), other) == expected
+    assert calibration.step_cost(CHAIN) == pytest.approx(expected[1] / 10)
+    assert calibration.two_call_trees() == ((CHAIN,) if expected[0] else ())
+    assert BackendCalibration.from_dict(calibration.to_dict()) == calibration
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no answer positions"):
         AcceptanceModel.from_answers([([], [])], 4, 3)

@@ -71,8 +71,17 @@ def test_greedy_steps_are_one_call_each_and_sampling_keeps_separate_streams(arti
     generate(loaded.backend, prompts(1, seed=4)[0], sampled)
     assert counting.calls["greedy_step_15"] == 0 and counting.calls["step_15"] == counting.calls["streams"] - 1 > 0
     counting.calls.clear()
-    generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=TREES[1]))
+    chain = DecodeSettings("ss", rules, tree=TREES[1])
+    one_call = generate(loaded.backend, prompts(1, seed=4)[0], chain).token_ids
     assert counting.calls["greedy_step_4"] > 0 and set(counting.calls) == {"prefill", "streams", "greedy_step_4"}
+    # where calibration timed step, then streams faster for a bucket, that bucket's greedy steps take two calls
+    loaded.backend.use_two_calls([TREES[1]])
+    counting.calls.clear()
+    assert generate(loaded.backend, prompts(1, seed=4)[0], chain).token_ids == one_call
+    assert counting.calls["greedy_step_4"] == 0 and counting.calls["step_4"] == counting.calls["streams"] - 1 > 0
+    counting.calls.clear()
+    generate(loaded.backend, prompts(1, seed=4)[0], DecodeSettings("ss", rules, tree=loaded.tree))
+    assert counting.calls["greedy_step_15"] > 0 and counting.calls["step_15"] == 0  # the other bucket: one call
 
 
 @pytest.mark.parametrize("backend", EXPORTED)

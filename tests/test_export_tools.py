@@ -166,13 +166,13 @@ def test_the_soak_catches_a_leak_of_memory_or_of_a_file(artifact, monkeypatch, t
 
 
 class SlowRunner:
-    """One method made artificially expensive: calibration must notice."""
+    """Methods made artificially expensive: calibration must notice."""
 
-    def __init__(self, session, method: str, seconds: float):
-        self.session, self.name, self.method, self.seconds = session, session.name, method, seconds
+    def __init__(self, session, methods: set[str], seconds: float):
+        self.session, self.name, self.methods, self.seconds = session, session.name, methods, seconds
 
     def run(self, method, inputs):
-        if method == self.method:
+        if method in self.methods:
             time.sleep(self.seconds)
         return self.session.run(method, inputs)
 
@@ -196,12 +196,35 @@ def test_calibration_picks_the_other_tree_when_one_is_made_expensive(artifact, t
     from test_calibration import MODEL
 
     loaded = load(artifact, "onnxruntime", threads=1)
-    loaded.backend.runner = SlowRunner(loaded.backend.runner, f"greedy_step_{CONFIG.buckets[slow]}", 0.01)
+    rows = CONFIG.buckets[slow]
+    loaded.backend.runner = SlowRunner(loaded.backend.runner, {f"greedy_step_{rows}", f"step_{rows}"}, 0.01)
     calibration = calibrate_backend(loaded, MODEL, prompts(2, seed=5), StopRules(12), "cpu", 1)
     candidates = bucket_candidates()
     assert [cost.tree for cost in calibration.trees] == candidates
     assert calibration.tree == candidates[1 - slow]
     assert calibration.step_cost(candidates[slow]) > calibration.step_cost(candidates[1 - slow]) + 1.0  # 10 ms, ~1 ms
+
+
+@needs("onnxruntime")
+@pytest.mark.parametrize("slow", [0, 1])
+def test_calibration_runs_a_bucket_as_step_then_streams_where_its_greedy_step_is_slower(artifact, tmp_path, slow):
+    from streamfuse.runtime.measure.timing import calibrate_backend
+
+    from test_calibration import MODEL
+
+    copy = with_acceptance(artifact, tmp_path)
+    loaded = load(copy, "onnxruntime", threads=1)
+    loaded.backend.runner = SlowRunner(loaded.backend.runner, {f"greedy_step_{CONFIG.buckets[slow]}"}, 0.01)
+    calibration = calibrate_backend(loaded, MODEL, prompts(2, seed=5), StopRules(12), "cpu", 1)
+    slowed = calibration.trees[slow]
+    assert all(cost.other_seconds is not None for cost in calibration.trees)  # every tree timed both ways
+    assert slowed.two_calls and slowed.other_seconds > slowed.step_seconds + 0.005
+    assert not loaded.backend.two_calls  # timing leaves the backend as it found it
+    Artifact.open(copy).save_calibration("onnxruntime", calibration)
+    again = load(copy, "onnxruntime")
+    assert not again.backend.one_call(slowed.tree)  # loading applies the choice
+    assert again.backend.one_call(calibration.trees[1 - slow].tree) == (not calibration.trees[1 - slow].two_calls)
+    assert load(copy, "onnxruntime", calibrated=False).backend.one_call(slowed.tree)
 
 
 def bucket_candidates() -> list[TreeSpec]:
@@ -247,6 +270,7 @@ def test_the_calibrate_cli_records_the_choice_that_loading_then_uses(artifact, t
         calibration = opened.calibration(backend)
         assert [cost.tree for cost in calibration.trees] == bucket_candidates()
         assert all(cost.realised_tokens >= 1 and cost.step_seconds > 0 for cost in calibration.trees)
+        assert all(cost.other_seconds is not None for cost in calibration.trees)  # greedy steps timed both ways
         loaded = load(copy, backend)
         assert loaded.tree == calibration.tree and loaded.calibration == calibration
         assert loaded.fallback(loaded.tree).step_cost == pytest.approx(calibration.step_cost(loaded.tree))

@@ -19,7 +19,7 @@ def test_times_plain_and_tree_steps(tiny_base_dir, tmp_path, dtype):
             "--msa-layers",
             "2",
             "--trees",
-            "gamma=2,k=1;gamma=2,k=2",
+            'gamma=2,k=1;{"paths": [[0], [1], [1, 0]], "lookup": [1, 0]}',
             "--context",
             "12",
             "--reps",
@@ -32,6 +32,7 @@ def test_times_plain_and_tree_steps(tiny_base_dir, tmp_path, dtype):
             "eager",
             "--out",
             str(out),
+            *(["--lossless", "3", "--lossless-tokens", "40"] if dtype == "float32" else []),
         ]
     )
     assert code == 0
@@ -40,3 +41,8 @@ def test_times_plain_and_tree_steps(tiny_base_dir, tmp_path, dtype):
     assert report["meta"]["dtype"] == dtype
     assert list(rows)[0] == "plain" and rows["plain"]["ratio_to_plain"] == 1.0
     assert len(rows) == 3 and all(row["median_ms"] > 0 for row in rows.values())
+    if dtype != "float32":  # a timing mode: the runtime's torch backend runs fp32 (bf16 rows differ by row count)
+        return
+    checked = report["meta"]["lossless"]  # SS against plain decoding on random prompts, per tree
+    assert list(checked) == list(rows)[1:] and all(row["same"] == row["runs"] == 3 for row in checked.values())
+    assert max(row["tokens_per_step"] for row in checked.values()) > 1  # drafts accepted: rows beyond the root decided

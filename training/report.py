@@ -200,15 +200,17 @@ def calibration_markdown(manifest: dict) -> str:
     lines = [
         "## Calibration: the draft tree per backend on this machine",
         "",
-        "| backend | plain step ms | tree nodes | step ms (x plain) | tokens / step: model (timed runs) "
-        "| expected speed-up |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| backend | plain step ms | tree nodes | step ms (x plain) | greedy step as (the other way's ms) "
+        "| tokens / step: model (timed runs) | expected speed-up |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for backend, data in backends.items():
         chosen = next(row for row in data["trees"] if row["tree"]["hash"] == data["choice"]["hash"])
+        way = "step, then streams" if chosen["two_calls"] else "greedy_step"
+        other = f" ({chosen['other_ms']:.1f})" if chosen["other_ms"] is not None else ""
         lines.append(
             f"| {backend} | {data['plain_ms']:.1f} | {chosen['tree']['num_nodes']} | {chosen['step_ms']:.1f} "
-            f"(x{chosen['step_cost']:.2f}) | {chosen['expected_tokens']:.2f} ({chosen['realised_tokens']:.2f}) | "
-            f"{data['expected_speedup']:.2f}x |"
+            f"(x{chosen['step_cost']:.2f}) | {way}{other} | {chosen['expected_tokens']:.2f} "
+            f"({chosen['realised_tokens']:.2f}) | {data['expected_speedup']:.2f}x |"
         )
     return "\n".join(lines)

@@ -257,6 +257,8 @@ BACKEND_CALIBRATION = Record(
                     "step_ms": Num(1e-3, 1e9),
                     "expected_tokens": Num(0, 1e4),
                     "realised_tokens": Num(0, 1e4),
+                    "two_calls": Bool(),
+                    "other_ms": Maybe(Num(1e-3, 1e9)),
                 },
                 open=True,
             ),

@@ -91,8 +91,9 @@ def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
 
 class StaticGraphBackend:
     """Backend protocol over a GraphRunner. Greedy steps run the tree's greedy_step, one call (unless
-    use_greedy_step is False); otherwise, and for sampling, its `step` and then, after the commit,
-    a `streams` call for the accepted node (the deferred schedule). A pruned step (a runner with
+    use_greedy_step is False, or calibration found two calls faster for the tree's bucket: two_calls); otherwise,
+    and for sampling, its `step` and then, after the commit, a `streams` call for the accepted node (the deferred
+    schedule). A pruned step (a runner with
     pruned_step: the torch one) also returns each node's transition probability, and the host keeps
     the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the runner's device tensors)."""
 
@@ -107,6 +108,7 @@ class StaticGraphBackend:
         self.runner = runner
         self.spec = spec
         self.use_greedy_step = use_greedy_step
+        self.two_calls: frozenset[int] = frozenset()  # buckets whose greedy steps run step, then streams
         self.name = runner.name
         self.device = device
         self.num_streams = spec.num_streams
@@ -214,7 +216,7 @@ class StaticGraphBackend:
             visible, depths, parents = self._tree_inputs(tree, rows)
             if prune is not None:
                 method, inputs = "pruned_step", [ids, self._length(), visible, depths, parents, self.keys, self.values]
-            elif greedy and with_streams and self.use_greedy_step and self.spec.drafts_from(tree):
+            elif greedy and with_streams and self.one_call(tree):
                 return self._greedy_step(
                     bucket_method("greedy_step", rows),
                     count,
@@ -272,10 +274,17 @@ class StaticGraphBackend:
             self._trees[key] = tree_inputs(tree, rows)
         return self._trees[key]
 
+    def one_call(self, tree: TreeSpec) -> bool:
+        """Whether a greedy step of `tree` runs as its bucket's greedy_step graph (one call)."""
+        return self.use_greedy_step and self.spec.drafts_from(tree) and self.spec.bucket(tree) not in self.two_calls
+
+    def use_two_calls(self, trees: Sequence[TreeSpec]) -> None:
+        """Greedy steps of these trees' buckets run step, then streams (where calibration timed that faster)."""
+        self.two_calls = frozenset(self.spec.bucket(tree) for tree in trees)
+
     def stream_schedule(self, tree: TreeSpec) -> str:
         """Where a greedy step of `tree` runs its streams (its bucket's greedy_step schedule), else deferred."""
-        greedy = self.use_greedy_step and self.spec.drafts_from(tree)
-        return self.spec.schedule(self.spec.bucket(tree)) if greedy else "deferred"
+        return self.spec.schedule(self.spec.bucket(tree)) if self.one_call(tree) else "deferred"
 
     def commit(self, nodes: Sequence[int]) -> None:
         self._check_usable()

@@ -73,32 +73,38 @@ def time_trees(
     loaded: Loaded, trees: Sequence[TreeSpec], prompts: Sequence[Sequence[int]], rules: StopRules, rounds: int = 1
 ) -> Timings:
     """Per run (prompt x round): plain decoding's seconds per step, and each tree's, interleaved per
-    prompt (the order rotating) so background load touches every candidate alike; each tree's tokens
-    per step over all its runs; every run's prefill seconds per prompt token."""
+    prompt (the order rotating) so background load touches every candidate alike; a tree with a greedy_step
+    graph both ways (that graph; a step, then a streams call); each tree's tokens per step over all its runs;
+    every run's prefill seconds per prompt token."""
     from tqdm.auto import tqdm
 
+    backend = loaded.backend
+    backend.use_two_calls(())
     plain: list[float] = []
     prefill: list[float] = []
     steps: dict[TreeSpec, list[float]] = {tree: [] for tree in trees}
+    two_calls: dict[TreeSpec, list[float]] = {tree: [] for tree in trees if backend.one_call(tree)}
     made: dict[TreeSpec, list[int]] = {tree: [] for tree in trees}  # tokens of every speculative step
-    jobs = [None, *trees]  # None: plain decoding
+    jobs = [None, *((tree, False) for tree in trees), *((tree, True) for tree in two_calls)]  # None: plain
     for index in tqdm(range(rounds * len(prompts)), desc="calibrate", unit="input", dynamic_ncols=True):
         ids = prompts[index % len(prompts)]
         shift = index % len(jobs)
         for job in jobs[shift:] + jobs[:shift]:
             trace = Trace()
             if job is None:
-                generate(loaded.backend, ids, DecodeSettings(BASELINE_METHOD, rules), trace=trace)
+                generate(backend, ids, DecodeSettings(BASELINE_METHOD, rules), trace=trace)
             else:
-                generate(loaded.backend, ids, DecodeSettings(DEFAULT_METHOD, rules, tree=job), trace=trace)
+                tree, two = job
+                backend.use_two_calls([tree] if two else ())
+                generate(backend, ids, DecodeSettings(DEFAULT_METHOD, rules, tree=tree), trace=trace)
+                made[tree] += [step.tokens for step in trace.runs[0].steps]
             seconds = seconds_per_call(trace.runs[0])
             prefill.append(trace.runs[0].spans["prefill"] / len(ids))
             if seconds is not None:
-                (plain if job is None else steps[job]).append(seconds)
-            if job is not None:
-                made[job] += [step.tokens for step in trace.runs[0].steps]
+                (plain if job is None else (two_calls if job[1] else steps)[job[0]]).append(seconds)
+    backend.use_two_calls(())
     realised = {tree: sum(tokens) / len(tokens) if tokens else 1.0 for tree, tokens in made.items()}
-    return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts))
+    return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts), two_calls)
 
 
 def calibrate_backend(
@@ -116,9 +122,11 @@ def calibrate_backend(
         raise ValueError(
             f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams"
         )
-    warm = prompts[0][:8]
-    for tree in trees:  # engines may prepare a method on its first call
-        generate(loaded.backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
+    warm, backend = prompts[0][:8], loaded.backend
+    for tree in trees:  # engines may prepare a method on its first call: each tree's both ways
+        for two in (False, True):
+            backend.use_two_calls([tree] if two else ())
+            generate(backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
     return calibrate(acceptance, time_trees(loaded, trees, prompts, rules, rounds), device_name(device), threads)
 
 
@@ -162,6 +170,9 @@ def report(calibration: BackendCalibration) -> str:
             f"{cost.step_seconds / calibration.plain_seconds:7.3f}  "
             f"{cost.speedup(calibration.plain_seconds):17.3f}  {tree['paths']} lookup {tree['lookup']}{mark}"
         )
+        if cost.other_seconds is not None:
+            ways = ("step, then streams", "greedy_step") if cost.two_calls else ("greedy_step", "step, then streams")
+            lines.append(f"       greedy steps as {ways[0]}: {ways[1]} took {1e3 * cost.other_seconds:.2f} ms")
     return "\n".join(lines)
 
 

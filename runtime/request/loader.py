@@ -77,14 +77,15 @@ class Loaded:
                     f"{self.artifact.task},{task})"
                 )
             self.backend.runner.bind_task(tensors)
+        calibration = view.calibration(self.engine) if self.calibration is not None else None
         return Loaded(
-            self.backend,
+            with_calibration(self.backend, calibration),
             self.tokenizer,
             {"task": task, **view.manifest.get("info", {})},
             _prompt(view.manifest.get("prompt")),
             self.engine,
             view,
-            view.calibration(self.engine) if self.calibration is not None else None,
+            calibration,
             self.threads,
         )
 
@@ -270,7 +271,13 @@ def _load_checkpoint(
     backend, tokenizer, manifest = open_backend("torch")(folder, device, stream_schedule, artifact)
     calibration = artifact.calibration("torch") if artifact is not None and calibrated else None
     return Loaded(
-        backend, tokenizer, manifest["info"], _prompt(manifest["info"].get("prompt")), "torch", artifact, calibration
+        with_calibration(backend, calibration),
+        tokenizer,
+        manifest["info"],
+        _prompt(manifest["info"].get("prompt")),
+        "torch",
+        artifact,
+        calibration,
     )
 
 
@@ -309,13 +316,20 @@ def _load_artifact(
     if tensors is not None:  # the graphs hold the base only: the task's tensors are bound to every call
         runner.bind_task(tensors)
     manifest = artifact.manifest
+    calibration = artifact.calibration(backend) if calibrated else None
     return Loaded(
-        StaticGraphBackend.checked(runner, artifact.graph_spec(backend), device),
+        with_calibration(StaticGraphBackend.checked(runner, artifact.graph_spec(backend), device), calibration),
         artifact.load_tokenizer(),
         {"task": manifest.get("task"), **manifest.get("info", {})},
         _prompt(manifest.get("prompt")),
         backend,
         artifact,
-        artifact.calibration(backend) if calibrated else None,
+        calibration,
         threads,
     )
+
+
+def with_calibration(backend: StaticGraphBackend, calibration: BackendCalibration | None) -> StaticGraphBackend:
+    """The backend running greedy steps the way its calibration timed faster on this device (none: one call)."""
+    backend.use_two_calls(calibration.two_call_trees() if calibration is not None else ())
+    return backend

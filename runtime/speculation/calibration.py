@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamfuse.runtime.speculation.tree import Path, TreeSpec
 
@@ -141,12 +141,16 @@ class AcceptanceModel:
 @dataclass(frozen=True)
 class TreeCost:
     """One candidate tree on one device: the step's median seconds, the tokens per step the acceptance
-    model expects, and those the timed runs got (a few inputs: a check of the model, not the choice)."""
+    model expects, and those the timed runs got (a few inputs: a check of the model, not the choice).
+    A greedy step of a tree with a greedy_step graph was timed both ways, that graph (one call) and a step then
+    a streams call for the accepted node (two calls): the faster way is the tree's, its cost the step's."""
 
     tree: TreeSpec
     step_seconds: float
     expected_tokens: float
     realised_tokens: float
+    two_calls: bool = False  # both ways timed, and step then streams was faster
+    other_seconds: float | None = None  # the slower way's median, where both were timed
 
     def speedup(self, plain_seconds: float) -> float:
         """Expected tokens per second over plain decoding's (one token per plain step)."""
@@ -181,6 +185,10 @@ class BackendCalibration:
     def tree(self) -> TreeSpec:
         return self.best.tree
 
+    def two_call_trees(self) -> tuple[TreeSpec, ...]:
+        """The trees whose greedy steps ran faster as step then streams than as one greedy_step call."""
+        return tuple(cost.tree for cost in self.trees if cost.two_calls)
+
     def step_cost(self, tree: TreeSpec) -> float | None:
         """A step of `tree` in plain steps, if it was measured (the fallback's threshold)."""
         found = [cost for cost in self.trees if cost.tree.hash() == tree.hash()]
@@ -203,6 +211,8 @@ class BackendCalibration:
                     "expected_tokens": round(cost.expected_tokens, 4),
                     "realised_tokens": round(cost.realised_tokens, 4),
                     "expected_speedup": round(cost.speedup(self.plain_seconds), 4),
+                    "two_calls": cost.two_calls,
+                    "other_ms": None if cost.other_seconds is None else round(1e3 * cost.other_seconds, 3),
                 }
                 for cost in self.trees
             ],
@@ -212,7 +222,12 @@ class BackendCalibration:
     def from_dict(cls, data: dict) -> BackendCalibration:
         trees = tuple(
             TreeCost(
-                TreeSpec.from_dict(row["tree"]), row["step_ms"] / 1e3, row["expected_tokens"], row["realised_tokens"]
+                TreeSpec.from_dict(row["tree"]),
+                row["step_ms"] / 1e3,
+                row["expected_tokens"],
+                row["realised_tokens"],
+                row["two_calls"],
+                None if row["other_ms"] is None else row["other_ms"] / 1e3,
             )
             for row in data["trees"]
         )
@@ -232,20 +247,18 @@ class Timings:
     run), each tree's tokens per step over its runs, prefill seconds per prompt token per run."""
 
     plain: Sequence[float]
-    steps: dict[TreeSpec, Sequence[float]]
+    steps: dict[TreeSpec, Sequence[float]]  # greedy steps as the tree's greedy_step graph where it has one
     realised: dict[TreeSpec, float]
     prefill: Sequence[float]
     prompt_tokens: float
+    two_calls: dict[TreeSpec, Sequence[float]] = field(default_factory=dict)  # those trees as step, then streams
 
 
 def calibrate(model: AcceptanceModel, timings: Timings, device: str, threads: int) -> BackendCalibration:
     """Timings (medians of each) and the acceptance model -> the calibration."""
     if not timings.plain or not timings.steps or not all(timings.steps.values()) or not timings.prefill:
         raise ValueError("calibration needs timed plain steps, prefills and steps of every candidate tree")
-    costs = tuple(
-        TreeCost(tree, statistics.median(times), model.expected_tokens(tree), timings.realised[tree])
-        for tree, times in timings.steps.items()
-    )
+    costs = tuple(tree_cost(model, timings, tree) for tree in timings.steps)
     return BackendCalibration(
         device,
         threads,
@@ -254,3 +267,15 @@ def calibrate(model: AcceptanceModel, timings: Timings, device: str, threads: in
         statistics.median(timings.prefill),
         timings.prompt_tokens,
     )
+
+
+def tree_cost(model: AcceptanceModel, timings: Timings, tree: TreeSpec) -> TreeCost:
+    """A tree's cost: the faster of its two ways where both were timed (ties: one call)."""
+    one = statistics.median(timings.steps[tree])
+    expected, realised = model.expected_tokens(tree), timings.realised[tree]
+    if not timings.two_calls.get(tree):
+        return TreeCost(tree, one, expected, realised)
+    two = statistics.median(timings.two_calls[tree])
+    if two < one:
+        return TreeCost(tree, two, expected, realised, two_calls=True, other_seconds=one)
+    return TreeCost(tree, one, expected, realised, other_seconds=two)
