@@ -103,6 +103,9 @@ def test_build_trains_evaluates_exports_and_reuses(tiny_base_dir, tmp_path, caps
     ]
     assert [row["tree"]["hash"] for row in onnx_trees] == [tree.hash() for tree in per_bucket]
     assert all(row["step_ms"] > 0 and row["expected_tokens"] >= 1 and row["realised_tokens"] >= 1 for row in onnx_trees)
+    # an engine's greedy steps timed both ways; torch's (every size, to pick the trees to export) one way
+    assert all(row["other_ms"] is not None for row in onnx_trees)
+    assert all(row["other_ms"] is None and not row["two_calls"] for row in calibration["backends"]["torch"]["trees"])
     assert artifact["graphs"]["buckets"] == [4, 8] and greedy["schedules"] == ["fused", "deferred"]
     assert greedy["draft_vocab"]["size"] == 40
     assert "## Calibration: the draft tree per backend on this machine" in out
