@@ -28,6 +28,7 @@ from streamfuse.runtime.request.decode import generate
 from streamfuse.runtime.request.emitter import StopRules
 from streamfuse.runtime.request.frontend import BASELINE_METHOD, DEFAULT_METHOD
 from streamfuse.runtime.request.settings import DecodeSettings
+from streamfuse.runtime.speculation.accept import accept
 from streamfuse.runtime.speculation.tree import TreeSpec
 from streamfuse.tools.step_timing import architecture_parser, report_medians, timed
 
@@ -53,14 +54,16 @@ def parse_args(argv):
 
 
 def step_calls(backend: TorchBackend, trees: list[TreeSpec]) -> dict:
-    """Name -> a zero-argument call doing one step of that kind (scratch rows, never committed)."""
+    """Name -> a zero-argument call doing one step of that kind (scratch rows, never committed): a tree's is the
+    greedy step as greedy SS runs it, its streams where --stream-schedule puts them, drafts ranked in the call."""
     calls = {"plain": lambda: backend.step([1], None, with_streams=False).main_logits.argmax(-1)}
     for tree in trees:
 
         def ss_step(tree=tree):
-            out = backend.step([1] * tree.num_nodes, tree, with_streams=True)
-            out.main_logits.argmax(-1)
-            out.stream_top(0, max(tree.widths))  # one node's streams, as after a commit
+            tokens = [1] * tree.num_nodes
+            out = backend.step(tokens, tree, with_streams=True, greedy=True)
+            node = accept(tree, tokens, lambda n: out.next_token(n, int)).path[-1]  # greedy: the engine's choice
+            out.stream_top(node, max(tree.widths))  # the accepted node's drafts
 
         calls[tree_name(tree)] = ss_step
     return calls
