@@ -93,9 +93,9 @@ class StaticGraphBackend:
     """Backend protocol over a GraphRunner. Greedy steps run the tree's greedy_step, one call (unless
     use_greedy_step is False, or calibration found two calls faster for the tree's bucket: two_calls); otherwise,
     and for sampling, its `step` and then, after the commit, a `streams` call for the accepted node (the deferred
-    schedule). A pruned step (a runner with
-    pruned_step: the torch one) also returns each node's transition probability, and the host keeps
-    the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the runner's device tensors)."""
+    schedule). A pruned step (a runner with pruned_step: the torch one) also returns each node's transition
+    probability, and the host keeps the nodes keep_nodes allows. `zeros` allocates the cache (numpy, or the
+    runner's device tensors)."""
 
     def __init__(
         self,

@@ -84,13 +84,12 @@ def time_trees(
     from tqdm.auto import tqdm
 
     backend = loaded.backend
-    backend.use_two_calls(())
     plain: list[float] = []
     prefill: list[float] = []
     steps: dict[TreeSpec, list[float]] = {tree: [] for tree in trees}
-    two_calls: dict[TreeSpec, list[float]] = {tree: [] for tree in trees if both_ways and backend.one_call(tree)}
+    two_calls: dict[TreeSpec, list[float]] = {tree: [] for tree, two in ways(backend, trees, both_ways) if two}
     made: dict[TreeSpec, list[int]] = {tree: [] for tree in trees}  # tokens of every speculative step
-    jobs = [None, *((tree, False) for tree in trees), *((tree, True) for tree in two_calls)]  # None: plain
+    jobs = [None, *ways(backend, trees, both_ways)]  # None: plain decoding
     for index in tqdm(range(rounds * len(prompts)), desc="calibrate", unit="input", dynamic_ncols=True):
         ids = prompts[index % len(prompts)]
         shift = index % len(jobs)
@@ -112,6 +111,14 @@ def time_trees(
     return Timings(plain, steps, realised, prefill, sum(map(len, prompts)) / len(prompts), two_calls)
 
 
+def ways(backend, trees: Sequence[TreeSpec], both_ways: bool) -> list[tuple[TreeSpec, bool]]:
+    """(tree, two calls) for each way a greedy step of each tree is timed: its default (one greedy_step call where
+    the tree has one), and with both_ways step then streams too, where that is another way; the backend is left
+    with no two-call bucket."""
+    backend.use_two_calls(())
+    return [(t, False) for t in trees] + [(t, True) for t in trees if both_ways and backend.one_call(t)]
+
+
 def calibrate_backend(
     loaded: Loaded,
     acceptance: AcceptanceModel,
@@ -129,10 +136,10 @@ def calibrate_backend(
             f"{loaded.backend.name} has no draft tree it can run with {loaded.backend.num_streams} streams"
         )
     warm, backend = prompts[0][:8], loaded.backend
-    for tree in trees:  # engines may prepare a method on its first call: each tree's every way
-        for two in (False, True) if both_ways else (False,):
-            backend.use_two_calls([tree] if two else ())
-            generate(backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
+    for tree, two in ways(backend, trees, both_ways):  # engines may prepare a method on its first call
+        backend.use_two_calls([tree] if two else ())
+        generate(backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
+    backend.use_two_calls(())
     timings = time_trees(loaded, trees, prompts, rules, rounds, both_ways)
     return calibrate(acceptance, timings, device_name(device), threads)
 
