@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 SET_HELP = """--set SECTION.FIELD=VALUE changes one field of the preset; --print-config lists them all:
-  streams.num_streams=3  streams.msa_layers=8  streams.init_rank=128   (gamma, N_s, f_eta rank)
+  streams.num_streams=3  streams.msa_layers=4  streams.init_rank=128   (gamma, N_s, f_eta rank)
   train.epochs=1.2  train.stream_weight=0.5  data.train_limit=100  data.test_limit=100
   distill.enabled=true  distill.main_targets=frozen  distill.unlabelled=true  (self-distillation)
   export.trees='gamma=3,k=1;gamma=3,k=2'  export.capacity=2048  export.draft_vocab=16384
