@@ -227,19 +227,20 @@ OWN_SECTIONS = ("streams", "lora", "data", "train", "distill", "eval", "export",
 
 
 # What the two 2-core CPU presets share: the LoRA, the data cuts, the evaluation, and the 4-bit artifact
-# (the base GGUF's own codes, LoRA beside them: docs/export.md; its .pte is 156 MB against fp32's 660 MB)
-# with one step bucket of 4 rows: the 8-row bucket's two methods take ~10 min of make build's lowering
-# here, and at 4 bits even a 4-row greedy step barely pays on ExecuTorch (1.87 plain calls for about 2
-# tokens: docs/benchmarks.md, each graph method's call time per engine); --set export.buckets=4,8 adds it.
-# No batched steps: each adds ~4 min of single-threaded ExecuTorch lowering on the slowest 2-core machine here,
-# which four of them put past make build's hour (docs/results.md); a server's build adds them with
-# --set export.batches=2x1,4x1,8x1,4x4 (runtime/request/batch.py; export/batch_pass.py), the training reused.
+# (the base GGUF's own codes, LoRA beside them: docs/export.md; its .pte is 126 MB against fp32's 660 MB)
+# with every linear on streamfuse's op on both engines (on ExecuTorch it beats XNNPACK's 8da4w on decode,
+# prefill and memory: docs/benchmarks.md) and one step bucket of 4 rows: at 4 bits even a 4-row greedy step
+# costs 1.6-1.75 plain calls for about 2 tokens (docs/benchmarks.md, each graph method's call time per
+# engine); --set export.buckets=4,8 adds the 8-row bucket. No batched steps: each adds ~4 min of
+# single-threaded ExecuTorch lowering on the slowest 2-core machine here, which four of them put past
+# make build's hour (docs/results.md); a server's build adds them with --set export.batches=2x1,4x1,8x1,4x4
+# (runtime/request/batch.py; export/batch_pass.py), the training reused.
 _CPU_BASE = BuildConfig(
     preset="cpu",
     lora=LoraSettings(rank=32, alpha=64.0, top_layers=10),
     data=DataConfig(max_source_tokens=320, max_target_tokens=80, validation_limit=100, test_limit=100),
     eval=EvalConfig(max_new_tokens=80, batch_size=8),
-    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,)),
+    export=replace(BUILD_EXPORT, quantize="q4-native", buckets=(4,), pte_linear="streamfuse"),
 )
 
 PRESETS: dict[str, BuildConfig] = {
