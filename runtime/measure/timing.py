@@ -87,9 +87,10 @@ def time_trees(
     plain: list[float] = []
     prefill: list[float] = []
     steps: dict[TreeSpec, list[float]] = {tree: [] for tree in trees}
-    two_calls: dict[TreeSpec, list[float]] = {tree: [] for tree, two in ways(backend, trees, both_ways) if two}
+    timed = ways(backend, trees, both_ways)
+    two_calls: dict[TreeSpec, list[float]] = {tree: [] for tree, two in timed if two}
     made: dict[TreeSpec, list[int]] = {tree: [] for tree in trees}  # tokens of every speculative step
-    jobs = [None, *ways(backend, trees, both_ways)]  # None: plain decoding
+    jobs = [None, *timed]  # None: plain decoding
     for index in tqdm(range(rounds * len(prompts)), desc="calibrate", unit="input", dynamic_ncols=True):
         ids = prompts[index % len(prompts)]
         shift = index % len(jobs)
@@ -139,7 +140,6 @@ def calibrate_backend(
     for tree, two in ways(backend, trees, both_ways):  # engines may prepare a method on its first call
         backend.use_two_calls([tree] if two else ())
         generate(backend, warm, DecodeSettings(DEFAULT_METHOD, StopRules(2, rules.stop_token_ids), tree=tree))
-    backend.use_two_calls(())
     timings = time_trees(loaded, trees, prompts, rules, rounds, both_ways)
     return calibrate(acceptance, timings, device_name(device), threads)
 
